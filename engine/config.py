@@ -1,0 +1,46 @@
+"""Engine configuration: one small frozen dataclass; derived values are functions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = 4              # GPU slots; also the cap on distinct adapters per batch
+    max_cpu_loras: int | None = None  # host copies; None = 4 * max_loras
+    max_lora_rank: int = 64
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None = sized from kv_cache_fraction (CUDA) or 1024 (CPU)
+    kv_cache_fraction: float = 0.85   # share of free device memory the KV pool may take
+    max_num_seqs: int = 64          # running requests at most
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    tp_size: int = 1
+    enforce_eager: bool = False     # True disables CUDA graphs
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype={self.dtype!r}: must be one of {sorted(_DTYPES)}")
+        for name in ("max_loras", "max_lora_rank", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens", "tp_size"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name}={getattr(self, name)}: must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras

@@ -1,0 +1,47 @@
+"""Typed errors raised by the engine. The services map each to a gRPC status."""
+from __future__ import annotations
+
+
+class LoramuxError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(LoramuxError, ValueError):
+    """A request or its sampling parameters are malformed (gRPC INVALID_ARGUMENT)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus max_tokens) does not fit the model's context or the KV pool."""
+
+
+class ModelLoadError(LoramuxError):
+    """The base model directory cannot be loaded (missing file, unsupported config, pickle)."""
+
+
+class AdapterError(LoramuxError):
+    """An adapter directory is malformed or does not fit the base model.
+
+    `feature` names what is wrong (e.g. "use_dora", "rank"), `file` the file it is in."""
+
+    def __init__(self, message: str, *, feature: str = "", file: str = ""):
+        where = f" ({file})" if file else ""
+        super().__init__(f"{message}{where}")
+        self.feature = feature
+        self.file = file
+
+
+class AdapterNotFoundError(LoramuxError, KeyError):
+    """No adapter of that name is known to the engine (gRPC NOT_FOUND)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class AdapterUnavailableError(LoramuxError):
+    """The adapter exists but cannot take new requests now, e.g. it is being unloaded
+    (gRPC FAILED_PRECONDITION)."""
+
+
+class CapacityError(LoramuxError):
+    """An admin operation would need to evict a pinned adapter, or pins would take every
+    slot (gRPC FAILED_PRECONDITION / RESOURCE_EXHAUSTED)."""

@@ -1,0 +1,63 @@
+"""Per-request sampling parameters. Field names match the public Generate API."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        # Accept lists from callers; keep the dataclass hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first field out of range."""
+        def bad(name: str, why: str):
+            raise InvalidRequestError(f"sampling.{name}={getattr(self, name)!r}: {why}")
+
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            bad("temperature", "must be in [0, 100]")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", "must be >= 0 (0 disables it)")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", "must be in [0, 1]")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            bad("repetition_penalty", "must be in (0, 10]")
+        if self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.n < 1 or self.n > 64:
+            bad("n", "must be in [1, 64]")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            bad("seed", "must be in [0, 2**63)")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            bad("stop", "stop strings must be non-empty strings")
+        if vocab_size is not None and any(not (0 <= t < vocab_size) for t in self.stop_token_ids):
+            bad("stop_token_ids", f"every id must be in [0, {vocab_size})")

@@ -1,0 +1,50 @@
+"""Plain-torch reference for batched multi-adapter LoRA (shrink x·A, expand ·B).
+
+Weights live in a fixed slot pool, one pool tensor per LoRA-wrapped layer:
+
+    a: [L, S, R, K]   L slots, S slices (3 for q/k/v, 2 for gate/up, else 1),
+                      R = max_lora_rank, K = input width (this rank's shard)
+    b: [L, N, R]      N = sum of slice output widths; slice s owns rows
+                      slice_offsets[s]:slice_offsets[s+1]; scaling already folded in
+    ranks: [L] int32  real rank of each slot; rows/cols past it are zero in a and b
+
+`token_slots[t]` is the slot of token t, or -1 for "no adapter" (adds nothing).
+The reference gathers per-token weights and uses batched matmuls: no loop over
+requests or adapters.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """h[s, t, :] = x[t] @ a[slot(t), s].T, float32; zero where token_slots[t] < 0.
+
+    x: [T, K]; a: [L, S, R, K]; returns [S, T, R] float32."""
+    valid = token_slots >= 0
+    idx = token_slots.clamp(min=0).long()
+    a_tok = a.index_select(0, idx).float()            # [T, S, R, K]
+    h = torch.einsum("tk,tsrk->str", x.float(), a_tok)
+    return h * valid.view(1, -1, 1).float()
+
+
+def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+                    slice_offsets: tuple[int, ...], y: torch.Tensor) -> torch.Tensor:
+    """y[t, off_s:off_s+1] += h[s, t] @ b[slot(t), off_s:off_s+1].T for every slice s,
+    in place, for tokens with a slot. h: [S, T, R]; b: [L, N, R]; y: [T, N]."""
+    valid = token_slots >= 0
+    idx = token_slots.clamp(min=0).long()
+    b_tok = b.index_select(0, idx).float()            # [T, N, R]
+    for s in range(len(slice_offsets) - 1):           # slices are static (<= 3), not data
+        lo, hi = slice_offsets[s], slice_offsets[s + 1]
+        delta = torch.einsum("tr,tnr->tn", h[s], b_tok[:, lo:hi])
+        delta = delta * valid.view(-1, 1).float()
+        y[:, lo:hi] += delta.to(y.dtype)
+    return y
+
+
+def add_lora_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 token_slots: torch.Tensor, slice_offsets: tuple[int, ...]) -> torch.Tensor:
+    """y += LoRA(x) for a mixed-adapter batch; returns y."""
+    h = lora_shrink_ref(x, a, token_slots)
+    return lora_expand_ref(h, b, token_slots, slice_offsets, y)

@@ -1,0 +1,1 @@
+"""Test support: tiny random models and adapters in Hugging Face and PEFT layout."""
