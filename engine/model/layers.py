@@ -1,0 +1,190 @@
+"""Explicit Megatron tensor-parallel layers (every collective is a visible call).
+
+    ColumnParallelLinear   y = x W^T, W cut by output rows; merged outputs (q|k|v, gate|up)
+                           are laid side by side, each cut on its own. No communication.
+    RowParallelLinear      W cut by input columns; each rank's matmul is a partial sum,
+                           `reduce` all-reduces it and adds the bias once.
+    VocabParallelEmbedding rows of the vocabulary per rank; all-reduce of the lookups.
+    ParallelLMHead         rows of the vocabulary per rank; all-gather of the logits.
+
+Weights are loaded one Hugging Face tensor at a time from a WeightSource, each rank
+reading only its own part. Every `load_*` checks the full tensor's shape first and raises
+ModelLoadError naming the tensor and its file.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.model import sharding
+from engine.model.loader import WeightSource
+from engine.model.sharding import Shard
+from engine.parallel import TPGroup
+
+
+def _param(shape, dtype, device, fill: float = float("nan")) -> nn.Parameter:
+    # Poisoned until loaded: a weight the loader forgot shows up as NaN, not as silence.
+    return nn.Parameter(torch.full(shape, fill, dtype=dtype, device=device), requires_grad=False)
+
+
+def check_shape(src: WeightSource, name: str, expected: tuple[int, ...]) -> None:
+    got = src.shape(name)
+    if got != tuple(expected):
+        raise ModelLoadError(f"tensor {name!r} in {src.file_of(name)} has shape {list(got)}, "
+                             f"expected {list(expected)}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """x [T, in] -> [T, sum(per-rank widths)]; output i is rows `shards[i]` of HF tensor i.
+
+    `output_sizes` are the full (unsharded) widths; `shards` defaults to an even cut of
+    each by (tp.rank, tp.size) and is given explicitly for replicated KV heads."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
+                 dtype: torch.dtype, device, shards: list[Shard] | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.shards = shards or [sharding.even_shard(n, tp.rank, tp.size) for n in output_sizes]
+        widths = [s.length for s in self.shards]
+        self.offsets = [sum(widths[:i]) for i in range(len(widths))]
+        self.out_widths = tuple(widths)
+        self.weight = _param((sum(widths), in_features), dtype, device)
+        self.bias = _param((sum(widths),), dtype, device) if bias else None
+
+    def load_weight(self, src: WeightSource, idx: int, name: str) -> None:
+        """Load HF weight `name` (e.g. k_proj.weight) into output slice `idx`."""
+        shard, off = self.shards[idx], self.offsets[idx]
+        check_shape(src, name, (self.output_sizes[idx], self.in_features))
+        self.weight.data[off:off + shard.length] = src.read(name, rows=shard, dtype=self.weight.dtype)
+
+    def load_bias(self, src: WeightSource, idx: int, name: str) -> None:
+        """Load HF bias `name` into output slice `idx`."""
+        assert self.bias is not None
+        shard, off = self.shards[idx], self.offsets[idx]
+        check_shape(src, name, (self.output_sizes[idx],))
+        self.bias.data[off:off + shard.length] = src.read(name, rows=shard, dtype=self.bias.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The per-slice views of a merged output."""
+        return y.split(self.out_widths, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_bias(self.matmul(x))
+
+
+class RowParallelLinear(nn.Module):
+    """x [T, in_shard] -> [T, out]; holds columns `in_shard` of the HF weight.
+
+    `matmul` gives this rank's partial product; `reduce` sums the partials across ranks
+    and then adds the bias (once, not once per rank)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 dtype: torch.dtype, device, in_shard: Shard | None = None):
+        super().__init__()
+        self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
+        self.in_shard = in_shard or sharding.even_shard(in_features, tp.rank, tp.size)
+        self.weight = _param((out_features, self.in_shard.length), dtype, device)
+        self.bias = _param((out_features,), dtype, device) if bias else None
+
+    def load_weight(self, src: WeightSource, name: str) -> None:
+        check_shape(src, name, (self.out_features, self.in_features))
+        self.weight.data.copy_(src.read(name, cols=self.in_shard, dtype=self.weight.dtype))
+
+    def load_bias(self, src: WeightSource, name: str) -> None:
+        assert self.bias is not None
+        check_shape(src, name, (self.out_features,))
+        self.bias.data.copy_(src.read(name, dtype=self.bias.dtype))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.matmul(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token ids [T] -> [T, hidden]; rank r holds vocabulary rows `sharding.vocab_range`,
+    padded to the same height on every rank (padding rows are zero, never looked up)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, dtype: torch.dtype, device):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size, self.hidden = vocab_size, hidden
+        self.range = sharding.vocab_range(vocab_size, tp.rank, tp.size)
+        rows = sharding.padded_vocab_per_rank(vocab_size, tp.size)
+        self.weight = _param((rows, hidden), dtype, device, fill=0.0)
+
+    def load(self, src: WeightSource, name: str) -> None:
+        check_shape(src, name, (self.vocab_size, self.hidden))
+        if self.range.length:
+            self.weight.data[:self.range.length] = src.read(name, rows=self.range, dtype=self.weight.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.range.start
+        outside = (local < 0) | (local >= self.range.length)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Hidden [n, hidden] -> logits [n, vocab] float32, gathered from every rank's rows.
+
+    With tied embeddings it shares the embedding's (identically sharded) weight."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, dtype: torch.dtype, device,
+                 tied_to: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size, self.hidden = vocab_size, hidden
+        self.range = sharding.vocab_range(vocab_size, tp.rank, tp.size)
+        rows = sharding.padded_vocab_per_rank(vocab_size, tp.size)
+        self.tied = tied_to is not None
+        self.weight = tied_to.weight if tied_to is not None else _param((rows, hidden), dtype, device, 0.0)
+
+    def load(self, src: WeightSource, name: str) -> None:
+        assert not self.tied
+        check_shape(src, name, (self.vocab_size, self.hidden))
+        if self.range.length:
+            self.weight.data[:self.range.length] = src.read(name, rows=self.range, dtype=self.weight.dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight).float()
+        return self.tp.all_gather(local, dim=-1)[:, :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """Hugging Face LlamaRMSNorm exactly: normalise in float32, cast back to the input
+    dtype, then multiply by the weight (in the weight's dtype)."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.hidden = hidden
+        self.weight = _param((hidden,), dtype, device)
+
+    def load(self, src: WeightSource, name: str) -> None:
+        check_shape(src, name, (self.hidden,))
+        self.weight.data.copy_(src.read(name, dtype=self.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)

@@ -1,0 +1,229 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache, tensor-parallel.
+
+Each rank holds its shard (engine/model/sharding.py): merged column-parallel q|k|v and
+gate|up, row-parallel o and down, vocabulary-parallel embedding and head. The numerics
+follow transformers step by step (residual adds and activations in the model dtype,
+RMSNorm in float32, attention softmax in float32) so that float32 runs match it.
+
+LoRA enters through `lora.apply(layer_idx, group, x, y)` on each group's local matmul
+output, before the bias and, for row-parallel layers, before the all-reduce (see
+engine/model/lora_targets.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.model import lora_targets, sharding
+from engine.model.batch import AttentionMetadata
+from engine.model.hf_config import ModelConfig
+from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
+                                 RowParallelLinear, VocabParallelEmbedding)
+from engine.model.loader import WeightSource
+from engine.model.rotary import RotaryEmbedding
+from engine.parallel import TPGroup
+from kernels.attention import paged_attention, store_kv
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+Loader = Callable[[WeightSource, str], None]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
+                 rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.head_dim
+        q_rows = sharding.rows(sharding.q_heads(cfg, tp.rank, tp.size), cfg.head_dim)
+        kv_rows = sharding.rows(sharding.kv_heads(cfg, tp.rank, tp.size), cfg.head_dim)
+        self.num_heads = q_rows.length // cfg.head_dim
+        self.num_kv_heads = kv_rows.length // cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.rotary = rotary
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, tp,
+            dtype, device, shards=[q_rows, kv_rows, kv_rows])
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, False, tp, dtype, device,
+                                        in_shard=q_rows)
+
+    def forward(self, x: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
+                lora) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        qkv = self.qkv_proj.matmul(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "qkv", x, qkv)
+        q, k, v = self.qkv_proj.split(self.qkv_proj.add_bias(qkv))
+        q, k = self.rotary(attn.positions, q.reshape(T, self.num_heads, D),
+                           k.reshape(T, self.num_kv_heads, D))
+        k_cache, v_cache = kv_cache
+        store_kv(k, v.reshape(T, self.num_kv_heads, D), k_cache, v_cache, attn.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, attn, self.scale).reshape(T, self.num_heads * D)
+        y = self.o_proj.matmul(o)
+        if lora is not None:
+            lora.apply(self.layer_idx, "o", o, y)
+        return self.o_proj.reduce(y)
+
+    def loaders(self, prefix: str, qkv_bias: bool) -> dict[str, Loader]:
+        out: dict[str, Loader] = {}
+        for idx, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            out[f"{prefix}.{name}.weight"] = _col_weight(self.qkv_proj, idx)
+            if qkv_bias:
+                out[f"{prefix}.{name}.bias"] = _col_bias(self.qkv_proj, idx)
+        out[f"{prefix}.o_proj.weight"] = self.o_proj.load_weight
+        return out
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device):
+        super().__init__()
+        self.layer_idx = layer_idx
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp, dtype, device)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
+        gate_up = self.gate_up_proj.matmul(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "gate_up", x, gate_up)
+        gate, up = self.gate_up_proj.split(gate_up)
+        h = F.silu(gate) * up
+        y = self.down_proj.matmul(h)
+        if lora is not None:
+            lora.apply(self.layer_idx, "down", h, y)
+        return self.down_proj.reduce(y)
+
+    def loaders(self, prefix: str) -> dict[str, Loader]:
+        return {
+            f"{prefix}.gate_proj.weight": _col_weight(self.gate_up_proj, 0),
+            f"{prefix}.up_proj.weight": _col_weight(self.gate_up_proj, 1),
+            f"{prefix}.down_proj.weight": self.down_proj.load_weight,
+        }
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
+                 rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype, device, rotary)
+        self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, h: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, lora) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), attn, kv_cache, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), lora)
+
+    def loaders(self, prefix: str, qkv_bias: bool) -> dict[str, Loader]:
+        return {
+            **self.self_attn.loaders(f"{prefix}.self_attn", qkv_bias),
+            **self.mlp.loaders(f"{prefix}.mlp"),
+            f"{prefix}.input_layernorm.weight": self.input_layernorm.load,
+            f"{prefix}.post_attention_layernorm.weight": self.post_attention_layernorm.load,
+        }
+
+
+class LlamaForCausalLM(nn.Module):
+    """The base model on one tensor-parallel rank.
+
+    `forward(input_ids [T], attn, kv_caches, lora=None) -> hidden [T, hidden]` runs one
+    flat mixed prefill/decode step (engine/model/batch.py) and writes the new tokens' K/V
+    into `kv_caches` (one (k, v) pair per layer, from `make_kv_caches`).
+    `compute_logits(hidden [n, hidden]) -> [n, vocab] float32`."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup.single()):
+        super().__init__()
+        sharding.check_divisible(cfg, tp.size)
+        self.cfg, self.tp, self.dtype, self.device = cfg, tp, dtype, torch.device(device)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_scaling, self.device)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype, device, rotary)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device, tied_to=tied)
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    @property
+    def num_heads_per_rank(self) -> int:
+        return self.layers[0].self_attn.num_heads
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[KVCache], lora=None) -> torch.Tensor:
+        assert len(kv_caches) == len(self.layers), (len(kv_caches), len(self.layers))
+        h = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, attn, kv_cache, lora)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None) -> list[KVCache]:
+        """One zeroed (k_cache, v_cache) pair per layer, each
+        [num_blocks, block_size, kv_heads_per_rank, head_dim]."""
+        shape = (num_blocks, block_size, self.num_kv_heads_per_rank, self.cfg.head_dim)
+        dtype, device = dtype or self.dtype, device or self.device
+        return [(torch.zeros(shape, dtype=dtype, device=device),
+                 torch.zeros(shape, dtype=dtype, device=device)) for _ in self.layers]
+
+    def lora_group_shapes(self) -> dict[str, lora_targets.GroupShape]:
+        """Per-rank (in_features, out widths per slice) of the groups LoRA applies to."""
+        return lora_targets.lora_group_shapes(self.cfg, self.tp.size)
+
+    def load_weights(self, model_dir) -> None:
+        """Load this rank's shard of every tensor from the model directory's safetensors;
+        refuse missing, unexpected or mis-shaped tensors with ModelLoadError."""
+        loaders = self._loaders()
+        with WeightSource.open(model_dir) as src:
+            present = src.names()
+            _check_names(src, set(loaders), present, self.cfg.tie_word_embeddings)
+            for name, load in loaders.items():
+                load(src, name)
+
+    def _loaders(self) -> dict[str, Loader]:
+        out: dict[str, Loader] = {"model.embed_tokens.weight": self.embed_tokens.load,
+                                  "model.norm.weight": self.norm.load}
+        if not self.cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.load
+        for i, layer in enumerate(self.layers):
+            out.update(layer.loaders(f"model.layers.{i}", self.cfg.qkv_bias))
+        return out
+
+
+def _col_weight(layer: ColumnParallelLinear, idx: int) -> Loader:
+    return lambda src, name: layer.load_weight(src, idx, name)
+
+
+def _col_bias(layer: ColumnParallelLinear, idx: int) -> Loader:
+    return lambda src, name: layer.load_bias(src, idx, name)
+
+
+def _check_names(src: WeightSource, expected: set[str], present: set[str], tied: bool) -> None:
+    # Tied checkpoints sometimes still store lm_head.weight (transformers ignores it too);
+    # old checkpoints store rotary inv_freq buffers, which we recompute.
+    ignorable = {n for n in present if n.endswith("rotary_emb.inv_freq")}
+    if tied:
+        ignorable.add("lm_head.weight")
+    missing = sorted(expected - present)
+    if missing:
+        files = ", ".join(sorted({src.file_of(n) for n in present}))
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"tensor {missing[0]!r}{more} is missing from the model's "
+                             f"safetensors files ({files})")
+    extra = sorted(present - expected - ignorable)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ModelLoadError(f"unexpected tensor {extra[0]!r} in {src.file_of(extra[0])}{more}: "
+                             f"the model has no such parameter")

@@ -1,0 +1,69 @@
+"""Rotary position embedding, Hugging Face convention (rotate_half: the two halves of a
+head are the rotated pairs, "neox style"), with linear and llama3 frequency scaling.
+
+The cos/sin table is built once for every position up to max_position_embeddings, in
+float32 with the same operations as transformers, and looked up by each token's position.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping | None) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies, scaled as the config asks."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    assert scaling["rope_type"] == "llama3", scaling
+    return _llama3(inv_freq, scaling)
+
+
+def _llama3(inv_freq: torch.Tensor, s: Mapping) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+    # between low_freq_wavelen and high_freq_wavelen interpolated smoothly.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """`forward(positions [T], q [T, H, D], k [T, KVH, D]) -> (q, k)` rotated.
+
+    As in transformers, cos/sin are cast to the activations' dtype before use."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: Mapping | None, device=None):
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        pos = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D], broadcast over heads
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return x * cos + rotate_half(x) * sin

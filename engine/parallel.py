@@ -1,0 +1,49 @@
+"""The tensor-parallel group one engine rank belongs to.
+
+Every model layer takes a TPGroup and shards its weights by (rank, size); the two
+collectives the Megatron layout needs are here so that every communication in the model
+is a visible call. At size 1 both are no-ops, so the single-device path pays nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """Rank `rank` of a tensor-parallel group of `size` ranks.
+
+    `group` is the torch.distributed process group (None = the default group); it is
+    unused at size 1."""
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self):
+        assert self.size >= 1 and 0 <= self.rank < self.size, (self.rank, self.size)
+
+    @classmethod
+    def single(cls) -> "TPGroup":
+        """The trivial group of one rank (no communication)."""
+        return cls(0, 1, None)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place; returns `t`."""
+        if self.size > 1:
+            torch.distributed.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `t` (same shape on all ranks) along `dim`, in rank order."""
+        if self.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
