@@ -1,0 +1,37 @@
+"""Builds Generate and admin requests from plain Python arguments (shared by both clients)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from loramux.v1 import generate_pb2
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                    "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+                    "top_logprobs", "include_stop_str_in_output")
+
+
+def generate_request(prompt: str | Sequence[int], adapter: str | None = None,
+                     request_id: str = "", **sampling) -> generate_pb2.GenerateRequest:
+    """A GenerateRequest; `prompt` is text or a list of token ids, `sampling` takes the
+    SamplingParams field names (temperature=0.0, max_tokens=32, stop=["\\n"], ...)."""
+    unknown = set(sampling) - set(_SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s): {sorted(unknown)}")
+    req = generate_pb2.GenerateRequest(adapter=adapter or "", request_id=request_id)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name in ("stop", "stop_token_ids"):
+            getattr(req.sampling, name).extend(value)
+        else:
+            setattr(req.sampling, name, value)
+    return req
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying the admin bearer token (none when token is empty)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()

@@ -1,0 +1,113 @@
+"""asyncio clients (grpc.aio): AsyncGenerateClient and AsyncAdminClient."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from loramux._request import auth_metadata, generate_request
+from loramux.client import Completion, LoramuxError
+from loramux.v1 import adapter_admin_pb2 as admin_pb2
+from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
+from loramux.v1 import generate_pb2, generate_pb2_grpc
+
+
+class AsyncGenerateClient:
+    """asyncio twin of loramux.client.GenerateClient."""
+
+    def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None):
+        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+
+    async def stream(self, prompt: str | Sequence[int], adapter: str | None = None, *,
+                     timeout: float | None = None, request_id: str = "",
+                     **sampling) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Yield one GenerateResponse per engine step; leaving early cancels the request."""
+        call = self._stub.Generate(generate_request(prompt, adapter, request_id, **sampling),
+                                   timeout=timeout)
+        try:
+            async for resp in call:
+                yield resp
+        except grpc.RpcError as err:
+            raise LoramuxError(err.code(), err.details() or "") from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | Sequence[int], adapter: str | None = None, *,
+                       timeout: float | None = None, **sampling) -> Completion:
+        out = Completion()
+        async for resp in self.stream(prompt, adapter, timeout=timeout, **sampling):
+            out.add(resp)
+        return out
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+class AsyncAdminClient:
+    """asyncio twin of loramux.client.AdminClient."""
+
+    def __init__(self, target: str, *, token: str | None = None,
+                 channel: grpc.aio.Channel | None = None, timeout: float | None = 60.0):
+        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._stub = admin_grpc.AdapterAdminServiceStub(self._channel)
+        self._metadata = auth_metadata(token)
+        self._timeout = timeout
+
+    async def _call(self, method: str, request):
+        try:
+            return await getattr(self._stub, method)(request, metadata=self._metadata,
+                                                     timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise LoramuxError(err.code(), err.details() or "") from None
+
+    async def register(self, name: str, path: str) -> admin_pb2.Adapter:
+        return (await self._call("RegisterAdapter",
+                                 admin_pb2.RegisterAdapterRequest(name=name, path=path))).adapter
+
+    async def load(self, name: str, path: str | None = None, *,
+                   pinned: bool = False) -> admin_pb2.Adapter:
+        req = admin_pb2.LoadAdapterRequest(name=name, pinned=pinned)
+        if path is not None:
+            req.path = path
+        return (await self._call("LoadAdapter", req)).adapter
+
+    async def unload(self, name: str) -> admin_pb2.Adapter:
+        return (await self._call("UnloadAdapter", admin_pb2.UnloadAdapterRequest(name=name))).adapter
+
+    async def unregister(self, name: str) -> None:
+        await self._call("UnregisterAdapter", admin_pb2.UnregisterAdapterRequest(name=name))
+
+    async def pin(self, name: str) -> admin_pb2.Adapter:
+        return (await self._call("PinAdapter", admin_pb2.PinAdapterRequest(name=name))).adapter
+
+    async def unpin(self, name: str) -> admin_pb2.Adapter:
+        return (await self._call("UnpinAdapter", admin_pb2.UnpinAdapterRequest(name=name))).adapter
+
+    async def get(self, name: str) -> admin_pb2.Adapter:
+        return (await self._call("GetAdapter", admin_pb2.GetAdapterRequest(name=name))).adapter
+
+    async def list(self, page_size: int = 0) -> list[admin_pb2.Adapter]:
+        out, token = [], ""
+        while True:
+            resp = await self._call("ListAdapters", admin_pb2.ListAdaptersRequest(
+                page_size=page_size, page_token=token))
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

@@ -1,0 +1,131 @@
+"""The `loramux` command line: generate, adapters ..., serve.
+
+`generate` and `adapters` need only grpcio + protobuf; `serve` needs the server package
+(the repository's `loramux` distribution, with torch)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from google.protobuf.json_format import MessageToDict
+
+DEFAULT_GATEWAY = "localhost:50051"
+DEFAULT_CONTROL = "localhost:50052"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loramux", description="loramux client and launcher")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a generation from the gateway")
+    g.add_argument("prompt")
+    g.add_argument("--gateway", default=os.environ.get("LORAMUX_GATEWAY", DEFAULT_GATEWAY))
+    g.add_argument("--adapter", default="", help="adapter name (default: the base model)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+    a = sub.add_parser("adapters", help="manage adapters on the control plane")
+    a.add_argument("--control", default=os.environ.get("LORAMUX_CONTROL", DEFAULT_CONTROL))
+    a.add_argument("--token", default=os.environ.get("LORAMUX_ADMIN_TOKEN"),
+                   help="bearer token (default: $LORAMUX_ADMIN_TOKEN)")
+    asub = a.add_subparsers(dest="action", required=True)
+    reg = asub.add_parser("register")
+    reg.add_argument("name")
+    reg.add_argument("path")
+    load = asub.add_parser("load")
+    load.add_argument("name")
+    load.add_argument("--path", default=None, help="register from this path first")
+    load.add_argument("--pinned", action="store_true")
+    for action in ("unload", "unregister", "pin", "unpin", "get"):
+        asub.add_parser(action).add_argument("name")
+    lst = asub.add_parser("list")
+    lst.add_argument("--page-size", type=int, default=0)
+
+    s = sub.add_parser("serve", help="run control plane, engine and gateway on this machine",
+                       add_help=False)
+    s.add_argument("serve_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _adapter_json(adapter) -> dict:
+    return MessageToDict(adapter, always_print_fields_with_no_presence=True,
+                         preserving_proto_field_name=True)
+
+
+def run_generate(args) -> int:
+    from loramux.client import GenerateClient
+
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature,
+                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    with GenerateClient(args.gateway) as client:
+        finish = None
+        for resp in client.stream(args.prompt, args.adapter or None, timeout=args.timeout,
+                                  **sampling):
+            sys.stdout.write(resp.text)
+            sys.stdout.flush()
+            if resp.finish_reason:
+                finish = resp
+    sys.stdout.write("\n")
+    if finish is not None:
+        from loramux.v1 import generate_pb2
+        reason = generate_pb2.FinishReason.Name(finish.finish_reason)
+        print(f"[{reason.removeprefix('FINISH_REASON_').lower()}: "
+              f"{finish.usage.prompt_tokens} prompt + {finish.usage.completion_tokens} "
+              f"completion tokens]", file=sys.stderr)
+    return 0
+
+
+def run_adapters(args) -> int:
+    from loramux.client import AdminClient
+
+    with AdminClient(args.control, token=args.token) as admin:
+        act = args.action
+        if act == "register":
+            out = _adapter_json(admin.register(args.name, args.path))
+        elif act == "load":
+            out = _adapter_json(admin.load(args.name, args.path, pinned=args.pinned))
+        elif act == "unregister":
+            admin.unregister(args.name)
+            out = {"unregistered": args.name}
+        elif act == "list":
+            out = [_adapter_json(x) for x in admin.list(args.page_size)]
+        else:  # unload, pin, unpin, get
+            out = _adapter_json(getattr(admin, act)(args.name))
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def run_serve(serve_args: list[str]) -> int:
+    try:
+        from services.launcher import main as serve_main
+    except ImportError as err:
+        print(f"loramux serve needs the loramux server package (pip install loramux): {err}",
+              file=sys.stderr)
+        return 2
+    return serve_main(serve_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # everything after `serve` belongs to the launcher
+        return run_serve(argv[1:])
+    args = build_parser().parse_args(argv)
+    from loramux.client import LoramuxError
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+        return run_adapters(args)
+    except LoramuxError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

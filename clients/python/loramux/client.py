@@ -1,0 +1,152 @@
+"""Synchronous clients: GenerateClient (streaming text generation) and AdminClient."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from loramux._request import auth_metadata, generate_request
+from loramux.v1 import adapter_admin_pb2 as admin_pb2
+from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
+from loramux.v1 import generate_pb2, generate_pb2_grpc
+
+
+class LoramuxError(Exception):
+    """A call failed: `code` is the grpc.StatusCode, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError) -> "LoramuxError":
+        return cls(err.code(), err.details() or "")
+
+
+class GenerateClient:
+    """Streams generations from a loramux gateway (`target` is "host:port")."""
+
+    def __init__(self, target: str, *, channel: grpc.Channel | None = None):
+        self._channel = channel or grpc.insecure_channel(target)
+        self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
+
+    def stream(self, prompt: str | Sequence[int], adapter: str | None = None, *,
+               timeout: float | None = None, request_id: str = "",
+               **sampling) -> Iterator[generate_pb2.GenerateResponse]:
+        """Yield one GenerateResponse per engine step; the last has finish_reason set.
+        Closing the iterator early cancels the request in the engine."""
+        req = generate_request(prompt, adapter, request_id, **sampling)
+        call = self._stub.Generate(req, timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise LoramuxError.from_rpc(err) from None
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: str | Sequence[int], adapter: str | None = None, *,
+                 timeout: float | None = None, **sampling) -> "Completion":
+        """Run one request to completion and return its text, tokens and finish reason."""
+        return Completion.collect(self.stream(prompt, adapter, timeout=timeout, **sampling))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Completion:
+    """The whole output of one Generate stream."""
+
+    def __init__(self):
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.finish_reason = "unspecified"
+        self.usage = generate_pb2.Usage()
+        self.timings = generate_pb2.Timings()
+        self.responses = 0
+
+    def add(self, resp: generate_pb2.GenerateResponse) -> None:
+        self.text += resp.text
+        self.token_ids.extend(resp.token_ids)
+        self.responses += 1
+        if resp.finish_reason:
+            name = generate_pb2.FinishReason.Name(resp.finish_reason)
+            self.finish_reason = name.removeprefix("FINISH_REASON_").lower()
+            self.usage.CopyFrom(resp.usage)
+            self.timings.CopyFrom(resp.timings)
+
+    @classmethod
+    def collect(cls, responses) -> "Completion":
+        out = cls()
+        for resp in responses:
+            out.add(resp)
+        return out
+
+
+class AdminClient:
+    """Manages adapters on a loramux control plane (`target` is "host:port")."""
+
+    def __init__(self, target: str, *, token: str | None = None,
+                 channel: grpc.Channel | None = None, timeout: float | None = 60.0):
+        self._channel = channel or grpc.insecure_channel(target)
+        self._stub = admin_grpc.AdapterAdminServiceStub(self._channel)
+        self._metadata = auth_metadata(token)
+        self._timeout = timeout
+
+    def _call(self, method: str, request):
+        try:
+            return getattr(self._stub, method)(request, metadata=self._metadata,
+                                               timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise LoramuxError.from_rpc(err) from None
+
+    def register(self, name: str, path: str) -> admin_pb2.Adapter:
+        return self._call("RegisterAdapter",
+                          admin_pb2.RegisterAdapterRequest(name=name, path=path)).adapter
+
+    def load(self, name: str, path: str | None = None, *, pinned: bool = False) -> admin_pb2.Adapter:
+        req = admin_pb2.LoadAdapterRequest(name=name, pinned=pinned)
+        if path is not None:
+            req.path = path
+        return self._call("LoadAdapter", req).adapter
+
+    def unload(self, name: str) -> admin_pb2.Adapter:
+        return self._call("UnloadAdapter", admin_pb2.UnloadAdapterRequest(name=name)).adapter
+
+    def unregister(self, name: str) -> None:
+        self._call("UnregisterAdapter", admin_pb2.UnregisterAdapterRequest(name=name))
+
+    def pin(self, name: str) -> admin_pb2.Adapter:
+        return self._call("PinAdapter", admin_pb2.PinAdapterRequest(name=name)).adapter
+
+    def unpin(self, name: str) -> admin_pb2.Adapter:
+        return self._call("UnpinAdapter", admin_pb2.UnpinAdapterRequest(name=name)).adapter
+
+    def get(self, name: str) -> admin_pb2.Adapter:
+        return self._call("GetAdapter", admin_pb2.GetAdapterRequest(name=name)).adapter
+
+    def list(self, page_size: int = 0) -> list[admin_pb2.Adapter]:
+        """Every adapter, following the pages."""
+        out, token = [], ""
+        while True:
+            resp = self._call("ListAdapters", admin_pb2.ListAdaptersRequest(
+                page_size=page_size, page_token=token))
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

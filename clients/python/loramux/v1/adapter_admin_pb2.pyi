@@ -1,0 +1,162 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdapterState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_STATE_UNSPECIFIED: _ClassVar[AdapterState]
+    ADAPTER_STATE_REGISTERED: _ClassVar[AdapterState]
+    ADAPTER_STATE_LOADED: _ClassVar[AdapterState]
+    ADAPTER_STATE_UNLOADING: _ClassVar[AdapterState]
+
+class Residency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESIDENCY_UNSPECIFIED: _ClassVar[Residency]
+    RESIDENCY_DEVICE: _ClassVar[Residency]
+    RESIDENCY_HOST: _ClassVar[Residency]
+    RESIDENCY_DISK: _ClassVar[Residency]
+ADAPTER_STATE_UNSPECIFIED: AdapterState
+ADAPTER_STATE_REGISTERED: AdapterState
+ADAPTER_STATE_LOADED: AdapterState
+ADAPTER_STATE_UNLOADING: AdapterState
+RESIDENCY_UNSPECIFIED: Residency
+RESIDENCY_DEVICE: Residency
+RESIDENCY_HOST: Residency
+RESIDENCY_DISK: Residency
+
+class Adapter(_message.Message):
+    __slots__ = ("name", "path", "state", "residency", "pinned", "rank", "target_modules", "id", "in_flight_requests", "loads", "evictions", "slot")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    state: AdapterState
+    residency: Residency
+    pinned: bool
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    id: int
+    in_flight_requests: int
+    loads: int
+    evictions: int
+    slot: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[AdapterState, str]] = ..., residency: _Optional[_Union[Residency, str]] = ..., pinned: _Optional[bool] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., id: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class RegisterAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class RegisterAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "pinned")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class UnregisterAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PinAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class PinAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class UnpinAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnpinAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class GetAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "next_page_token")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
+    next_page_token: str
+    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
