@@ -1,0 +1,1 @@
+"""Adapter registry (ids per loaded weights, in-flight counts) and device slot residency."""

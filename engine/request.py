@@ -1,0 +1,86 @@
+"""One generation request inside the engine: its tokens and a handful of counters.
+
+Everything else (how many tokens to compute next, whether it is prefilling) is derived.
+A request names its adapter only by id (0 = base); the id is fixed at admission, so a
+reload of the adapter's name never changes the weights or KV namespace it runs with.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again after its blocks were taken (recompute)
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter_id: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival: int = 0                  # admission order; larger = newer
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0      # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0        # prompt tokens served by the prefix cache at first run
+    num_resumed_cached_tokens: int = 0  # tokens re-matched from the cache after preemptions
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    detokenizer: Any = None           # IncrementalDetokenizer, set by the engine
+    sampling_state: Any = None        # the sampler's per-request state, set by the engine
+    _tokens: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        self._tokens = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by every generated token (do not mutate)."""
+        return self._tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._tokens[len(self.prompt_token_ids):]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._tokens) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self._tokens.append(int(token_id))
+
+    def check_token_stop(self) -> str | None:
+        """Finish reason after the last appended token, from token ids alone (stop strings
+        are the detokenizer's business), or None."""
+        last = self._tokens[-1]
+        if last in self.params.stop_token_ids:
+            return FinishReason.STOP
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.EOS
+        if self.num_output_tokens >= self.params.max_tokens:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,251 @@
+"""Continuous batching with chunked prefill, adapter-capped batches and preemption.
+
+Each step:
+1. Running requests, decodes first, then prefill continuations, each takes
+   min(tokens left to compute, budget left). When the pool cannot grow a request's block
+   table, the newest running request not yet scheduled this step is preempted (blocks
+   freed, full blocks stay matchable in its namespace, it goes back to the front of the
+   waiting queue), possibly the request itself.
+2. If nothing was preempted, waiting requests are admitted in order while the token
+   budget, `max_num_seqs` and the pool allow. A request whose adapter would take the
+   running set past `max_loras` distinct adapters, or that cannot get a slot, is deferred
+   (skipped, keeps its place) and the next one is tried; it is never dropped.
+
+The adapter cap holds for the whole running set (a superset of every batch), because a
+running request keeps its adapter in its slot until it finishes. An adapter is counted
+only once a request of it has been admitted: a request that fails to get blocks leaves
+no trace in the cap or the slots.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.adapters.slots import SlotTable
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.outputs import FinishReason
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_loras: int = 4
+    max_model_len: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One sequence of a step: `num_new_tokens` tokens from position `start`."""
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+    slot: int  # LoRA slot of its adapter, -1 for the base model
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so it samples one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    slot_loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, adapter id)
+    slot_evictions: list[int] = field(default_factory=list)           # adapter ids
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Sampled(NamedTuple):
+    """What the sampler produced for one request this step."""
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None = None
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, slots: SlotTable):
+        self.cfg = cfg
+        self.kv = kv
+        self.slots = slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._adapters = Counter()  # adapter id -> running requests (base excluded)
+
+    # ---- queue management -------------------------------------------------------
+    def add(self, req: Request) -> None:
+        assert req.request_id not in self._requests
+        self._requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def running_adapters(self) -> set[int]:
+        return set(self._adapters)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a waiting or running request as aborted, freeing all it holds."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, FinishReason.ABORTED)
+        return req
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self._remove_running(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self._requests[req.request_id]
+
+    # ---- one step ---------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.cfg.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1,
+                                                    r.arrival))
+        done: set[str] = set()
+        for req in order:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = max((r for r in self.running if r.request_id not in done),
+                             key=lambda r: r.arrival)
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            done.add(req.request_id)
+            self.slots.touch(req.adapter_id)
+            out.scheduled.append(self._entry(req, n))
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        deferred: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if not self._adapter_fits(req.adapter_id):
+                deferred.append(self.waiting.popleft())
+                continue
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.popleft()
+            self._admit(req, num_hit_tokens, out)
+            out.scheduled.append(self._entry(req, n))
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+
+    def _adapter_fits(self, adapter_id: int) -> bool:
+        if adapter_id == 0 or adapter_id in self._adapters:
+            return True
+        return (len(self._adapters) < self.cfg.max_loras
+                and self.slots.can_assign(adapter_id, busy=set(self._adapters)))
+
+    def _admit(self, req: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
+        if req.adapter_id:
+            a = self.slots.assign(req.adapter_id, busy=set(self._adapters))
+            assert a is not None, "checked by _adapter_fits"
+            if a.needs_load:
+                out.slot_loads.append((a.slot, req.adapter_id))
+            if a.evicted is not None:
+                out.slot_evictions.append(a.evicted)
+            self._adapters[req.adapter_id] += 1
+        if req.status is RequestStatus.PREEMPTED:
+            req.num_resumed_cached_tokens += num_hit_tokens
+        else:
+            req.num_cached_tokens = num_hit_tokens
+        req.num_computed_tokens = num_hit_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        slot = self.slots.slot_of(req.adapter_id) if req.adapter_id else None
+        # called right after the request's allocation: its block table is final for
+        # this step (requests already scheduled are never preempted)
+        return ScheduledRequest(req, req.num_computed_tokens, n,
+                                tuple(self.kv.block_ids(req.request_id)),
+                                -1 if slot is None else slot)
+
+    def _preempt(self, req: Request) -> None:
+        self._remove_running(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _remove_running(self, req: Request) -> None:
+        self.running.remove(req)
+        if req.adapter_id:
+            self._adapters[req.adapter_id] -= 1
+            if not self._adapters[req.adapter_id]:
+                del self._adapters[req.adapter_id]
+
+    # ---- after the forward pass -------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> list[Request]:
+        """Advance every scheduled request, append sampled tokens, finish the ones that
+        hit a stop condition. Returns the requests that got a token, in batch order."""
+        touched = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            if not s.samples:
+                continue
+            tok = sampled[req.request_id]
+            req.append_token(tok.token_id)
+            req.logprobs.append(tok.logprob)
+            if tok.top_logprobs is not None:
+                req.top_logprobs.append(tok.top_logprobs)
+            touched.append(req)
+            reason = self._stop_reason(req)
+            if reason is not None:
+                self.finish(req, reason)
+        return touched
+
+    def _stop_reason(self, req: Request) -> str | None:
+        reason = req.check_token_stop()
+        detok = req.detokenizer
+        if detok is not None:
+            req.text += detok.push(req.all_token_ids[-1:])
+            if detok.stop_hit:
+                reason = FinishReason.STOP
+            elif reason is None and req.num_tokens >= self.cfg.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                req.text += detok.finish()  # release text held back for stop strings
+        elif reason is None and req.num_tokens >= self.cfg.max_model_len:
+            reason = FinishReason.LENGTH
+        return reason
