@@ -38,6 +38,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     slots = block_tables.long()[:, offs // bs] * bs + offs % bs
     k = k_cache.view(nb * bs, kvh, D)[slots].float()  # [B, C, KVH, D]
     v = v_cache.view(nb * bs, kvh, D)[slots].float()
+    # Slots past a sequence's length (tail of its last block, padding entries of the
+    # block table) hold whatever the pool last had, possibly inf/NaN; a zero softmax
+    # weight does not cancel those (0 * NaN = NaN), so they are zeroed here.
+    valid = (offs.view(1, -1) < seq_lens.long().view(-1, 1)).view(num_seqs, max_ctx, 1, 1)
+    k = k.masked_fill(~valid, 0.0)
+    v = v.masked_fill(~valid, 0.0)
     group = H // kvh
     k = k.repeat_interleave(group, dim=2)            # [B, C, H, D]
     v = v.repeat_interleave(group, dim=2)
