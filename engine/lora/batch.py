@@ -1,0 +1,35 @@
+"""The LoRA view of one forward step: which slot each token uses, applied layer by layer.
+
+The model calls `apply(layer_idx, group, x, y)` for each LoRA group of each layer (see
+engine/model/lora_targets.py); per-step metadata is built once here, not per layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.lora.pool import LoRASlotPool
+from kernels import lora as lora_kernels
+
+
+class LoRABatch:
+    """Adds every token's adapter delta for one step.
+
+    `token_slots[t]` is the pool slot of token t's adapter, -1 for the base model. The
+    tensor must stay alive and unchanged for the step (a CUDA graph may hold it)."""
+
+    def __init__(self, pool: LoRASlotPool, token_slots: torch.Tensor, meta=None):
+        assert token_slots.dim() == 1, token_slots.shape
+        self.pool = pool
+        self.token_slots = token_slots
+        self.meta = meta if meta is not None else lora_kernels.build_meta(token_slots,
+                                                                          pool.max_loras)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += LoRA delta of `group` in layer `layer_idx`, in place (x, y: this rank's shards)."""
+        a, b, ranks, offsets = self.pool.weights(layer_idx, group)
+        lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,
+                              meta=self.meta)

@@ -1,0 +1,196 @@
+"""Check a PEFT adapter directory against the base model without reading tensor data.
+
+`plan_adapter` reads adapter_config.json and the safetensors header only, decides which
+modules of which layers the adapter wraps (PEFT's own matching rules, engine/lora/config.py),
+and checks that every such module has exactly its lora_A/lora_B tensors with the shapes
+the base model needs. The control plane uses it to accept or refuse an adapter cheaply;
+`load_lora` runs it first, so both paths refuse exactly the same adapters.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import AdapterError
+from engine.lora.config import AdapterConfig, read_adapter_config
+from engine.model.lora_targets import LORA_TARGETS, full_shape
+
+WEIGHTS_NAME = "adapter_model.safetensors"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# PEFT strips the adapter name when saving; older files may keep it (`lora_A.default.weight`).
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\."
+                  r"(?P<module>\w+)\.lora_(?P<factor>[AB])(?:\.[\w\-]+)?\.weight$")
+# Tensors of features we refuse, recognised by name: (substring, feature, why).
+_REFUSED_KEYS = (
+    ("lora_embedding_", "embedding", "LoRA on an embedding"),
+    ("embed_tokens", "embedding", "weights for the embedding"),
+    ("lm_head", "lm_head", "weights for the output head"),
+    ("lora_magnitude_vector", "use_dora", "a DoRA magnitude vector"),
+    ("modules_to_save", "modules_to_save", "a fully trained module copy"),
+    ("lora_B.bias", "lora_bias", "a LoRA bias"),
+)
+
+
+def module_name(layer: int, module: str) -> str:
+    """The module's name in the Hugging Face model, as PEFT matches it."""
+    return f"model.layers.{layer}.{_PARENT[module]}.{module}"
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """One wrapped module: where its tensors are and how PEFT scales it."""
+    layer: int
+    module: str          # HF name: q_proj, ..., down_proj
+    rank: int
+    scaling: float
+    a_key: str
+    b_key: str
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """What an adapter directory holds, checked against the base model."""
+    config: AdapterConfig
+    weights_file: str
+    modules: tuple[ModulePlan, ...]
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.rank for m in self.modules)
+
+    @property
+    def target_modules(self) -> frozenset[str]:
+        """The HF module kinds the adapter wraps in at least one layer."""
+        return frozenset(m.module for m in self.modules)
+
+
+def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int) -> AdapterPlan:
+    """Check `adapter_dir` (config, safetensors header, shapes) against `model_cfg`;
+    raise AdapterError naming the feature and the file on the first problem."""
+    adapter_dir = Path(adapter_dir)
+    cfg = read_adapter_config(adapter_dir, max_lora_rank)
+    weights_file = _weights_file(adapter_dir)
+    targets = _targeted_modules(cfg, model_cfg)
+    shapes = _read_header(weights_file)
+    found = _index_keys(shapes, model_cfg.num_layers, str(weights_file))
+    modules = []
+    for layer, module in targets:
+        modules.append(_module_plan(cfg, model_cfg, layer, module, found, shapes,
+                                    str(weights_file)))
+    extra = sorted(set(found) - set(targets))
+    if extra:
+        layer, module = extra[0]
+        key = next(iter(found[(layer, module)].values()))
+        raise AdapterError(f"tensor {key!r} is for {module_name(layer, module)}, which "
+                           f"target_modules does not select", feature="tensor",
+                           file=str(weights_file))
+    return AdapterPlan(cfg, str(weights_file), tuple(modules))
+
+
+def _weights_file(adapter_dir: Path) -> Path:
+    path = adapter_dir / WEIGHTS_NAME
+    if path.is_file():
+        return path
+    pickles = sorted(p.name for p in adapter_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise AdapterError(f"only pickle weights ({', '.join(pickles)}) found; pickle is never "
+                           f"loaded, save the adapter with safe_serialization=True",
+                           feature="pickle", file=str(adapter_dir / pickles[0]))
+    raise AdapterError(f"adapter directory has no {WEIGHTS_NAME}", feature="weights",
+                       file=str(path))
+
+
+def _targeted_modules(cfg: AdapterConfig, model_cfg) -> list[tuple[int, str]]:
+    """(layer, module) pairs PEFT would wrap; refuses targets we cannot serve."""
+    n = model_cfg.num_layers
+    if cfg.layers_to_transform and max(cfg.layers_to_transform) >= n:
+        raise AdapterError(f"layers_to_transform={list(cfg.layers_to_transform)} names a layer "
+                           f"beyond the model's {n} layers", feature="layers_to_transform",
+                           file=cfg.file)
+    all_names = [(i, m, module_name(i, m)) for i in range(n) for m in LORA_TARGETS]
+    if not cfg.is_all_linear:
+        for name, feature in (("lm_head", "lm_head"), ("model.embed_tokens", "embedding")):
+            if cfg.targets(name):
+                raise AdapterError(f"target_modules={_show(cfg.target_modules)} selects {name}; "
+                                   f"LoRA on the {feature.replace('_', ' ')} is not supported",
+                                   feature=feature, file=cfg.file)
+    if isinstance(cfg.target_modules, tuple):
+        for t in cfg.target_modules:
+            if not any(name == t or name.endswith(f".{t}") for _, _, name in all_names):
+                raise AdapterError(f"target_modules entry {t!r} matches no supported module "
+                                   f"(supported: {', '.join(LORA_TARGETS)})",
+                                   feature="target_modules", file=cfg.file)
+    targets = [(i, m) for i, m, name in all_names if cfg.targets(name)]
+    if not targets:
+        raise AdapterError(f"target_modules={_show(cfg.target_modules)} matches no supported "
+                           f"module (supported: {', '.join(LORA_TARGETS)})",
+                           feature="target_modules", file=cfg.file)
+    return targets
+
+
+def _show(targets) -> str:
+    return repr(list(targets) if isinstance(targets, tuple) else targets)
+
+
+def _read_header(weights_file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{key: (shape, dtype)} from the safetensors header, without reading the data."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights_file), framework="pt") as f:
+            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                    for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise AdapterError(f"not a readable safetensors file: {e}", feature="safetensors",
+                           file=str(weights_file)) from None
+
+
+def _index_keys(shapes: dict, num_layers: int, file: str) -> dict[tuple[int, str], dict[str, str]]:
+    """{(layer, module): {"A": key, "B": key}}; refuses every key we cannot place."""
+    found: dict[tuple[int, str], dict[str, str]] = {}
+    for key in shapes:
+        for part, feature, what in _REFUSED_KEYS:
+            if part in key:
+                raise AdapterError(f"tensor {key!r} is {what}, which is not supported",
+                                   feature=feature, file=file)
+        m = _KEY.match(key)
+        if m is None or LORA_TARGETS.get(m["module"]) is None \
+                or _PARENT[m["module"]] != m["parent"]:
+            raise AdapterError(f"unexpected tensor {key!r} (not lora_A/lora_B of a supported "
+                               f"module)", feature="tensor", file=file)
+        layer = int(m["layer"])
+        if layer >= num_layers:
+            raise AdapterError(f"tensor {key!r} is for layer {layer}, but the model has "
+                               f"{num_layers} layers", feature="layer_index", file=file)
+        slot = found.setdefault((layer, m["module"]), {})
+        if m["factor"] in slot:
+            raise AdapterError(f"tensors {slot[m['factor']]!r} and {key!r} both hold lora_"
+                               f"{m['factor']} of the same module", feature="tensor", file=file)
+        slot[m["factor"]] = key
+    return found
+
+
+def _module_plan(cfg: AdapterConfig, model_cfg, layer: int, module: str, found: dict,
+                 shapes: dict, file: str) -> ModulePlan:
+    name = module_name(layer, module)
+    keys = found.get((layer, module), {})
+    for factor in "AB":
+        if factor not in keys:
+            raise AdapterError(f"missing tensor base_model.model.{name}.lora_{factor}.weight "
+                               f"(target_modules selects {name})", feature="missing_tensor",
+                               file=file)
+    r = cfg.rank_of(name)
+    k_in, n_out = full_shape(model_cfg, module)
+    for factor, want in (("A", (r, k_in)), ("B", (n_out, r))):
+        got, dtype = shapes[keys[factor]]
+        if got != want:
+            raise AdapterError(f"tensor {keys[factor]!r} has shape {list(got)}, expected "
+                               f"{list(want)} (rank {r}, base module {name})",
+                               feature="shape", file=file)
+        if dtype not in ("F32", "F16", "BF16", "F64"):
+            raise AdapterError(f"tensor {keys[factor]!r} has dtype {dtype}, expected a "
+                               f"floating type", feature="dtype", file=file)
+    return ModulePlan(layer, module, r, cfg.scaling_of(name), keys["A"], keys["B"])

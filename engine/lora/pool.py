@@ -1,0 +1,114 @@
+"""The device slot pool: fixed, preallocated LoRA weight buffers for `max_loras` adapters.
+
+Per (layer, group), in the layout kernels/lora_ref.py documents:
+
+    a:     [max_loras, S, max_lora_rank, K]
+    b:     [max_loras, N, max_lora_rank]      scaling folded in
+    ranks: [max_loras] int32                  largest slice rank of the slot's adapter, 0 = empty
+
+The buffers are allocated once and never reallocated or resized: captured CUDA graphs
+hold their addresses. Loading a slot overwrites every element of that slot (zeros where
+the adapter is smaller or absent), so nothing of a previous occupant can leak into the
+next. The pool does not know which adapter is in which slot; the engine's residency
+manager does, and it never loads or clears a slot a running batch may read.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from engine.errors import AdapterError
+from engine.lora.weights import LoRAWeights
+from engine.model.lora_targets import GROUPS, lora_group_shapes
+
+
+class LoRASlotPool:
+    """Stacked LoRA buffers for every (layer, group) of one tensor-parallel rank."""
+
+    def __init__(self, model_cfg, max_loras: int, max_lora_rank: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 tp_size: int = 1):
+        assert max_loras >= 1 and max_lora_rank >= 1, (max_loras, max_lora_rank)
+        self.num_layers = model_cfg.num_layers
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.tp_size = tp_size
+        self.shapes = lora_group_shapes(model_cfg, tp_size)
+        self._offsets = {g: _offsets(s.out_features) for g, s in self.shapes.items()}
+        self._a, self._b, self._ranks = {}, {}, {}
+        for layer in range(self.num_layers):
+            for group in GROUPS:
+                shape = self.shapes[group]
+                key = (layer, group)
+                self._a[key] = torch.zeros(max_loras, len(shape.out_features), max_lora_rank,
+                                           shape.in_features, dtype=dtype, device=self.device)
+                self._b[key] = torch.zeros(max_loras, sum(shape.out_features), max_lora_rank,
+                                           dtype=dtype, device=self.device)
+                self._ranks[key] = torch.zeros(max_loras, dtype=torch.int32, device=self.device)
+
+    def weights(self, layer: int, group: str):
+        """(a, b, ranks, slice_offsets) of one (layer, group), for kernels.lora.add_lora."""
+        key = (layer, group)
+        return self._a[key], self._b[key], self._ranks[key], self._offsets[group]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for d in (self._a, self._b, self._ranks) for t in d.values())
+
+    def load(self, slot: int, weights: LoRAWeights, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy an adapter into `slot`, replacing all of the slot's previous contents.
+
+        Raises AdapterError (pool untouched) when the adapter's rank exceeds the pool's
+        max_lora_rank; the copies are non-blocking from pinned host memory on CUDA, on
+        `stream` when given (the caller orders the batch that first reads the slot after it)."""
+        self._check_slot(slot)
+        if weights.max_rank > self.max_lora_rank:
+            raise AdapterError(f"adapter rank {weights.max_rank} exceeds max_lora_rank="
+                               f"{self.max_lora_rank}", feature="rank", file=weights.source)
+        assert (weights.num_layers, weights.tp_size, dict(weights.shapes)) == \
+            (self.num_layers, self.tp_size, self.shapes), "adapter built for another model/TP layout"
+        with _on_stream(stream):
+            for key in self._a:
+                self._copy_group(slot, key, weights.groups.get(key))
+
+    def clear(self, slot: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Zero `slot` everywhere (its tokens would then add nothing)."""
+        self._check_slot(slot)
+        with _on_stream(stream):
+            for key in self._a:
+                self._copy_group(slot, key, None)
+
+    def _copy_group(self, slot: int, key, gw) -> None:
+        a, b, ranks = self._a[key][slot], self._b[key][slot], self._ranks[key]
+        if gw is None:
+            a.zero_()
+            b.zero_()
+            ranks[slot] = 0
+            return
+        r = gw.a.shape[1]
+        non_blocking = self.device.type == "cuda" and gw.a.is_pinned()
+        # Zero only the rank columns the adapter does not cover: every element of the
+        # slot is written exactly once.
+        a[:, r:].zero_()
+        b[:, r:].zero_()
+        a[:, :r].copy_(gw.a, non_blocking=non_blocking)
+        b[:, :r].copy_(gw.b, non_blocking=non_blocking)
+        ranks[slot] = gw.rank
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
+
+
+def _offsets(widths: tuple[int, ...]) -> tuple[int, ...]:
+    out = [0]
+    for w in widths:
+        out.append(out[-1] + w)
+    return tuple(out)
+
+
+def _on_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -1,0 +1,38 @@
+"""Dispatch for batched multi-adapter LoRA: the Triton kernels on CUDA, the torch
+reference elsewhere (and on CUDA when the Triton module is not available).
+
+The choice is made once, at import; nothing here reads the environment or loops over
+requests or adapters. Layout and semantics: kernels/lora_ref.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.lora_ref import add_lora_ref
+
+try:  # the Triton module is optional: absent on machines without Triton
+    from kernels import lora_triton as _triton
+except ImportError:
+    _triton = None
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             token_slots: torch.Tensor, slice_offsets: tuple[int, ...],
+             ranks: torch.Tensor | None = None, meta=None) -> torch.Tensor:
+    """y[t] += x[t] · A[slot(t)]ᵀ · B[slot(t)]ᵀ per slice, in place, for every token with
+    token_slots[t] >= 0; returns y.
+
+    y: [T, N]; x: [T, K]; a: [L, S, R, K]; b: [L, N, R]; token_slots: [T] int;
+    ranks: [L] int32 (lets the kernel skip padded rank columns; optional);
+    meta: what `build_meta` returned for these token_slots, or None."""
+    if y.is_cuda and _triton is not None:
+        return _triton.add_lora(y, x, a, b, token_slots, slice_offsets, ranks=ranks, meta=meta)
+    return add_lora_ref(y, x, a, b, token_slots, slice_offsets)
+
+
+def build_meta(token_slots: torch.Tensor, max_loras: int):
+    """Per-step metadata for `add_lora` (e.g. tokens grouped by slot), built once per step
+    and shared by every layer; None where the chosen path needs none (the reference)."""
+    if token_slots.is_cuda and _triton is not None and hasattr(_triton, "build_meta"):
+        return _triton.build_meta(token_slots, max_loras)
+    return None

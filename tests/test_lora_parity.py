@@ -1,0 +1,202 @@
+"""LoRA deltas from load_lora + LoRASlotPool + LoRABatch against PEFT's own modules.
+
+Oracle: for every wrapped module of every layer, PEFT's module output minus its base
+layer's output, float32 on the CPU. Several adapters sit in different slots of one pool
+and one batch mixes their tokens with base-model tokens (slot -1).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+
+from engine.lora import LoRABatch, LoRASlotPool, load_lora
+from engine.model.hf_config import ModelConfig
+from engine.model.lora_targets import (GROUPS, LORA_TARGETS, full_shape, lora_group_shapes,
+                                       lora_shard)
+from engine.parallel import TPGroup
+from tests.support.tiny import (AdapterSpec, load_hf_model, make_adapter, make_model, read_json,
+                                write_json)
+
+MAX_RANK = 32
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+# name -> (spec, peft overrides, config edit applied after PEFT wrote the adapter)
+ADAPTERS = {
+    "r4": (AdapterSpec(r=4, lora_alpha=8, seed=1), {}, None),
+    "r8_rslora": (AdapterSpec(r=8, lora_alpha=16, use_rslora=True, seed=2), {}, None),
+    "r32": (AdapterSpec(r=32, lora_alpha=16, seed=3, std=0.05), {}, None),
+    "patterns": (AdapterSpec(r=8, seed=4,
+                             rank_pattern={"q_proj": 16, r"layers\.1\.mlp\.down_proj": 2},
+                             alpha_pattern={"v_proj": 64, r"model\.layers\.0\.self_attn\.o_proj": 3}),
+                 {}, None),
+    "attn_only": (AdapterSpec(r=8, target_modules=ATTN, seed=5), {}, None),
+    "mlp_only": (AdapterSpec(r=16, lora_alpha=8, target_modules=MLP, seed=6), {}, None),
+    "layer1_only": (AdapterSpec(r=4, seed=7), {"layers_to_transform": [1]}, None),
+    "regex": (AdapterSpec(r=4, target_modules=("q_proj", "v_proj", "down_proj"), seed=8), {},
+              {"target_modules": r".*\.(q_proj|v_proj|down_proj)"}),
+    "all_linear": (AdapterSpec(r=4, seed=9), {}, {"target_modules": "all-linear"}),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_parity")
+    model_dir = make_model(root / "model")
+    cfg = ModelConfig.from_dir(model_dir)
+    dirs, peft_models = {}, {}
+    for name, (spec, overrides, edit) in ADAPTERS.items():
+        d = make_adapter(root / name, model_dir, spec, **overrides)
+        if edit:
+            write_json(d / "adapter_config.json", {**read_json(d / "adapter_config.json"), **edit})
+        dirs[name] = d
+        peft_models[name] = PeftModel.from_pretrained(load_hf_model(model_dir), d).eval()
+    return cfg, dirs, peft_models
+
+
+def peft_module(peft_model, layer: int, module: str):
+    blk = peft_model.base_model.model.model.layers[layer]
+    return getattr(blk.self_attn if module in ATTN else blk.mlp, module)
+
+
+@torch.no_grad()
+def peft_delta(peft_model, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+    """PEFT's LoRA contribution of one module: wrapped output minus base output."""
+    mod = peft_module(peft_model, layer, module)
+    if not hasattr(mod, "base_layer"):  # not wrapped by this adapter
+        return torch.zeros(x.shape[0], mod.out_features, dtype=x.dtype)
+    return mod(x) - mod.base_layer(x)
+
+
+def group_modules(group: str) -> list[str]:
+    return [m for m, (g, _) in sorted(LORA_TARGETS.items(), key=lambda kv: kv[1][1]) if g == group]
+
+
+def expected_group_delta(peft_models, names, token_slots, layer, group, x):
+    """[T, N] reference delta for a full (unsharded) group; tokens pick their adapter."""
+    per_adapter = torch.stack([
+        torch.cat([peft_delta(peft_models[n], layer, m, x) for m in group_modules(group)], dim=1)
+        for n in names])                                          # [L, T, N]
+    idx = token_slots.clamp(min=0)
+    out = per_adapter[idx, torch.arange(x.shape[0])]
+    return out * (token_slots >= 0).unsqueeze(1).float()
+
+
+def run_group(batch, layer, group, x, n_out, gen):
+    y0 = torch.randn(x.shape[0], n_out, generator=gen)
+    y = y0.clone()
+    batch.apply(layer, group, x, y)
+    return y - y0
+
+
+def test_targets_match_peft(setup):
+    cfg, dirs, peft_models = setup
+    for name, d in dirs.items():
+        w = load_lora(d, cfg, MAX_RANK)
+        for layer in range(cfg.num_layers):
+            for module, (group, s) in LORA_TARGETS.items():
+                wrapped = hasattr(peft_module(peft_models[name], layer, module), "base_layer")
+                gw = w.groups.get((layer, group))
+                ours = gw is not None and gw.slice_ranks[s] > 0
+                assert ours == wrapped, (name, layer, module)
+                if wrapped:
+                    peft_r = peft_module(peft_models[name], layer, module).r["default"]
+                    assert gw.slice_ranks[s] == peft_r, (name, layer, module)
+
+
+def test_mixed_batch_matches_peft(setup):
+    cfg, dirs, peft_models = setup
+    names = list(dirs)
+    pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK)
+    for slot, name in enumerate(names):
+        pool.load(slot, load_lora(dirs[name], cfg, MAX_RANK))
+    gen = torch.Generator().manual_seed(0)
+    T = 40
+    token_slots = torch.randint(-1, len(names), (T,), generator=gen)
+    token_slots[: len(names) + 1] = torch.arange(-1, len(names))  # every slot and -1 present
+    batch = LoRABatch(pool, token_slots)
+    shapes = lora_group_shapes(cfg)
+    for layer in range(cfg.num_layers):
+        for group in GROUPS:
+            x = torch.randn(T, shapes[group].in_features, generator=gen)
+            got = run_group(batch, layer, group, x, sum(shapes[group].out_features), gen)
+            want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
+            assert want.abs().max() > 0.1  # the adapters really contribute
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"layer {layer} {group}: {m}")
+            assert torch.all(got[token_slots < 0] == 0)
+
+
+def test_reload_higher_rank_slot_leaves_no_stale_weights(setup):
+    cfg, dirs, _ = setup
+    small, big = load_lora(dirs["r4"], cfg, MAX_RANK), load_lora(dirs["r32"], cfg, MAX_RANK)
+    reused = LoRASlotPool(cfg, max_loras=2, max_lora_rank=MAX_RANK)
+    reused.load(0, big)
+    reused.load(1, big)
+    reused.load(0, small)
+    fresh = LoRASlotPool(cfg, max_loras=2, max_lora_rank=MAX_RANK)
+    fresh.load(0, small)
+    fresh.load(1, big)
+    for layer in range(cfg.num_layers):
+        for group in GROUPS:
+            for t_reused, t_fresh in zip(reused.weights(layer, group)[:3],
+                                         fresh.weights(layer, group)[:3]):
+                assert torch.equal(t_reused, t_fresh), (layer, group)
+    # a slot once holding the mlp+attn adapter, reloaded with attention-only: mlp groups empty
+    reused.load(0, load_lora(dirs["attn_only"], cfg, MAX_RANK))
+    a, b, ranks, _ = reused.weights(0, "gate_up")
+    assert ranks[0] == 0 and not a[0].any() and not b[0].any()
+
+
+def test_clear_slot_adds_nothing(setup):
+    cfg, dirs, _ = setup
+    pool = LoRASlotPool(cfg, max_loras=2, max_lora_rank=MAX_RANK)
+    pool.load(1, load_lora(dirs["r8_rslora"], cfg, MAX_RANK))
+    pool.clear(1)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, cfg.hidden_size, generator=gen)
+    n = sum(lora_group_shapes(cfg)["qkv"].out_features)
+    delta = run_group(LoRABatch(pool, torch.tensor([1, 1, -1, 0, 1])), 0, "qkv", x, n, gen)
+    assert torch.all(delta == 0)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tensor_parallel_shards_sum_to_full_delta(setup, tp_size):
+    """Each rank's shard delta is the matching part of the full delta (column-parallel),
+    or the row-parallel partials sum to it; tp_size=4 replicates the 2 KV heads."""
+    cfg, dirs, _ = setup
+    names = ["patterns", "r8_rslora"]
+    full_pool = LoRASlotPool(cfg, max_loras=2, max_lora_rank=MAX_RANK)
+    rank_pools = [LoRASlotPool(cfg, 2, MAX_RANK, tp_size=tp_size) for _ in range(tp_size)]
+    for slot, name in enumerate(names):
+        full_pool.load(slot, load_lora(dirs[name], cfg, MAX_RANK))
+        for r, pool in enumerate(rank_pools):
+            pool.load(slot, load_lora(dirs[name], cfg, MAX_RANK, tp=TPGroup(r, tp_size)))
+    token_slots = torch.tensor([0, 1, -1, 1, 0, 0])
+    gen = torch.Generator().manual_seed(2)
+    full_shapes, shard_shapes = lora_group_shapes(cfg), lora_group_shapes(cfg, tp_size)
+    for layer in range(cfg.num_layers):
+        for group in GROUPS:
+            modules = group_modules(group)
+            x = torch.randn(len(token_slots), full_shapes[group].in_features, generator=gen)
+            full = run_group(LoRABatch(full_pool, token_slots), layer, group, x,
+                             sum(full_shapes[group].out_features), gen)
+            total = torch.zeros_like(full)
+            for r, pool in enumerate(rank_pools):
+                cuts = [lora_shard(cfg, m, r, tp_size) for m in modules]
+                x_r = x if cuts[0].factor == "B" else x[:, cuts[0].shard.start:cuts[0].shard.stop]
+                part = run_group(LoRABatch(pool, token_slots), layer, group, x_r,
+                                 sum(shard_shapes[group].out_features), gen)
+                if cuts[0].factor == "A":
+                    total += part
+                    continue
+                off_full, off_r = 0, 0
+                for m, cut in zip(modules, cuts):
+                    width = cut.shard.length
+                    lo = off_full + cut.shard.start
+                    torch.testing.assert_close(part[:, off_r:off_r + width],
+                                               full[:, lo:lo + width], rtol=1e-5, atol=1e-5)
+                    off_full += full_shape(cfg, m)[1]
+                    off_r += width
+            if cuts[0].factor == "A":
+                torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-5)
