@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this sample greedily: dividing logits by them overflows float32.
+GREEDY_TEMPERATURE = 1e-5
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_INT_FIELDS = ("top_k", "max_tokens", "top_logprobs", "n")
+_BOOL_FIELDS = ("ignore_eos", "logprobs", "include_stop_str_in_output")
 
 
 @dataclass(frozen=True)
@@ -32,13 +37,14 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
         def bad(name: str, why: str):
             raise InvalidRequestError(f"sampling.{name}={getattr(self, name)!r}: {why}")
 
+        self._validate_types(bad)
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
             bad("temperature", "must be in [0, 100]")
         if not (0.0 < self.top_p <= 1.0):
@@ -59,5 +65,23 @@ class SamplingParams:
             bad("seed", "must be in [0, 2**63)")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "every id must be an integer >= 0")
         if vocab_size is not None and any(not (0 <= t < vocab_size) for t in self.stop_token_ids):
             bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
+
+    def _validate_types(self, bad) -> None:
+        """Wrong types get a field-named error instead of a TypeError deep in the sampler."""
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                bad(name, "must be a number")
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(name, "must be an integer")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad("seed", "must be an integer or None")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")

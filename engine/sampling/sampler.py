@@ -1,0 +1,104 @@
+"""Batched token sampling for requests with different sampling parameters.
+
+Logprobs are taken from the RAW model logits (log_softmax before repetition penalty,
+temperature and truncation): they report what the model believes, comparable across
+requests whatever their sampling settings, like the OpenAI API and vLLM's default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling.processors import apply_min_p, apply_repetition_penalty, apply_top_k_top_p
+from engine.sampling.state import SamplingState
+from engine.sampling_params import GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One token per batch row, with its raw-logit logprob and, where the request asked
+    for top_logprobs=k, the k most likely ids -> logprob (sorted by logprob, descending)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Picks the next token of every row of a logits batch [B, V].
+
+    Greedy rows (temperature 0) take the argmax of the penalised logits, as HF greedy
+    search does. Other rows sample with the Gumbel-max trick: argmax(processed logits +
+    Gumbel noise), the noise drawn from the row's own step generator, so a row's token
+    depends only on its logits, its parameters, its seed and its step."""
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits {tuple(logits.shape)} must be [len(states)={len(states)}, V]")
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        penalised = self._penalise(logits, states)
+        greedy = [s.params.greedy for s in states]
+        token_ids = penalised.argmax(dim=-1)
+        if not all(greedy):
+            sampled = self._sample_rows(penalised, states, greedy)
+            is_greedy = torch.tensor(greedy, device=logits.device)
+            token_ids = torch.where(is_greedy, token_ids, sampled)
+        chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen.tolist(),
+                             top_logprobs=_top_logprobs(raw_logprobs, states))
+
+    @staticmethod
+    def _penalise(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+        if not rows:
+            return logits
+        penalty = torch.tensor([states[i].params.repetition_penalty for i in rows],
+                               dtype=logits.dtype, device=logits.device)
+        seen = [sorted(states[i].seen_token_ids()) for i in rows]
+        return apply_repetition_penalty(logits, torch.tensor(rows, device=logits.device),
+                                        seen, penalty)
+
+    @staticmethod
+    def _sample_rows(logits: torch.Tensor, states: list[SamplingState],
+                     greedy: list[bool]) -> torch.Tensor:
+        """Sampled token of every row (greedy rows get a harmless dummy)."""
+        device, vocab = logits.device, logits.shape[-1]
+        params = [s.params for s in states]
+        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                   dtype=logits.dtype, device=device)
+        x = logits / temperature[:, None]
+        if any(not g and (0 < p.top_k < vocab or p.top_p < 1.0) for p, g in zip(params, greedy)):
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                                 device=device)
+            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+            x = apply_top_k_top_p(x, top_k, top_p)
+        if any(not g and p.min_p > 0.0 for p, g in zip(params, greedy)):
+            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+            x = apply_min_p(x, min_p)
+        return (x + _gumbel_noise(states, greedy, vocab, device)).argmax(dim=-1)
+
+
+def _gumbel_noise(states: list[SamplingState], greedy: list[bool], vocab: int,
+                  device: torch.device) -> torch.Tensor:
+    """Gumbel(0, 1) noise per sampled row from the row's own step generator; 0 on greedy
+    rows. The per-row loop is the price of per-request seeds."""
+    expo = torch.ones((len(states), vocab), dtype=torch.float32, device=device)
+    for i, (state, g) in enumerate(zip(states, greedy)):
+        if not g:
+            expo[i].exponential_(generator=state.step_generator(device))
+    # -log(E) with E ~ Exp(1) is Gumbel; the clamp keeps E = 0 from giving +inf, which
+    # would turn a removed token's -inf into NaN (and argmax picks NaN).
+    return expo.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
+
+
+def _top_logprobs(raw_logprobs: torch.Tensor,
+                  states: list[SamplingState]) -> list[dict[int, float] | None]:
+    wanted = [min(s.params.top_logprobs, raw_logprobs.shape[-1]) for s in states]
+    k = max(wanted, default=0)
+    if k == 0:
+        return [None] * len(states)
+    values, ids = raw_logprobs.topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [dict(zip(ids[i][:w], values[i][:w])) if w else None
+            for i, w in enumerate(wanted)]
