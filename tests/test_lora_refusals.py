@@ -1,0 +1,238 @@
+"""Adapters the engine must refuse: each gets an AdapterError naming the feature and the
+file, from both validate_lora (header only) and load_lora, and nothing is loaded."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.errors import AdapterError
+from engine.lora import LoRASlotPool, load_lora, validate_lora
+from engine.lora.config import _MATH_CHANGING_FLAGS
+from engine.model.hf_config import ModelConfig
+from engine.model.lora_targets import GROUPS
+from tests.support.tiny import AdapterSpec, make_adapter, make_model, read_json, write_json
+
+MAX_RANK = 16
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_refusals")
+    model_dir = make_model(root / "model")
+    good = make_adapter(root / "good", model_dir, AdapterSpec(r=8))
+    return ModelConfig.from_dir(model_dir), model_dir, good, root
+
+
+@pytest.fixture
+def adapter(base, tmp_path):
+    """A fresh copy of a valid adapter to break."""
+    return shutil.copytree(base[2], tmp_path / "adapter")
+
+
+def edit_config(d, **changes):
+    write_json(d / CONFIG, {**read_json(d / CONFIG), **changes})
+
+
+def edit_tensors(d, fn):
+    tensors = load_file(d / WEIGHTS)
+    fn(tensors)
+    save_file(tensors, d / WEIGHTS, metadata={"format": "pt"})
+
+
+def refused(cfg, d, feature, file_name, max_rank=MAX_RANK, header_only=True):
+    """Both entry points raise AdapterError(feature) whose message names the file."""
+    calls = [load_lora] + ([validate_lora] if header_only else [])
+    for fn in calls:
+        with pytest.raises(AdapterError) as ei:
+            fn(d, cfg, max_rank)
+        assert ei.value.feature == feature, (fn.__name__, str(ei.value))
+        assert file_name in str(ei.value) and ei.value.file.endswith(file_name)
+    return str(ei.value)
+
+
+def test_good_adapter_loads(base, adapter):
+    cfg = base[0]
+    assert validate_lora(adapter, cfg, MAX_RANK).max_rank == 8
+    assert load_lora(adapter, cfg, MAX_RANK).max_rank == 8
+
+
+def test_missing_config(base, adapter):
+    (adapter / CONFIG).unlink()
+    refused(base[0], adapter, "adapter_config", CONFIG)
+
+
+def test_malformed_json(base, adapter):
+    (adapter / CONFIG).write_text('{"r": 8, "lora_alpha": ')
+    refused(base[0], adapter, "adapter_config", CONFIG)
+
+
+def test_pickle_only(base, adapter):
+    (adapter / WEIGHTS).unlink()
+    (adapter / "adapter_model.bin").write_bytes(b"never unpickled")
+    refused(base[0], adapter, "pickle", "adapter_model.bin")
+
+
+def test_no_weights(base, adapter):
+    (adapter / WEIGHTS).unlink()
+    refused(base[0], adapter, "weights", WEIGHTS)
+
+
+def test_corrupt_safetensors(base, adapter):
+    (adapter / WEIGHTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    refused(base[0], adapter, "safetensors", WEIGHTS)
+
+
+def test_peft_type(base, adapter):
+    edit_config(adapter, peft_type="IA3")
+    refused(base[0], adapter, "peft_type", CONFIG)
+
+
+@pytest.mark.parametrize("overrides,feature,file_name", [
+    (dict(use_dora=True), "use_dora", CONFIG),
+    (dict(bias="lora_only"), "bias", CONFIG),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save", CONFIG),
+    (dict(lora_bias=True), "lora_bias", CONFIG),
+], ids=["dora", "bias", "modules_to_save", "lora_bias"])
+def test_written_by_peft(base, tmp_path, overrides, feature, file_name):
+    cfg, model_dir = base[0], base[1]
+    d = make_adapter(tmp_path / "a", model_dir, AdapterSpec(r=4), **overrides)
+    refused(cfg, d, feature, file_name)
+
+
+@pytest.mark.parametrize("targets,feature", [
+    (("q_proj", "embed_tokens"), "embedding"),
+    (("v_proj", "lm_head"), "lm_head"),
+], ids=["embed_tokens", "lm_head"])
+def test_embedding_and_head_targets(base, tmp_path, targets, feature):
+    cfg, model_dir = base[0], base[1]
+    d = make_adapter(tmp_path / "a", model_dir, AdapterSpec(r=4, target_modules=targets))
+    refused(cfg, d, feature, CONFIG)
+    # the tensors alone (config narrowed to q/v) are refused too
+    edit_config(d, target_modules=list(targets[:1]))
+    refused(cfg, d, feature, WEIGHTS)
+
+
+def test_dora_tensors_without_flag(base, tmp_path):
+    d = make_adapter(tmp_path / "a", base[1], AdapterSpec(r=4), use_dora=True)
+    edit_config(d, use_dora=False)
+    msg = refused(base[0], d, "use_dora", WEIGHTS)
+    assert "lora_magnitude_vector" in msg
+
+
+def test_lora_embedding_keys(base, adapter):
+    edit_tensors(adapter, lambda t: t.update({
+        "base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(8, 10)}))
+    refused(base[0], adapter, "embedding", WEIGHTS)
+
+
+def test_fan_in_fan_out(base, adapter):
+    edit_config(adapter, fan_in_fan_out=True)
+    refused(base[0], adapter, "fan_in_fan_out", CONFIG)
+
+
+@pytest.mark.parametrize("flag", _MATH_CHANGING_FLAGS)
+def test_math_changing_flags(base, adapter, flag):
+    value = {"alora_invocation_tokens": [5, 6], "layer_replication": [[0, 2], [1, 2]],
+             "target_parameters": ["mlp.experts.down_proj"],
+             "trainable_token_indices": [3]}.get(flag, True)
+    edit_config(adapter, **{flag: value})
+    refused(base[0], adapter, flag, CONFIG)
+
+
+def test_base_rewriting_init(base, adapter):
+    edit_config(adapter, init_lora_weights="pissa_niter_4")
+    refused(base[0], adapter, "init_lora_weights", CONFIG)
+
+
+def test_rank_above_max(base, adapter):
+    msg = refused(base[0], adapter, "rank", CONFIG, max_rank=4)
+    assert "r=8" in msg and "max_lora_rank=4" in msg
+
+
+def test_rank_pattern_above_max(base, adapter):
+    # a pattern value alone exceeding the limit is refused even before shapes are read
+    edit_config(adapter, rank_pattern={"down_proj": 64})
+    msg = refused(base[0], adapter, "rank", CONFIG)
+    assert "rank_pattern" in msg and "64" in msg
+
+
+def test_unknown_target(base, adapter):
+    edit_config(adapter, target_modules=["q_proj", "fc_in"])
+    assert "fc_in" in refused(base[0], adapter, "target_modules", CONFIG)
+
+
+def test_regex_matching_nothing(base, adapter):
+    edit_config(adapter, target_modules=r".*\.attention\.wq")
+    refused(base[0], adapter, "target_modules", CONFIG)
+
+
+def test_shape_mismatch(base, adapter):
+    edit_tensors(adapter, lambda t: t.update({f"{Q0}.lora_B.weight": torch.zeros(60, 8)}))
+    msg = refused(base[0], adapter, "shape", WEIGHTS)
+    assert f"{Q0}.lora_B.weight" in msg and "[60, 8]" in msg and "[64, 8]" in msg
+
+
+def test_other_base_model(base, tmp_path):
+    from tests.support.tiny import TinySpec
+    other = ModelConfig.from_dir(make_model(tmp_path / "m", TinySpec(hidden_size=32)))
+    refused(other, base[2], "shape", WEIGHTS)
+
+
+def test_missing_tensor(base, adapter):
+    edit_tensors(adapter, lambda t: t.pop(f"{Q0}.lora_A.weight"))
+    assert f"{Q0}.lora_A.weight" in refused(base[0], adapter, "missing_tensor", WEIGHTS)
+
+
+def test_layer_beyond_model(base, adapter):
+    key = "base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"
+    edit_tensors(adapter, lambda t: t.update({key: torch.zeros(8, 64)}))
+    assert "layer 7" in refused(base[0], adapter, "layer_index", WEIGHTS)
+
+
+def test_layers_to_transform_beyond_model(base, adapter):
+    edit_config(adapter, layers_to_transform=[0, 5])
+    refused(base[0], adapter, "layers_to_transform", CONFIG)
+
+
+def test_unsupported_layers_pattern(base, adapter):
+    edit_config(adapter, layers_to_transform=[0], layers_pattern="h")
+    refused(base[0], adapter, "layers_pattern", CONFIG)
+
+
+def test_tensor_of_untargeted_module(base, adapter):
+    edit_config(adapter, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert "mlp" in refused(base[0], adapter, "tensor", WEIGHTS)
+
+
+def test_non_finite_values(base, adapter):
+    def poison(t):
+        t[f"{Q0}.lora_B.weight"][3, 1] = float("nan")
+    edit_tensors(adapter, poison)
+    assert validate_lora(adapter, base[0], MAX_RANK).max_rank == 8  # header-only check
+    refused(base[0], adapter, "non_finite", WEIGHTS, header_only=False)
+
+
+def pool_state(pool):
+    return [t.clone() for layer in range(pool.num_layers) for g in GROUPS
+            for t in pool.weights(layer, g)[:3]]
+
+
+def test_refusals_leave_pool_untouched(base, adapter, tmp_path):
+    cfg, model_dir, good, _ = base
+    pool = LoRASlotPool(cfg, max_loras=2, max_lora_rank=8)
+    pool.load(0, load_lora(good, cfg, MAX_RANK))
+    before = pool_state(pool)
+    big = load_lora(make_adapter(tmp_path / "r16", model_dir, AdapterSpec(r=16)), cfg, MAX_RANK)
+    with pytest.raises(AdapterError) as ei:
+        pool.load(1, big)  # over this pool's max_lora_rank
+    assert ei.value.feature == "rank" and WEIGHTS in str(ei.value)
+    edit_config(adapter, use_dora=True)
+    with pytest.raises(AdapterError):
+        pool.load(1, load_lora(adapter, cfg, 8))
+    assert before[0].any()
+    assert all(torch.equal(x, y) for x, y in zip(before, pool_state(pool)))
