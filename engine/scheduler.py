@@ -57,6 +57,7 @@ class SchedulerOutput:
     slot_loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, adapter id)
     slot_evictions: list[int] = field(default_factory=list)           # adapter ids
     preempted: list[str] = field(default_factory=list)
+    cache_hits: list[tuple[Request, int]] = field(default_factory=list)  # admitted: tokens hit
 
     @property
     def num_tokens(self) -> int:
@@ -183,6 +184,7 @@ class Scheduler:
             if a.evicted is not None:
                 out.slot_evictions.append(a.evicted)
             self._adapters[req.adapter_id] += 1
+        out.cache_hits.append((req, num_hit_tokens))
         if req.status is RequestStatus.PREEMPTED:
             req.num_resumed_cached_tokens += num_hit_tokens
         else:

@@ -1,0 +1,270 @@
+"""The engine: one model, many adapters, a paged KV cache and a step loop.
+
+Step-level API (what the engine server drives): `add_request`, `step`, `abort`,
+`has_unfinished`, `add_adapter`, `remove_adapter`, `stats`. `generate` is the offline
+convenience on top of it.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+from engine.adapters.registry import BASE_ID, AdapterRegistry
+from engine.adapters.slots import SlotTable
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.sizing import bytes_per_block, num_kv_blocks
+from engine.lora import LoRASlotPool, load_lora
+from engine.model.hf_config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.outputs import RequestOutput, StepOutput
+from engine.parallel import TPGroup
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampling import RequestSeeds, SamplingState
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.tokenizer import Tokenizer
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        if config.tp_size != 1:
+            raise InvalidRequestError(
+                f"tp_size={config.tp_size}: this in-process engine runs one rank; "
+                "tensor parallelism needs the multi-process engine server")
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        mc, dtype = self.model_config, config.torch_dtype
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.model = LlamaForCausalLM(mc, dtype, self.device, TPGroup.single())
+        self.model.load_weights(config.model)
+        self.lora_pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype,
+                                      self.device, tp_size=1)
+        block_bytes = bytes_per_block(mc.num_layers, config.block_size,
+                                      self.model.num_kv_heads_per_rank, mc.head_dim, dtype)
+        self.num_kv_blocks = num_kv_blocks(config.num_kv_blocks, self.device,
+                                           config.kv_cache_fraction, block_bytes)
+        kv_caches = self.model.make_kv_caches(self.num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.slots = SlotTable(config.max_loras)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            config.max_loras, self.max_model_len),
+            self.kv, self.slots)
+        self.runner = ModelRunner(self.model, kv_caches, self.lora_pool, config.block_size,
+                                  self.device)
+        self.registry = AdapterRegistry(
+            lambda path: load_lora(path, mc, config.max_lora_rank, dtype=dtype))
+        self._seeds = RequestSeeds(config.seed)
+        self._arrival = itertools.count()
+        self._base_cache_hits = 0
+        self._generate_batches = itertools.count()
+
+    # ---- adapters ---------------------------------------------------------------
+    def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:
+        """Validate and load a PEFT adapter into host memory; returns its new id (a new
+        one on every call, also for a name already loaded: see AdapterRegistry)."""
+        aid = self.registry.add(name, str(path), pinned)
+        self._free_retired()  # the replaced version may be idle already
+        return aid
+
+    def remove_adapter(self, name: str) -> int:
+        """Unload `name`: refused for new requests at once, freed when in-flight ones end."""
+        aid = self.registry.remove(name)
+        self._free_retired()
+        return aid
+
+    def _free_retired(self) -> None:
+        for rec in self.registry.take_ready():
+            slot = self.slots.release(rec.adapter_id)
+            if slot is not None:
+                self.lora_pool.clear(slot)
+            self.kv.evict_namespace(rec.adapter_id)
+
+    # ---- requests ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    adapter: str | None = None) -> None:
+        """Validate and queue a request. Raises (nothing queued) InvalidRequestError,
+        PromptTooLongError, AdapterNotFoundError or AdapterUnavailableError."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id={request_id!r}: must be a non-empty string")
+        if self.scheduler.get(request_id) is not None:
+            raise InvalidRequestError(f"request_id={request_id!r}: already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.model_config.vocab_size)
+        if params.n != 1:
+            raise InvalidRequestError(f"sampling.n={params.n}: only n=1 is supported")
+        prompt_ids = self._prompt_ids(prompt)
+        self._check_length(len(prompt_ids), params.max_tokens)
+        adapter_id = self.registry.resolve(adapter)
+        req = Request(request_id, prompt_ids, params, adapter_id=adapter_id,
+                      eos_token_ids=frozenset(self.tokenizer.eos_token_ids
+                                              or self.model_config.eos_token_ids),
+                      arrival=next(self._arrival))
+        req.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, skip_special_tokens=True, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
+        req.sampling_state = SamplingState.create(params, prompt_ids,
+                                                  default_seed=self._seeds.next())
+        self.registry.acquire(adapter_id)
+        self.scheduler.add(req)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise InvalidRequestError(
+                        f"prompt token {i}: {t!r} is not a token id in [0, {vocab})")
+        else:
+            raise InvalidRequestError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("prompt is empty: at least one token is needed")
+        return ids
+
+    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
+        total = num_prompt + max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {num_prompt} tokens and max_tokens={max_tokens}: {total} > "
+                f"max_model_len={self.max_model_len}")
+        capacity = self.num_kv_blocks * self.config.block_size
+        if total > capacity:
+            raise PromptTooLongError(
+                f"prompt has {num_prompt} tokens and max_tokens={max_tokens}: {total} > "
+                f"KV cache capacity of {capacity} tokens ({self.num_kv_blocks} blocks)")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a waiting or running request and free all it holds; False if unknown."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self._on_finished(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step loop ----------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one forward pass, sample; one StepOutput per request that got a
+        token or finished in this step."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self._free_retired()
+            return []
+        self._apply_slot_changes(out)
+        for req, hits in out.cache_hits:
+            self._count_cache_hits(req.adapter_id, hits)
+        text_before = {s.request.request_id: len(s.request.text) for s in out.scheduled}
+        sampled = self.runner.run(out)
+        touched = self.scheduler.update(out, sampled)
+        results = []
+        for req in touched:
+            req.sampling_state.append(req.all_token_ids[-1])
+            results.append(self._step_output(req, text_before[req.request_id]))
+            if req.is_finished:
+                self._on_finished(req)
+        self._free_retired()
+        return results
+
+    def _apply_slot_changes(self, out: SchedulerOutput) -> None:
+        """Evictions were decided with the whole batch known; now copy the weights."""
+        for aid in out.slot_evictions:
+            self.registry.get(aid).evictions += 1
+        for slot, aid in out.slot_loads:
+            rec = self.registry.get(aid)
+            self.lora_pool.load(slot, rec.weights)
+            rec.loads += 1
+
+    def _count_cache_hits(self, adapter_id: int, hits: int) -> None:
+        if adapter_id == BASE_ID:
+            self._base_cache_hits += hits
+        else:
+            self.registry.get(adapter_id).cached_token_hits += hits
+
+    def _step_output(self, req: Request, text_start: int) -> StepOutput:
+        want = req.params.logprobs or req.params.top_logprobs > 0
+        return StepOutput(
+            request_id=req.request_id,
+            new_token_ids=[req.all_token_ids[-1]],
+            new_logprobs=[req.logprobs[-1]] if want else [],
+            new_top_logprobs=[req.top_logprobs[-1]] if req.params.top_logprobs else [],
+            text_delta=req.text[text_start:],
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens)
+
+    def _on_finished(self, req: Request) -> None:
+        self.registry.release(req.adapter_id)
+        self._free_retired()
+
+    # ---- offline convenience ----------------------------------------------------
+    def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None,
+                 adapters: list[str | None] | None = None) -> list[RequestOutput]:
+        """Run `prompts` to completion; outputs in prompt order. `sampling`: one
+        SamplingParams for all (default: SamplingParams()) or one per prompt; `adapters`:
+        None (all base) or one name (None = base) per prompt. Steps the engine until these
+        requests finish (other requests in the engine advance too). If any request is
+        refused, none of them runs."""
+        n = len(prompts)
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
+        names = adapters if adapters is not None else [None] * n
+        if len(params) != n or len(names) != n:
+            raise InvalidRequestError(
+                f"{n} prompts need as many sampling params ({len(params)}) and adapters "
+                f"({len(names)})")
+        batch = next(self._generate_batches)
+        ids = [f"generate-{batch}-{i}" for i in range(n)]
+        reqs = []
+        try:
+            for rid, prompt, p, name in zip(ids, prompts, params, names):
+                self.add_request(rid, prompt, p, name)
+                reqs.append(self.scheduler.get(rid))
+        except Exception:
+            for r in reqs:
+                self.abort(r.request_id)
+            raise
+        while any(not r.is_finished for r in reqs):
+            self.step()
+        return [RequestOutput(
+            request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
+            token_ids=r.output_token_ids, text=r.text, finish_reason=r.finish_reason,
+            logprobs=list(r.logprobs), top_logprobs=list(r.top_logprobs),
+            num_cached_tokens=r.num_cached_tokens, adapter_id=r.adapter_id) for r in reqs]
+
+    def stats(self) -> dict:
+        """Counters for the control plane and metrics: KV blocks, queue lengths, and per
+        adapter version (keyed by id) its name, state ("slot" or "host"), slot, in-flight
+        requests, loads, evictions and cached-token hits."""
+        resident = self.slots.resident()
+        adapters = {}
+        for rec in self.registry.records():
+            slot = resident.get(rec.adapter_id)
+            adapters[rec.adapter_id] = {
+                "name": rec.name, "id": rec.adapter_id,
+                "state": "slot" if slot is not None else "host", "slot": slot,
+                "pinned": rec.pinned, "unloading": rec.retiring, "in_flight": rec.in_flight,
+                "loads": rec.loads, "evictions": rec.evictions,
+                "cached_token_hits": rec.cached_token_hits}
+        return {
+            "num_kv_blocks": self.num_kv_blocks, "free_kv_blocks": self.kv.num_free_blocks,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "slots_used": len(resident), "base_cached_token_hits": self._base_cache_hits,
+            "adapters": adapters}
