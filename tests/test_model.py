@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.model.batch import make_attention_metadata
 from engine.model.hf_config import ModelConfig
@@ -24,6 +25,7 @@ SPECS = {
     "llama3_rope": TinySpec(rope_scaling=LLAMA3, seed=3),
     "sharded": TinySpec(shard_size="40KB", seed=4),
     "mistral": TinySpec(seed=5),  # rewritten as MistralForCausalLM below
+    "llama_attn_bias": TinySpec(seed=9),  # given q/k/v/o biases below
 }
 BLOCK = 4
 PROMPT = [0, 17, 33, 99, 200, 7, 250, 9, 120, 11, 312, 45, 61]
@@ -35,6 +37,19 @@ def _as_mistral(path) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
 
 
+def _with_attention_bias(path) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["attention_bias"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name in list(tensors):
+        if name.endswith(("_proj.weight")) and ".self_attn." in name:
+            rows = tensors[name].shape[0]
+            tensors[name.replace(".weight", ".bias")] = torch.randn(rows, generator=gen) * 0.5
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
@@ -43,6 +58,8 @@ def model_dirs(tmp_path_factory):
         dirs[name] = make_model(root / name, spec)
         if name == "mistral":
             _as_mistral(dirs[name])
+        if name == "llama_attn_bias":
+            _with_attention_bias(dirs[name])
     return dirs
 
 
@@ -79,7 +96,10 @@ def test_config_parsed(pair, model_dirs):
     name, ours, hf = pair
     cfg = ours.cfg
     assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 4, 2, 16)
-    assert cfg.qkv_bias == (name == "qwen2_bias")
+    assert cfg.qkv_bias == (name in ("qwen2_bias", "llama_attn_bias"))
+    assert cfg.o_bias == (name == "llama_attn_bias")
+    if cfg.o_bias:  # the biases must reach HF too, or parity would not test them
+        assert hf.model.layers[0].self_attn.o_proj.bias.abs().sum() > 1
     assert cfg.tie_word_embeddings == (name == "tied")
     assert cfg.eos_token_ids == (1,) and cfg.bos_token_id == 0
     if name == "llama3_rope":

@@ -36,7 +36,8 @@ class ModelConfig:
     rope_scaling: MappingProxyType | None  # None = plain RoPE; else has "rope_type"
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
+    qkv_bias: bool                 # q/k/v projections have biases (Qwen2, Llama attention_bias)
+    o_bias: bool                   # o_proj has a bias (Llama attention_bias only)
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
@@ -87,6 +88,9 @@ def parse_config(raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Mode
         raise ModelLoadError(f"config.json: head_dim={head_dim} must be even for rotary embedding")
     max_pos = f.int("max_position_embeddings")
     theta, scaling = _rope(raw, max_pos)
+    # transformers: Llama's attention_bias covers q, k, v and o; Qwen2 always has q/k/v
+    # biases and never an o bias; Mistral has none.
+    llama_bias = arch == "LlamaForCausalLM" and bool(raw.get("attention_bias", False))
     gen = gen or {}
     eos = gen.get("eos_token_id", raw.get("eos_token_id"))
     return ModelConfig(
@@ -103,7 +107,8 @@ def parse_config(raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Mode
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
+        o_bias=llama_bias,
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         eos_token_ids=_token_ids(eos, "eos_token_id"),
         bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),

@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, tp,
             dtype, device, shards=[q_rows, kv_rows, kv_rows])
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, False, tp, dtype, device,
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, dtype, device,
                                         in_shard=q_rows)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
@@ -67,13 +67,15 @@ class LlamaAttention(nn.Module):
             lora.apply(self.layer_idx, "o", o, y)
         return self.o_proj.reduce(y)
 
-    def loaders(self, prefix: str, qkv_bias: bool) -> dict[str, Loader]:
+    def loaders(self, prefix: str) -> dict[str, Loader]:
         out: dict[str, Loader] = {}
         for idx, name in enumerate(("q_proj", "k_proj", "v_proj")):
             out[f"{prefix}.{name}.weight"] = _col_weight(self.qkv_proj, idx)
-            if qkv_bias:
+            if self.qkv_proj.bias is not None:
                 out[f"{prefix}.{name}.bias"] = _col_bias(self.qkv_proj, idx)
         out[f"{prefix}.o_proj.weight"] = self.o_proj.load_weight
+        if self.o_proj.bias is not None:
+            out[f"{prefix}.o_proj.bias"] = self.o_proj.load_bias
         return out
 
 
@@ -117,9 +119,9 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), attn, kv_cache, lora)
         return h + self.mlp(self.post_attention_layernorm(h), lora)
 
-    def loaders(self, prefix: str, qkv_bias: bool) -> dict[str, Loader]:
+    def loaders(self, prefix: str) -> dict[str, Loader]:
         return {
-            **self.self_attn.loaders(f"{prefix}.self_attn", qkv_bias),
+            **self.self_attn.loaders(f"{prefix}.self_attn"),
             **self.mlp.loaders(f"{prefix}.mlp"),
             f"{prefix}.input_layernorm.weight": self.input_layernorm.load,
             f"{prefix}.post_attention_layernorm.weight": self.post_attention_layernorm.load,
@@ -198,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.cfg.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head.load
         for i, layer in enumerate(self.layers):
-            out.update(layer.loaders(f"model.layers.{i}", self.cfg.qkv_bias))
+            out.update(layer.loaders(f"model.layers.{i}"))
         return out
 
 
