@@ -1,0 +1,132 @@
+"""Triton paged attention and KV store against the torch reference (kernels/attention_ref.py).
+
+Without CUDA the kernels run under the Triton interpreter; see tests/test_kernels_lora.py
+for why the variable is set here *and* the kernel module is reloaded when an earlier test
+module already built it for the compiler.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"   # before any of our kernels is decorated
+
+
+def _interpreted(name: str):
+    module = importlib.import_module(name)
+    if not CUDA:
+        from triton.runtime.jit import JITFunction
+        if any(isinstance(v, JITFunction) for v in vars(module).values()):
+            module = importlib.reload(sys.modules[name])
+    return module
+
+
+_interpreted("kernels.attention_kernels_triton")
+from engine.model.batch import AttentionMetadata  # noqa: E402
+from kernels.attention_ref import paged_attention_ref, store_kv_ref  # noqa: E402
+from kernels.attention_triton import paged_attention, store_kv  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+BS = 16
+D = 32
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _batch(ctx_lens, q_lens, H, KVH, dtype, seed=0):
+    """Sequences with `ctx_lens` cached tokens and `q_lens` new ones (K/V already stored),
+    blocks drawn from a shuffled pool so block tables are non-contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    seq = [c + n for c, n in zip(ctx_lens, q_lens)]
+    nblk = [-(-s // BS) for s in seq]
+    total = sum(nblk) + 3
+    perm = torch.randperm(total, generator=g)
+    bt = torch.zeros(len(seq), max(nblk), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(nblk):
+        bt[b, :n] = perm[used:used + n]
+        used += n
+    kc = torch.randn(total, BS, KVH, D, generator=g).to(dtype)
+    vc = torch.randn(total, BS, KVH, D, generator=g).to(dtype)
+    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx_lens, q_lens)])
+    seq_of = torch.repeat_interleave(torch.arange(len(seq)), torch.tensor(q_lens))
+    attn = AttentionMetadata(
+        positions=pos.to(DEV), slot_mapping=(bt[seq_of, pos // BS].long() * BS + pos % BS).to(DEV),
+        query_start_loc=torch.tensor([0] + list(q_lens)).cumsum(0).to(DEV, torch.int32),
+        seq_lens=torch.tensor(seq, dtype=torch.int32, device=DEV), block_tables=bt.to(DEV),
+        max_query_len=max(q_lens), max_seq_len=max(seq), block_size=BS)
+    q = torch.randn(len(pos), H, D, generator=g).to(DEV, dtype)
+    return q, kc.to(DEV), vc.to(DEV), attn
+
+
+def _check(ctx_lens, q_lens, H, KVH, dtype=torch.float32, num_splits=None, seed=0):
+    q, kc, vc, attn = _batch(ctx_lens, q_lens, H, KVH, dtype, seed)
+    want = paged_attention_ref(q, kc, vc, attn.positions, attn.query_start_loc, attn.seq_lens,
+                               attn.block_tables, D ** -0.5)
+    out = torch.full_like(q, float("nan"))           # poison: every element must be written
+    got = paged_attention(q, kc, vc, attn, D ** -0.5, num_splits=num_splits, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,KVH", [(4, 4), (4, 2), (8, 2)])
+def test_pure_decode(dtype, H, KVH):
+    _check([5, 40, 16, 1], [1, 1, 1, 1], H, KVH, dtype)
+
+
+@pytest.mark.parametrize("H,KVH", [(4, 4), (8, 2)])
+def test_pure_prefill(H, KVH):
+    _check([0, 0], [37, 5], H, KVH)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,KVH", [(2, 1), (8, 2)])
+def test_mixed_batch_with_cached_prefixes(dtype, H, KVH):
+    """Decodes, a fresh prefill and chunked-prefill continuations over cached prefixes."""
+    _check([30, 0, 16, 7, 50], [1, 20, 9, 1, 70], H, KVH, dtype, seed=3)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_kv_decode_over_long_contexts(num_splits):
+    _check([200, 3, 130], [1, 1, 1], 8, 2, num_splits=num_splits, seed=4)
+
+
+def test_split_kv_in_a_mixed_batch():
+    """Splits apply to every tile, including tiles of a prefill chunk and empty splits."""
+    _check([150, 0], [1, 24], 4, 2, num_splits=3, seed=5)
+
+
+def test_automatic_split_choice():
+    _check([300], [1], 4, 1, seed=6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_only_mapped_slots(dtype):
+    g = torch.Generator().manual_seed(1)
+    T, KVH, nb = 6, 2, 4
+    qkv = torch.randn(T, (4 + 2 * KVH) * D, generator=g).to(DEV, dtype)  # k/v: views into it
+    k = qkv[:, 4 * D:(4 + KVH) * D].view(T, KVH, D)
+    v = qkv[:, (4 + KVH) * D:].view(T, KVH, D)
+    slots = torch.tensor([17, 3, -1, 40, 63, 0], device=DEV)
+    kc = torch.randn(nb, BS, KVH, D, generator=g).to(DEV, dtype)   # poison: random cache
+    vc = torch.randn(nb, BS, KVH, D, generator=g).to(DEV, dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_ref(k, v, want_k, want_v, slots)
+    store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_bad_shapes_raise_precise_errors():
+    q, kc, vc, attn = _batch([4], [2], 4, 2, torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention(q[..., :16], kc, vc, attn, 1.0)
+    with pytest.raises(ValueError, match="attn describes"):
+        paged_attention(q[:1], kc, vc, attn, 1.0)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(q[:, :2], q[:, :2], kc, vc, attn.slot_mapping[:1])
