@@ -1,0 +1,102 @@
+"""Shared session fixtures: tiny Llama (GQA) and Qwen2 (qkv bias) models, each with a set of
+PEFT adapters of different ranks and features, written once per test session; and the
+Hugging Face + PEFT oracle for them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.tiny import PAD_ID, AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# name -> spec: different ranks; rslora; alpha_pattern (and rank_pattern); attention only
+ADAPTER_SPECS = {
+    "rs4": AdapterSpec(r=4, lora_alpha=8, use_rslora=True, seed=11),
+    "ap8": AdapterSpec(r=8, lora_alpha=16, alpha_pattern={"v_proj": 64, "down_proj": 4},
+                       rank_pattern={"gate_proj": 6}, seed=12),
+    "attn32": AdapterSpec(r=32, lora_alpha=32, target_modules=ATTENTION, seed=13),
+}
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """A tiny model directory and its adapters (name -> PEFT directory)."""
+    arch: str
+    model_dir: Path
+    adapters: dict
+
+
+def _build_family(root: Path, arch: str) -> TinyFamily:
+    model_dir = make_model(root / arch / "model", TinySpec(arch=arch))
+    adapters = {name: make_adapter(root / arch / name, model_dir, spec)
+                for name, spec in ADAPTER_SPECS.items()}
+    return TinyFamily(arch, model_dir, adapters)
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def llama_family(tiny_root) -> TinyFamily:
+    return _build_family(tiny_root, "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_family(tiny_root) -> TinyFamily:
+    return _build_family(tiny_root, "qwen2")
+
+
+class HFOracle:
+    """Hugging Face transformers + PEFT with every adapter of a family loaded; greedy
+    generation of a mixed batch through `adapter_names`, left padded."""
+
+    def __init__(self, family: TinyFamily):
+        from peft import PeftModel
+
+        names = list(family.adapters)
+        base = load_hf_model(family.model_dir)
+        self.model = PeftModel.from_pretrained(base, family.adapters[names[0]],
+                                               adapter_name=names[0]).eval()
+        for name in names[1:]:
+            self.model.load_adapter(family.adapters[name], adapter_name=name)
+        self.eos_id = base.config.eos_token_id
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], adapters: list[str | None],
+                 max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """(tokens, logprobs of the chosen tokens) per prompt, cut after the first EOS."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask,
+            adapter_names=[a if a is not None else "__base__" for a in adapters],
+            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=PAD_ID,
+            output_logits=True, return_dict_in_generate=True)
+        logprobs = torch.stack([torch.log_softmax(step.float(), -1) for step in out.logits], 1)
+        results = []
+        for i in range(len(prompts)):
+            toks = out.sequences[i, width:].tolist()
+            if self.eos_id in toks:
+                toks = toks[:toks.index(self.eos_id) + 1]
+            lps = [logprobs[i, t, tok].item() for t, tok in enumerate(toks)]
+            results.append((toks, lps))
+        return results
+
+
+@pytest.fixture(scope="session")
+def llama_oracle(llama_family) -> HFOracle:
+    return HFOracle(llama_family)
+
+
+@pytest.fixture(scope="session")
+def qwen2_oracle(qwen2_family) -> HFOracle:
+    return HFOracle(qwen2_family)
