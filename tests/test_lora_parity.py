@@ -83,7 +83,7 @@ def expected_group_delta(peft_models, names, token_slots, layer, group, x):
 
 
 def run_group(batch, layer, group, x, n_out, gen):
-    y0 = torch.randn(x.shape[0], n_out, generator=gen)
+    y0 = torch.randn(x.shape[0], n_out, generator=gen).to(x.device)
     y = y0.clone()
     batch.apply(layer, group, x, y)
     return y - y0
@@ -104,27 +104,37 @@ def test_targets_match_peft(setup):
                     assert gw.slice_ranks[s] == peft_r, (name, layer, module)
 
 
-def test_mixed_batch_matches_peft(setup):
+DEVICES = [pytest.param("cpu"),
+           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batch_matches_peft(setup, device):
+    """On CUDA: pool on the device, pinned host copies, the Triton kernel via kernels.lora."""
     cfg, dirs, peft_models = setup
     names = list(dirs)
-    pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK)
+    pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK, device=device)
     for slot, name in enumerate(names):
-        pool.load(slot, load_lora(dirs[name], cfg, MAX_RANK))
+        w = load_lora(dirs[name], cfg, MAX_RANK)
+        pool.load(slot, w.pin_memory() if device == "cuda" else w)
     gen = torch.Generator().manual_seed(0)
-    T = 40
-    token_slots = torch.randint(-1, len(names), (T,), generator=gen)
-    token_slots[: len(names) + 1] = torch.arange(-1, len(names))  # every slot and -1 present
-    batch = LoRABatch(pool, token_slots)
-    shapes = lora_group_shapes(cfg)
-    for layer in range(cfg.num_layers):
-        for group in GROUPS:
-            x = torch.randn(T, shapes[group].in_features, generator=gen)
-            got = run_group(batch, layer, group, x, sum(shapes[group].out_features), gen)
-            want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
-            assert want.abs().max() > 0.1  # the adapters really contribute
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"layer {layer} {group}: {m}")
-            assert torch.all(got[token_slots < 0] == 0)
+    tol = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
+    for T in (40, 7):  # a prefill-sized and a decode-sized batch
+        token_slots = torch.randint(-1, len(names), (T,), generator=gen)
+        token_slots[: min(T, len(names) + 1)] = torch.arange(-1, min(T, len(names) + 1) - 1)
+        batch = LoRABatch(pool, token_slots.to(device))
+        shapes = lora_group_shapes(cfg)
+        for layer in range(cfg.num_layers):
+            for group in GROUPS:
+                x = torch.randn(T, shapes[group].in_features, generator=gen)
+                got = run_group(batch, layer, group, x.to(device),
+                                sum(shapes[group].out_features), gen).cpu()
+                want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
+                assert want.abs().max() > 0.1  # the adapters really contribute
+                torch.testing.assert_close(got, want, **tol,
+                                           msg=lambda m: f"T={T} layer {layer} {group}: {m}")
+                assert torch.all(got[token_slots < 0] == 0)
 
 
 def test_reload_higher_rank_slot_leaves_no_stale_weights(setup):
