@@ -1,0 +1,5 @@
+import sys
+
+from engine.server.main import main
+
+sys.exit(main())

@@ -1,0 +1,59 @@
+"""EngineEvent snapshots built from Engine.stats(): adapter residency, in-flight counts,
+evictions, and the numeric counters (KV blocks, references, queue lengths)."""
+from __future__ import annotations
+
+from loramux.v1 import adapter_admin_pb2, engine_pb2
+
+_RESIDENCY = {
+    "slot": adapter_admin_pb2.RESIDENCY_DEVICE,
+    "device": adapter_admin_pb2.RESIDENCY_DEVICE,
+    "gpu": adapter_admin_pb2.RESIDENCY_DEVICE,
+    "host": adapter_admin_pb2.RESIDENCY_HOST,
+    "cpu": adapter_admin_pb2.RESIDENCY_HOST,
+    "disk": adapter_admin_pb2.RESIDENCY_DISK,
+}
+
+
+def max_model_len(engine) -> int:
+    """The longest prompt + output the engine accepts."""
+    return int(getattr(engine, "max_model_len", None) or engine.config.max_model_len
+               or engine.model_config.max_position_embeddings)
+
+
+def engine_event(stats: dict, loaded: dict) -> engine_pb2.EngineEvent:
+    """The event for one stats() snapshot; `loaded` maps name -> LoadedAdapter (path, id)
+    for names the control plane loaded, so the event names each adapter even when the
+    engine's own stats key them by id."""
+    ev = engine_pb2.EngineEvent(
+        running_requests=int(stats.get("num_running", stats.get("running", 0)) or 0),
+        waiting_requests=int(stats.get("num_waiting", stats.get("waiting", 0)) or 0))
+    for key, value in stats.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            ev.stats[key] = float(value)
+    for entry in _adapter_entries(stats):
+        ev.adapters.append(_adapter_status(entry, loaded))
+    return ev
+
+
+def _adapter_entries(stats: dict) -> list[dict]:
+    raw = stats.get("adapters", [])
+    if isinstance(raw, dict):
+        return [dict(v, name=v.get("name", k)) for k, v in raw.items()]
+    return [dict(v) for v in raw]
+
+
+def _adapter_status(entry: dict, loaded: dict) -> engine_pb2.AdapterStatus:
+    name = str(entry.get("name", ""))
+    have = loaded.get(name)
+    residency = str(entry.get("state", entry.get("residency", ""))).lower()
+    slot = entry.get("slot")
+    return engine_pb2.AdapterStatus(
+        name=name, id=int(entry.get("id", entry.get("adapter_id", have.adapter_id if have else 0))),
+        path=str(entry.get("path", have.path if have else "")),
+        residency=_RESIDENCY.get(residency, adapter_admin_pb2.RESIDENCY_UNSPECIFIED),
+        slot=-1 if slot is None else int(slot),
+        pinned=bool(entry.get("pinned", False)),
+        unloading=bool(entry.get("unloading", False)),
+        in_flight_requests=int(entry.get("in_flight", entry.get("in_flight_requests", 0))),
+        loads=int(entry.get("loads", 0)), evictions=int(entry.get("evictions", 0)),
+        rank=int(entry.get("rank", 0)))

@@ -1,0 +1,41 @@
+"""Waits for an engine heartbeat on its output socket: the engine's health check.
+
+`python -m engine.server.probe tcp://host:port [--timeout S]` exits 0 once a heartbeat
+arrives, 1 when none does in time."""
+from __future__ import annotations
+
+import sys
+import time
+
+import zmq
+from loramux.v1 import engine_pb2
+
+
+def wait_heartbeat(output_address: str, timeout_s: float = 5.0) -> engine_pb2.Heartbeat | None:
+    """The first heartbeat published on `output_address`, or None after `timeout_s`."""
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(output_address)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not sub.poll(int(left * 1000)):
+                break
+            msg = engine_pb2.EngineOutput.FromString(sub.recv())
+            if msg.WhichOneof("kind") == "heartbeat":
+                return msg.heartbeat
+        return None
+    finally:
+        sub.close(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    timeout = float(argv[argv.index("--timeout") + 1]) if "--timeout" in argv else 5.0
+    return 0 if wait_heartbeat(argv[0], timeout) is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

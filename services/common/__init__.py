@@ -1,0 +1,1 @@
+"""Pieces shared by the gateway and the control plane."""

@@ -1,0 +1,1 @@
+"""The control plane: AdapterAdminService, the SQLite registry, and the engine link."""

@@ -1,0 +1,5 @@
+import sys
+
+from services.control.main import main
+
+sys.exit(main())

@@ -1,0 +1,80 @@
+"""The control plane's link to an engine: adapter commands awaiting acks, events, and
+(re)connect notifications so the desired state can be replayed."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+
+from loramux.v1 import engine_pb2
+
+from services.common.engine_connection import EngineConnection
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is down, restarted mid-command, or did not answer in time."""
+
+
+class EngineLink:
+    def __init__(self, input_address: str, output_address: str, *,
+                 on_connect: Callable[[str], Awaitable[None]],
+                 on_event: Callable[[engine_pb2.EngineEvent], None],
+                 heartbeat_timeout_s: float = 1.5):
+        self._on_connect = on_connect
+        self._on_event = on_event
+        self._pending: dict[str, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.last_event = engine_pb2.EngineEvent()
+        self.conn = EngineConnection(input_address, output_address, on_output=self._output,
+                                     on_up=self._up, on_down=self._down,
+                                     heartbeat_timeout_s=heartbeat_timeout_s)
+
+    @property
+    def up(self) -> bool:
+        return self.conn.up
+
+    async def start(self) -> None:
+        await self.conn.start()
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await self.conn.close()
+
+    async def command(self, kind: int, name: str, path: str = "", pinned: bool = False,
+                      timeout_s: float = 60.0) -> engine_pb2.AdapterAck:
+        """Send one adapter command and wait for its ack (raises EngineUnavailable)."""
+        cmd_id = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[cmd_id] = fut
+        msg = engine_pb2.EngineInput(adapter_command=engine_pb2.AdapterCommand(
+            command_id=cmd_id, kind=kind, name=name, path=path, pinned=pinned))
+        try:
+            if not self.conn.send(msg):
+                raise EngineUnavailable("the engine is not connected")
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"the engine did not acknowledge within {timeout_s} s") from None
+        finally:
+            self._pending.pop(cmd_id, None)
+
+    def _output(self, msg: engine_pb2.EngineOutput) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "adapter_ack":
+            fut = self._pending.get(msg.adapter_ack.command_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.adapter_ack)
+        elif kind == "event":
+            self.last_event = msg.event
+            self._on_event(msg.event)
+
+    def _up(self, instance_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._on_connect(instance_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _down(self, reason: str) -> None:
+        self.last_event = engine_pb2.EngineEvent()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(reason))

@@ -1,0 +1,112 @@
+"""Command line of the control plane (`python -m services.control`)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
+
+from services.common import grpc_server
+from services.common.logs import configure_logging
+
+SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].full_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m services.control",
+                                description="loramux control plane (AdapterAdminService)")
+    p.add_argument("--listen", default=env("LORAMUX_CONTROL_LISTEN", "127.0.0.1:50052"),
+                   help="gRPC host:port (port 0 picks a free one)")
+    p.add_argument("--model", default=env("LORAMUX_MODEL"), help="base model directory")
+    p.add_argument("--db", default=env("LORAMUX_CONTROL_DB"), help="SQLite registry file")
+    p.add_argument("--adapter-root", action="append", default=None,
+                   help="directory adapters may live in (repeatable; $LORAMUX_ADAPTER_ROOTS, "
+                        "':'-separated)")
+    p.add_argument("--engine-input", default=env("LORAMUX_ENGINE_INPUT"))
+    p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
+    p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
+                   help="ZMQ address to bind for publishing the adapter table to gateways")
+    p.add_argument("--max-lora-rank", type=int, default=int(env("LORAMUX_MAX_LORA_RANK", "64")))
+    p.add_argument("--auth-token", default=env("LORAMUX_ADMIN_TOKEN"),
+                   help="bearer token required on admin calls ($LORAMUX_ADMIN_TOKEN)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.5)
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--log-level", default=env("LORAMUX_LOG_LEVEL", "info"))
+    return p
+
+
+def make_validator(model_dir: str, max_lora_rank: int):
+    """The engine's own adapter validator, bound to the base model."""
+    from engine.lora import validate_lora
+    from engine.model.hf_config import ModelConfig
+
+    model_cfg = ModelConfig.from_dir(model_dir)
+
+    def validate(path: str) -> tuple[int, tuple[str, ...]]:
+        plan = validate_lora(path, model_cfg, max_lora_rank)
+        return int(plan.max_rank), tuple(sorted(plan.target_modules))
+    return validate
+
+
+async def serve(args) -> int:
+    from services.control.auth import BearerTokenInterceptor
+    from services.control.engine_link import EngineLink
+    from services.control.manager import AdapterManager
+    from services.control.paths import AdapterRoots
+    from services.control.registry import Registry
+    from services.control.servicer import AdapterAdminServicer
+    from services.control.table_publisher import TablePublisher
+
+    log = configure_logging("control", args.log_level)
+    roots = args.adapter_root or [r for r in os.environ.get("LORAMUX_ADAPTER_ROOTS", "").split(":") if r]
+    registry = Registry(args.db)
+    table = TablePublisher(args.table_address)
+    manager_box: list[AdapterManager] = []
+    link = EngineLink(args.engine_input, args.engine_output,
+                      on_connect=lambda inst: manager_box[0].replay(inst),
+                      on_event=lambda ev: manager_box[0].on_event(ev),
+                      heartbeat_timeout_s=args.heartbeat_timeout)
+    manager = AdapterManager(registry, AdapterRoots(roots),
+                             make_validator(args.model, args.max_lora_rank), link, table)
+    manager_box.append(manager)
+    interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
+    server = grpc_server.make_server(interceptors=interceptors)
+    adapter_admin_pb2_grpc.add_AdapterAdminServiceServicer_to_server(
+        AdapterAdminServicer(manager), server)
+    health = grpc_server.add_health_and_reflection(server, [SERVICE])
+    address = grpc_server.bind(server, args.listen)
+    await server.start()
+    table.start()
+    table.publish(registry.all())
+    await link.start()
+    await grpc_server.set_serving(health, [SERVICE], True)
+    grpc_server.write_ready_file(args.ready_file, {"address": address, "table": table.address,
+                                                   "pid": os.getpid()})
+    log.info("serving", address=address, table=table.address, adapters=len(registry.all()))
+    stop = asyncio.Event()
+    grpc_server.install_stop_signals(stop)
+    await stop.wait()
+    log.info("stopping")
+    await health.enter_graceful_shutdown()
+    await server.stop(5.0)
+    await link.close()
+    await table.close()
+    registry.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    missing = [n for n in ("model", "db", "engine_input", "engine_output", "table_address")
+               if not getattr(args, n)]
+    if missing:
+        print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
+              file=sys.stderr)
+        return 2
+    if not (args.adapter_root or os.environ.get("LORAMUX_ADAPTER_ROOTS")):
+        print("error: at least one --adapter-root is required", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(args))

@@ -1,0 +1,100 @@
+"""The adapter registry: the control plane's desired state, persisted in SQLite.
+
+Every change is one committed transaction, so a control plane killed at any moment
+restarts with exactly the registry its last answered call left."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, replace
+
+from loramux.v1 import adapter_admin_pb2 as pb
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS adapters (
+    name TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    state INTEGER NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    adapter_id INTEGER NOT NULL DEFAULT 0,
+    rank INTEGER NOT NULL DEFAULT 0,
+    target_modules TEXT NOT NULL DEFAULT '[]',
+    loads INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL
+)"""
+_COLUMNS = ("name", "path", "state", "pinned", "adapter_id", "rank", "target_modules",
+            "loads", "created_at")
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """One registry row. `state` is an AdapterState value (REGISTERED/LOADED/UNLOADING)."""
+    name: str
+    path: str
+    state: int = pb.ADAPTER_STATE_REGISTERED
+    pinned: bool = False
+    adapter_id: int = 0
+    rank: int = 0
+    target_modules: tuple[str, ...] = ()
+    loads: int = 0
+    created_at: float = 0.0
+
+    def evolve(self, **changes) -> "AdapterRecord":
+        return replace(self, **changes)
+
+
+def _from_row(row: tuple) -> AdapterRecord:
+    d = dict(zip(_COLUMNS, row))
+    d["pinned"] = bool(d["pinned"])
+    d["target_modules"] = tuple(json.loads(d["target_modules"]))
+    return AdapterRecord(**d)
+
+
+def _to_row(rec: AdapterRecord) -> tuple:
+    return (rec.name, rec.path, int(rec.state), int(rec.pinned), int(rec.adapter_id),
+            int(rec.rank), json.dumps(list(rec.target_modules)), int(rec.loads),
+            rec.created_at or time.time())
+
+
+class Registry:
+    """CRUD over the adapters table. Single writer (the control plane's event loop)."""
+
+    def __init__(self, path: str):
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def get(self, name: str) -> AdapterRecord | None:
+        row = self._db.execute(f"SELECT {','.join(_COLUMNS)} FROM adapters WHERE name = ?",
+                               (name,)).fetchone()
+        return _from_row(row) if row else None
+
+    def page(self, after: str = "", limit: int = 100) -> list[AdapterRecord]:
+        """Records ordered by name, strictly after `after`."""
+        rows = self._db.execute(
+            f"SELECT {','.join(_COLUMNS)} FROM adapters WHERE name > ? ORDER BY name LIMIT ?",
+            (after, limit)).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def all(self) -> list[AdapterRecord]:
+        rows = self._db.execute(f"SELECT {','.join(_COLUMNS)} FROM adapters ORDER BY name")
+        return [_from_row(r) for r in rows.fetchall()]
+
+    def put(self, rec: AdapterRecord) -> AdapterRecord:
+        """Insert or replace `rec` (one transaction); returns what was stored."""
+        rec = rec if rec.created_at else rec.evolve(created_at=time.time())
+        with self._db:
+            self._db.execute(
+                f"INSERT OR REPLACE INTO adapters ({','.join(_COLUMNS)}) "
+                f"VALUES ({','.join('?' * len(_COLUMNS))})", _to_row(rec))
+        return rec
+
+    def delete(self, name: str) -> bool:
+        with self._db:
+            cur = self._db.execute("DELETE FROM adapters WHERE name = ?", (name,))
+        return cur.rowcount > 0

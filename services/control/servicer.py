@@ -1,0 +1,114 @@
+"""AdapterAdminService over grpc.aio: request checks and proto conversion around the
+AdapterManager."""
+from __future__ import annotations
+
+import base64
+import functools
+
+import grpc
+from loramux.v1 import adapter_admin_pb2 as pb
+from loramux.v1 import adapter_admin_pb2_grpc as pb_grpc
+from loramux.v1 import engine_pb2
+
+from services.control.manager import AdapterManager, AdminError
+from services.control.registry import AdapterRecord
+
+_DEFAULT_PAGE, _MAX_PAGE = 100, 1000
+
+
+def _admin_call(method):
+    """Turn AdminError into the gRPC status it names."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except AdminError as err:
+            await context.abort(err.code, str(err))
+    return wrapper
+
+
+def _page_token(name: str) -> str:
+    return base64.urlsafe_b64encode(name.encode()).decode()
+
+
+def _after(token: str) -> str:
+    try:
+        return base64.urlsafe_b64decode(token.encode()).decode()
+    except Exception:  # noqa: BLE001 - any garbage token is the caller's error
+        raise AdminError(grpc.StatusCode.INVALID_ARGUMENT, f"page_token {token!r} is invalid") from None
+
+
+class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
+    def __init__(self, manager: AdapterManager):
+        self.m = manager
+
+    def to_proto(self, rec: AdapterRecord) -> pb.Adapter:
+        """Registry record + what the engine last reported about this name."""
+        out = pb.Adapter(name=rec.name, path=rec.path, state=rec.state, pinned=rec.pinned,
+                         rank=rec.rank, target_modules=rec.target_modules, id=rec.adapter_id,
+                         loads=rec.loads, slot=-1)
+        live = _engine_status(self.m.link.last_event, rec)
+        if live is not None and rec.state != pb.ADAPTER_STATE_REGISTERED:
+            out.residency = live.residency
+            out.slot = live.slot
+            out.in_flight_requests = live.in_flight_requests
+            out.evictions = live.evictions
+            if live.loads:
+                out.loads = live.loads
+        elif rec.state == pb.ADAPTER_STATE_LOADED:
+            out.residency = pb.RESIDENCY_DISK
+        return out
+
+    @_admin_call
+    async def RegisterAdapter(self, request, context):
+        return pb.RegisterAdapterResponse(adapter=self.to_proto(
+            await self.m.register(request.name, request.path)))
+
+    @_admin_call
+    async def LoadAdapter(self, request, context):
+        path = request.path if request.HasField("path") else None
+        return pb.LoadAdapterResponse(adapter=self.to_proto(
+            await self.m.load(request.name, path, request.pinned)))
+
+    @_admin_call
+    async def UnloadAdapter(self, request, context):
+        return pb.UnloadAdapterResponse(adapter=self.to_proto(await self.m.unload(request.name)))
+
+    @_admin_call
+    async def UnregisterAdapter(self, request, context):
+        await self.m.unregister(request.name)
+        return pb.UnregisterAdapterResponse()
+
+    @_admin_call
+    async def PinAdapter(self, request, context):
+        return pb.PinAdapterResponse(adapter=self.to_proto(await self.m.set_pinned(request.name, True)))
+
+    @_admin_call
+    async def UnpinAdapter(self, request, context):
+        return pb.UnpinAdapterResponse(adapter=self.to_proto(await self.m.set_pinned(request.name, False)))
+
+    @_admin_call
+    async def GetAdapter(self, request, context):
+        return pb.GetAdapterResponse(adapter=self.to_proto(self.m.require(request.name)))
+
+    @_admin_call
+    async def ListAdapters(self, request, context):
+        if request.page_size < 0:
+            raise AdminError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"page_size={request.page_size}: must be >= 0")
+        size = min(request.page_size or _DEFAULT_PAGE, _MAX_PAGE)
+        after = _after(request.page_token) if request.page_token else ""
+        recs = self.m.registry.page(after, size + 1)
+        resp = pb.ListAdaptersResponse(adapters=[self.to_proto(r) for r in recs[:size]])
+        if len(recs) > size:
+            resp.next_page_token = _page_token(recs[size - 1].name)
+        return resp
+
+
+def _engine_status(ev: engine_pb2.EngineEvent, rec: AdapterRecord) -> engine_pb2.AdapterStatus | None:
+    """The engine's entry for this record's id; else its newest version of the name."""
+    same_name = [a for a in ev.adapters if a.name == rec.name]
+    for a in same_name:
+        if a.id == rec.adapter_id:
+            return a
+    return max(same_name, key=lambda a: a.id, default=None)

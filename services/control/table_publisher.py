@@ -1,0 +1,49 @@
+"""Publishes the adapter table (what each name may serve now) to gateways over ZMQ PUB:
+at once on every change and every `interval_s`, so a gateway that (re)connects, or a
+control plane that restarts, converges within one interval."""
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+from loramux.v1 import engine_pb2
+
+from services.control.registry import AdapterRecord
+
+
+class TablePublisher:
+    def __init__(self, address: str, interval_s: float = 0.5):
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(address)
+        self.address = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._interval_s = interval_s
+        self._table = engine_pb2.AdapterTable()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._periodic())
+
+    def publish(self, records: list[AdapterRecord]) -> None:
+        """Replace the table with `records` and send it now."""
+        table = engine_pb2.AdapterTable(version=self._table.version + 1)
+        for r in records:
+            table.entries.add(name=r.name, state=r.state, pinned=r.pinned, id=r.adapter_id)
+        self._table = table
+        self._send()
+
+    def _send(self) -> None:
+        self._pub.send(self._table.SerializeToString())
+
+    async def _periodic(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            self._send()
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._pub.close(0)
+        self._ctx.term()

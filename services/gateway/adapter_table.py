@@ -1,0 +1,67 @@
+"""The gateway's copy of the control plane's adapter table (ZMQ SUB), and name resolution.
+
+The last table received stays in force while the control plane is away, so a control
+plane restart never disturbs generation."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import zmq
+import zmq.asyncio
+from loramux.v1 import adapter_admin_pb2 as admin_pb2
+from loramux.v1 import engine_pb2
+
+from services.gateway.errors import Rejected
+
+
+class AdapterTable:
+    def __init__(self, address: str):
+        self.address = address
+        self._ctx = zmq.asyncio.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._entries: dict[str, engine_pb2.AdapterTableEntry] | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def received(self) -> bool:
+        return self._entries is not None
+
+    async def start(self) -> None:
+        self._sub.connect(self.address)
+        self._task = asyncio.get_running_loop().create_task(self._receive())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._sub.close(0)
+        self._ctx.term()
+
+    def update(self, table: engine_pb2.AdapterTable) -> None:
+        self._entries = {e.name: e for e in table.entries}
+
+    async def _receive(self) -> None:
+        while True:
+            raw = await self._sub.recv()
+            try:
+                self.update(engine_pb2.AdapterTable.FromString(raw))
+            except Exception:  # noqa: BLE001 - a garbled table is dropped, the old one stays
+                continue
+
+    def resolve(self, name: str) -> None:
+        """Raise Rejected unless adapter `name` may take new requests now."""
+        if self._entries is None:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                           "the adapter table has not been received from the control plane yet")
+        entry = self._entries.get(name)
+        if entry is None:
+            raise Rejected(grpc.StatusCode.NOT_FOUND, f"adapter {name!r} is not registered")
+        if entry.state == admin_pb2.ADAPTER_STATE_REGISTERED:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"adapter {name!r} is registered but not loaded")
+        if entry.state == admin_pb2.ADAPTER_STATE_UNLOADING:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"adapter {name!r} is being unloaded")

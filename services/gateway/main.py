@@ -1,0 +1,102 @@
+"""Command line of the gateway (`python -m services.gateway`)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from loramux.v1 import generate_pb2, generate_pb2_grpc
+
+from services.common import grpc_server
+from services.common.logs import configure_logging
+
+SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m services.gateway",
+                                description="loramux gateway (GenerateService)")
+    p.add_argument("--listen", default=env("LORAMUX_GATEWAY_LISTEN", "127.0.0.1:50051"),
+                   help="gRPC host:port (port 0 picks a free one)")
+    p.add_argument("--model", default=env("LORAMUX_MODEL"),
+                   help="base model directory (its tokenizer and context length)")
+    p.add_argument("--engine-input", default=env("LORAMUX_ENGINE_INPUT"))
+    p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
+    p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
+                   help="the control plane's adapter-table PUB address")
+    p.add_argument("--max-inflight", type=int, default=int(env("LORAMUX_MAX_INFLIGHT", "256")),
+                   help="admission limit: calls beyond it get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-message-bytes", type=int,
+                   default=int(env("LORAMUX_MAX_MESSAGE_BYTES", str(grpc_server.DEFAULT_MAX_MESSAGE_BYTES))))
+    p.add_argument("--metrics-port", type=int, default=int(env("LORAMUX_METRICS_PORT", "9090")),
+                   help="Prometheus /metrics HTTP port (0 picks one, -1 disables)")
+    p.add_argument("--metrics-host", default=env("LORAMUX_METRICS_HOST", "127.0.0.1"))
+    p.add_argument("--heartbeat-timeout", type=float, default=1.5)
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds in-flight calls may take to finish on shutdown")
+    p.add_argument("--ready-file", default=None)
+    p.add_argument("--log-level", default=env("LORAMUX_LOG_LEVEL", "info"))
+    return p
+
+
+async def _track_health(health, engine) -> None:
+    """SERVING exactly while the engine is up, so orchestrators route around a dead one."""
+    serving = None
+    while True:
+        if engine.up != serving:
+            serving = engine.up
+            await grpc_server.set_serving(health, [SERVICE], serving)
+        await asyncio.sleep(0.2)
+
+
+async def serve(args) -> int:
+    from engine.model.hf_config import ModelConfig
+    from engine.tokenizer import Tokenizer
+    from services.gateway.adapter_table import AdapterTable
+    from services.gateway.engine_client import EngineClient
+    from services.gateway.metrics import GatewayMetrics
+    from services.gateway.servicer import GenerateServicer
+
+    log = configure_logging("gateway", args.log_level)
+    tokenizer = Tokenizer.from_dir(args.model)
+    max_len = ModelConfig.from_dir(args.model).max_position_embeddings
+    metrics = GatewayMetrics()
+    metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
+    engine = EngineClient(args.engine_input, args.engine_output, max_inflight=args.max_inflight,
+                          heartbeat_timeout_s=args.heartbeat_timeout)
+    table = AdapterTable(args.table_address)
+    server = grpc_server.make_server(args.max_message_bytes)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(
+        GenerateServicer(engine, table, tokenizer, metrics, max_len), server)
+    health = grpc_server.add_health_and_reflection(server, [SERVICE])
+    address = grpc_server.bind(server, args.listen)
+    await engine.start()
+    await table.start()
+    await server.start()
+    health_task = asyncio.create_task(_track_health(health, engine))
+    grpc_server.write_ready_file(args.ready_file, {"address": address, "metrics_port": metrics_port,
+                                                   "pid": os.getpid()})
+    log.info("serving", address=address, metrics_port=metrics_port)
+    stop = asyncio.Event()
+    grpc_server.install_stop_signals(stop)
+    await stop.wait()
+    log.info("stopping", grace_s=args.grace, inflight=engine.inflight)
+    health_task.cancel()
+    await health.enter_graceful_shutdown()
+    await server.stop(args.grace)
+    await table.close()
+    await engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    missing = [n for n in ("model", "engine_input", "engine_output", "table_address")
+               if not getattr(args, n)]
+    if missing:
+        print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
+              file=sys.stderr)
+        return 2
+    return asyncio.run(serve(args))

@@ -1,0 +1,112 @@
+"""GenerateService over grpc.aio: validate, resolve the adapter, admit, stream.
+
+The engine detokenizes (engine/detokenizer.py, the same incremental detokenizer the offline
+engine uses) because stop strings are decided on text and must stop the request inside the
+engine at the step they appear; the gateway forwards each step's text delta as is, so a
+stream's text is exactly the offline engine's text, and multi-byte characters arrive whole."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+from loramux.v1 import engine_pb2, generate_pb2, generate_pb2_grpc
+
+from services.gateway.adapter_table import AdapterTable
+from services.gateway.engine_client import EngineClient
+from services.gateway.errors import Rejected
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.validation import check_sampling, prompt_ids
+
+
+class _Stream:
+    """Timing and counting for one call."""
+
+    def __init__(self, adapter: str):
+        self.adapter = adapter
+        self.t0 = time.monotonic()
+        self.first: float | None = None
+        self.last = self.t0
+        self.tokens = 0
+        self.prompt_tokens = 0
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, engine: EngineClient, table: AdapterTable, tokenizer,
+                 metrics: GatewayMetrics, default_max_model_len: int):
+        self.engine, self.table, self.tokenizer = engine, table, tokenizer
+        self.metrics = metrics
+        self.default_max_model_len = default_max_model_len
+        self._log = structlog.get_logger()
+
+    def _admit(self, req: generate_pb2.GenerateRequest) -> tuple[str, asyncio.Queue, int]:
+        hb = self.engine.conn.heartbeat
+        vocab = hb.vocab_size or self.tokenizer.vocab_size
+        max_len = hb.max_model_len or self.default_max_model_len
+        ids = prompt_ids(req, self.tokenizer, max_len, vocab)
+        check_sampling(req.sampling, vocab)
+        if req.adapter:
+            self.table.resolve(req.adapter)
+        rid, queue = self.engine.open()
+        try:
+            self.engine.submit(rid, ids, req.adapter, req.sampling)
+        except Rejected:
+            self.engine.release(rid, abort=False)
+            raise
+        return rid, queue, len(ids)
+
+    async def Generate(self, request, context):
+        st = _Stream(request.adapter)
+        log = self._log.bind(request_id=request.request_id, adapter=request.adapter or "<base>")
+        status, finished, rid = "OK", False, None
+        try:
+            rid, queue, st.prompt_tokens = self._admit(request)
+            log = log.bind(engine_request_id=rid)
+            self.metrics.inflight.inc()
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Rejected):
+                    raise item
+                finished = item.finished
+                yield self._response(request, item, st)
+        except Rejected as err:
+            status = err.code.name
+            await context.abort(err.code, str(err))
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        finally:
+            if rid is not None:
+                self.engine.release(rid, abort=not finished)
+                self.metrics.inflight.dec()
+            self.metrics.requests.labels(request.adapter, status).inc()
+            log.info("generate", status=status, completion_tokens=st.tokens,
+                     ttft_s=None if st.first is None else round(st.first - st.t0, 4),
+                     total_s=round(time.monotonic() - st.t0, 4))
+
+    def _response(self, req, d: engine_pb2.RequestDelta, st: _Stream) -> generate_pb2.GenerateResponse:
+        now = time.monotonic()
+        n = len(d.token_ids)
+        if n:
+            if st.first is None:
+                st.first = now
+                self.metrics.ttft.labels(st.adapter).observe(now - st.t0)
+                self.metrics.prompt_tokens.labels(st.adapter).inc(st.prompt_tokens)
+            else:
+                per_token = (now - st.last) / n
+                for _ in range(n):
+                    self.metrics.itl.labels(st.adapter).observe(per_token)
+            st.last = now
+            st.tokens += n
+            self.metrics.generated_tokens.labels(st.adapter).inc(n)
+        resp = generate_pb2.GenerateResponse(request_id=req.request_id, token_ids=d.token_ids,
+                                             text=d.text, logprobs=d.logprobs)
+        if d.finished:
+            resp.finish_reason = d.finish_reason
+            resp.usage.prompt_tokens = d.prompt_tokens or st.prompt_tokens
+            resp.usage.completion_tokens = st.tokens
+            resp.usage.cached_tokens = d.cached_tokens
+            resp.timings.time_to_first_token_s = (st.first or now) - st.t0
+            resp.timings.total_s = now - st.t0
+        return resp

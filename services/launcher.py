@@ -1,0 +1,136 @@
+"""Runs control plane, engine and gateway as separate local processes (`loramux serve`,
+and the end-to-end tests). Each process can be stopped, killed and restarted alone on
+the same addresses."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVICES = ("engine", "control", "gateway")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (the OS picks it); used to fix addresses before start so a
+    restarted process comes back on the same ones."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str
+    adapter_roots: tuple[str, ...]
+    workdir: str
+    host: str = "127.0.0.1"
+    gateway_port: int = 0            # 0: a free port
+    control_port: int = 0
+    metrics_port: int = -1           # -1: no metrics server
+    auth_token: str | None = None
+    tensor_parallel_size: int = 1
+    engine_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    control_args: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+
+
+class Cluster:
+    def __init__(self, cfg: ClusterConfig):
+        self.cfg = cfg
+        self.workdir = Path(cfg.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        h = cfg.host
+        self.engine_input = f"tcp://{h}:{free_port(h)}"
+        self.engine_output = f"tcp://{h}:{free_port(h)}"
+        self.table_address = f"tcp://{h}:{free_port(h)}"
+        self.gateway_address = f"{h}:{cfg.gateway_port or free_port(h)}"
+        self.control_address = f"{h}:{cfg.control_port or free_port(h)}"
+        self.db = str(self.workdir / "registry.sqlite")
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def command(self, name: str) -> list[str]:
+        c = self.cfg
+        common = ["--model", c.model]
+        if name == "engine":
+            return [sys.executable, "-m", "engine.server", *common, "--input", self.engine_input,
+                    "--output", self.engine_output, "--tensor-parallel-size",
+                    str(c.tensor_parallel_size), "--ready-file", self._ready(name), *c.engine_args]
+        links = ["--engine-input", self.engine_input, "--engine-output", self.engine_output,
+                 "--table-address", self.table_address, "--ready-file", self._ready(name)]
+        if name == "control":
+            roots = [a for r in c.adapter_roots for a in ("--adapter-root", r)]
+            token = ["--auth-token", c.auth_token] if c.auth_token else []
+            return [sys.executable, "-m", "services.control", *common, *links, *roots, *token,
+                    "--listen", self.control_address, "--db", self.db, *c.control_args]
+        return [sys.executable, "-m", "services.gateway", *common, *links,
+                "--listen", self.gateway_address, "--metrics-port", str(c.metrics_port),
+                *c.gateway_args]
+
+    def _ready(self, name: str) -> str:
+        return str(self.workdir / f"{name}.ready.json")
+
+    def start(self, *names: str) -> None:
+        """Start the named services (all by default) at once."""
+        for name in names or SERVICES:
+            ready = Path(self._ready(name))
+            ready.unlink(missing_ok=True)
+            log = open(self.workdir / f"{name}.log", "ab")
+            env = {**os.environ, **self.cfg.env}
+            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log, env=env)
+            log.close()
+
+    def wait_ready(self, *names: str, timeout_s: float = 120.0) -> dict[str, dict]:
+        """Wait until each named process wrote its ready file; raise if one died."""
+        deadline = time.monotonic() + timeout_s
+        out = {}
+        for name in names or SERVICES:
+            ready = Path(self._ready(name))
+            while not ready.exists():
+                proc = self.procs[name]
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} not ready after {timeout_s} s:\n{self.log_tail(name)}")
+                time.sleep(0.05)
+            out[name] = json.loads(ready.read_text())
+        return out
+
+    def log_tail(self, name: str, n: int = 4000) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int | None:
+        """Signal one service and wait for it (SIGKILL after timeout); its exit code."""
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return None if proc is None else proc.returncode
+        proc.send_signal(sig)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def kill(self, name: str) -> None:
+        self.stop(name, signal.SIGKILL)
+
+    def close(self) -> None:
+        for name in ("gateway", "control", "engine"):
+            self.stop(name)
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() is not None]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
