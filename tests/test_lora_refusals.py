@@ -236,3 +236,26 @@ def test_refusals_leave_pool_untouched(base, adapter, tmp_path):
         pool.load(1, load_lora(adapter, cfg, 8))
     assert before[0].any()
     assert all(torch.equal(x, y) for x, y in zip(before, pool_state(pool)))
+
+
+def test_keys_with_adapter_name_load_the_same(base, adapter):
+    """Older PEFT files keep the adapter name in keys (`lora_A.default.weight`)."""
+    cfg = base[0]
+    plain = load_lora(adapter, cfg, MAX_RANK)
+
+    def rename(t):
+        for k in list(t):
+            t[k.replace(".weight", ".default.weight")] = t.pop(k)
+    edit_tensors(adapter, rename)
+    named = load_lora(adapter, cfg, MAX_RANK)
+    assert plain.groups.keys() == named.groups.keys()
+    for k, g in plain.groups.items():
+        assert torch.equal(g.a, named.groups[k].a) and torch.equal(g.b, named.groups[k].b)
+
+
+@pytest.mark.parametrize("suffix,feature", [("lora_B.bias", "lora_bias"),
+                                            ("lora_B.default.bias", "lora_bias"),
+                                            ("base_layer.bias", "bias")])
+def test_bias_tensors(base, adapter, suffix, feature):
+    edit_tensors(adapter, lambda t: t.update({f"{Q0}.{suffix}": torch.zeros(64)}))
+    refused(base[0], adapter, feature, WEIGHTS)

@@ -23,15 +23,16 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 # PEFT strips the adapter name when saving; older files may keep it (`lora_A.default.weight`).
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\."
                   r"(?P<module>\w+)\.lora_(?P<factor>[AB])(?:\.[\w\-]+)?\.weight$")
-# Tensors of features we refuse, recognised by name: (substring, feature, why).
-_REFUSED_KEYS = (
-    ("lora_embedding_", "embedding", "LoRA on an embedding"),
-    ("embed_tokens", "embedding", "weights for the embedding"),
-    ("lm_head", "lm_head", "weights for the output head"),
-    ("lora_magnitude_vector", "use_dora", "a DoRA magnitude vector"),
-    ("modules_to_save", "modules_to_save", "a fully trained module copy"),
-    ("lora_B.bias", "lora_bias", "a LoRA bias"),
-)
+# Tensors of features we refuse, recognised by name: (regex searched in the key, feature, what).
+_REFUSED_KEYS = tuple((re.compile(p), f, w) for p, f, w in (
+    (r"lora_embedding_", "embedding", "LoRA on an embedding"),
+    (r"embed_tokens", "embedding", "weights for the embedding"),
+    (r"lm_head", "lm_head", "weights for the output head"),
+    (r"lora_magnitude_vector", "use_dora", "a DoRA magnitude vector"),
+    (r"modules_to_save", "modules_to_save", "a fully trained module copy"),
+    (r"\.lora_B(\.[\w\-]+)?\.bias$", "lora_bias", "a LoRA bias"),
+    (r"\.bias$", "bias", "a trained bias of a base module"),
+))
 
 
 def module_name(layer: int, module: str) -> str:
@@ -152,8 +153,8 @@ def _index_keys(shapes: dict, num_layers: int, file: str) -> dict[tuple[int, str
     """{(layer, module): {"A": key, "B": key}}; refuses every key we cannot place."""
     found: dict[tuple[int, str], dict[str, str]] = {}
     for key in shapes:
-        for part, feature, what in _REFUSED_KEYS:
-            if part in key:
+        for pattern, feature, what in _REFUSED_KEYS:
+            if pattern.search(key):
                 raise AdapterError(f"tensor {key!r} is {what}, which is not supported",
                                    feature=feature, file=file)
         m = _KEY.match(key)
