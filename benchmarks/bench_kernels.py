@@ -1,0 +1,216 @@
+"""Multi-adapter LoRA kernel benchmark on Llama-3-8B shapes against the memory floor.
+
+    python benchmarks/bench_kernels.py --out DIR [--quick]
+
+Measures the device copy bandwidth in the same run, then for every layer group (qkv, o,
+gate_up, down), rank, token count, distinct-adapter count and token->adapter mapping:
+checks `add_lora` against the torch reference on sampled rows, times it with CUDA graphs
+over rotating buffer sets, counts its launches, and (on the two-kernel path) times the
+shrink and expand kernels alone. Floors follow PERF.md. Writes kernels.csv and kernels.md
+to DIR and prints a short table. Needs a CUDA GPU; the arithmetic helpers do not.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import (count_launches, copy_bandwidth, floor_seconds,  # noqa: E402
+                               rotating_sets, time_graph)
+
+HIDDEN, KV, INTER = 4096, 1024, 14336
+BF16, FP32 = 2, 4
+
+
+def layer_groups() -> list[tuple[str, int, tuple[int, ...]]]:
+    """(name, input width K, output slice widths) of the LoRA-wrapped layers of one block."""
+    return [("qkv", HIDDEN, (HIDDEN, KV, KV)), ("o", HIDDEN, (HIDDEN,)),
+            ("gate_up", HIDDEN, (INTER, INTER)), ("down", INTER, (HIDDEN,))]
+
+
+def shrink_floor_bytes(M: int, K: int, S: int, r: int, L: int, b: int = BF16,
+                       c: int = FP32) -> int:
+    """x read once, A of every used adapter once, h written (PERF.md)."""
+    return M * K * b + L * S * r * K * b + S * M * r * c
+
+
+def expand_floor_bytes(M: int, N: tuple[int, ...], r: int, L: int, b: int = BF16,
+                       c: int = FP32) -> int:
+    """h read, B of every used adapter once, y read and written (PERF.md)."""
+    return len(N) * M * r * c + L * sum(N) * r * b + 2 * M * sum(N) * b
+
+
+def fused_floor_bytes(M: int, K: int, N: tuple[int, ...], r: int, L: int, b: int = BF16) -> int:
+    """One-launch floor: h never leaves the chip."""
+    return M * K * b + L * len(N) * r * K * b + L * sum(N) * r * b + 2 * M * sum(N) * b
+
+
+def token_slots_for(T: int, L: int, mapping: str, device) -> torch.Tensor:
+    """T tokens over L adapters (each used when T >= L): runs in slot order ("contiguous",
+    as requests arrive in prefill) or the same multiset shuffled ("random")."""
+    slots = torch.arange(T) * L // T
+    if mapping == "random":
+        slots = slots[torch.randperm(T)]
+    return slots.to(device)
+
+
+@dataclass(frozen=True)
+class Case:
+    group: str
+    rank: int
+    tokens: int
+    adapters: int
+    mapping: str
+
+
+@dataclass(frozen=True)
+class Result:
+    group: str
+    rank: int
+    tokens: int
+    adapters: int
+    mapping: str
+    launches: int
+    us: float
+    floor_us: float
+    gbps: float
+    pct_floor: float
+    shrink_us: float
+    shrink_pct: float
+    expand_us: float
+    expand_pct: float
+
+
+def cases(quick: bool) -> list[Case]:
+    groups = ["qkv", "down"] if quick else [g[0] for g in layer_groups()]
+    ranks = [16] if quick else [8, 16, 64, 128]
+    tokens = [1, 64, 1024] if quick else [1, 16, 64, 256, 1024, 8192]
+    adapters = [1, 8] if quick else [1, 8, 64, 128]
+    out = []
+    for g in groups:
+        for r in ranks:
+            for t in tokens:
+                for n in adapters:
+                    if n > t:
+                        continue
+                    for m in (["contiguous", "random"] if n > 1 and t > 1 else ["contiguous"]):
+                        out.append(Case(g, r, t, n, m))
+    return out
+
+
+def make_set(case: Case, seed: int):
+    """One buffer set: random bf16 activations, output and an L-slot pool of rank r."""
+    from kernels.lora_triton import build_meta
+    _, K, N = next(g for g in layer_groups() if g[0] == case.group)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    L, S, r, T = case.adapters, len(N), case.rank, case.tokens
+    kw = dict(device="cuda", generator=g)
+    a = (torch.randn(L, S, r, K, **kw) / K ** 0.5).bfloat16()
+    b = (torch.randn(L, sum(N), r, **kw) / r ** 0.5).bfloat16()
+    x = torch.randn(T, K, **kw).bfloat16()
+    y = torch.randn(T, sum(N), **kw).bfloat16()
+    ts = token_slots_for(T, L, case.mapping, "cuda")
+    ranks = torch.full((L,), r, dtype=torch.int32, device="cuda")
+    offsets = tuple(int(v) for v in torch.tensor((0,) + N).cumsum(0))
+    return dict(x=x, y=y, a=a, b=b, ts=ts, ranks=ranks, offsets=offsets,
+                meta=build_meta(ts, L))
+
+
+def check(s) -> None:
+    """add_lora on all tokens equals the reference on sampled rows (tokens are independent)."""
+    from kernels.lora_ref import add_lora_ref
+    from kernels.lora_triton import add_lora
+    T = s["x"].shape[0]
+    rows = torch.unique(torch.cat([torch.arange(min(T, 64)), torch.randperm(T)[:64]])).cuda()
+    got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"], s["ranks"],
+                   s["meta"])[rows]
+    want = add_lora_ref(s["y"][rows].clone(), s["x"][rows], s["a"], s["b"], s["ts"][rows],
+                        s["offsets"])
+    torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=3e-2)
+
+
+def run_case(case: Case, bw: float) -> Result:
+    from kernels.lora_triton import FUSED_MAX_TOKENS, add_lora, lora_expand, lora_shrink
+    _, K, N = next(g for g in layer_groups() if g[0] == case.group)
+    M, r, L, S = case.tokens, case.rank, case.adapters, len(N)
+    per_set = M * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + M * sum(N) * BF16
+    sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
+    check(sets[0])
+
+    def lora(s):
+        return lambda: add_lora(s["y"], s["x"], s["a"], s["b"], s["ts"], s["offsets"],
+                                s["ranks"], s["meta"])
+    launches = count_launches(lora(sets[0]))
+    t = time_graph([lora(s) for s in sets])
+    fused = M <= FUSED_MAX_TOKENS
+    nbytes = (fused_floor_bytes(M, K, N, r, L) if fused
+              else shrink_floor_bytes(M, K, S, r, L) + expand_floor_bytes(M, N, r, L))
+    floor = floor_seconds(nbytes, bw, launches)
+    res = dict(shrink_us=float("nan"), shrink_pct=float("nan"),
+               expand_us=float("nan"), expand_pct=float("nan"))
+    if not fused:
+        hs = [lora_shrink(s["x"], s["a"], s["meta"], s["ranks"]) for s in sets]
+        ts = time_graph([lambda s=s: lora_shrink(s["x"], s["a"], s["meta"], s["ranks"])
+                         for s in sets])
+        te = time_graph([lambda s=s, h=h: lora_expand(h, s["b"], s["y"], s["meta"],
+                                                      s["offsets"], s["ranks"])
+                         for s, h in zip(sets, hs)])
+        sf = floor_seconds(shrink_floor_bytes(M, K, S, r, L), bw, 1)
+        ef = floor_seconds(expand_floor_bytes(M, N, r, L), bw, 1)
+        res = dict(shrink_us=ts * 1e6, shrink_pct=100 * sf / ts,
+                   expand_us=te * 1e6, expand_pct=100 * ef / te)
+    return Result(**asdict(case), launches=launches, us=t * 1e6, floor_us=floor * 1e6,
+                  gbps=nbytes / t / 1e9, pct_floor=100 * floor / t, **res)
+
+
+def write(results: list[Result], bw: float, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    fields = list(Result.__dataclass_fields__)
+    with open(out / "kernels.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in results:
+            w.writerow(asdict(r))
+    lines = [f"Measured copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)", "",
+             "| " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
+    for r in results:
+        lines.append("| " + " | ".join(_fmt(v) for v in asdict(r).values()) + " |")
+    (out / "kernels.md").write_text("\n".join(lines) + "\n")
+
+
+def _fmt(v) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--quick", action="store_true", help="a small subset of the grid")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    results = []
+    print(f"{'group':8} {'r':>4} {'T':>5} {'L':>4} {'map':10} {'n':>2} {'us':>9} "
+          f"{'floor':>8} {'GB/s':>7} {'%floor':>7}")
+    for case in cases(args.quick):
+        r = run_case(case, bw)
+        results.append(r)
+        print(f"{r.group:8} {r.rank:4} {r.tokens:5} {r.adapters:4} {r.mapping:10} "
+              f"{r.launches:2} {r.us:9.1f} {r.floor_us:8.1f} {r.gbps:7.0f} {r.pct_floor:6.1f}%",
+              flush=True)
+        torch.cuda.empty_cache()
+    write(results, bw, args.out)
+    print(f"wrote {args.out / 'kernels.csv'} and {args.out / 'kernels.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

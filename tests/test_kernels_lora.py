@@ -1,0 +1,198 @@
+"""Triton multi-adapter LoRA kernels against the torch reference (kernels/lora_ref.py).
+
+On a machine without CUDA the kernels run under the Triton interpreter. Triton decides
+"interpreted or compiled" when a kernel is *decorated* (module import), not when it runs,
+so setting TRITON_INTERPRET here is only enough if no earlier test module imported the
+kernel module: pytest imports every test module of the session before running any test.
+`_interpreted` therefore sets the variable and, when the kernel module was already built
+for the compiler, reloads it (the host wrappers look kernels up through the module object,
+so they then call the interpreted ones).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"   # before any of our kernels is decorated
+
+
+def _interpreted(name: str):
+    module = importlib.import_module(name)
+    if not CUDA:
+        from triton.runtime.jit import JITFunction
+        if any(isinstance(v, JITFunction) for v in vars(module).values()):
+            module = importlib.reload(sys.modules[name])
+    return module
+
+
+_interpreted("kernels.lora_kernels_triton")
+from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref  # noqa: E402
+from kernels.lora_triton import (add_lora, build_meta, lora_expand, lora_fused,  # noqa: E402
+                                 lora_shrink)
+
+DEV = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}
+SLICES = {1: (0, 48), 2: (0, 40, 72), 3: (0, 32, 48, 64)}   # unequal widths (q/k/v under GQA)
+K_IN = 48
+
+
+def _pool(S, offsets, ranks, dtype, R=32, seed=0):
+    """Slot pool with per-slot ranks: weights past a slot's rank are zero, as loaded."""
+    g = torch.Generator().manual_seed(seed)
+    L = len(ranks)
+    a = torch.randn(L, S, R, K_IN, generator=g) / K_IN ** 0.5
+    b = torch.randn(L, offsets[-1], R, generator=g) / R ** 0.5
+    for slot, r in enumerate(ranks):
+        a[slot, :, r:] = 0
+        b[slot, :, r:] = 0
+    ranks_t = torch.tensor(ranks, dtype=torch.int32)
+    return a.to(DEV, dtype), b.to(DEV, dtype), ranks_t.to(DEV)
+
+
+def _slots(T, L, mapping, seed):
+    g = torch.Generator().manual_seed(seed)
+    if mapping == "contiguous":      # requests in order, each a run of tokens; one run no-adapter
+        runs = torch.randint(1, 6, (T,), generator=g).cumsum(0)
+        run_of = torch.searchsorted(runs, torch.arange(T), right=True)
+        ts = (run_of % (L + 1)) - 1
+    else:                            # every token anywhere; slot L-1 stays unused
+        ts = torch.randint(-1, L - 1, (T,), generator=g)
+    return ts.to(DEV)
+
+
+def _inputs(T, N, dtype, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, K_IN, generator=g).to(DEV, dtype)
+    y = torch.randn(T, N, generator=g).to(DEV, dtype)   # poison: add-into a random y
+    return x, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S", [1, 2, 3])
+@pytest.mark.parametrize("T,mapping", [(1, "random"), (7, "random"), (16, "contiguous"),
+                                       (17, "random"), (64, "contiguous"), (64, "random")])
+def test_add_lora_matches_reference(dtype, S, T, mapping):
+    offsets = SLICES[S]
+    a, b, ranks = _pool(S, offsets, [8, 32, 16, 4, 16], dtype, seed=T + S)
+    ts = _slots(T, a.shape[0], mapping, seed=T)
+    x, y = _inputs(T, offsets[-1], dtype, seed=T)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = add_lora(y.clone(), x, a, b, ts, offsets, ranks=ranks)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    none = ts < 0
+    assert torch.equal(got[none], y[none]), "tokens without an adapter must be untouched"
+
+
+def test_meta_groups_tokens_by_slot():
+    ts = torch.tensor([2, 0, -1, 2, 0, 0, -1, 5], device=DEV)
+    meta = build_meta(ts, num_slots=6)
+    assert meta.active_slots.tolist() == [0, 2, 5, -1, -1, -1]
+    assert meta.seg_len.tolist()[:3] == [3, 2, 1] and meta.seg_len.tolist()[3:] == [0, 0, 0]
+    order = meta.sorted_tokens.tolist()
+    for slot, start, n in zip([0, 2, 5], meta.seg_start.tolist(), meta.seg_len.tolist()):
+        assert order[start:start + n] == [t for t in range(8) if ts[t] == slot]
+    assert sorted(order[6:]) == [2, 6]
+
+
+def test_separate_shrink_and_expand_with_split_k():
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, [8, 32, 16], torch.float32, seed=3)
+    ts = _slots(40, 3, "random", seed=5)
+    x, y = _inputs(40, offsets[-1], torch.float32, seed=5)
+    meta = build_meta(ts, 3)
+    valid = ts >= 0
+    want_h = lora_shrink_ref(x, a, ts)
+    for split_k in (1, 3):
+        h = lora_shrink(x, a, meta, ranks, block_m=16, split_k=split_k)
+        torch.testing.assert_close(h[:, valid], want_h[:, valid], atol=1e-5, rtol=1e-5)
+    want = lora_expand_ref(want_h, b, ts, offsets, y.clone())
+    got = lora_expand(h, b, y.clone(), meta, offsets, ranks, block_m=16, block_n=16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_path_matches_reference_with_shared_adapters():
+    offsets = SLICES[2]
+    a, b, ranks = _pool(2, offsets, [16, 8, 32], torch.float32, seed=9)
+    ts = torch.tensor([1, 1, -1, 0, 1, 2, 2, 0, 1, 1, 1, 1], device=DEV)
+    x, y = _inputs(12, offsets[-1], torch.float32, seed=9)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = lora_fused(y.clone(), x, a, b, build_meta(ts, 3), offsets, ranks, block_n=16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_ranks_stop_the_work_at_the_slot_rank():
+    """Junk past a slot's rank must not be read when ranks are given (proves the mask)."""
+    offsets = SLICES[1]
+    a, b, ranks = _pool(1, offsets, [8, 16], torch.float32, seed=4)
+    clean_a, clean_b = a.clone(), b.clone()
+    a[0, :, 8:] = 7.0
+    b[0, :, 8:] = -3.0
+    for T in (5, 30):       # fused and two-kernel paths
+        ts = torch.arange(T, device=DEV) % 2
+        x, y = _inputs(T, offsets[-1], torch.float32, seed=T)
+        want = add_lora_ref(y.clone(), x, clean_a, clean_b, ts, offsets)
+        got = add_lora(y.clone(), x, a, b, ts, offsets, ranks=ranks)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_meta_reused_across_layers_and_strided_views():
+    """One meta per step serves layers of different shapes; y may be a view into a wider
+    output (columns of a fused projection) and x a strided view."""
+    ts = _slots(24, 4, "random", seed=2)
+    meta = build_meta(ts, 4)
+    for S, seed in ((3, 1), (1, 2)):
+        offsets = SLICES[S]
+        a, b, ranks = _pool(S, offsets, [8, 16, 32, 4], torch.float32, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        wide_x = torch.randn(24, 2 * K_IN, generator=g).to(DEV)
+        wide_y = torch.randn(24, offsets[-1] + 10, generator=g).to(DEV)
+        x, y = wide_x[:, ::2], wide_y[:, 5:5 + offsets[-1]]
+        want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+        before = wide_y.clone()
+        add_lora(y, x, a, b, ts, offsets, ranks=ranks, meta=meta)
+        torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(wide_y[:, :5], before[:, :5])
+        assert torch.equal(wide_y[:, 5 + offsets[-1]:], before[:, 5 + offsets[-1]:])
+
+
+def test_no_adapter_batch_leaves_y_untouched():
+    offsets = SLICES[2]
+    a, b, _ = _pool(2, offsets, [8, 8], torch.float32)
+    for T in (3, 20):
+        x, y = _inputs(T, offsets[-1], torch.float32, seed=T)
+        got = add_lora(y.clone(), x, a, b, torch.full((T,), -1, device=DEV), offsets)
+        assert torch.equal(got, y)
+
+
+def test_bad_shapes_raise_precise_errors():
+    offsets = SLICES[2]
+    a, b, _ = _pool(2, offsets, [8, 8], torch.float32)
+    x, y = _inputs(4, offsets[-1], torch.float32, seed=0)
+    ts = torch.zeros(4, dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match="slice_offsets"):
+        add_lora(y, x, a, b, ts, (0, 72))
+    with pytest.raises(ValueError, match="y has shape"):
+        add_lora(y[:, :10], x, a, b, ts, offsets)
+    with pytest.raises(ValueError, match="width"):
+        add_lora(y, x[:, :10], a, b, ts, offsets)
+    with pytest.raises(ValueError, match="meta was built"):
+        add_lora(y, x, a, b, ts, offsets, meta=build_meta(ts[:3], 2))
+
+
+def test_bench_floor_arithmetic():
+    """The benchmark script imports without a GPU and its floor bytes follow PERF.md."""
+    bench = importlib.import_module("benchmarks.bench_kernels")
+    M, K, S, r, L, N = 16, 4096, 3, 16, 8, (4096, 1024, 1024)
+    assert bench.shrink_floor_bytes(M, K, S, r, L) == M * K * 2 + L * S * r * K * 2 + S * M * r * 4
+    assert bench.expand_floor_bytes(M, N, r, L) == (len(N) * M * r * 4 + L * sum(N) * r * 2
+                                                   + 2 * M * sum(N) * 2)
+    mapping = bench.token_slots_for(64, 8, "contiguous", torch.device("cpu"))
+    assert mapping.shape == (64,) and set(mapping.tolist()) == set(range(8))
+    assert (mapping.diff() >= 0).all()
+    assert len(bench.layer_groups()) == 4
