@@ -68,6 +68,8 @@ class Engine:
         self._arrival = itertools.count()
         self._base_cache_hits = 0
         self._generate_batches = itertools.count()
+        self._forks: dict[str, list[str]] = {}  # request id (n > 1) -> its sequence ids
+        self._eos_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
 
     # ---- adapters ---------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:
@@ -97,27 +99,34 @@ class Engine:
         PromptTooLongError, AdapterNotFoundError or AdapterUnavailableError."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id={request_id!r}: must be a non-empty string")
-        if self.scheduler.get(request_id) is not None:
-            raise InvalidRequestError(f"request_id={request_id!r}: already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
-        if params.n != 1:
-            raise InvalidRequestError(f"sampling.n={params.n}: only n=1 is supported")
         prompt_ids = self._prompt_ids(prompt)
         self._check_length(len(prompt_ids), params.max_tokens)
         adapter_id = self.registry.resolve(adapter)
-        req = Request(request_id, prompt_ids, params, adapter_id=adapter_id,
-                      eos_token_ids=frozenset(self.tokenizer.eos_token_ids
-                                              or self.model_config.eos_token_ids),
-                      arrival=next(self._arrival))
+        # n > 1: n sequences "<id>/<i>" that inherit the adapter id; they share the
+        # prompt's full blocks through the prefix cache (same namespace, same tokens)
+        ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
+        if request_id in self._forks or any(self.scheduler.get(r) is not None for r in ids):
+            raise InvalidRequestError(f"request_id={request_id!r}: already in use")
+        seed = self._seeds.next()
+        for i, rid in enumerate(ids):
+            self._queue(Request(rid, prompt_ids, params, adapter_id=adapter_id,
+                                eos_token_ids=self._eos_ids, arrival=next(self._arrival),
+                                parent_id=request_id if params.n > 1 else None), seed, i)
+        if params.n > 1:
+            self._forks[request_id] = ids
+
+    def _queue(self, req: Request, seed: int, index: int) -> None:
+        p = req.params
         req.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, skip_special_tokens=True, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output)
-        req.sampling_state = SamplingState.create(params, prompt_ids,
-                                                  default_seed=self._seeds.next())
-        self.registry.acquire(adapter_id)
+            self.tokenizer, req.prompt_token_ids, skip_special_tokens=True, stop=p.stop,
+            include_stop_str_in_output=p.include_stop_str_in_output)
+        req.sampling_state = SamplingState.create(p, req.prompt_token_ids, default_seed=seed,
+                                                  sample_index=index)
+        self.registry.acquire(req.adapter_id)
         self.scheduler.add(req)
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -150,12 +159,15 @@ class Engine:
                 f"KV cache capacity of {capacity} tokens ({self.num_kv_blocks} blocks)")
 
     def abort(self, request_id: str) -> bool:
-        """Stop a waiting or running request and free all it holds; False if unknown."""
-        req = self.scheduler.abort(request_id)
-        if req is None:
-            return False
-        self._on_finished(req)
-        return True
+        """Stop a waiting or running request (all n sequences of it) and free all it
+        holds; False if unknown or already finished."""
+        found = False
+        for rid in self._forks.get(request_id, [request_id]):
+            req = self.scheduler.abort(rid)
+            if req is not None:
+                found = True
+                self._on_finished(req)
+        return found
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -213,6 +225,9 @@ class Engine:
 
     def _on_finished(self, req: Request) -> None:
         self.registry.release(req.adapter_id)
+        forks = self._forks.get(req.parent_id) if req.parent_id is not None else None
+        if forks and all(self.scheduler.get(rid) is None for rid in forks):
+            del self._forks[req.parent_id]
         self._free_retired()
 
     # ---- offline convenience ----------------------------------------------------
@@ -220,7 +235,8 @@ class Engine:
                  adapters: list[str | None] | None = None) -> list[RequestOutput]:
         """Run `prompts` to completion; outputs in prompt order. `sampling`: one
         SamplingParams for all (default: SamplingParams()) or one per prompt; `adapters`:
-        None (all base) or one name (None = base) per prompt. Steps the engine until these
+        None (all base) or one name (None = base) per prompt. A prompt with n > 1 gives n
+        consecutive outputs (ids "<id>/<i>"). Steps the engine until these
         requests finish (other requests in the engine advance too). If any request is
         refused, none of them runs."""
         n = len(prompts)
@@ -232,14 +248,15 @@ class Engine:
                 f"({len(names)})")
         batch = next(self._generate_batches)
         ids = [f"generate-{batch}-{i}" for i in range(n)]
-        reqs = []
+        reqs, added = [], []
         try:
             for rid, prompt, p, name in zip(ids, prompts, params, names):
                 self.add_request(rid, prompt, p, name)
-                reqs.append(self.scheduler.get(rid))
+                added.append(rid)
+                reqs += [self.scheduler.get(sid) for sid in self._forks.get(rid, [rid])]
         except Exception:
-            for r in reqs:
-                self.abort(r.request_id)
+            for rid in added:
+                self.abort(rid)
             raise
         while any(not r.is_finished for r in reqs):
             self.step()
@@ -258,7 +275,8 @@ class Engine:
         for rec in self.registry.records():
             slot = resident.get(rec.adapter_id)
             adapters[rec.adapter_id] = {
-                "name": rec.name, "id": rec.adapter_id,
+                "name": rec.name, "id": rec.adapter_id, "path": rec.path,
+                "rank": rec.weights.max_rank,
                 "state": "slot" if slot is not None else "host", "slot": slot,
                 "pinned": rec.pinned, "unloading": rec.retiring, "in_flight": rec.in_flight,
                 "loads": rec.loads, "evictions": rec.evictions,

@@ -29,6 +29,7 @@ class Request:
     adapter_id: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     arrival: int = 0                  # admission order; larger = newer
+    parent_id: str | None = None      # set on the n sequences of a request with n > 1
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0      # tokens whose K/V is in the cache
     num_cached_tokens: int = 0        # prompt tokens served by the prefix cache at first run

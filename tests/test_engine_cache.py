@@ -18,8 +18,8 @@ def make_engine(family, **kw):
     return eng
 
 
-def greedy(n=6, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=n, logprobs=True, **kw)
+def greedy(max_tokens=6, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +104,31 @@ def test_abort_frees_everything(llama_family):
     assert all(a["in_flight"] == 0 for a in eng.stats()["adapters"].values())
     assert eng.scheduler.running_adapters() == set()
     eng.kv.pool.check_invariants()
+
+
+def test_forks_share_prompt_blocks_and_inherit_adapter(llama_family, llama_oracle):
+    eng = make_engine(llama_family)
+    prompt = prompts_of([21], seed=14)[0]
+    outs = eng.generate([prompt], greedy(6, n=3), ["attn32"])
+    ref = llama_oracle.generate([prompt], ["attn32"], 6)[0][0]
+    assert [o.request_id for o in outs] == [f"{outs[0].request_id[:-2]}/{i}" for i in range(3)]
+    assert all(o.token_ids == ref for o in outs)  # greedy forks all follow the adapter
+    assert len({o.adapter_id for o in outs}) == 1 and outs[0].adapter_id > 0
+    assert [o.num_cached_tokens for o in outs] == [0, 16, 16]  # 2 full prompt blocks shared
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, n=3)
+    forks = eng.generate([prompt], sampled, ["attn32"])
+    assert len({tuple(o.token_ids) for o in forks}) > 1  # each fork draws its own noise
+    again = eng.generate([prompts_of([5], seed=15)[0], prompt], [greedy(), sampled],
+                         [None, "attn32"])[1:]
+    assert [o.token_ids for o in again] == [o.token_ids for o in forks]
+
+
+def test_abort_of_forked_request_aborts_every_sequence(llama_family):
+    eng = make_engine(llama_family)
+    start = eng.kv.num_free_blocks
+    eng.add_request("f", prompts_of([12], seed=16)[0], greedy(30, n=4, ignore_eos=True), "rs4")
+    eng.step()
+    assert len(eng.scheduler.running) == 4
+    assert eng.abort("f") and not eng.has_unfinished()
+    assert eng.kv.num_free_blocks == start and not eng._forks
+    assert not eng.abort("f")
