@@ -61,12 +61,14 @@ class IncrementalDetokenizer:
         return self._stop_str
 
     def push(self, new_ids) -> str:
-        """Add newly generated ids; return the text they complete ("" after a stop)."""
+        """Add newly generated ids (a list, or one int); return the text they complete.
+
+        Returns "" once a stop string was hit: check `stop_hit` after each push."""
         if self._finished:
             raise RuntimeError("push() after finish()")
         if self.stop_hit:
             return ""
-        self._ids.extend(new_ids)
+        self._ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):

@@ -144,7 +144,7 @@ def test_held_back_prefix_is_released_when_not_a_stop(tok):
 
 def test_text_that_cannot_start_a_stop_is_not_held(tok):
     detok = IncrementalDetokenizer(tok, [], stop=("xyz",))
-    out = "".join(detok.push([t]) for t in tok.encode("hello world"))
+    out = "".join(detok.push(t) for t in tok.encode("hello world"))  # one int at a time
     assert out == "hello world"
 
 

@@ -261,3 +261,31 @@ def test_logprobs_come_from_raw_logits():
 def test_bad_logits_shape_is_refused():
     with pytest.raises(ValueError, match="len\\(states\\)=2"):
         Sampler().sample(random_logits(3), [state(SamplingParams()), state(SamplingParams())])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_contracts():
+    dev = torch.device("cuda")
+    vocab = 32000
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05, seed=4),
+              SamplingParams(temperature=1.1, seed=8, top_logprobs=3)]
+    rows = [random_logits(1, vocab, seed=50 + i)[0] for i in range(3)]
+
+    def run(order):
+        states = [state(params[i], prompt=[1, 2, 3], seed=i) for i in order]
+        toks = {i: [] for i in order}
+        for _ in range(8):
+            logits = torch.stack([rows[i] for i in order]).to(dev)
+            out = Sampler().sample(logits, states)
+            for i, s, t in zip(order, states, out.token_ids):
+                toks[i].append(t)
+                s.append(t)
+        return toks, out
+
+    a, out = run([0, 1, 2])
+    b, _ = run([2, 1])
+    assert a[1] == b[1] and a[2] == b[2]
+    allowed = allowed_set(rows[1], params[1], [1, 2, 3] + a[1][:-1])
+    assert a[1][-1] in allowed
+    assert list(out.top_logprobs[2]) == torch.log_softmax(rows[2], -1).topk(3).indices.tolist()
