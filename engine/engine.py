@@ -15,7 +15,7 @@ from engine.adapters.registry import BASE_ID, AdapterRegistry
 from engine.adapters.slots import SlotTable
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.sizing import bytes_per_block, num_kv_blocks
 from engine.lora import LoRASlotPool, load_lora
@@ -75,7 +75,13 @@ class Engine:
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:
         """Validate and load a PEFT adapter into host memory; returns its new id (a new
         one on every call, also for a name already loaded: see AdapterRegistry)."""
+        if pinned and len(self.slots.pinned) + 1 >= self.config.max_loras:
+            raise CapacityError(
+                f"cannot pin adapter {name!r}: {len(self.slots.pinned)} of max_loras="
+                f"{self.config.max_loras} slots are pinned and one must stay dynamic")
         aid = self.registry.add(name, str(path), pinned)
+        if pinned:  # never evicted implicitly once in a slot
+            self.slots.pinned.add(aid)
         self._free_retired()  # the replaced version may be idle already
         return aid
 

@@ -3,9 +3,9 @@ finish reasons (stop strings, stop token ids, max_tokens), streaming deltas, see
 sampling, and adapter versions (reload gives a new id, deferred removal)."""
 import pytest
 
-from engine import (AdapterError, AdapterNotFoundError, AdapterUnavailableError, Engine,
-                    EngineConfig, FinishReason, InvalidRequestError, PromptTooLongError,
-                    SamplingParams)
+from engine import (AdapterError, AdapterNotFoundError, AdapterUnavailableError,
+                    CapacityError, Engine, EngineConfig, FinishReason, InvalidRequestError,
+                    PromptTooLongError, SamplingParams)
 from tests.support.tiny import AdapterSpec, make_adapter
 from tests.test_engine_parity import prompts_of
 
@@ -164,3 +164,22 @@ def test_bad_adapter_refused_and_nothing_registered(eng, llama_family, tmp_path)
     assert eng.stats()["adapters"] == before
     with pytest.raises(AdapterNotFoundError):
         eng.add_request("d", [5], greedy(), "dora")
+
+
+def test_pinned_adapter_keeps_its_slot(llama_family):
+    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, block_size=8,
+                              num_kv_blocks=64, max_num_batched_tokens=32))
+    ads = llama_family.adapters
+    pinned = eng.add_adapter("p", ads["rs4"], pinned=True)
+    with pytest.raises(CapacityError, match="one must stay dynamic"):
+        eng.add_adapter("q", ads["ap8"], pinned=True)
+    eng.add_adapter("a", ads["ap8"])
+    eng.add_adapter("b", ads["attn32"])
+    prompt = prompts_of([5], seed=30)[0]
+    eng.generate([prompt], greedy(2), ["p"])
+    for name in ("a", "b", "a", "b"):  # only one dynamic slot: a and b take turns in it
+        eng.generate([prompt], greedy(2), [name])
+    stats = eng.stats()["adapters"]
+    assert stats[pinned]["state"] == "slot" and stats[pinned]["evictions"] == 0
+    assert stats[pinned]["loads"] == 1
+    assert sum(s["evictions"] for s in stats.values()) == 3
