@@ -135,7 +135,7 @@ def check(s) -> None:
 
 
 def run_case(case: Case, bw: float) -> Result:
-    from kernels.lora_triton import FUSED_MAX_TOKENS, add_lora, lora_expand, lora_shrink
+    from kernels.lora_triton import add_lora, lora_expand, lora_shrink
     _, K, N = next(g for g in layer_groups() if g[0] == case.group)
     M, r, L, S = case.tokens, case.rank, case.adapters, len(N)
     per_set = M * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + M * sum(N) * BF16
@@ -147,13 +147,13 @@ def run_case(case: Case, bw: float) -> Result:
                                 s["ranks"], s["meta"])
     launches = count_launches(lora(sets[0]))
     t = time_graph([lora(s) for s in sets])
-    fused = M <= FUSED_MAX_TOKENS
+    fused = launches == 1
     nbytes = (fused_floor_bytes(M, K, N, r, L) if fused
               else shrink_floor_bytes(M, K, S, r, L) + expand_floor_bytes(M, N, r, L))
     floor = floor_seconds(nbytes, bw, launches)
     res = dict(shrink_us=float("nan"), shrink_pct=float("nan"),
                expand_us=float("nan"), expand_pct=float("nan"))
-    if not fused:
+    if M > 64:      # the separate kernels with add_lora's prefill block size
         hs = [lora_shrink(s["x"], s["a"], s["meta"], s["ranks"]) for s in sets]
         ts = time_graph([lambda s=s: lora_shrink(s["x"], s["a"], s["meta"], s["ranks"])
                          for s in sets])
