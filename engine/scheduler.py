@@ -43,12 +43,8 @@ class ScheduledRequest:
     start: int
     num_new_tokens: int
     block_ids: tuple[int, ...]
-    slot: int  # LoRA slot of its adapter, -1 for the base model
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so it samples one."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    slot: int      # LoRA slot of its adapter, -1 for the base model
+    samples: bool  # this step reaches the request's last token, so it samples one
 
 
 @dataclass
@@ -199,7 +195,8 @@ class Scheduler:
         # this step (requests already scheduled are never preempted)
         return ScheduledRequest(req, req.num_computed_tokens, n,
                                 tuple(self.kv.block_ids(req.request_id)),
-                                -1 if slot is None else slot)
+                                -1 if slot is None else slot,
+                                samples=req.num_computed_tokens + n == req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
         self._remove_running(req)

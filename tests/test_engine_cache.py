@@ -132,3 +132,12 @@ def test_abort_of_forked_request_aborts_every_sequence(llama_family):
     assert eng.abort("f") and not eng.has_unfinished()
     assert eng.kv.num_free_blocks == start and not eng._forks
     assert not eng.abort("f")
+
+
+def test_prefix_caching_disabled_same_outputs(llama_family, eng):
+    off = make_engine(llama_family, enable_prefix_caching=False)
+    prompt = prompts_of([26], seed=17)[0]
+    with_cache = [eng.generate([prompt], greedy(), ["ap8"])[0] for _ in range(2)]
+    without = [off.generate([prompt], greedy(), ["ap8"])[0] for _ in range(2)]
+    assert with_cache[1].num_cached_tokens == 24 and without[1].num_cached_tokens == 0
+    assert {tuple(o.token_ids) for o in with_cache + without} == {tuple(with_cache[0].token_ids)}
