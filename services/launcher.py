@@ -134,3 +134,24 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def wait_serving(address: str, timeout_s: float = 60.0) -> None:
+    """Wait until the gRPC server at `address` reports overall health SERVING (for the
+    gateway that means: an engine is connected)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} is not SERVING after {timeout_s} s")
+            time.sleep(0.1)

@@ -13,6 +13,14 @@ from loramux.v1 import engine_pb2
 
 def wait_heartbeat(output_address: str, timeout_s: float = 5.0) -> engine_pb2.Heartbeat | None:
     """The first heartbeat published on `output_address`, or None after `timeout_s`."""
+    out = wait_output(output_address, lambda m: m.WhichOneof("kind") == "heartbeat", timeout_s)
+    return None if out is None else out.heartbeat
+
+
+def wait_output(output_address: str, predicate, timeout_s: float = 5.0,
+                last: list | None = None) -> engine_pb2.EngineOutput | None:
+    """The first EngineOutput on `output_address` with predicate(msg) true, or None after
+    `timeout_s`. If `last` is given, every message seen is appended to it."""
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -24,8 +32,10 @@ def wait_heartbeat(output_address: str, timeout_s: float = 5.0) -> engine_pb2.He
             if not sub.poll(int(left * 1000)):
                 break
             msg = engine_pb2.EngineOutput.FromString(sub.recv())
-            if msg.WhichOneof("kind") == "heartbeat":
-                return msg.heartbeat
+            if last is not None:
+                last.append(msg)
+            if predicate(msg):
+                return msg
         return None
     finally:
         sub.close(0)
