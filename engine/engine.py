@@ -75,15 +75,29 @@ class Engine:
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:
         """Validate and load a PEFT adapter into host memory; returns its new id (a new
         one on every call, also for a name already loaded: see AdapterRegistry)."""
-        if pinned and len(self.slots.pinned) + 1 >= self.config.max_loras:
-            raise CapacityError(
-                f"cannot pin adapter {name!r}: {len(self.slots.pinned)} of max_loras="
-                f"{self.config.max_loras} slots are pinned and one must stay dynamic")
+        if pinned:
+            self._check_can_pin(name)
         aid = self.registry.add(name, str(path), pinned)
         if pinned:  # never evicted implicitly once in a slot
             self.slots.pinned.add(aid)
         self._free_retired()  # the replaced version may be idle already
         return aid
+
+    def set_adapter_pinned(self, name: str, pinned: bool) -> int:
+        """Pin (never evicted implicitly) or unpin the current version of `name`."""
+        aid = self.registry.resolve(name)
+        rec = self.registry.get(aid)
+        if pinned and not rec.pinned:
+            self._check_can_pin(name)
+        rec.pinned = pinned
+        (self.slots.pinned.add if pinned else self.slots.pinned.discard)(aid)
+        return aid
+
+    def _check_can_pin(self, name: str) -> None:
+        if len(self.slots.pinned) + 1 >= self.config.max_loras:
+            raise CapacityError(
+                f"cannot pin adapter {name!r}: {len(self.slots.pinned)} of max_loras="
+                f"{self.config.max_loras} slots are pinned and one must stay dynamic")
 
     def remove_adapter(self, name: str) -> int:
         """Unload `name`: refused for new requests at once, freed when in-flight ones end."""

@@ -183,3 +183,12 @@ def test_pinned_adapter_keeps_its_slot(llama_family):
     assert stats[pinned]["state"] == "slot" and stats[pinned]["evictions"] == 0
     assert stats[pinned]["loads"] == 1
     assert sum(s["evictions"] for s in stats.values()) == 3
+    eng.set_adapter_pinned("p", False)
+    eng.set_adapter_pinned("a", True)
+    for name in ("a", "p"):  # p (least recently used, unpinned) goes; then b, not a
+        eng.generate([prompt], greedy(2), [name])
+    stats = eng.stats()["adapters"]
+    assert stats[pinned]["evictions"] == 1 and not stats[pinned]["pinned"]
+    assert {s["name"] for s in stats.values() if s["state"] == "slot"} == {"a", "p"}
+    with pytest.raises(CapacityError):
+        eng.set_adapter_pinned("b", True)
