@@ -104,7 +104,7 @@ def run_adapters(args) -> int:
 
 def run_serve(serve_args: list[str]) -> int:
     try:
-        from services.launcher import main as serve_main
+        from services.serve import main as serve_main
     except ImportError as err:
         print(f"loramux serve needs the loramux server package (pip install loramux): {err}",
               file=sys.stderr)
