@@ -25,10 +25,7 @@ class ModelInputs:
     token_slots: torch.Tensor      # [T] int32 LoRA slot per token, -1 = base
     logits_indices: torch.Tensor   # [S] flat index of the last token of each sampling seq
     sample_requests: list[Request]  # the S requests that sample, in row order
-
-    @property
-    def has_lora(self) -> bool:
-        return bool((self.token_slots >= 0).any())
+    has_lora: bool                 # any token uses an adapter (known on the host: no sync)
 
 
 class ModelRunner:
@@ -63,7 +60,8 @@ class ModelRunner:
             attn=attn,
             token_slots=torch.tensor(slots, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(last, dtype=torch.int64, device=dev),
-            sample_requests=samplers)
+            sample_requests=samplers,
+            has_lora=any(s.slot >= 0 for s in out.scheduled))
 
     @torch.no_grad()
     def execute(self, inputs: ModelInputs) -> dict[str, Sampled]:
