@@ -1,0 +1,138 @@
+"""Unit tests of the service parts that need no running cluster: registry persistence,
+adapter path policy, names, sampling conversion, the client package without torch, the
+generated-code staleness check, the CLI parser, and the demo model against HF + PEFT."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from loramux.cli import build_parser
+from loramux.v1 import adapter_admin_pb2 as pb
+from loramux.v1 import generate_pb2
+
+from engine.errors import AdapterNotFoundError, AdapterUnavailableError, CapacityError, PromptTooLongError
+from engine.server.convert import error_code, sampling_from_proto
+from services.control.paths import AdapterRoots, PathRefused, check_name
+from services.control.registry import AdapterRecord, Registry
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_registry_survives_reopen(tmp_path):
+    db = str(tmp_path / "r.sqlite")
+    reg = Registry(db)
+    reg.put(AdapterRecord("b", "/x/b", rank=8, target_modules=("q_proj",)))
+    reg.put(AdapterRecord("a", "/x/a", state=pb.ADAPTER_STATE_LOADED, pinned=True, adapter_id=7, loads=1))
+    reg.close()
+    reg = Registry(db)
+    a, b = reg.all()
+    assert (a.name, a.state, a.pinned, a.adapter_id, a.loads) == ("a", pb.ADAPTER_STATE_LOADED, True, 7, 1)
+    assert (b.name, b.rank, b.target_modules) == ("b", 8, ("q_proj",))
+    assert [r.name for r in reg.page("a", 10)] == ["b"]
+    assert reg.delete("a") and not reg.delete("a") and reg.get("a") is None
+
+
+def test_adapter_roots(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "ok").mkdir(parents=True)
+    (outside / "x").mkdir(parents=True)
+    os.symlink(outside / "x", root / "escape")
+    os.symlink(root / "ok", root / "alias")
+    roots = AdapterRoots([str(root)])
+    assert roots.resolve("ok") == str((root / "ok").resolve())
+    assert roots.resolve(str(root / "ok")) == str((root / "ok").resolve())
+    assert roots.resolve("alias") == str((root / "ok").resolve())  # symlink staying inside
+    for bad, why in (("../outside/x", "'..'"), ("ok/../ok", "'..'"), (str(outside / "x"), "outside"),
+                     ("escape", "outside"), ("", "empty")):
+        with pytest.raises(PathRefused, match=why):
+            roots.resolve(bad)
+
+
+def test_adapter_names():
+    assert check_name("my-adapter_1.v2") is None
+    for bad in ("", "-x", "a b", "a/b", "x" * 129, "é"):
+        assert "invalid" in check_name(bad)
+
+
+def test_sampling_conversion_and_error_codes():
+    pb_s = generate_pb2.SamplingParams(temperature=0.0, max_tokens=5, stop=["\n"], seed=3)
+    sp = sampling_from_proto(pb_s)
+    assert (sp.temperature, sp.max_tokens, sp.stop, sp.seed, sp.top_p) == (0.0, 5, ("\n",), 3, 1.0)
+    assert sampling_from_proto(generate_pb2.SamplingParams()).temperature == 1.0  # unset: default
+    assert error_code(AdapterNotFoundError("x")) == 5
+    assert error_code(PromptTooLongError("x")) == 3
+    assert error_code(AdapterUnavailableError("x")) == 9
+    assert error_code(CapacityError("x")) == 8
+    assert error_code(RuntimeError("x")) == 13
+
+
+def test_client_package_imports_without_torch():
+    code = ("import sys, builtins\n"
+            "real = builtins.__import__\n"
+            "def guard(name, *a, **k):\n"
+            "    if name.split('.')[0] in ('torch', 'engine', 'services'):\n"
+            "        raise ImportError('blocked ' + name)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = guard\n"
+            "import loramux, loramux.aio, loramux.cli\n"
+            "from loramux.v1 import engine_pb2, generate_pb2_grpc, adapter_admin_pb2_grpc\n"
+            "loramux.cli.build_parser().parse_args(['adapters', 'list'])\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd="/")
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_generated_code_is_fresh_and_check_detects_staleness(tmp_path):
+    ok = subprocess.run(["bash", "scripts/gen_protos.sh", "--check"], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    # A copy of the repository with a changed proto must fail the check.
+    for part in ("protos", "scripts", "clients/python/loramux/v1"):
+        shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    proto = tmp_path / "protos/loramux/v1/generate.proto"
+    proto.write_text(proto.read_text().replace("string request_id = 5;", "string request_id = 5;\n  int32 extra = 6;"))
+    env = {**os.environ, "PYTHON": sys.executable}
+    stale = subprocess.run(["bash", "scripts/gen_protos.sh", "--check"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert stale.returncode == 1 and "stale" in stale.stderr
+
+
+def test_cli_parser():
+    p = build_parser()
+    a = p.parse_args(["generate", "--adapter", "x", "--max-tokens", "3", "hello there"])
+    assert (a.command, a.adapter, a.max_tokens, a.prompt) == ("generate", "x", 3, "hello there")
+    a = p.parse_args(["adapters", "--control", "h:1", "load", "n", "--path", "p", "--pinned"])
+    assert (a.action, a.name, a.path, a.pinned, a.control) == ("load", "n", "p", True, "h:1")
+    for action in ("register", "load", "unload", "unregister", "pin", "unpin", "get", "list"):
+        extra = {"register": ["n", "p"], "list": []}.get(action, ["n"])
+        assert p.parse_args(["adapters", action, *extra]).action == action
+    with pytest.raises(SystemExit):
+        p.parse_args(["adapters", "frobnicate"])
+
+
+def test_demo_model_matches_transformers_and_peft(tmp_path):
+    """The demo files we write by hand load in HF + PEFT and give the engine's tokens."""
+    import torch
+    from peft import PeftModel
+
+    from engine import Engine, EngineConfig, SamplingParams
+    from services.demo_model import DEMO_ADAPTERS, DemoSpec, ensure_demo
+    from tests.support.tiny import load_hf_model
+
+    demo = ensure_demo(tmp_path, DemoSpec(hidden_size=64, intermediate_size=128))
+    assert ensure_demo(tmp_path) == demo  # made once
+    eng = Engine(EngineConfig(model=str(demo)))
+    adapter = str(demo / "adapters" / DEMO_ADAPTERS[0])
+    eng.add_adapter("a", adapter)
+    ids = eng.tokenizer.encode("the quick brown fox")
+    ours = eng.generate([ids], SamplingParams(temperature=0.0, max_tokens=8), adapters=["a"])[0]
+    model = PeftModel.from_pretrained(load_hf_model(demo), adapter).eval()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
+    assert ours.token_ids == ref.tolist()[:len(ours.token_ids)]
+    assert len(ours.token_ids) == 8 or ours.finish_reason == "eos"
