@@ -15,6 +15,8 @@ from engine.adapters.registry import BASE_ID, AdapterRegistry
 from engine.adapters.slots import SlotTable
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed.adapters import BroadcastingSlotPool, ShardedAdapterLoader
+from engine.distributed.executor import TPExecutor
 from engine.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.sizing import bytes_per_block, num_kv_blocks
@@ -33,25 +35,34 @@ from engine.tokenizer import Tokenizer
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        if config.tp_size != 1:
-            raise InvalidRequestError(
-                f"tp_size={config.tp_size}: this in-process engine runs one rank; "
-                "tensor parallelism needs the multi-process engine server")
         self.config = config
+        # tp_size > 1: this process is rank 0; the executor spawns ranks 1..N-1 and
+        # mirrors every step and adapter change to them (engine/distributed/)
+        self._tp = TPExecutor(config) if config.tp_size > 1 else None
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.device = torch.device(config.device)
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         mc, dtype = self.model_config, config.torch_dtype
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        self.model = LlamaForCausalLM(mc, dtype, self.device, TPGroup.single())
+        tp = self._tp.tp if self._tp else TPGroup.single()
+        self.model = LlamaForCausalLM(mc, dtype, self.device, tp)
         self.model.load_weights(config.model)
         self.lora_pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype,
-                                      self.device, tp_size=1)
+                                      self.device, tp_size=tp.size)
         block_bytes = bytes_per_block(mc.num_layers, config.block_size,
                                       self.model.num_kv_heads_per_rank, mc.head_dim, dtype)
         self.num_kv_blocks = num_kv_blocks(config.num_kv_blocks, self.device,
                                            config.kv_cache_fraction, block_bytes)
+        if self._tp:  # every rank's cache holds the same blocks
+            self.num_kv_blocks = self._tp.agree_min(self.num_kv_blocks)
         kv_caches = self.model.make_kv_caches(self.num_kv_blocks, config.block_size)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
@@ -64,6 +75,10 @@ class Engine:
                                   self.device)
         self.registry = AdapterRegistry(
             lambda path: load_lora(path, mc, config.max_lora_rank, dtype=dtype))
+        if self._tp:
+            loader = ShardedAdapterLoader(self._tp, mc, config.max_lora_rank, dtype)
+            self.registry = AdapterRegistry(loader.load)
+            self.lora_pool = BroadcastingSlotPool(self.lora_pool, loader, self._tp)
         self._seeds = RequestSeeds(config.seed)
         self._arrival = itertools.count()
         self._base_cache_hits = 0
@@ -204,7 +219,7 @@ class Engine:
         for req, hits in out.cache_hits:
             self._count_cache_hits(req.adapter_id, hits)
         text_before = {s.request.request_id: len(s.request.text) for s in out.scheduled}
-        sampled = self.runner.run(out)
+        sampled = self._tp.execute(out, self.runner) if self._tp else self.runner.run(out)
         touched = self.scheduler.update(out, sampled)
         results = []
         for req in touched:
@@ -285,6 +300,19 @@ class Engine:
             token_ids=r.output_token_ids, text=r.text, finish_reason=r.finish_reason,
             logprobs=list(r.logprobs), top_logprobs=list(r.top_logprobs),
             num_cached_tokens=r.num_cached_tokens, adapter_id=r.adapter_id) for r in reqs]
+
+    # ---- lifetime ---------------------------------------------------------------
+    def close(self) -> None:
+        """Stop and join the other tensor-parallel ranks (nothing to do at tp_size=1).
+        Raises EngineDeadError from any later step once a rank is gone."""
+        if self._tp is not None:
+            self._tp.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def stats(self) -> dict:
         """Counters for the control plane and metrics: KV blocks, queue lengths, and per

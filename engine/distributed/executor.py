@@ -1,0 +1,140 @@
+"""Rank 0's executor for a tensor-parallel engine: spawns ranks 1..N-1, sends each step's
+plan, runs rank 0's shard, and turns any rank's death into EngineDeadError.
+
+Sampling: every rank computes the step's logits (the vocabulary-parallel head all-gathers
+them inside the model), but only rank 0 samples; the sampled tokens reach the workers as
+"new tokens" in the next plan. Rank 0 owns every sampler state (seeds, penalties), so
+nothing else has to stay in sync.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import weakref
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.distributed import group as pg
+from engine.distributed.channel import PlanChannel
+from engine.distributed.errors import EngineDeadError
+from engine.distributed.plan import OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encode_add_adapter, encode_step
+from engine.distributed.tracker import PlanTracker
+from engine.distributed.watchdog import WorkerWatchdog
+from engine.distributed.worker import worker_main
+
+START_TIMEOUT_S = 120.0
+
+
+class TPExecutor:
+    """`tp` is rank 0's TPGroup; build rank 0's shard with it, then call `execute` per step."""
+
+    def __init__(self, config):
+        self.size = config.tp_size
+        self.device = torch.device(config.device)
+        self._ops: list[tuple[int, int, int]] = []
+        self._tracker = PlanTracker()
+        self._closed = False
+        store = pg.open_store()
+        spec = {"config": dataclasses.asdict(config), "size": self.size, "port": store.port}
+        ctx = mp.get_context("spawn")
+        self._procs = [ctx.Process(target=worker_main, args=(json.dumps({**spec, "rank": r}),),
+                                   name=f"loramux-tp{r}", daemon=True)
+                       for r in range(1, self.size)]
+        for p in self._procs:
+            p.start()
+        self._watchdog = WorkerWatchdog(self._procs)
+        self._finalizer = weakref.finalize(self, _stop_procs, self._procs, self._watchdog)
+        self._wait_ready(store)
+        groups = self._guard(lambda: pg.connect(store, 0, self.size, self.device))
+        self._store = store
+        self.tp = groups.tp
+        self._control = groups.control
+        self._channel = PlanChannel(groups.control, 0)
+
+    def _wait_ready(self, store) -> None:
+        """Workers announce themselves before joining the groups; one that dies on the
+        way fails the start at once instead of leaving rank 0 in a rendezvous."""
+        keys = [f"ready/{r}" for r in range(1, self.size)]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not store.check(keys):
+            why = self._watchdog.poll()
+            if why is not None or time.monotonic() > deadline:
+                self.close()
+                raise EngineDeadError(why or f"tensor-parallel workers not up after "
+                                      f"{START_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+
+    # ---- collectives with rank 0's view of the workers ---------------------------
+    def agree_min(self, value: int) -> int:
+        return self._guard(lambda: pg.agree_min(self._control, value))
+
+    def add_adapter(self, handle: int, path: str) -> int:
+        """Every worker reads its shard of `path` under `handle`; how many failed."""
+        def run():
+            self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(handle, path))
+            return pg.rank_failures(self._control, False)
+        return self._guard(run)
+
+    def queue_op(self, kind: int, slot: int, handle: int) -> None:
+        """A slot or host-copy change for the workers' next step plan."""
+        self._ops.append((kind, slot, handle))
+
+    def execute(self, out, runner):
+        """Send this step's plan, then run rank 0's shard; rank 0's sampled tokens."""
+        ops, self._ops = self._ops, []
+        plan = self._tracker.plan(out, ops)
+
+        def run():
+            self._channel.send(OP_STEP, encode_step(plan))
+            return runner.run(out)
+        return self._guard(run)
+
+    def _guard(self, fn):
+        why = self._watchdog.poll() if not self._closed else "the engine is closed"
+        if why is not None:
+            raise EngineDeadError(why)
+        try:
+            return fn()
+        except RuntimeError as exc:  # a collective failed: find out which rank is gone
+            deadline = time.monotonic() + 2.0
+            while self._watchdog.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            why = self._watchdog.poll() or f"a collective failed: {exc}"
+            _stop_procs(self._procs, self._watchdog)
+            raise EngineDeadError(why) from exc
+
+    # ---- shutdown -----------------------------------------------------------------
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tell the workers to stop and join them (killing any that do not stop)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watchdog.stop()
+        if self._watchdog.dead is None and hasattr(self, "_channel"):
+            try:
+                self._channel.send(OP_SHUTDOWN)
+            except RuntimeError:
+                pass  # a worker is gone already; the join below cleans up
+        deadline = time.monotonic() + timeout_s
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._finalizer()
+        pg.disconnect(self.device)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+
+def _stop_procs(procs, watchdog) -> None:
+    watchdog.stop()
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)

@@ -1,0 +1,79 @@
+"""Process groups of one tensor-parallel engine, met through a TCP store on loopback.
+
+Rank 0 opens the store on an ephemeral port the OS picks (`open_store`), so two engines on
+one host never collide, and hands the port to the workers it spawns. Every rank then
+builds two groups from the store:
+
+- the model group (TPGroup): NCCL on CUDA, gloo on the CPU; carries the layers' all-reduce
+  and all-gather. Short timeout: a peer that stops answering mid-forward is an error.
+- the control group (gloo, CPU tensors): carries the step plans and small agreements.
+  Workers wait on it between steps for as long as the engine is idle, so its timeout is
+  long; a dead peer is still seen at once (gloo reports the closed connection), and
+  each side also watches the other's process (engine/distributed/watchdog.py).
+
+On the CPU both groups are free-standing gloo groups (not the process-wide default group),
+so one process may hold several engines. NCCL goes through the default group.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel import TPGroup
+
+MODEL_TIMEOUT = datetime.timedelta(seconds=60)
+CONTROL_TIMEOUT = datetime.timedelta(days=7)
+STORE_TIMEOUT = datetime.timedelta(seconds=120)
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Groups:
+    tp: TPGroup          # model collectives
+    control: object      # gloo group for plans (rank 0 broadcasts)
+
+
+def open_store() -> dist.TCPStore:
+    """Rank 0's store on an ephemeral loopback port (`store.port`)."""
+    return dist.TCPStore(HOST, 0, None, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+
+
+def join_store(port: int) -> dist.TCPStore:
+    return dist.TCPStore(HOST, port, None, False, timeout=STORE_TIMEOUT)
+
+
+def connect(store, rank: int, size: int, device: torch.device) -> Groups:
+    """Build this rank's groups; blocks until every rank has called it."""
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size,
+                                    CONTROL_TIMEOUT)
+    if device.type == "cuda":
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed default "
+                               "group; one CUDA tensor-parallel engine per process")
+        dist.init_process_group("nccl", store=dist.PrefixStore("model/", store), rank=rank,
+                                world_size=size, timeout=MODEL_TIMEOUT)
+        return Groups(TPGroup(rank, size, None), control)
+    model = dist.ProcessGroupGloo(dist.PrefixStore("model/", store), rank, size, MODEL_TIMEOUT)
+    return Groups(TPGroup(rank, size, model), control)
+
+
+def disconnect(device: torch.device) -> None:
+    if device.type == "cuda" and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree_min(control, value: int) -> int:
+    """The smallest `value` over all ranks (e.g. KV blocks that fit on every device)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
+    return int(t.item())
+
+
+def rank_failures(control, failed: bool) -> int:
+    """How many ranks report failure (every rank must call it)."""
+    t = torch.tensor([int(failed)], dtype=torch.int64)
+    dist.all_reduce(t, group=control)
+    return int(t.item())

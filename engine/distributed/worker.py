@@ -1,0 +1,119 @@
+"""Ranks 1..N-1 of a tensor-parallel engine: a process that runs its model shard.
+
+It builds the same shard rank 0 builds (model, LoRA slot pool, KV cache of the agreed size,
+ModelRunner), then follows rank 0's messages until told to stop: adapter host copies to
+read or drop, and step plans (slot loads/clears, then the scheduled sequences) that its
+request mirror turns into the same SchedulerOutput rank 0 ran. It never samples.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from engine.config import EngineConfig
+from engine.distributed import group as pg
+from engine.distributed.channel import PlanChannel
+from engine.distributed.mirror import RequestMirror
+from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, SLOT_CLEAR,
+                                     SLOT_LOAD, decode_add_adapter, decode_step)
+from engine.distributed.watchdog import exit_with_parent
+from engine.kv.sizing import bytes_per_block, num_kv_blocks
+from engine.lora import LoRASlotPool, load_lora
+from engine.model.hf_config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.runner import ModelRunner
+from engine.sampling.sampler import SamplerOutput
+
+
+class NoSampling:
+    """The sampler of ranks >= 1: logits are computed (the head's all-gather is a
+    collective every rank joins) and dropped; rank 0 samples and sends the tokens."""
+
+    def sample(self, logits, states) -> SamplerOutput:
+        return SamplerOutput([], [], [])
+
+
+def worker_main(spec_json: str) -> None:
+    """Process entry (spawned by TPExecutor); `spec_json` holds the EngineConfig fields,
+    this rank, the group size and the store's port."""
+    spec = json.loads(spec_json)
+    config = EngineConfig(**spec["config"])
+    rank, size = spec["rank"], spec["size"]
+    exit_with_parent()
+    device = _device(config, rank, size)
+    store = pg.join_store(spec["port"])
+    store.set(f"ready/{rank}", "1")
+    groups = pg.connect(store, rank, size, device)
+    try:
+        Worker(config, groups, device).serve()
+    finally:
+        pg.disconnect(device)
+
+
+def _device(config: EngineConfig, rank: int, size: int) -> torch.device:
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    # share the cores with rank 0 rather than oversubscribe them
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    return device
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, groups: pg.Groups, device: torch.device):
+        self.config, self.tp, self.device = config, groups.tp, device
+        self.control = groups.control
+        mc = self.model_config = ModelConfig.from_dir(config.model)
+        dtype = config.torch_dtype
+        model = LlamaForCausalLM(mc, dtype, device, self.tp)
+        model.load_weights(config.model)
+        self.pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
+                                 tp_size=self.tp.size)
+        block_bytes = bytes_per_block(mc.num_layers, config.block_size,
+                                      model.num_kv_heads_per_rank, mc.head_dim, dtype)
+        blocks = pg.agree_min(self.control, num_kv_blocks(
+            config.num_kv_blocks, device, config.kv_cache_fraction, block_bytes))
+        kv_caches = model.make_kv_caches(blocks, config.block_size)
+        self.runner = ModelRunner(model, kv_caches, self.pool, config.block_size, device,
+                                  sampler=NoSampling())
+        self.mirror = RequestMirror()
+        self.host: dict[int, object] = {}   # handle -> this rank's LoRAWeights
+        self.channel = PlanChannel(self.control, self.tp.rank)
+
+    def serve(self) -> None:
+        while True:
+            op, payload = self.channel.recv()
+            if op == OP_SHUTDOWN:
+                return
+            if op == OP_ADD_ADAPTER:
+                self._add_adapter(*decode_add_adapter(payload))
+            elif op == OP_STEP:
+                self._step(payload)
+            else:
+                raise RuntimeError(f"rank {self.tp.rank}: unknown plan op {op}")
+
+    def _add_adapter(self, handle: int, path: str) -> None:
+        failed = False
+        try:
+            w = load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
+                          dtype=self.config.torch_dtype)
+            self.host[handle] = w.pin_memory() if self.device.type == "cuda" else w
+        except Exception:  # noqa: BLE001 - reported to rank 0, which raises the typed error
+            failed = True
+        pg.rank_failures(self.control, failed)
+
+    def _step(self, payload: torch.Tensor) -> None:
+        plan = decode_step(payload)
+        for kind, slot, handle in plan.slot_ops:
+            if kind == SLOT_LOAD:
+                self.pool.load(slot, self.host[handle])
+            elif kind == SLOT_CLEAR:
+                self.pool.clear(slot)
+            elif kind == HOST_DROP:
+                self.host.pop(handle, None)
+        out = self.mirror.apply(plan)
+        if out.scheduled:
+            self.runner.run(out)
