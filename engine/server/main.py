@@ -72,5 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, args.ready_file)
     print(f"engine serving: input={args.input} output={args.output} "
           f"instance={server.instance_id}", file=sys.stderr, flush=True)
-    server.serve_forever(stop)
+    try:
+        server.serve_forever(stop)
+    finally:
+        engine.close()  # joins the other tensor-parallel ranks, if any
     return 0

@@ -1,0 +1,76 @@
+"""The step-plan wire format and the rank-0 tracker / worker mirror pair, without processes:
+a plan carries only what changed, and the mirror rebuilds exactly the SchedulerOutput
+rank 0 ran (tokens, positions, block tables, slots, sampling rows), through decodes,
+chunked prefill, block growth, preemption (table rebuilt) and finished requests."""
+from __future__ import annotations
+
+import torch
+
+from engine.distributed.mirror import RequestMirror
+from engine.distributed.plan import (HOST_DROP, SLOT_CLEAR, SLOT_LOAD, SeqPlan, StepPlan,
+                                     decode_add_adapter, decode_step, encode_add_adapter,
+                                     encode_step)
+from engine.distributed.tracker import PlanTracker
+from engine.outputs import FinishReason
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def test_step_plan_round_trip():
+    plan = StepPlan(forget=(3, 9), slot_ops=((SLOT_LOAD, 1, 4), (SLOT_CLEAR, 0, 0), (HOST_DROP, -1, 2)),
+                    seqs=(SeqPlan(5, 0, 7, -1, False, (1, 2, 3, 4, 5, 6, 7, 8), True, (4, 9)),
+                          SeqPlan(6, 40, 1, 2, True, (300,), False, ()),
+                          SeqPlan(7, 16, 1, 0, True, (), False, (11,))))
+    t = encode_step(plan)
+    assert t.dtype == torch.int64 and t.dim() == 1
+    assert decode_step(t) == plan
+    assert decode_step(encode_step(StepPlan())) == StepPlan()
+
+
+def test_add_adapter_round_trip_keeps_unicode_paths():
+    path = "/adapters/café 你好/v2"
+    assert decode_add_adapter(encode_add_adapter(12, path)) == (12, path)
+
+
+def _entry(req, start, n, blocks, slot=-1):
+    return ScheduledRequest(req, start, n, tuple(blocks), slot, start + n == req.num_tokens)
+
+
+def _check_same(ours: SchedulerOutput, mirrored: SchedulerOutput):
+    assert len(ours.scheduled) == len(mirrored.scheduled)
+    for a, b in zip(ours.scheduled, mirrored.scheduled):
+        assert b.request.all_token_ids == a.request.all_token_ids
+        assert (b.start, b.num_new_tokens, b.block_ids, b.slot, b.samples) == \
+            (a.start, a.num_new_tokens, a.block_ids, a.slot, a.samples)
+
+
+def test_tracker_sends_only_changes_and_mirror_rebuilds_each_step():
+    tracker, mirror = PlanTracker(), RequestMirror()
+    a = Request("a", list(range(10, 30)), SamplingParams())   # 20 tokens: two chunks
+    b = Request("b", [5, 6, 7], SamplingParams())
+
+    def step(out, ops=()):
+        plan = decode_step(encode_step(tracker.plan(out, list(ops))))
+        _check_same(out, mirror.apply(plan))
+        return plan
+
+    # step 1: a's first chunk, b's whole prompt; every token and block is new
+    p = step(SchedulerOutput([_entry(a, 0, 12, [3]), _entry(b, 0, 3, [8], slot=1)]),
+             [(SLOT_LOAD, 1, 1)])
+    assert [len(s.new_tokens) for s in p.seqs] == [20, 3] and p.slot_ops == ((SLOT_LOAD, 1, 1),)
+    b.append_token(99)
+    # step 2: b decodes (one new token, no new block), a's second chunk grows a block
+    p = step(SchedulerOutput([_entry(b, 3, 1, [8], slot=1), _entry(a, 12, 8, [3, 4])]))
+    assert [(s.new_tokens, s.new_blocks, s.reset_blocks) for s in p.seqs] == \
+        [((99,), (), False), ((), (4,), False)]
+    # step 3: a was preempted and resumes on other blocks: its table is sent whole
+    a.append_token(42)
+    p = step(SchedulerOutput([_entry(a, 0, 21, [6, 1])]))
+    assert p.seqs[0].reset_blocks and p.seqs[0].new_blocks == (6, 1)
+    assert p.seqs[0].new_tokens == (42,)
+    # step 4: b finished; the workers forget it, a decodes on
+    b.status, b.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+    a.append_token(43)
+    p = step(SchedulerOutput([_entry(a, 21, 1, [6, 1])]))
+    assert p.forget == (2,) and len(mirror) == 1 and len(tracker) == 1
