@@ -19,8 +19,9 @@ from engine.distributed.mirror import RequestMirror
 from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, SLOT_CLEAR,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
-from engine.kv.sizing import bytes_per_block, num_kv_blocks
+from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
 from engine.lora import LoRASlotPool, load_lora
+from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.runner import ModelRunner
@@ -68,17 +69,27 @@ class Worker:
         self.control = groups.control
         mc = self.model_config = ModelConfig.from_dir(config.model)
         dtype = config.torch_dtype
+        max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                            mc.max_position_embeddings)
         model = LlamaForCausalLM(mc, dtype, device, self.tp)
-        model.load_weights(config.model)
+        if config.load_format == "dummy":
+            init_dummy_weights(model, config.seed + self.tp.rank)
+        else:
+            model.load_weights(config.model)
         self.pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
                                  tp_size=self.tp.size)
         block_bytes = bytes_per_block(mc.num_layers, config.block_size,
                                       model.num_kv_heads_per_rank, mc.head_dim, dtype)
         blocks = pg.agree_min(self.control, num_kv_blocks(
-            config.num_kv_blocks, device, config.kv_cache_fraction, block_bytes))
+            config.num_kv_blocks, device, config.kv_cache_fraction, block_bytes,
+            cap=max_useful_blocks(config.max_num_seqs, max_model_len, config.block_size)))
         kv_caches = model.make_kv_caches(blocks, config.block_size)
-        self.runner = ModelRunner(model, kv_caches, self.pool, config.block_size, device,
-                                  sampler=NoSampling())
+        # built exactly like rank 0's runner (engine/engine.py), so decode steps take the
+        # same path (graph replay or eager) on every rank
+        self.runner = ModelRunner(
+            model, kv_caches, self.pool, config.block_size, device, sampler=NoSampling(),
+            graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
+            max_model_len=max_model_len)
         self.mirror = RequestMirror()
         self.host: dict[int, object] = {}   # handle -> this rank's LoRAWeights
         self.channel = PlanChannel(self.control, self.tp.rank)
