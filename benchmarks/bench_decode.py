@@ -241,6 +241,8 @@ def main() -> None:
             print(f"loramux {mode:8s} b={b:4d}: {step*1e3:7.2f} ms/step {b/step:9.1f} tok/s "
                   f"floor {floor*1e3:6.2f} ms x{step/floor:.2f} | graph {t['gpu']*1e3:6.2f} ms "
                   f"x{t['gpu']/floor:.2f} | host {t['host']*1e3:5.2f} ms", flush=True)
+    if not args.eager:
+        profile_graphs(eng, names, args, gen, args.out / "profile.txt")
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -252,6 +254,39 @@ def main() -> None:
         print(f"| {r['system']} | {r['mode']} | {r['batch']} | {r['step_ms']:.2f} | "
               f"{r['tokens_per_s']:.1f} | {r.get('x_floor', nan):.2f} | {r.get('gpu_ms', nan):.2f} "
               f"| {r.get('gpu_x_floor', nan):.2f} | {r.get('host_ms', nan):.2f} |")
+
+
+def profile_graphs(eng, names: list[str], args, gen, path: Path) -> None:
+    """Kernel time by name over 5 replays of the batch-64 decode graph, base and distinct
+    adapters (profile evidence for BENCHMARKS.md)."""
+    from torch.profiler import ProfilerActivity, profile
+    b = min(64, len(names))
+    lines = []
+    for mode, adapters in (("base", [None] * b), ("distinct", names[:b])):
+        from engine import SamplingParams
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        for i in range(b):
+            prompt = torch.randint(10, 100000, (args.prompt_len,), generator=gen).tolist()
+            eng.add_request(f"p{mode}{i}", prompt, params, adapters[i])
+        while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
+            eng.step()
+        eng.step()
+        from engine.cuda_graph import bucket_for
+        graphs = eng.runner.graphs
+        graph, _ = graphs._graphs[(bucket_for(graphs.buckets, b), mode != "base")]
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+        lines += [f"== batch {b} {mode}: 5 graph replays ==", table]
+        for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+            eng.abort(r.request_id)
+        while eng.has_unfinished():
+            eng.step()
+    path.write_text("\n".join(lines))
+    print("\n".join(lines)[:6000], flush=True)
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -122,9 +122,21 @@ class Cluster:
     def kill(self, name: str) -> None:
         self.stop(name, signal.SIGKILL)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 20.0) -> None:
+        """Signal every service at once (so their grace periods overlap), then wait."""
+        procs = [self.procs.get(n) for n in ("gateway", "control", "engine")]
+        for proc in procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         for name in ("gateway", "control", "engine"):
-            self.stop(name)
+            proc = self.procs.pop(name, None)
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]

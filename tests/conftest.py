@@ -11,6 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in Triton's interpreter. Triton picks interpreted or
+# compiled when a kernel is decorated (at import), and pytest imports every test module
+# before running any, so the choice is made here, before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.support.tiny import PAD_ID, AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

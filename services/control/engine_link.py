@@ -25,6 +25,7 @@ class EngineLink:
         self._pending: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self.last_event = engine_pb2.EngineEvent()
+        self._connected = asyncio.Event()
         self.conn = EngineConnection(input_address, output_address, on_output=self._output,
                                      on_up=self._up, on_down=self._down,
                                      heartbeat_timeout_s=heartbeat_timeout_s)
@@ -42,8 +43,14 @@ class EngineLink:
         await self.conn.close()
 
     async def command(self, kind: int, name: str, path: str = "", pinned: bool = False,
-                      timeout_s: float = 60.0) -> engine_pb2.AdapterAck:
-        """Send one adapter command and wait for its ack (raises EngineUnavailable)."""
+                      timeout_s: float = 60.0, connect_wait_s: float = 5.0) -> engine_pb2.AdapterAck:
+        """Send one adapter command and wait for its ack (raises EngineUnavailable). An
+        engine that is (re)starting gets `connect_wait_s` to send its first heartbeat."""
+        if not self.conn.up:
+            try:
+                await asyncio.wait_for(self._connected.wait(), connect_wait_s)
+            except asyncio.TimeoutError:
+                raise EngineUnavailable("the engine is not connected") from None
         cmd_id = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self._pending[cmd_id] = fut
@@ -69,11 +76,13 @@ class EngineLink:
             self._on_event(msg.event)
 
     def _up(self, instance_id: str) -> None:
+        self._connected.set()
         task = asyncio.get_running_loop().create_task(self._on_connect(instance_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def _down(self, reason: str) -> None:
+        self._connected.clear()
         self.last_event = engine_pb2.EngineEvent()
         for fut in self._pending.values():
             if not fut.done():
