@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.errors import EngineDeadError
-from engine.distributed.plan import OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encode_add_adapter, encode_step
+from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encode_add_adapter,
+                                     encode_step)
 from engine.distributed.tracker import PlanTracker
 from engine.distributed.watchdog import WorkerWatchdog
 from engine.distributed.worker import worker_main
