@@ -86,11 +86,13 @@ class Result:
     expand_pct: float
 
 
-def cases(quick: bool) -> list[Case]:
+def cases(quick: bool, targets: bool = False) -> list[Case]:
     groups = ["qkv", "down"] if quick else [g[0] for g in layer_groups()]
-    ranks = [16] if quick else [8, 16, 64, 128]
+    ranks = [16] if quick or targets else [8, 16, 64, 128]
     tokens = [1, 64, 1024] if quick else [1, 16, 64, 256, 1024, 8192]
     adapters = [1, 8] if quick else [1, 8, 64, 128]
+    if targets:  # the target points: every group, rank 16
+        tokens, adapters = [1, 16, 64, 8192], [1, 64]
     out = []
     for g in groups:
         for r in ranks:
@@ -191,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="a small subset of the grid")
+    p.add_argument("--targets", action="store_true",
+                   help="the target points only: all groups, rank 16, T 1/16/64/8192, L 1/64")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(f"{'group':8} {'r':>4} {'T':>5} {'L':>4} {'map':10} {'n':>2} {'us':>9} "
           f"{'floor':>8} {'GB/s':>7} {'%floor':>7}")
-    for case in cases(args.quick):
+    for case in cases(args.quick, args.targets):
         r = run_case(case, bw)
         results.append(r)
         print(f"{r.group:8} {r.rank:4} {r.tokens:5} {r.adapters:4} {r.mapping:10} "

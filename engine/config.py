@@ -8,6 +8,7 @@ import torch
 from engine.errors import InvalidRequestError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights on the device, no weight files read
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,14 @@ class EngineConfig:
     tp_size: int = 1
     enforce_eager: bool = False     # True disables CUDA graphs
     seed: int = 0
+    load_format: str = "auto"       # "auto": safetensors of `model`; "dummy": random weights
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype={self.dtype!r}: must be one of {sorted(_DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidRequestError(
+                f"load_format={self.load_format!r}: must be one of {list(LOAD_FORMATS)}")
         for name in ("max_loras", "max_lora_rank", "block_size", "max_num_seqs",
                      "max_num_batched_tokens", "tp_size"):
             if getattr(self, name) < 1:

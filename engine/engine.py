@@ -20,8 +20,9 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import AdapterError, CapacityError, InvalidRequestError, PromptTooLongError
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.kv.sizing import bytes_per_block, num_kv_blocks
+from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
 from engine.lora import LoRASlotPool, load_lora
+from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.outputs import FinishReason, RequestOutput, StepOutput
@@ -48,13 +49,17 @@ class Engine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         self.model = LlamaForCausalLM(mc, dtype, self.device, TPGroup.single())
-        self.model.load_weights(config.model)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            self.model.load_weights(config.model)
         self.lora_pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype,
                                       self.device, tp_size=1)
         block_bytes = bytes_per_block(mc.num_layers, config.block_size,
                                       self.model.num_kv_heads_per_rank, mc.head_dim, dtype)
-        self.num_kv_blocks = num_kv_blocks(config.num_kv_blocks, self.device,
-                                           config.kv_cache_fraction, block_bytes)
+        self.num_kv_blocks = num_kv_blocks(
+            config.num_kv_blocks, self.device, config.kv_cache_fraction, block_bytes,
+            cap=max_useful_blocks(config.max_num_seqs, self.max_model_len, config.block_size))
         kv_caches = self.model.make_kv_caches(self.num_kv_blocks, config.block_size)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
@@ -68,8 +73,10 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_loras, self.max_model_len),
             self.kv, self.slots)
-        self.runner = ModelRunner(self.model, kv_caches, self.lora_pool, config.block_size,
-                                  self.device)
+        self.runner = ModelRunner(
+            self.model, kv_caches, self.lora_pool, config.block_size, self.device,
+            graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
+            max_model_len=self.max_model_len)
         self.registry = AdapterRegistry()
         self.adapters = AdapterResidency(
             self.registry, self.slots, HostCache(config.cpu_lora_capacity, pinned),

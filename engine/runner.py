@@ -3,6 +3,10 @@
 `prepare_inputs` (host bookkeeping -> tensors) is kept apart from `execute` (device work),
 so a CUDA runner can replace the former with static buffers and the latter with graph
 replays for decode-only steps without touching the scheduler.
+
+On CUDA the step inputs are built on the host, pinned, and copied without blocking; decode
+steps replay CUDA graphs (engine/cuda_graph.py) unless `graph_max_batch` is 0. The only
+host sync of a step is the sampler's read of the sampled tokens.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graph import CudaGraphRunner
 from engine.lora import LoRABatch, LoRASlotPool
 from engine.model.batch import AttentionMetadata, make_attention_metadata
 from engine.request import Request
@@ -30,13 +35,20 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model, kv_caches, lora_pool: LoRASlotPool, block_size: int,
-                 device: torch.device | str = "cpu", sampler: Sampler | None = None):
+                 device: torch.device | str = "cpu", sampler: Sampler | None = None,
+                 graph_max_batch: int = 0, max_model_len: int = 0):
+        """graph_max_batch > 0 (CUDA only): decode steps of up to that many sequences
+        replay CUDA graphs; max_model_len bounds their block tables and attention range."""
         self.model = model
         self.kv_caches = kv_caches
         self.lora_pool = lora_pool
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = sampler or Sampler()
+        self.graphs = None
+        if graph_max_batch > 0 and self.device.type == "cuda":
+            self.graphs = CudaGraphRunner(model, kv_caches, lora_pool, block_size,
+                                          graph_max_batch, max_model_len, self.device)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         ids: list[int] = []
@@ -53,15 +65,25 @@ class ModelRunner:
             [list(s.block_ids) for s in out.scheduled],
             [s.start for s in out.scheduled],
             [s.num_new_tokens for s in out.scheduled],
-            self.block_size, self.device)
-        dev = self.device
+            self.block_size, "cpu")
+        to_dev = self._to_device
+        attn.positions, attn.slot_mapping = to_dev(attn.positions), to_dev(attn.slot_mapping)
+        attn.query_start_loc, attn.seq_lens = to_dev(attn.query_start_loc), to_dev(attn.seq_lens)
+        attn.block_tables = to_dev(attn.block_tables)
         return ModelInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            input_ids=to_dev(torch.tensor(ids, dtype=torch.int64)),
             attn=attn,
-            token_slots=torch.tensor(slots, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(last, dtype=torch.int64, device=dev),
+            token_slots=to_dev(torch.tensor(slots, dtype=torch.int32)),
+            logits_indices=to_dev(torch.tensor(last, dtype=torch.int64)),
             sample_requests=samplers,
             has_lora=any(s.slot >= 0 for s in out.scheduled))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor -> device; on CUDA through pinned memory without blocking (the
+        caching host allocator keeps the pinned block alive until the copy is done)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def execute(self, inputs: ModelInputs) -> dict[str, Sampled]:
@@ -70,12 +92,28 @@ class ModelRunner:
         hidden = self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora)
         if not inputs.sample_requests:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        states = [r.sampling_state for r in inputs.sample_requests]
-        res = self.sampler.sample(logits, states)
+        return self._sample(hidden[inputs.logits_indices], inputs.sample_requests)
+
+    def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> dict[str, Sampled]:
+        logits = self.model.compute_logits(hidden)
+        res = self.sampler.sample(logits, [r.sampling_state for r in requests])
         return {r.request_id: Sampled(tok, lp, top)
-                for r, tok, lp, top in zip(inputs.sample_requests, res.token_ids,
-                                           res.logprobs, res.top_logprobs)}
+                for r, tok, lp, top in zip(requests, res.token_ids, res.logprobs,
+                                           res.top_logprobs)}
+
+    @torch.no_grad()
+    def run_graph(self, out: SchedulerOutput) -> dict[str, Sampled]:
+        """A decode-only step through the CUDA graph of its batch-size bucket."""
+        sched = out.scheduled
+        hidden = self.graphs.run(sched, use_lora=any(s.slot >= 0 for s in sched))
+        rows = [i for i, s in enumerate(sched) if s.samples]
+        if not rows:
+            return {}
+        if len(rows) < len(sched):
+            hidden = hidden[self._to_device(torch.tensor(rows, dtype=torch.int64))]
+        return self._sample(hidden, [sched[i].request for i in rows])
 
     def run(self, out: SchedulerOutput) -> dict[str, Sampled]:
+        if self.graphs is not None and self.graphs.can_run(out.scheduled):
+            return self.run_graph(out)
         return self.execute(self.prepare_inputs(out))

@@ -146,3 +146,16 @@ def write_adapter(path: Path, spec: DemoSpec, seed: int) -> None:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.demo_model DIR`: make the demo model under DIR/demo (once)."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    print(ensure_demo(argv[0] if argv else None))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

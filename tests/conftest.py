@@ -3,11 +3,19 @@ PEFT adapters of different ranks and features, written once per test session; an
 Hugging Face + PEFT oracle for them."""
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. Triton picks interpreted or
+# compiled when a kernel is decorated (at import), and pytest imports every test module
+# before running any, so the choice is made here, before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.support.tiny import PAD_ID, AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model
 
@@ -100,3 +108,26 @@ def llama_oracle(llama_family) -> HFOracle:
 @pytest.fixture(scope="session")
 def qwen2_oracle(qwen2_family) -> HFOracle:
     return HFOracle(qwen2_family)
+
+
+# LORAMUX_TEST_DEVICE=cuda runs every in-process Engine of the suite on that device (the
+# HF oracle stays on the CPU in float32): the same tests, the CUDA kernels and graphs.
+TEST_DEVICE = os.environ.get("LORAMUX_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_test_device():
+    """The device Engine instances run on in this session (see TEST_DEVICE)."""
+    if TEST_DEVICE == "cpu":
+        yield TEST_DEVICE
+        return
+    from engine import Engine
+
+    original = Engine.__init__
+
+    def init_on_device(self, config):
+        original(self, dataclasses.replace(config, device=TEST_DEVICE))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "__init__", init_on_device)
+        yield TEST_DEVICE

@@ -159,6 +159,15 @@ def test_admin_get_list_and_pagination(admin):
     assert [a.name for a in admin.list(page_size=1)] == ["a1", "a2", "a3"]
 
 
+def test_pin_and_unpin_reach_the_engine(cluster, admin):
+    def engine_pins():
+        ev = wait_output(cluster.engine_output, lambda m: m.WhichOneof("kind") == "event", 5)
+        return {a.name: a.pinned for a in ev.event.adapters}
+    assert admin.pin("a1").pinned and engine_pins()["a1"] is True
+    assert not admin.unpin("a1").pinned and engine_pins()["a1"] is False
+    assert admin.get("a2").pinned and engine_pins()["a2"] is True
+
+
 def test_health_reflection_and_metrics(cluster, gen):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
     import urllib.request

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from kernels.elementwise import rotary
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping | None) -> torch.Tensor:
     """[head_dim/2] float32 inverse frequencies, scaled as the config asks."""
@@ -59,11 +61,5 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D], broadcast over heads
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        return x * cos + rotate_half(x) * sin
+        # kernels/elementwise: one in-place launch on CUDA, kernels.elementwise_ref.rotary_ref (the HF form) on CPU
+        return rotary(positions, q, k, self.cos, self.sin)

@@ -1,0 +1,312 @@
+"""Engine decode benchmark on a Llama-3-8B-shaped model with random bf16 weights, against
+the memory-bandwidth floor and, in the same run, Hugging Face transformers + PEFT.
+
+    python benchmarks/bench_decode.py --out DIR [--quick] [--no-hf]
+
+Modes: "base" (no adapter), "one" (one rank-16 adapter for every request), "distinct"
+(one rank-16 adapter per request, on all seven projections). Distinct adapters are
+registered from a few adapter files under different names: each name gets its own id,
+slot and device copy, so a step reads every adapter's A/B separately exactly as with
+distinct files, without writing gigabytes of adapter files first.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.llama8b import (LLAMA3_8B, adapter_bytes, kv_bytes, weight_bytes,  # noqa: E402
+                                write_adapter, write_model_dir)
+
+RANK = 16
+NUM_ADAPTER_FILES = 4
+
+
+def copy_bandwidth(gib: int = 4) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus written."""
+    n = gib * (1 << 30) // 2
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); dst.copy_(src); e.record(); torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / statistics.median(times)
+
+
+def make_engine(model_dir: Path, max_loras: int, max_batch: int, enforce_eager: bool,
+                prompt_len: int, steps: int):
+    from engine import Engine, EngineConfig
+
+    per_seq = -(-(prompt_len + steps + 32) // 16)
+    cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16",
+                       max_loras=max(1, max_loras), max_lora_rank=RANK, load_format="dummy",
+                       max_num_seqs=max_batch, max_num_batched_tokens=8192,
+                       num_kv_blocks=max_batch * per_seq + 64, max_model_len=1024,
+                       enable_prefix_caching=False, enforce_eager=enforce_eager)
+    eng = Engine(cfg)
+    # Host copies by path: NUM_ADAPTER_FILES files are read once, each name still gets its
+    # own id, slot and device copy (what a decode step reads). Benchmark-only shortcut.
+    eng.registry._load_weights = functools.lru_cache(maxsize=None)(eng.registry._load_weights)
+    return eng
+
+
+class HostTimer:
+    """Seconds spent in the engine's host-side step phases (schedule, input fill,
+    update), accumulated per step by wrapping the bound methods of this engine."""
+
+    def __init__(self, eng):
+        self.acc = {"schedule": 0.0, "fill": 0.0, "update": 0.0}
+        self._wrap(eng.scheduler, "schedule", "schedule")
+        self._wrap(eng.scheduler, "update", "update")
+        if eng.runner.graphs is not None:
+            self._wrap(eng.runner.graphs.staging, "fill", "fill")
+        else:
+            self._wrap(eng.runner, "prepare_inputs", "fill")
+
+    def _wrap(self, obj, attr: str, key: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.acc[key] += time.perf_counter() - t0
+        setattr(obj, attr, timed)
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.acc)
+        for k in self.acc:
+            self.acc[k] = 0.0
+        return out
+
+
+def graph_replay_s(eng, batch: int, use_lora: bool, reps: int = 20) -> float:
+    """Median GPU time of one replay of the decode graph that served `batch` (the forward
+    pass alone: no sampling, no host work)."""
+    graphs = eng.runner.graphs
+    if graphs is None:
+        return float("nan")
+    from engine.cuda_graph import bucket_for
+    graph, _ = graphs._graphs[(bucket_for(graphs.buckets, batch), use_lora)]
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); graph.replay(); e.record(); e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(times)
+
+
+def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
+                prompt_len: int, steps: int, gen) -> dict:
+    """Median wall seconds per decode step with `batch` running sequences, the median host
+    seconds per step in schedule/fill/update, and the graph's GPU time."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(10, 100000, (prompt_len,), generator=gen).tolist()
+        eng.add_request(f"r{time.monotonic_ns()}-{i}", prompt, params, adapters[i])
+    # prefill (possibly several steps), then two warm decode steps (graph capture)
+    while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
+        eng.step()
+    eng.step(); eng.step()
+    torch.cuda.synchronize()
+    times, host = [], []
+    timer.take()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        host.append(timer.take())
+    gpu = graph_replay_s(eng, batch, any(a is not None for a in adapters))
+    for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+        eng.abort(r.request_id)
+    while eng.has_unfinished():
+        eng.step()
+    med = {k: statistics.median(h[k] for h in host) for k in host[0]}
+    return {"step": statistics.median(times), "host": sum(med.values()), "gpu": gpu, **med}
+
+
+def hf_baseline(model_dir: Path, adapter_dirs: list[Path], batches: list[int], prompt_len: int,
+                new_tokens: int, gen) -> list[dict]:
+    """HF transformers + PEFT: generate with adapter_names, one distinct adapter per row.
+    Decode time per token = (t(1 + k tokens) - t(1 token)) / k."""
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    model.eval()
+    n_adapters = max(batches)
+    peft = PeftModel.from_pretrained(model, str(adapter_dirs[0]), adapter_name="a0")
+    for i in range(1, n_adapters):
+        peft.load_adapter(str(adapter_dirs[i % len(adapter_dirs)]), adapter_name=f"a{i}")
+    rows = []
+    for b in batches:
+        ids = torch.randint(10, 100000, (b, prompt_len), generator=gen).cuda()
+        mask = torch.ones_like(ids)
+        names = [f"a{i}" for i in range(b)]
+
+        def run(k):
+            torch.cuda.synchronize(); t0 = time.perf_counter()
+            with torch.no_grad():
+                peft.generate(input_ids=ids, attention_mask=mask, adapter_names=names,
+                              max_new_tokens=k, min_new_tokens=k, do_sample=False)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        run(2)
+        t1, tk = run(1), run(1 + new_tokens)
+        step = (tk - t1) / new_tokens
+        rows.append({"system": "hf-peft", "mode": "distinct", "batch": b, "step_ms": step * 1e3,
+                     "tokens_per_s": b / step})
+        print(f"hf-peft distinct b={b}: {step*1e3:.1f} ms/step {b/step:.1f} tok/s", flush=True)
+    del peft, model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--modes", default="base,one,distinct")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--hf-batches", default="8,16,32,64")
+    ap.add_argument("--hf-tokens", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="disable CUDA graphs")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.batches, args.steps, args.hf_batches = "1,64", 8, "8"
+    args.out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()} copy bandwidth {bw/1e12:.2f} TB/s", flush=True)
+
+    work = Path(tempfile.mkdtemp(prefix="loramux-bench-"))
+    model_dir = write_model_dir(work / "model")
+    adapter_dirs = [write_adapter(work / f"adapter{i}", model_dir, RANK, seed=i)
+                    for i in range(NUM_ADAPTER_FILES)]
+    rows = []
+    if not args.no_hf:
+        rows += hf_baseline(model_dir, adapter_dirs, [int(b) for b in args.hf_batches.split(",")],
+                            args.prompt_len, args.hf_tokens, gen)
+    max_b = max(batches)
+    eng = make_engine(model_dir, max_loras=max_b, max_batch=max_b, enforce_eager=args.eager,
+                      prompt_len=args.prompt_len, steps=args.steps)
+    timer = HostTimer(eng)
+    names = []
+    for i in range(max_b):
+        names.append(f"bench{i}")
+        eng.add_adapter(names[-1], str(adapter_dirs[i % len(adapter_dirs)]))
+    cfg = LLAMA3_8B
+    for mode in args.modes.split(","):
+        for b in batches:
+            adapters = {"base": [None] * b, "one": [names[0]] * b, "distinct": names[:b]}[mode]
+            t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen)
+            step = t["step"]
+            n_ad = {"base": 0, "one": 1, "distinct": b}[mode]
+            ctx = b * (args.prompt_len + 3 + args.steps // 2)
+            floor_b = weight_bytes(cfg, b) + kv_bytes(cfg, ctx) + n_ad * adapter_bytes(cfg, RANK)
+            floor = floor_b / bw
+            rows.append({"system": "loramux", "mode": mode, "batch": b, "step_ms": step * 1e3,
+                         "tokens_per_s": b / step, "floor_ms": floor * 1e3,
+                         "x_floor": step / floor, "gpu_ms": t["gpu"] * 1e3,
+                         "gpu_x_floor": t["gpu"] / floor, "host_ms": t["host"] * 1e3,
+                         "schedule_ms": t["schedule"] * 1e3, "fill_ms": t["fill"] * 1e3,
+                         "update_ms": t["update"] * 1e3})
+            print(f"loramux {mode:8s} b={b:4d}: {step*1e3:7.2f} ms/step {b/step:9.1f} tok/s "
+                  f"floor {floor*1e3:6.2f} ms x{step/floor:.2f} | graph {t['gpu']*1e3:6.2f} ms "
+                  f"x{t['gpu']/floor:.2f} | host {t['host']*1e3:5.2f} ms", flush=True)
+    if not args.eager:
+        profile_graphs(eng, names, args, gen, args.out / "profile.txt")
+    meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv}
+    (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    plot(rows, args.out / "decode_throughput.png")
+    print("\n| system | mode | batch | step ms | tokens/s | x floor | graph ms | graph x floor "
+          "| host ms |\n|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    for r in rows:
+        print(f"| {r['system']} | {r['mode']} | {r['batch']} | {r['step_ms']:.2f} | "
+              f"{r['tokens_per_s']:.1f} | {r.get('x_floor', nan):.2f} | {r.get('gpu_ms', nan):.2f} "
+              f"| {r.get('gpu_x_floor', nan):.2f} | {r.get('host_ms', nan):.2f} |")
+
+
+def profile_graphs(eng, names: list[str], args, gen, path: Path) -> None:
+    """Kernel time by name over 5 replays of the batch-64 decode graph, base and distinct
+    adapters (profile evidence for BENCHMARKS.md)."""
+    from torch.profiler import ProfilerActivity, profile
+    b = min(64, len(names))
+    lines = []
+    for mode, adapters in (("base", [None] * b), ("distinct", names[:b])):
+        from engine import SamplingParams
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        for i in range(b):
+            prompt = torch.randint(10, 100000, (args.prompt_len,), generator=gen).tolist()
+            eng.add_request(f"p{mode}{i}", prompt, params, adapters[i])
+        while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
+            eng.step()
+        eng.step()
+        from engine.cuda_graph import bucket_for
+        graphs = eng.runner.graphs
+        graph, _ = graphs._graphs[(bucket_for(graphs.buckets, b), mode != "base")]
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+        lines += [f"== batch {b} {mode}: 5 graph replays ==", table]
+        for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+            eng.abort(r.request_id)
+        while eng.has_unfinished():
+            eng.step()
+    path.write_text("\n".join(lines))
+    print("\n".join(lines)[:6000], flush=True)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, mode in sorted({(r["system"], r["mode"]) for r in rows}):
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows
+                     if r["system"] == system and r["mode"] == mode)
+        ax.plot(*zip(*pts), marker="o", label=f"{system} {mode}")
+    ax.set_xscale("log", base=2); ax.set_yscale("log")
+    ax.set_xlabel("batch size"); ax.set_ylabel("decode tokens/s")
+    ax.set_title("Llama-3-8B shape, bf16, rank-16 adapters")
+    ax.grid(True, which="both", alpha=0.3); ax.legend()
+    fig.tight_layout(); fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

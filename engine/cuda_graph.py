@@ -1,0 +1,165 @@
+"""CUDA graphs for decode steps: one graph per (batch-size bucket, with or without LoRA).
+
+A decode step (every scheduled sequence runs exactly one token) of n sequences replays the
+graph of the smallest bucket >= n (buckets 1, 2, 4, ..., max_num_seqs); rows n..bucket-1
+are padding that writes no KV (slot -1) and uses no adapter. Every input lives in static
+device buffers, refilled per step from a pinned host mirror with two non-blocking copies:
+
+    int64 [3, B]:        input ids | positions | KV slot mapping
+    int32 [2B + B*W]:    seq lens | LoRA slot per token | block tables [B, W]
+
+W = blocks of a max_model_len sequence. The LoRA metadata (`build_meta`: tokens grouped by
+slot) is computed inside the graph from the static slot buffer, so one graph serves any
+mix of adapters and base requests; adapter weights sit at fixed addresses in the slot
+pool, so loading an adapter never invalidates a graph. Attention is captured with
+max_seq_len = max_model_len, which fixes its split-KV count per graph (empty splits are
+merged away). Batches without any adapter replay a graph without the LoRA launches.
+Graphs are captured lazily, the first time a (bucket, lora) pair is needed.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.lora import LoRABatch, LoRASlotPool
+from engine.model.batch import AttentionMetadata
+from engine.scheduler import ScheduledRequest
+
+
+def decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """Powers of two below `max_batch`, then `max_batch` itself."""
+    assert max_batch >= 1, max_batch
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return tuple(out + [max_batch])
+
+
+def bucket_for(buckets: tuple[int, ...], n: int) -> int | None:
+    """Smallest bucket holding n rows, None when n exceeds them all."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def is_decode_step(scheduled: list[ScheduledRequest]) -> bool:
+    return bool(scheduled) and all(s.num_new_tokens == 1 for s in scheduled)
+
+
+class DecodeStaging:
+    """Static device buffers of a decode step's inputs and their pinned host mirror."""
+
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, max_model_len: int,
+                 device: torch.device):
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.block_size, self.max_model_len = block_size, max_model_len
+        pin = device.type == "cuda"
+        B = max_batch
+        self.h64 = torch.zeros((3, B), dtype=torch.int64, pin_memory=pin)
+        self.h32 = torch.zeros(2 * B + B * max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.d64 = torch.zeros_like(self.h64, device=device)
+        self.d32 = torch.zeros_like(self.h32, device=device)
+        self.qsl = torch.arange(B + 1, dtype=torch.int32, device=device)  # one token each
+        self._n64, self._n32 = self.h64.numpy(), self.h32.numpy()  # share memory
+        self._tables = self._n32[2 * B:].reshape(B, max_blocks)
+        self._uploaded = torch.cuda.Event() if pin else None
+
+    def fill(self, scheduled: list[ScheduledRequest], bucket: int) -> None:
+        """Host side: rows 0..n-1 from the scheduled decodes, n..bucket-1 padding."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous upload has read the mirror
+        n, B, bs = len(scheduled), self.max_batch, self.block_size
+        assert n <= bucket <= B, (n, bucket, B)
+        ids, pos, slot_map = self._n64
+        seq_lens, tok_slots = self._n32[:B], self._n32[B:2 * B]
+        for i, s in enumerate(scheduled):
+            p, blocks = s.start, s.block_ids
+            ids[i] = s.request.all_token_ids[p]
+            pos[i] = p
+            slot_map[i] = blocks[p // bs] * bs + p % bs
+            seq_lens[i] = p + 1
+            tok_slots[i] = s.slot
+            self._tables[i, :len(blocks)] = blocks
+        self.fill_padding(n, bucket)
+
+    def fill_padding(self, start: int, stop: int) -> None:
+        """Rows [start, stop): token 0 at position 0, no KV write, no adapter."""
+        B = self.max_batch
+        self._n64[0, start:stop] = 0
+        self._n64[1, start:stop] = 0
+        self._n64[2, start:stop] = -1
+        self._n32[start:stop] = 1
+        self._n32[B + start:B + stop] = -1
+        self._tables[start:stop] = 0
+
+    def upload(self) -> None:
+        """Device side: two copies, asynchronous from pinned memory on CUDA."""
+        self.d64.copy_(self.h64, non_blocking=True)
+        self.d32.copy_(self.h32, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+    def views(self, bucket: int) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, attention metadata, token_slots) over the first `bucket` rows."""
+        B, W = self.max_batch, self.max_blocks
+        attn = AttentionMetadata(
+            positions=self.d64[1, :bucket], slot_mapping=self.d64[2, :bucket],
+            query_start_loc=self.qsl[:bucket + 1], seq_lens=self.d32[:bucket],
+            block_tables=self.d32[2 * B:].view(B, W)[:bucket],
+            max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size)
+        return self.d64[0, :bucket], attn, self.d32[B:B + bucket]
+
+
+class CudaGraphRunner:
+    """Replays captured decode graphs; `run(scheduled, use_lora)` -> hidden [n, hidden]
+    (a view of the graph's static output, valid until the next replay)."""
+
+    def __init__(self, model, kv_caches, lora_pool: LoRASlotPool, block_size: int,
+                 max_batch: int, max_model_len: int, device: torch.device):
+        self.model, self.kv_caches, self.lora_pool = model, kv_caches, lora_pool
+        self.buckets = decode_buckets(max_batch)
+        max_blocks = -(-max_model_len // block_size)
+        self.staging = DecodeStaging(max_batch, max_blocks, block_size, max_model_len, device)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.num_replays = 0
+
+    def can_run(self, scheduled: list[ScheduledRequest]) -> bool:
+        return is_decode_step(scheduled) and len(scheduled) <= self.buckets[-1]
+
+    @property
+    def captured(self) -> list[tuple[int, bool]]:
+        return sorted(self._graphs)
+
+    def run(self, scheduled: list[ScheduledRequest], use_lora: bool) -> torch.Tensor:
+        bucket = bucket_for(self.buckets, len(scheduled))
+        key = (bucket, use_lora)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, use_lora)
+        graph, hidden = self._graphs[key]
+        self.staging.fill(scheduled, bucket)
+        self.staging.upload()
+        graph.replay()
+        self.num_replays += 1
+        return hidden[:len(scheduled)]
+
+    def _forward(self, bucket: int, use_lora: bool) -> torch.Tensor:
+        ids, attn, token_slots = self.staging.views(bucket)
+        lora = LoRABatch(self.lora_pool, token_slots) if use_lora else None
+        return self.model.forward(ids, attn, self.kv_caches, lora)
+
+    def _capture(self, bucket: int, use_lora: bool):
+        # Inputs of the warm-up and the capture: all padding (no KV writes, no adapter).
+        self.staging.fill_padding(0, bucket)
+        self.staging.upload()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # compiles the Triton kernels outside the capture
+            self._forward(bucket, use_lora)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = self._forward(bucket, use_lora)
+        torch.cuda.synchronize()
+        return graph, hidden

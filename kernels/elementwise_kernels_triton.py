@@ -1,0 +1,61 @@
+"""Triton programs for the decoder's small per-token ops (host wrappers:
+kernels/elementwise_triton.py). Each replaces several torch launches with one and rounds
+exactly where the torch reference (kernels/elementwise_ref.py) rounds to the model dtype."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps,
+                    BLOCK: tl.constexpr):
+    """Grid (rows,): out = w * (x * rsqrt(mean(x^2) + eps)).to(dtype), stats in float32."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, 0) / N
+    h = (x * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = w.to(tl.float32) * h.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
+    """Grid (rows, I blocks): out = silu(gate).to(dtype) * up with x = [gate | up]."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, H, stride_qt, stride_qh,
+                  stride_kt, stride_kh, stride_c, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (tokens, H + KVH): rotate one head of q (h < H) or k in place, neox style:
+    out = x * cos + rotate_half(x) * sin, each product rounded to the dtype, as torch."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < H:
+        base = q_ptr + t * stride_qt + h * stride_qh
+    else:
+        base = k_ptr + t * stride_kt + (h - H) * stride_kh
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    pos = tl.load(pos_ptr + t)
+    dt = q_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
+    x1 = tl.load(base + offs, mask=mask).to(tl.float32)
+    x2 = tl.load(base + HALF + offs, mask=mask).to(tl.float32)
+    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(base + offs, o1.to(dt), mask=mask)
+    tl.store(base + HALF + offs, o2.to(dt), mask=mask)

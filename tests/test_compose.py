@@ -1,0 +1,134 @@
+"""docker-compose.yml: validated as a file, then each CPU-profile service's command run as a
+local process with the compose environment (container hostnames, ports and volumes mapped
+to loopback, free ports and temporary directories), checked to serve together."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from loramux import AdminClient, GenerateClient
+
+from services.launcher import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+_VAR = re.compile(r"\$\{([A-Z0-9_]+)(:-([^}]*))?\}")
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def interpolate(value: str) -> str:
+    def sub(m):
+        assert m.group(2) is not None, f"${{{m.group(1)}}} has no default"
+        return m.group(3)  # the compose defaults, whatever this machine's environment says
+    return _VAR.sub(sub, value)
+
+
+def test_compose_file_is_valid(compose):
+    services = compose["services"]
+    assert {"setup", "engine", "engine-cpu", "control", "gateway"} <= set(services)
+    assert set(compose["volumes"]) >= {"models", "adapters", "state"}
+    gpu = services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+    assert services["engine"]["profiles"] == ["gpu"] and services["engine-cpu"]["profiles"] == ["cpu"]
+    assert "deploy" not in services["engine-cpu"]
+    assert services["engine-cpu"]["networks"]["default"]["aliases"] == ["engine"]
+    for name in ("engine", "engine-cpu", "control", "gateway"):
+        svc = services[name]
+        assert svc["healthcheck"]["test"][0] == "CMD", name
+        for vol in svc["volumes"]:
+            assert vol.split(":")[0] in compose["volumes"], (name, vol)
+    deps = services["gateway"]["depends_on"]
+    assert deps["control"]["condition"] == "service_healthy"
+    assert deps["engine"]["condition"] == deps["engine-cpu"]["condition"] == "service_healthy"
+    assert services["engine-cpu"]["depends_on"]["setup"]["condition"] == "service_completed_successfully"
+    text = (REPO / "docker-compose.yml").read_text()
+    for m in _VAR.finditer(text):
+        assert m.group(2) is not None, f"{m.group(0)} has no default"
+
+
+class LocalCompose:
+    """Runs compose services as local processes: hostnames -> 127.0.0.1, every port in an
+    address -> a free local port, container paths -> directories under `root`."""
+
+    def __init__(self, compose: dict, root: Path):
+        self.compose = compose
+        self.ports: dict[str, str] = {}
+        self.paths = {p: str(root / p.strip("/")) for p in ("/models", "/adapters", "/state")}
+        for p in self.paths.values():
+            os.makedirs(p, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        self.logs = root
+
+    def map(self, value: str) -> str:
+        value = interpolate(str(value))
+        value = re.sub(r"//(engine|control|0\.0\.0\.0)(?=:)", "//127.0.0.1", value)
+        value = re.sub(r"^(0\.0\.0\.0)(?=:)", "127.0.0.1", value)
+        value = re.sub(r"(?<=:)(\d{4,5})\b", lambda m: self.ports.setdefault(m.group(1), str(free_port())), value)
+        for container, local in self.paths.items():
+            value = re.sub(rf"(?<![\w/]){re.escape(container)}(?=/|:|$)", local, value)
+        return value
+
+    def env(self, name: str) -> dict:
+        env = {k: self.map(v) for k, v in self.compose["services"][name].get("environment", {}).items()}
+        return {**os.environ, **env, "OMP_NUM_THREADS": "1"}
+
+    def argv(self, cmd: list[str]) -> list[str]:
+        cmd = [self.map(c) for c in cmd]
+        return [sys.executable if c == "python" else c for c in cmd]
+
+    def start(self, name: str) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "wb")
+        proc = subprocess.Popen(self.argv(self.compose["services"][name]["command"]),
+                                env=self.env(name), stdout=log, stderr=log, cwd=REPO)
+        self.procs.append(proc)
+        return proc
+
+    def healthy(self, name: str, timeout_s: float = 90.0) -> None:
+        test = self.compose["services"][name]["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        deadline = time.monotonic() + timeout_s
+        while subprocess.run(self.argv(test[1:]), env=self.env(name), cwd=REPO,
+                             capture_output=True).returncode != 0:
+            assert time.monotonic() < deadline, (self.logs / f"{name}.log").read_text()[-3000:]
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.mark.timeout(300)
+def test_compose_services_serve_together(compose, tmp_path):
+    local = LocalCompose(compose, tmp_path)
+    try:
+        setup = local.start("setup")
+        assert setup.wait(120) == 0, (tmp_path / "setup.log").read_text()
+        for name in ("engine-cpu", "control", "gateway"):  # as compose would, all at once
+            local.start(name)
+        for name in ("engine-cpu", "control", "gateway"):
+            local.healthy(name)
+        env = local.env("gateway")
+        gateway = env["LORAMUX_GATEWAY_LISTEN"]
+        control = local.env("control")["LORAMUX_CONTROL_LISTEN"]
+        with AdminClient(control) as admin:
+            a = admin.load("demo-a", local.map("/models/demo/adapters/demo-a"))
+            assert a.path.startswith(local.paths["/models"]) and a.rank == 8
+        with GenerateClient(gateway) as gen:
+            out = gen.generate("hello", "demo-a", temperature=0.0, max_tokens=5)
+            assert len(out.token_ids) == 5 or out.finish_reason == "eos"
+    finally:
+        local.close()

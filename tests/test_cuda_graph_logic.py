@@ -1,0 +1,106 @@
+"""CUDA-graph runner logic that needs no GPU: bucket choice, decode-step detection, and the
+static decode buffers (filled on the CPU here) against the eager metadata builder."""
+import pytest
+import torch
+
+from engine.cuda_graph import DecodeStaging, bucket_for, decode_buckets, is_decode_step
+from engine.model.batch import make_attention_metadata
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest
+
+
+def test_buckets_powers_of_two_then_max():
+    assert decode_buckets(1) == (1,)
+    assert decode_buckets(8) == (1, 2, 4, 8)
+    assert decode_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert decode_buckets(256)[-3:] == (64, 128, 256)
+
+
+@pytest.mark.parametrize("n,want", [(1, 1), (3, 4), (4, 4), (5, 8), (33, 48), (48, 48), (49, None)])
+def test_bucket_for(n, want):
+    assert bucket_for(decode_buckets(48), n) == want
+
+
+def _sched(rid, tokens, start, new, blocks, slot, samples=True):
+    req = Request(rid, tokens, SamplingParams())
+    return ScheduledRequest(req, start, new, tuple(blocks), slot, samples)
+
+
+def test_decode_step_detection():
+    dec = [_sched("a", [5, 6, 7], 2, 1, [3], 0), _sched("b", [1, 2], 1, 1, [4], -1)]
+    assert is_decode_step(dec)
+    assert not is_decode_step([])
+    assert not is_decode_step(dec + [_sched("c", [1, 2, 3], 0, 3, [5], -1)])
+
+
+def test_staging_matches_eager_metadata_and_pads():
+    bs, max_len = 4, 64
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i, (length, slot) in enumerate([(9, 1), (1, -1), (16, 0), (30, 2), (5, -1)]):
+        tokens = torch.randint(3, 500, (length,), generator=gen).tolist()
+        blocks = torch.randperm(200, generator=gen)[:-(-length // bs)].tolist()
+        rows.append(_sched(f"r{i}", tokens, length - 1, 1, blocks, slot))
+    st = DecodeStaging(max_batch=16, max_blocks=max_len // bs, block_size=bs,
+                       max_model_len=max_len, device=torch.device("cpu"))
+    st.fill_padding(0, 16)
+    st._n64[:] = 77      # stale values from an earlier, larger step must be overwritten
+    st._n32[:] = 77
+    st.fill(rows, bucket=8)
+    st.upload()
+    ids, attn, slots = st.views(8)
+    ref = make_attention_metadata([list(s.block_ids) for s in rows], [s.start for s in rows],
+                                  [1] * len(rows), bs)
+    n = len(rows)
+    assert ids[:n].tolist() == [s.request.all_token_ids[s.start] for s in rows]
+    assert torch.equal(attn.positions[:n], ref.positions)
+    assert torch.equal(attn.slot_mapping[:n], ref.slot_mapping)
+    assert torch.equal(attn.seq_lens[:n], ref.seq_lens)
+    assert torch.equal(attn.query_start_loc, torch.arange(9, dtype=torch.int32))
+    width = ref.block_tables.shape[1]
+    for i, s in enumerate(rows):  # entries past a sequence's blocks are never read
+        nb = len(s.block_ids)
+        assert attn.block_tables[i, :nb].tolist() == ref.block_tables[i, :nb].tolist()
+    assert attn.block_tables.shape == (8, max_len // bs) and width <= max_len // bs
+    assert slots[:n].tolist() == [s.slot for s in rows]
+    # padding rows: token 0 at position 0, KV write skipped, no adapter, block 0
+    assert ids[n:].tolist() == [0] * 3 and attn.positions[n:].tolist() == [0] * 3
+    assert attn.slot_mapping[n:].tolist() == [-1] * 3 and attn.seq_lens[n:].tolist() == [1] * 3
+    assert slots[n:].tolist() == [-1] * 3 and attn.block_tables[n:].abs().sum() == 0
+    assert (attn.max_query_len, attn.max_seq_len, attn.num_tokens) == (1, max_len, 8)
+
+
+def test_staging_runs_the_model_like_eager(llama_family):
+    """The model on the staging buffers (CPU, padded bucket) gives the eager hidden
+    states for the real rows: padding rows neither write KV nor disturb real ones."""
+    from engine.model.hf_config import ModelConfig
+    from engine.model.llama import LlamaForCausalLM
+
+    cfg = ModelConfig.from_dir(llama_family.model_dir)
+    model = LlamaForCausalLM(cfg)
+    model.load_weights(llama_family.model_dir)
+    bs, max_len = 4, 64
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for i, length in enumerate([6, 12, 3]):
+        tokens = torch.randint(3, 300, (length,), generator=gen).tolist()
+        rows.append(_sched(f"r{i}", tokens, length - 1, 1, [3 * i, 3 * i + 1, 3 * i + 2][:-(-length // bs)], -1))
+    kv_a = model.make_kv_caches(16, bs)
+    for k, v in kv_a:   # a random cache: every context token is "already computed"
+        k.normal_(generator=gen)
+        v.normal_(generator=gen)
+    kv_b = [(k.clone(), v.clone()) for k, v in kv_a]
+    ref_attn = make_attention_metadata([list(s.block_ids) for s in rows],
+                                       [s.start for s in rows], [1] * 3, bs)
+    ids = torch.tensor([s.request.all_token_ids[s.start] for s in rows])
+    want = model.forward(ids, ref_attn, kv_a)
+    st = DecodeStaging(8, max_len // bs, bs, max_len, torch.device("cpu"))
+    st.fill(rows, bucket=4)
+    st.upload()
+    sids, sattn, _ = st.views(4)
+    got = model.forward(sids, sattn, kv_b)
+    torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
+    for (ka, va), (kb, vb) in zip(kv_a, kv_b):  # a padding write would be far off
+        torch.testing.assert_close(kb, ka, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)

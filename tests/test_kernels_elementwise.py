@@ -1,0 +1,83 @@
+"""Triton RMSNorm, SiLU-and-multiply and rotary kernels against the torch references
+(kernels/elementwise_ref.py): under the Triton interpreter on a machine without CUDA
+(float32), compiled on a GPU (float32 and bfloat16). Fresh random inputs, poisoned
+outputs (the wrappers allocate with empty; the rotary output is its input, rewritten)."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _interpreted(name: str):
+    module = importlib.import_module(name)
+    if not CUDA:
+        from triton.runtime.jit import JITFunction
+        if any(isinstance(v, JITFunction) for v in vars(module).values()):
+            module = importlib.reload(sys.modules[name])
+    return module
+
+
+_interpreted("kernels.elementwise_kernels_triton")
+from kernels import elementwise_triton as T  # noqa: E402
+from kernels.elementwise_ref import rms_norm_ref, rotary_ref, silu_mul_ref  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty(monkeypatch):
+    """Every buffer the wrappers allocate with torch.empty* starts as NaN."""
+    real_empty, real_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real_like(*a, **k).fill_(float("nan")))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 64), (5, 96), (3, 200)])
+def test_rms_norm(dtype, rows, n):
+    gen = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=gen) * 3).to(DEV, dtype)
+    w = torch.randn(n, generator=gen).to(DEV, dtype)
+    torch.testing.assert_close(T.rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 32), (4, 100), (2, 1536)])
+def test_silu_mul(dtype, rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    x = (torch.randn(rows, 2 * inter, generator=gen) * 2).to(DEV, dtype)
+    torch.testing.assert_close(T.silu_mul(x), silu_mul_ref(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h,kvh,d", [(1, 4, 2, 16), (6, 8, 2, 32), (3, 2, 2, 64)])
+def test_rotary_in_place_views(dtype, t, h, kvh, d):
+    """q and k are views into one merged qkv row (as in the model), rotated in place;
+    v next to them is left alone."""
+    gen = torch.Generator().manual_seed(t * h * d)
+    pos_max = 50
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.arange(pos_max).float()[:, None] * inv[None]
+    emb = torch.cat((f, f), -1)
+    cos, sin = emb.cos().to(DEV), emb.sin().to(DEV)
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=gen).to(DEV, dtype)
+    positions = torch.randint(0, pos_max, (t,), generator=gen).to(DEV)
+    q = qkv[:, :h * d].reshape(t, h, d)
+    k = qkv[:, h * d:(h + kvh) * d].reshape(t, kvh, d)
+    want_q, want_k = rotary_ref(positions, q.clone(), k.clone(), cos, sin)
+    v_before = qkv[:, (h + kvh) * d:].clone()
+    got_q, got_k = T.rotary(positions, q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (h + kvh) * d:], v_before)
