@@ -102,8 +102,7 @@ def graph_replay_s(eng, batch: int, use_lora: bool, reps: int = 20) -> float:
     graphs = eng.runner.graphs
     if graphs is None:
         return float("nan")
-    from engine.cuda_graph import bucket_for
-    graph, _ = graphs._graphs[(bucket_for(graphs.buckets, batch), use_lora)]
+    graph = graphs.graph_for(batch, use_lora, greedy=True)
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -188,7 +187,7 @@ def hf_baseline(model_dir: Path, adapter_dirs: list[Path], batches: list[int], p
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--batches", default="1,8,16,32,64,128,256")
     ap.add_argument("--modes", default="base,one,distinct")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -271,9 +270,8 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path) -> None:
         while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
             eng.step()
         eng.step()
-        from engine.cuda_graph import bucket_for
         graphs = eng.runner.graphs
-        graph, _ = graphs._graphs[(bucket_for(graphs.buckets, b), mode != "base")]
+        graph = graphs.graph_for(b, mode != "base", greedy=True)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):

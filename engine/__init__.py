@@ -2,8 +2,8 @@
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import (AdapterError, AdapterNotFoundError, AdapterUnavailableError,
-                           CapacityError, InvalidRequestError, LoramuxError, ModelLoadError,
-                           PromptTooLongError)
+                           CapacityError, EngineDeadError, InvalidRequestError, LoramuxError,
+                           ModelLoadError, PromptTooLongError)
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.sampling_params import SamplingParams
 
@@ -11,4 +11,5 @@ __all__ = [
     "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "StepOutput", "FinishReason",
     "LoramuxError", "InvalidRequestError", "PromptTooLongError", "ModelLoadError",
     "AdapterError", "AdapterNotFoundError", "AdapterUnavailableError", "CapacityError",
+    "EngineDeadError",
 ]

@@ -14,7 +14,11 @@ mix of adapters and base requests; adapter weights sit at fixed addresses in the
 pool, so loading an adapter never invalidates a graph. Attention is captured with
 max_seq_len = max_model_len, which fixes its split-KV count per graph (empty splits are
 merged away). Batches without any adapter replay a graph without the LoRA launches.
-Graphs are captured lazily, the first time a (bucket, lora) pair is needed.
+Graphs are captured lazily, the first time a (bucket, lora, greedy) triple is needed.
+
+A "greedy" graph also runs lm_head and picks every row's token inside the graph (argmax
+of the float32 logits and its raw log-softmax logprob: the Sampler's own ops for a greedy
+row without penalty), so such a step reads back one [2, n] tensor with one sync.
 """
 from __future__ import annotations
 
@@ -108,9 +112,18 @@ class DecodeStaging:
         return self.d64[0, :bucket], attn, self.d32[B:B + bucket]
 
 
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """[2, B] float64: argmax token id and its raw logprob per row (Sampler's greedy ops)."""
+    logits = logits.float()
+    tok = logits.argmax(dim=-1)
+    lp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
+    return torch.stack([tok.double(), lp.double()])
+
+
 class CudaGraphRunner:
-    """Replays captured decode graphs; `run(scheduled, use_lora)` -> hidden [n, hidden]
-    (a view of the graph's static output, valid until the next replay)."""
+    """Replays captured decode graphs; `run(scheduled, use_lora)` -> hidden [n, hidden],
+    `run(..., greedy=True)` -> [2, n] (token id, logprob) (views of the graph's static
+    output, valid until the next replay)."""
 
     def __init__(self, model, kv_caches, lora_pool: LoRASlotPool, block_size: int,
                  max_batch: int, max_model_len: int, device: torch.device):
@@ -118,7 +131,7 @@ class CudaGraphRunner:
         self.buckets = decode_buckets(max_batch)
         max_blocks = -(-max_model_len // block_size)
         self.staging = DecodeStaging(max_batch, max_blocks, block_size, max_model_len, device)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.num_replays = 0
 
@@ -127,39 +140,47 @@ class CudaGraphRunner:
 
     @property
     def captured(self) -> list[tuple[int, bool]]:
-        return sorted(self._graphs)
+        """(bucket, lora) pairs with a captured graph (greedy or not)."""
+        return sorted({key[:2] for key in self._graphs})
 
-    def run(self, scheduled: list[ScheduledRequest], use_lora: bool) -> torch.Tensor:
+    def graph_for(self, n: int, use_lora: bool, greedy: bool = False):
+        """The captured graph serving n rows, or None (benchmarks time its replay)."""
+        entry = self._graphs.get((bucket_for(self.buckets, n), use_lora, greedy))
+        return entry[0] if entry else None
+
+    def run(self, scheduled: list[ScheduledRequest], use_lora: bool,
+            greedy: bool = False) -> torch.Tensor:
         bucket = bucket_for(self.buckets, len(scheduled))
-        key = (bucket, use_lora)
+        key = (bucket, use_lora, greedy)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(bucket, use_lora)
-        graph, hidden = self._graphs[key]
+            self._graphs[key] = self._capture(*key)
+        graph, out = self._graphs[key]
         self.staging.fill(scheduled, bucket)
         self.staging.upload()
         graph.replay()
         self.num_replays += 1
-        return hidden[:len(scheduled)]
+        return out[:, :len(scheduled)] if greedy else out[:len(scheduled)]
 
-    def _forward(self, bucket: int, use_lora: bool) -> torch.Tensor:
+    def _forward(self, bucket: int, use_lora: bool, greedy: bool = False) -> torch.Tensor:
         ids, attn, token_slots = self.staging.views(bucket)
         lora = LoRABatch(self.lora_pool, token_slots) if use_lora else None
-        return self.model.forward(ids, attn, self.kv_caches, lora)
+        hidden = self.model.forward(ids, attn, self.kv_caches, lora)
+        return greedy_pick(self.model.compute_logits(hidden)) if greedy else hidden
 
-    def _capture(self, bucket: int, use_lora: bool):
+    def _capture(self, bucket: int, use_lora: bool, greedy: bool):
         # Inputs of the warm-up and the capture: all padding (no KV writes, no adapter).
         self.staging.fill_padding(0, bucket)
         self.staging.upload()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # compiles the Triton kernels outside the capture
-            self._forward(bucket, use_lora)
+            self._forward(bucket, use_lora, greedy)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden = self._forward(bucket, use_lora)
+            out = self._forward(bucket, use_lora, greedy)
         torch.cuda.synchronize()
-        return graph, hidden
+        return graph, out

@@ -11,20 +11,23 @@ from pathlib import Path
 
 import torch
 
+from engine.adapters.host_cache import HostCache
+from engine.adapters.loader import DiskLoader, fingerprint
 from engine.adapters.registry import BASE_ID, AdapterRegistry
+from engine.adapters.residency import AdapterResidency
 from engine.adapters.slots import SlotTable
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.distributed.adapters import BroadcastingSlotPool, ShardedAdapterLoader
+from engine.distributed.adapters import AdapterMirror
 from engine.distributed.executor import TPExecutor
-from engine.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from engine.errors import AdapterError, CapacityError, InvalidRequestError, PromptTooLongError
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
 from engine.lora import LoRASlotPool, load_lora
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from engine.outputs import RequestOutput, StepOutput
+from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.parallel import TPGroup
 from engine.request import Request
 from engine.runner import ModelRunner
@@ -71,7 +74,12 @@ class Engine:
         kv_caches = self.model.make_kv_caches(self.num_kv_blocks, config.block_size)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
-        self.slots = SlotTable(config.max_loras)
+        if config.cpu_lora_capacity < config.max_loras:
+            raise InvalidRequestError(
+                f"max_cpu_loras={config.cpu_lora_capacity}: must be >= max_loras="
+                f"{config.max_loras} (every adapter in a slot may need its host copy)")
+        pinned: set[int] = set()  # one pin set for both tiers
+        self.slots = SlotTable(config.max_loras, pinned)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_loras, self.max_model_len),
@@ -80,12 +88,16 @@ class Engine:
             self.model, kv_caches, self.lora_pool, config.block_size, self.device,
             graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
             max_model_len=self.max_model_len)
-        self.registry = AdapterRegistry(
-            lambda path: load_lora(path, mc, config.max_lora_rank, dtype=dtype))
-        if self._tp:
-            loader = ShardedAdapterLoader(self._tp, mc, config.max_lora_rank, dtype)
-            self.registry = AdapterRegistry(loader.load)
-            self.lora_pool = BroadcastingSlotPool(self.lora_pool, loader, self._tp)
+        self.registry = AdapterRegistry()
+        # rank 0 reads and validates its own shard; at TP > 1 the mirror repeats every
+        # slot load and host-copy drop on the other ranks (by adapter id)
+        self.adapters = AdapterResidency(
+            self.registry, self.slots, HostCache(config.cpu_lora_capacity, pinned),
+            DiskLoader(lambda path: load_lora(path, mc, config.max_lora_rank, tp=tp,
+                                              dtype=dtype),
+                       pin_memory=self.device.type == "cuda"),
+            self.lora_pool, self.device,
+            mirror=AdapterMirror(self._tp, self.registry) if self._tp else None)
         self._seeds = RequestSeeds(config.seed)
         self._arrival = itertools.count()
         self._base_cache_hits = 0
@@ -95,44 +107,89 @@ class Engine:
 
     # ---- adapters ---------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:
-        """Validate and load a PEFT adapter into host memory; returns its new id (a new
-        one on every call, also for a name already loaded: see AdapterRegistry)."""
+        """Validate and read a PEFT adapter into host memory; returns its new id (a new
+        one on every call, also for a name already loaded: see AdapterRegistry). It is
+        copied into a device slot when a request (or a pin) needs it. Raises AdapterError
+        (nothing registered) or CapacityError (a pin would take the last dynamic slot)."""
+        self.registry.check_name(name)
         if pinned:
             self._check_can_pin(name)
-        aid = self.registry.add(name, str(path), pinned)
-        if pinned:  # never evicted implicitly once in a slot
-            self.slots.pinned.add(aid)
+        before = fingerprint(path)
+        weights = self.adapters.loader.read(path)
+        if fingerprint(path) != before:
+            raise AdapterError(f"adapter files at {path} changed while being read",
+                               feature="changed_on_disk")
+        old = self.registry.current(name)
+        aid = self.registry.add(name, str(path), weights.max_rank, before, pinned)
+        self.adapters.add_host_copy(aid, weights)
+        if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
+            self._set_pin(old.adapter_id, False)
+        self._set_pin(aid, pinned)
         self._free_retired()  # the replaced version may be idle already
         return aid
 
     def set_adapter_pinned(self, name: str, pinned: bool) -> int:
-        """Pin (never evicted implicitly) or unpin the current version of `name`."""
+        """Pin (never evicted implicitly from a slot or host memory; brought into a slot at
+        the next step) or unpin the current version of `name`."""
         aid = self.registry.resolve(name)
-        rec = self.registry.get(aid)
-        if pinned and not rec.pinned:
+        if pinned and not self.registry.get(aid).pinned:
             self._check_can_pin(name)
-        rec.pinned = pinned
-        (self.slots.pinned.add if pinned else self.slots.pinned.discard)(aid)
+            self.adapters.ensure_host_copy(aid)
+        self._set_pin(aid, pinned)
         return aid
 
+    def _set_pin(self, aid: int, pinned: bool) -> None:
+        self.registry.get(aid).pinned = pinned
+        (self.slots.pinned.add if pinned else self.slots.pinned.discard)(aid)
+
     def _check_can_pin(self, name: str) -> None:
-        if len(self.slots.pinned) + 1 >= self.config.max_loras:
+        current = self.registry.current(name)
+        others = self.slots.pinned - ({current.adapter_id} if current else set())
+        if len(others) + 1 >= self.config.max_loras:
             raise CapacityError(
-                f"cannot pin adapter {name!r}: {len(self.slots.pinned)} of max_loras="
+                f"cannot pin adapter {name!r}: {len(others)} of max_loras="
                 f"{self.config.max_loras} slots are pinned and one must stay dynamic")
 
     def remove_adapter(self, name: str) -> int:
-        """Unload `name`: refused for new requests at once, freed when in-flight ones end."""
+        """Unload `name`: refused for new requests at once; its slot, host copy and KV
+        namespace are freed when its in-flight requests end (they finish with the weights
+        they started with). Afterwards the name is unknown (AdapterNotFoundError)."""
         aid = self.registry.remove(name)
+        self._set_pin(aid, False)
         self._free_retired()
         return aid
 
     def _free_retired(self) -> None:
         for rec in self.registry.take_ready():
-            slot = self.slots.release(rec.adapter_id)
-            if slot is not None:
-                self.lora_pool.clear(slot)
+            self.adapters.forget(rec.adapter_id)
             self.kv.evict_namespace(rec.adapter_id)
+
+    def _advance_adapters(self) -> list[StepOutput]:
+        """Finished reads and copies move along the tiers. A version whose files changed
+        or vanished since it was loaded cannot be read back: its waiting requests end with
+        FinishReason.ERROR and the version is retired."""
+        results = []
+        for res in self.adapters.poll():
+            for req in [r for r in self.scheduler.waiting if r.adapter_id == res.adapter_id]:
+                self.scheduler.finish(req, FinishReason.ERROR)
+                results.append(self._step_output(req, len(req.text), new_token=False))
+                self._on_finished(req)
+            self._set_pin(res.adapter_id, False)
+            self.registry.retire(res.adapter_id)
+        self._free_retired()
+        return results
+
+    def _schedule(self, results: list[StepOutput]) -> tuple[SchedulerOutput, bool]:
+        """Schedule one batch, then prefetch; also says whether a slot became ready."""
+        results += self._advance_adapters()
+        out = self.scheduler.schedule()
+        # the batch is fixed: bring in what waiting requests (and pins) need, evicting only
+        # adapters without running requests; copies overlap this step's forward pass
+        wanted = self.scheduler.wanted_adapters()
+        wanted += sorted(a for a in self.slots.pinned
+                         if self.slots.slot_of(a) is None and a not in wanted)
+        ready = self.adapters.prefetch(wanted, busy=self.scheduler.running_adapters())
+        return out, ready
 
     # ---- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -218,17 +275,21 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward pass, sample; one StepOutput per request that got a
         token or finished in this step."""
-        out = self.scheduler.schedule()
+        results: list[StepOutput] = []
+        out, ready = self._schedule(results)
+        for _ in range(3):  # disk -> host, host -> slot, admit
+            # nothing could run: waiting for an adapter now delays no other request
+            if not out.is_empty or not (ready or self.adapters.wait_pending()):
+                break
+            out, ready = self._schedule(results)
         if out.is_empty:
             self._free_retired()
-            return []
-        self._apply_slot_changes(out)
+            return results
         for req, hits in out.cache_hits:
             self._count_cache_hits(req.adapter_id, hits)
         text_before = {s.request.request_id: len(s.request.text) for s in out.scheduled}
         sampled = self._tp.execute(out, self.runner) if self._tp else self.runner.run(out)
         touched = self.scheduler.update(out, sampled)
-        results = []
         for req in touched:
             req.sampling_state.append(req.all_token_ids[-1])
             results.append(self._step_output(req, text_before[req.request_id]))
@@ -237,28 +298,20 @@ class Engine:
         self._free_retired()
         return results
 
-    def _apply_slot_changes(self, out: SchedulerOutput) -> None:
-        """Evictions were decided with the whole batch known; now copy the weights."""
-        for aid in out.slot_evictions:
-            self.registry.get(aid).evictions += 1
-        for slot, aid in out.slot_loads:
-            rec = self.registry.get(aid)
-            self.lora_pool.load(slot, rec.weights)
-            rec.loads += 1
-
     def _count_cache_hits(self, adapter_id: int, hits: int) -> None:
         if adapter_id == BASE_ID:
             self._base_cache_hits += hits
         else:
             self.registry.get(adapter_id).cached_token_hits += hits
 
-    def _step_output(self, req: Request, text_start: int) -> StepOutput:
-        want = req.params.logprobs or req.params.top_logprobs > 0
+    def _step_output(self, req: Request, text_start: int, new_token: bool = True) -> StepOutput:
+        want = new_token and (req.params.logprobs or req.params.top_logprobs > 0)
         return StepOutput(
             request_id=req.request_id,
-            new_token_ids=[req.all_token_ids[-1]],
+            new_token_ids=[req.all_token_ids[-1]] if new_token else [],
             new_logprobs=[req.logprobs[-1]] if want else [],
-            new_top_logprobs=[req.top_logprobs[-1]] if req.params.top_logprobs else [],
+            new_top_logprobs=[req.top_logprobs[-1]] if new_token and req.params.top_logprobs
+            else [],
             text_delta=req.text[text_start:],
             finished=req.is_finished,
             finish_reason=req.finish_reason,
@@ -310,8 +363,10 @@ class Engine:
 
     # ---- lifetime ---------------------------------------------------------------
     def close(self) -> None:
-        """Stop and join the other tensor-parallel ranks (nothing to do at tp_size=1).
-        Raises EngineDeadError from any later step once a rank is gone."""
+        """Stop the background adapter reader and join the other tensor-parallel ranks
+        (the engine is unusable afterwards; at TP > 1 a later step raises EngineDeadError)."""
+        if getattr(self, "adapters", None) is not None:
+            self.adapters.loader.close()
         if self._tp is not None:
             self._tp.close()
 
@@ -322,22 +377,25 @@ class Engine:
         self.close()
 
     def stats(self) -> dict:
-        """Counters for the control plane and metrics: KV blocks, queue lengths, and per
-        adapter version (keyed by id) its name, state ("slot" or "host"), slot, in-flight
-        requests, loads, evictions and cached-token hits."""
-        resident = self.slots.resident()
+        """Counters for the control plane and metrics. Per engine: KV blocks (total,
+        free), queue lengths, slots used, host copies, pending evictions (retired versions
+        still draining). Per adapter version (keyed by id): name, path, rank, state
+        ("slot" ready in a device slot, "host", or "disk"), slot, pinned, unloading,
+        in-flight requests, slot loads and evictions, disk reads, host evictions and
+        cached-token hits."""
         adapters = {}
         for rec in self.registry.records():
-            slot = resident.get(rec.adapter_id)
-            adapters[rec.adapter_id] = {
-                "name": rec.name, "id": rec.adapter_id, "path": rec.path,
-                "rank": rec.weights.max_rank,
-                "state": "slot" if slot is not None else "host", "slot": slot,
+            aid = rec.adapter_id
+            adapters[aid] = {
+                "name": rec.name, "id": aid, "path": rec.path, "rank": rec.rank,
+                "state": self.adapters.state(aid), "slot": self.slots.slot_of(aid),
                 "pinned": rec.pinned, "unloading": rec.retiring, "in_flight": rec.in_flight,
-                "loads": rec.loads, "evictions": rec.evictions,
+                "loads": rec.loads, "evictions": rec.evictions, "disk_reads": rec.disk_reads,
+                "host_evictions": rec.host_evictions,
                 "cached_token_hits": rec.cached_token_hits}
         return {
             "num_kv_blocks": self.num_kv_blocks, "free_kv_blocks": self.kv.num_free_blocks,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "slots_used": len(resident), "base_cached_token_hits": self._base_cache_hits,
-            "adapters": adapters}
+            "slots_used": self.slots.num_used, "host_copies": len(self.adapters.host),
+            "pending_evictions": self.registry.num_retiring,
+            "base_cached_token_hits": self._base_cache_hits, "adapters": adapters}

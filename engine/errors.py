@@ -45,3 +45,9 @@ class AdapterUnavailableError(LoramuxError):
 class CapacityError(LoramuxError):
     """An admin operation would need to evict a pinned adapter, or pins would take every
     slot (gRPC FAILED_PRECONDITION / RESOURCE_EXHAUSTED)."""
+
+
+class EngineDeadError(LoramuxError):
+    """A tensor-parallel rank died or stopped answering. The engine cannot continue: the
+    other ranks are stopped, and every later call raises this error again (gRPC
+    UNAVAILABLE: the engine must be restarted)."""

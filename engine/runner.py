@@ -105,13 +105,26 @@ class ModelRunner:
     def run_graph(self, out: SchedulerOutput) -> dict[str, Sampled]:
         """A decode-only step through the CUDA graph of its batch-size bucket."""
         sched = out.scheduled
-        hidden = self.graphs.run(sched, use_lora=any(s.slot >= 0 for s in sched))
+        use_lora = any(s.slot >= 0 for s in sched)
+        if self._greedy_in_graph(sched):
+            picked = self.graphs.run(sched, use_lora, greedy=True).cpu().tolist()  # one sync
+            return {s.request.request_id: Sampled(int(tok), lp, None)
+                    for s, tok, lp in zip(sched, *picked)}
+        hidden = self.graphs.run(sched, use_lora)
         rows = [i for i, s in enumerate(sched) if s.samples]
         if not rows:
             return {}
         if len(rows) < len(sched):
             hidden = hidden[self._to_device(torch.tensor(rows, dtype=torch.int64))]
         return self._sample(hidden, [sched[i].request for i in rows])
+
+    def _greedy_in_graph(self, sched) -> bool:
+        """Every row samples greedily with nothing the graph's pick leaves out (penalty,
+        top logprobs, a custom sampler): its token and logprob come from the graph."""
+        if type(self.sampler) is not Sampler:
+            return False
+        return all(s.samples and s.request.params.greedy and not s.request.params.top_logprobs
+                   and s.request.params.repetition_penalty == 1.0 for s in sched)
 
     def run(self, out: SchedulerOutput) -> dict[str, Sampled]:
         if self.graphs is not None and self.graphs.can_run(out.scheduled):

@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill, adapter-capped batches and preemption.
+"""Continuous batching with chunked prefill, adapter-capped batches, fairness and preemption.
 
 Each step:
 1. Running requests, decodes first, then prefill continuations, each takes
@@ -7,14 +7,31 @@ Each step:
    freed, full blocks stay matchable in its namespace, it goes back to the front of the
    waiting queue), possibly the request itself.
 2. If nothing was preempted, waiting requests are admitted in order while the token
-   budget, `max_num_seqs` and the pool allow. A request whose adapter would take the
-   running set past `max_loras` distinct adapters, or that cannot get a slot, is deferred
-   (skipped, keeps its place) and the next one is tried; it is never dropped.
+   budget, `max_num_seqs` and the pool allow. A request is deferred (skipped, keeps its
+   place, never dropped) when its adapter is not ready in a device slot, when it would
+   take the running set past `max_loras` distinct adapters, or while a drain pauses it.
 
-The adapter cap holds for the whole running set (a superset of every batch), because a
-running request keeps its adapter in its slot until it finishes. An adapter is counted
-only once a request of it has been admitted: a request that fails to get blocks leaves
-no trace in the cap or the slots.
+Adapters. The scheduler never assigns or evicts slots: it admits only requests whose
+adapter is already ready in a slot (the residency manager copies adapters in after the
+batch is fixed, see engine/adapters/residency.py). So every slot of a batch is assigned
+before the batch is built and no eviction can touch it. The cap holds for the whole
+running set (a superset of every batch); an adapter counts only once a request of it is
+actually admitted, so a request that fails to get blocks leaves no trace in the cap.
+`wanted_adapters()` tells the residency manager which adapters to bring in, in priority
+order: the adapter whose oldest waiting request has waited longest comes first.
+
+Fairness (the drainer). A request "starves" when it has waited at least
+`starvation_steps` (K) steps while its adapter is not in a slot. While any request
+starves, with t* the step the oldest starving request started waiting, requests of
+unpinned adapters that started waiting after t* are not admitted: running requests
+finish, the unpinned adapters go idle, and the slot freed first goes to the oldest
+starving adapter (priority order above), whose requests from up to t* are admitted.
+Bound: with D the most steps a running request can still take (prompt chunks plus
+max_tokens, recomputation after preemption included) and L the steps to read and copy an
+adapter, a request whose adapter is not resident is admitted within
+K + (A + 1) * (D + L) steps, A being the number of adapters whose oldest waiting request
+is older than its own (each rotation admits the oldest starving adapter). Base-model and
+pinned-adapter requests are never paused: they free no slot by pausing.
 """
 from __future__ import annotations
 
@@ -34,6 +51,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_loras: int = 4
     max_model_len: int = 1 << 30
+    starvation_steps: int = 16  # K: waits this long for a slot start a drain
 
 
 @dataclass(frozen=True)
@@ -50,8 +68,6 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    slot_loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, adapter id)
-    slot_evictions: list[int] = field(default_factory=list)           # adapter ids
     preempted: list[str] = field(default_factory=list)
     cache_hits: list[tuple[Request, int]] = field(default_factory=list)  # admitted: tokens hit
 
@@ -80,12 +96,15 @@ class Scheduler:
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
         self._adapters = Counter()  # adapter id -> running requests (base excluded)
+        self._since: dict[str, int] = {}  # request id -> step it first started waiting
+        self.num_steps = 0
 
     # ---- queue management -------------------------------------------------------
     def add(self, req: Request) -> None:
         assert req.request_id not in self._requests
         self._requests[req.request_id] = req
         req.status = RequestStatus.WAITING
+        self._since[req.request_id] = self.num_steps
         self.waiting.append(req)
 
     def get(self, request_id: str) -> Request | None:
@@ -114,9 +133,11 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
+        self._since.pop(req.request_id, None)
 
     # ---- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.cfg.max_num_batched_tokens)
         if not out.preempted:
@@ -150,9 +171,10 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         deferred: list[Request] = []
+        drain_from = self.drain_threshold()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            if not self._adapter_fits(req.adapter_id):
+            if not self._adapter_fits(req, drain_from):
                 deferred.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
@@ -165,20 +187,44 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
 
-    def _adapter_fits(self, adapter_id: int) -> bool:
-        if adapter_id == 0 or adapter_id in self._adapters:
+    def _adapter_fits(self, req: Request, drain_from: int | None) -> bool:
+        aid = req.adapter_id
+        if aid == 0:
+            return True
+        if (drain_from is not None and aid not in self.slots.pinned
+                and self._since[req.request_id] > drain_from):
+            return False  # paused: let the running set drain for a starving adapter
+        if aid in self._adapters:
             return True
         return (len(self._adapters) < self.cfg.max_loras
-                and self.slots.can_assign(adapter_id, busy=set(self._adapters)))
+                and self.slots.ready_slot(aid) is not None)
+
+    def drain_threshold(self) -> int | None:
+        """t*: the step the oldest starving request started waiting, or None."""
+        oldest = None
+        for req in self.waiting:
+            since = self._since[req.request_id]
+            if (req.adapter_id and self.num_steps - since >= self.cfg.starvation_steps
+                    and self.slots.ready_slot(req.adapter_id) is None):
+                oldest = since if oldest is None else min(oldest, since)
+        return oldest
+
+    def wanted_adapters(self) -> list[int]:
+        """Adapters of waiting requests, the one whose oldest request waited longest
+        first (ties: queue order): what the residency manager brings into slots."""
+        first: dict[int, tuple[int, int]] = {}
+        for pos, req in enumerate(self.waiting):
+            if req.adapter_id and req.adapter_id not in first:
+                first[req.adapter_id] = (self._since[req.request_id], pos)
+            elif req.adapter_id:
+                first[req.adapter_id] = min(first[req.adapter_id],
+                                            (self._since[req.request_id], pos))
+        return sorted(first, key=first.__getitem__)
 
     def _admit(self, req: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
         if req.adapter_id:
-            a = self.slots.assign(req.adapter_id, busy=set(self._adapters))
-            assert a is not None, "checked by _adapter_fits"
-            if a.needs_load:
-                out.slot_loads.append((a.slot, req.adapter_id))
-            if a.evicted is not None:
-                out.slot_evictions.append(a.evicted)
+            assert self.slots.ready_slot(req.adapter_id) is not None, "checked by _adapter_fits"
+            self.slots.touch(req.adapter_id)
             self._adapters[req.adapter_id] += 1
         out.cache_hits.append((req, num_hit_tokens))
         if req.status is RequestStatus.PREEMPTED:
@@ -190,7 +236,7 @@ class Scheduler:
         self.running.append(req)
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
-        slot = self.slots.slot_of(req.adapter_id) if req.adapter_id else None
+        slot = self.slots.ready_slot(req.adapter_id) if req.adapter_id else None
         # called right after the request's allocation: its block table is final for
         # this step (requests already scheduled are never preempted)
         return ScheduledRequest(req, req.num_computed_tokens, n,

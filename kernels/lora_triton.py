@@ -22,6 +22,7 @@ import torch
 import triton
 
 from kernels import lora_kernels_triton as K
+from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
 
 FUSED_MAX_TOKENS = 16      # lora_fused needs every segment within one 16-row block
 _TARGET_PROGRAMS = 264     # about two programs per SM on an H100 (132 SMs)
@@ -35,6 +36,7 @@ class LoRAMeta:
     active_slots: torch.Tensor   # [L] int32 slots that have tokens, then -1
     seg_start: torch.Tensor      # [L] int32 start of each active slot's run in sorted_tokens
     seg_len: torch.Tensor        # [L] int32 length of that run (0 past the active ones)
+    sorted_slots: torch.Tensor   # [T] int32 slot of each sorted token (-1 last)
     num_tokens: int
     num_slots: int
 
@@ -52,7 +54,7 @@ def build_meta(token_slots: torch.Tensor, num_slots: int) -> LoRAMeta:
         raise ValueError(f"num_slots={num_slots}: must be >= 1")
     dev = token_slots.device
     key = torch.where(token_slots < 0, num_slots, token_slots.long())
-    order = torch.sort(key, stable=True).indices
+    key_sorted, order = torch.sort(key, stable=True)
     counts = torch.zeros(num_slots + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(0, key, torch.ones_like(key))
     starts = torch.cumsum(counts, 0) - counts
@@ -63,6 +65,8 @@ def build_meta(token_slots: torch.Tensor, num_slots: int) -> LoRAMeta:
     return LoRAMeta(sorted_tokens=order.to(torch.int32), active_slots=active.to(torch.int32),
                     seg_start=starts[by_activity].to(torch.int32),
                     seg_len=seg_len.to(torch.int32),
+                    sorted_slots=torch.where(key_sorted == num_slots, -1,
+                                             key_sorted).to(torch.int32),
                     num_tokens=token_slots.shape[0], num_slots=num_slots)
 
 
@@ -170,6 +174,9 @@ def lora_fused(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     return y
 
 
+TOKEN_PATH_MAX_TOKENS = 256   # decode batches: grids sized by tokens (lora_token_triton)
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              token_slots: torch.Tensor, slice_offsets: tuple[int, ...],
              ranks: torch.Tensor | None = None, meta: LoRAMeta | None = None) -> torch.Tensor:
@@ -179,14 +186,30 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     ranks [L] int32 real rank per slot (work stops there); meta: from `build_meta`, built
     here when absent (pass it in: it is shared by every layer of a step).
 
-    Always the two-kernel path (split-K shrink, expand): on an H200 it beat `lora_fused`
-    at 1-16 tokens for every Llama-3-8B group (fused: one program streams all of K)."""
+    Two launches either way: up to TOKEN_PATH_MAX_TOKENS tokens the token-sized kernels
+    (split-K partials reduced by the expand, no memset), above it the segment kernels."""
     slice_offsets = tuple(int(o) for o in slice_offsets)
     _check(y, x, a, b, token_slots, slice_offsets, meta)
     if x.shape[0] == 0 or slice_offsets[-1] == 0:
         return y
     if meta is None:
         meta = build_meta(token_slots, a.shape[0])
-    block_m = 16 if x.shape[0] <= 64 else 64    # decode segments are 1-2 tokens
+    if x.shape[0] <= TOKEN_PATH_MAX_TOKENS:
+        return add_lora_tokens(y, x, a, b, meta, slice_offsets, ranks)
+    return add_lora_segments(y, x, a, b, meta, slice_offsets, ranks)
+
+
+def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
+                    ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode path: token-sized grids (kernels/lora_token_triton.py)."""
+    hp = lora_shrink_tokens(x, a, meta, ranks)
+    return lora_expand_tokens(hp, b, y, meta, _offsets(slice_offsets), len(slice_offsets) - 1,
+                              ranks)
+
+
+def add_lora_segments(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
+                      ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """The prefill path: one tile per (segment, row block); split-K shrink into a zeroed h."""
+    block_m = 16 if x.shape[0] <= 64 else 64    # short segments: small row blocks
     h = lora_shrink(x, a, meta, ranks, block_m=block_m)
     return lora_expand(h, b, y, meta, slice_offsets, ranks, block_m=block_m)

@@ -104,3 +104,19 @@ def test_staging_runs_the_model_like_eager(llama_family):
     for (ka, va), (kb, vb) in zip(kv_a, kv_b):  # a padding write would be far off
         torch.testing.assert_close(kb, ka, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_pick_equals_the_sampler_on_greedy_rows():
+    """The in-graph pick (argmax + raw logprob) gives the Sampler's token and logprob."""
+    from engine.cuda_graph import greedy_pick
+    from engine.sampling import Sampler, SamplingState
+    from engine.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 97, generator=gen) * 4).bfloat16()
+    states = [SamplingState.create(SamplingParams(temperature=0.0), [1, 2], default_seed=0,
+                                   sample_index=0) for _ in range(5)]
+    want = Sampler().sample(logits, states)
+    tok, lp = greedy_pick(logits).tolist()
+    assert [int(t) for t in tok] == want.token_ids
+    assert lp == want.logprobs

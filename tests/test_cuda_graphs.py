@@ -78,3 +78,19 @@ def test_dummy_weights_finite_bf16(llama_family):
     assert any(p.dim() == 2 and p.std() > 0 for p in params)
     out = eng.generate(prompts_of([9, 3], seed=3), GREEDY)
     assert all(len(o.token_ids) == MAX_NEW and all(lp == lp for lp in o.logprobs) for o in out)
+
+
+def test_sampled_and_top_logprob_rows_match_eager(llama_family):
+    """Rows the in-graph greedy pick leaves out (seeded sampling, top logprobs, penalty)
+    take the hidden-state graph and the Sampler: same tokens and logprobs as eager."""
+    names = ["rs4"]
+    graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_NEW, logprobs=True),
+              SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=True,
+                             repetition_penalty=1.3)]
+    prompts, adapters = prompts_of([6, 13, 4], seed=4), ["rs4", None, "rs4"]
+    got = graphs.generate(prompts, params, adapters)
+    assert_same(got, eager.generate(prompts, params, adapters))
+    assert got[1].top_logprobs and len(got[1].top_logprobs[0]) == 3
+    assert (4, True, False) in graphs.runner.graphs._graphs

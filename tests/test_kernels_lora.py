@@ -32,9 +32,11 @@ def _interpreted(name: str):
 
 
 _interpreted("kernels.lora_kernels_triton")
+_interpreted("kernels.lora_token_kernels_triton")
 from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref  # noqa: E402
-from kernels.lora_triton import (add_lora, build_meta, lora_expand, lora_fused,  # noqa: E402
-                                 lora_shrink)
+from kernels.lora_token_triton import lora_shrink_tokens  # noqa: E402
+from kernels.lora_triton import (add_lora, add_lora_segments, add_lora_tokens,  # noqa: E402
+                                 build_meta, lora_expand, lora_fused, lora_shrink)
 
 DEV = "cuda" if CUDA else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}
@@ -89,6 +91,53 @@ def test_add_lora_matches_reference(dtype, S, T, mapping):
     assert torch.equal(got[none], y[none]), "tokens without an adapter must be untouched"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,mapping", [(17, "random"), (64, "contiguous")])
+def test_segment_path_matches_reference(dtype, T, mapping):
+    """The prefill path (add_lora takes it above TOKEN_PATH_MAX_TOKENS) on small shapes."""
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, [8, 32, 16, 4, 16], dtype, seed=T)
+    ts = _slots(T, a.shape[0], mapping, seed=T + 1)
+    x, y = _inputs(T, offsets[-1], dtype, seed=T + 2)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = add_lora_segments(y.clone(), x, a, b, build_meta(ts, a.shape[0]), offsets, ranks)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["one", "one_some_base", "runs", "distinct"])
+def test_token_path_uniform_and_mixed_groups(dtype, case):
+    """Groups of 16 sorted tokens: all one slot (one matrix product per group), mixed (one
+    program per token), a group of a single token, base tokens inside a group."""
+    T, offsets = 37, SLICES[2]
+    a, b, ranks = _pool(2, offsets, [8, 32, 16, 4], dtype, seed=11)
+    g = torch.Generator().manual_seed(len(case))
+    ts = {"one": torch.full((T,), 2),
+          "one_some_base": torch.where(torch.rand(T, generator=g) < 0.3, -1, 1),
+          "runs": torch.arange(T) * 4 // T,
+          "distinct": torch.randint(-1, 4, (T,), generator=g)}[case].to(DEV)
+    x, y = _inputs(T, offsets[-1], dtype, seed=12)
+    meta = build_meta(ts, a.shape[0])
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = add_lora_tokens(y.clone(), x, a, b, meta, offsets, ranks)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got[ts < 0], y[ts < 0])
+
+
+def test_token_shrink_partials_sum_to_reference():
+    """Split-K partials (plain stores, no zeroed buffer) add up to x·Aᵀ for every split."""
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, [8, 32, 16], torch.float32, seed=3)
+    ts = _slots(40, 3, "random", seed=5)
+    x, _ = _inputs(40, offsets[-1], torch.float32, seed=5)
+    meta, valid = build_meta(ts, 3), ts >= 0
+    want = lora_shrink_ref(x, a, ts)
+    for split_k in (1, 3):
+        hp = lora_shrink_tokens(x, a, meta, ranks, split_k=split_k)
+        assert hp.shape == (split_k, 3, 40, a.shape[2])
+        torch.testing.assert_close(hp.sum(0)[:, valid], want[:, valid], atol=1e-5, rtol=1e-5)
+
+
 def test_meta_groups_tokens_by_slot():
     ts = torch.tensor([2, 0, -1, 2, 0, 0, -1, 5], device=DEV)
     meta = build_meta(ts, num_slots=6)
@@ -98,6 +147,7 @@ def test_meta_groups_tokens_by_slot():
     for slot, start, n in zip([0, 2, 5], meta.seg_start.tolist(), meta.seg_len.tolist()):
         assert order[start:start + n] == [t for t in range(8) if ts[t] == slot]
     assert sorted(order[6:]) == [2, 6]
+    assert meta.sorted_slots.tolist() == [0, 0, 0, 2, 2, 5, -1, -1]
 
 
 def test_separate_shrink_and_expand_with_split_k():

@@ -14,7 +14,8 @@ from loramux.cli import build_parser
 from loramux.v1 import adapter_admin_pb2 as pb
 from loramux.v1 import generate_pb2
 
-from engine.errors import AdapterNotFoundError, AdapterUnavailableError, CapacityError, PromptTooLongError
+from engine.errors import (AdapterNotFoundError, AdapterUnavailableError, CapacityError, EngineDeadError,
+                           PromptTooLongError)
 from engine.server.convert import error_code, sampling_from_proto
 from services.control.paths import AdapterRoots, PathRefused, check_name
 from services.control.registry import AdapterRecord, Registry
@@ -67,6 +68,7 @@ def test_sampling_conversion_and_error_codes():
     assert error_code(PromptTooLongError("x")) == 3
     assert error_code(AdapterUnavailableError("x")) == 9
     assert error_code(CapacityError("x")) == 8
+    assert error_code(EngineDeadError("x")) == 14  # UNAVAILABLE: a tensor-parallel rank is gone
     assert error_code(RuntimeError("x")) == 13
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.distributed import EngineDeadError
+from engine.errors import EngineDeadError
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.distributed.mirror import RequestMirror
-from engine.distributed.plan import (HOST_DROP, SLOT_CLEAR, SLOT_LOAD, SeqPlan, StepPlan,
+from engine.distributed.plan import (HOST_DROP, RETIRE, SLOT_LOAD, SeqPlan, StepPlan,
                                      decode_add_adapter, decode_step, encode_add_adapter,
                                      encode_step)
 from engine.distributed.tracker import PlanTracker
@@ -18,7 +18,7 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def test_step_plan_round_trip():
-    plan = StepPlan(forget=(3, 9), slot_ops=((SLOT_LOAD, 1, 4), (SLOT_CLEAR, 0, 0), (HOST_DROP, -1, 2)),
+    plan = StepPlan(forget=(3, 9), slot_ops=((SLOT_LOAD, 1, 4), (RETIRE, -1, 3), (HOST_DROP, -1, 2)),
                     seqs=(SeqPlan(5, 0, 7, -1, False, (1, 2, 3, 4, 5, 6, 7, 8), True, (4, 9)),
                           SeqPlan(6, 40, 1, 2, True, (300,), False, ()),
                           SeqPlan(7, 16, 1, 0, True, (), False, (11,))))

@@ -11,7 +11,6 @@ becomes "ready to free" (slot, host copy, KV namespace) when its last request en
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
 
 from engine.errors import (AdapterNotFoundError, AdapterUnavailableError,
                            InvalidRequestError)
@@ -25,35 +24,39 @@ class AdapterRecord:
     adapter_id: int
     name: str
     path: str
-    weights: Any          # LoRAWeights in host memory
+    rank: int
+    fingerprint: tuple    # of its files when loaded (loader.fingerprint): reloads must match
     pinned: bool = False
     retiring: bool = False
     in_flight: int = 0    # admitted requests not yet finished (waiting or running)
     loads: int = 0        # copies into a device slot
     evictions: int = 0    # LRU evictions from a device slot
+    disk_reads: int = 0   # reads from disk after the first (implicit reloads)
+    host_evictions: int = 0  # LRU evictions of the host copy
     cached_token_hits: int = 0
 
 
 class AdapterRegistry:
-    def __init__(self, load_weights: Callable[[str], Any]):
-        """`load_weights(path)` reads and validates an adapter into host memory, raising
-        AdapterError (nothing registered then)."""
-        self._load_weights = load_weights
+    def __init__(self):
         self._next_id = BASE_ID + 1
         self._records: dict[int, AdapterRecord] = {}
         self._current: dict[str, int] = {}  # name -> newest id (active or retiring)
         self._ready: list[AdapterRecord] = []
 
-    def add(self, name: str, path: str, pinned: bool = False) -> int:
-        """Load `path` under `name`; returns the new id. A previous version of the name is
-        retired (freed once its in-flight requests end)."""
+    @staticmethod
+    def check_name(name) -> None:
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequestError(f"adapter name={name!r}: must be a non-empty string")
-        weights = self._load_weights(str(path))
+
+    def add(self, name: str, path: str, rank: int, fingerprint: tuple,
+            pinned: bool = False) -> int:
+        """Register weights already read from `path` under `name`; returns the new id. A
+        previous version of the name is retired (freed once its in-flight requests end)."""
+        self.check_name(name)
         aid = self._next_id
         self._next_id += 1
         old = self._current.get(name)
-        self._records[aid] = AdapterRecord(aid, name, str(path), weights, pinned)
+        self._records[aid] = AdapterRecord(aid, name, str(path), rank, fingerprint, pinned)
         self._current[name] = aid
         if old is not None:
             self._retire(old)
@@ -83,6 +86,19 @@ class AdapterRegistry:
     def get(self, adapter_id: int) -> AdapterRecord:
         return self._records[adapter_id]
 
+    def find(self, adapter_id: int) -> AdapterRecord | None:
+        return self._records.get(adapter_id)
+
+    def current(self, name: str) -> AdapterRecord | None:
+        """Newest version of `name` (active or retiring), or None."""
+        aid = self._current.get(name)
+        return None if aid is None else self._records[aid]
+
+    @property
+    def num_retiring(self) -> int:
+        """Retired versions still waiting for their in-flight requests (pending evictions)."""
+        return sum(1 for r in self._records.values() if r.retiring)
+
     def records(self) -> list[AdapterRecord]:
         return list(self._records.values())
 
@@ -110,6 +126,10 @@ class AdapterRegistry:
             if self._current.get(rec.name) == rec.adapter_id:
                 del self._current[rec.name]
         return ready
+
+    def retire(self, adapter_id: int) -> None:
+        """Retire one version by id (its files can no longer be read back)."""
+        self._retire(adapter_id)
 
     def _retire(self, adapter_id: int) -> None:
         rec = self._records[adapter_id]

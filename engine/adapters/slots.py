@@ -1,10 +1,14 @@
 """Device slot residency: which adapter id sits in which of the `max_loras` slots.
 
-Pure bookkeeping; copying weights into a slot is the LoRA pool's job, done by the runner
-before the forward pass that first needs them. Eviction is least recently used among the
-adapters that are not `busy` (held by running requests or by the batch being built) and
-not pinned, so a slot assigned to the current batch can never be taken for another
-adapter of the same batch.
+Pure bookkeeping; copying weights is the residency manager's job. A slot is
+
+    free ──assign──▶ loading (copy in flight) ──mark_ready──▶ ready ──release / evict──▶ free
+
+Only a ready slot may be read by a batch. Eviction takes the least recently used ready
+slot whose adapter is neither pinned nor in the caller's `protected` set (the running
+adapters, which include every adapter of the batch being built, and adapters with a
+higher claim on a slot); a loading slot is never taken back, so a copy is never raced
+by another copy into the same slot.
 """
 from __future__ import annotations
 
@@ -19,38 +23,52 @@ class SlotAssignment(NamedTuple):
 
 
 class SlotTable:
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, pinned: set[int] | None = None):
         self.num_slots = num_slots
         self._owner: list[int | None] = [None] * num_slots
         self._lru: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
-        self.pinned: set[int] = set()
+        self._loading: set[int] = set()
+        # shared with the host cache: one pin means "never evicted implicitly" in both tiers
+        self.pinned: set[int] = pinned if pinned is not None else set()
 
     def slot_of(self, adapter_id: int) -> int | None:
+        """Slot held by the adapter, ready or still loading."""
         return self._lru.get(adapter_id)
+
+    def ready_slot(self, adapter_id: int) -> int | None:
+        """Slot a batch may read for the adapter, or None (absent or copy in flight)."""
+        return None if adapter_id in self._loading else self._lru.get(adapter_id)
+
+    def is_loading(self, adapter_id: int) -> bool:
+        return adapter_id in self._loading
 
     def resident(self) -> dict[int, int]:
         return dict(self._lru)
 
-    def _victim(self, busy: set[int]) -> int | None:
+    @property
+    def num_used(self) -> int:
+        return len(self._lru)
+
+    def _victim(self, protected: set[int]) -> int | None:
         """Slot to (re)use: a free one, else the least recently used evictable one."""
         for slot, owner in enumerate(self._owner):
             if owner is None:
                 return slot
         for aid, slot in self._lru.items():
-            if aid not in busy and aid not in self.pinned:
+            if aid not in protected and aid not in self.pinned and aid not in self._loading:
                 return slot
         return None
 
-    def can_assign(self, adapter_id: int, busy: set[int]) -> bool:
-        return adapter_id in self._lru or self._victim(busy) is not None
+    def can_assign(self, adapter_id: int, protected: set[int]) -> bool:
+        return adapter_id in self._lru or self._victim(protected) is not None
 
-    def assign(self, adapter_id: int, busy: set[int]) -> SlotAssignment | None:
-        """Put `adapter_id` in a slot (marking it most recently used), or None when every
-        slot is held by a busy or pinned adapter."""
+    def assign(self, adapter_id: int, protected: set[int]) -> SlotAssignment | None:
+        """Give `adapter_id` a slot (marking it most recently used), or None when every slot
+        is pinned, protected or loading. A new assignment is `loading` until mark_ready."""
         if adapter_id in self._lru:
             self._lru.move_to_end(adapter_id)
             return SlotAssignment(self._lru[adapter_id], False, None)
-        slot = self._victim(busy)
+        slot = self._victim(protected)
         if slot is None:
             return None
         evicted = self._owner[slot]
@@ -58,16 +76,23 @@ class SlotTable:
             del self._lru[evicted]
         self._owner[slot] = adapter_id
         self._lru[adapter_id] = slot
+        self._loading.add(adapter_id)
         return SlotAssignment(slot, True, evicted)
+
+    def mark_ready(self, adapter_id: int) -> None:
+        """The adapter's weights are fully in its slot (copy completed)."""
+        self._loading.discard(adapter_id)
 
     def touch(self, adapter_id: int) -> None:
         if adapter_id in self._lru:
             self._lru.move_to_end(adapter_id)
 
     def release(self, adapter_id: int) -> int | None:
-        """Take the adapter out of its slot (unload); returns the freed slot."""
+        """Take the adapter out of its slot (unload); returns the freed slot. The slot's
+        weights are left as they are: no token maps to a free slot, and the next load
+        overwrites every element."""
         slot = self._lru.pop(adapter_id, None)
         if slot is not None:
             self._owner[slot] = None
-        self.pinned.discard(adapter_id)
+        self._loading.discard(adapter_id)
         return slot

@@ -4,9 +4,8 @@
     worker.py    ranks >= 1: process entry and message loop around an unchanged ModelRunner
     plan.py      the step-plan wire format (int64 tensors, only what changed)
     tracker.py   rank 0's view of the workers' request mirror; mirror.py the mirror itself
-    adapters.py  adapter host copies and slot loads mirrored on every rank
+    adapters.py  adapter slot loads and host copies mirrored on every rank, by adapter id
     group.py     process groups through a TCP store on an ephemeral loopback port
-"""
-from engine.distributed.errors import EngineDeadError
 
-__all__ = ["EngineDeadError"]
+A rank's death surfaces as engine.errors.EngineDeadError.
+"""

@@ -1,72 +1,80 @@
-"""Rank 0's side of adapter residency at TP > 1: every lifecycle change reaches all ranks.
+"""Adapter residency at TP > 1: rank 0 decides, every other rank follows by adapter id.
 
-- Host copies: `ShardedAdapterLoader.load(path)` is the registry's weight loader. Rank 0
-  reads and validates its own shard first (bad adapters fail here, before any worker is
-  bothered); then every worker reads its shard of the same files (load_lora(tp=...)),
-  under a handle. When rank 0's copy is dropped (unload, replacement, host eviction) the
-  workers are told to drop theirs too.
-- Slots: `BroadcastingSlotPool` is the pool the engine's residency code drives; each
-  load/clear applies to rank 0's pool at once and is queued for the workers, who apply it
-  from the next step plan, before that step's forward pass (the step that first reads it).
-Pinning and LRU decisions are rank 0's alone; workers just follow the resulting slot ops.
+Rank 0's AdapterResidency (engine/adapters/residency.py) makes every residency decision
+(slots, LRU, pins, host copies, disk reads with file fingerprints) and validates every
+adapter on its own shard before the workers are involved. Its `AdapterMirror` turns the
+outcome into ops for the workers' next step plan, applied before that step's forward pass:
+
+    SLOT_LOAD(slot, id)   copy the version into the slot
+    HOST_DROP(id)         rank 0 let go of its host copy (LRU): drop this rank's copy too
+    RETIRE(id)            the version is gone for good: drop its copy and its path
+
+plus, before the first load of a version, ADD_ADAPTER(id, path): where its files are.
+A worker's `ShardCache` reads its shard of a version from that path on the first load
+it lacks a copy for, so a host copy rank 0 evicted and read back from disk is simply read
+again. Ids are per loaded weights and never reused, so an id always names the same files
+rank 0 fingerprinted.
 """
 from __future__ import annotations
 
-import itertools
-import weakref
+from typing import Callable
 
-from engine.distributed.plan import HOST_DROP, SLOT_CLEAR, SLOT_LOAD
-from engine.errors import AdapterError
-from engine.lora import LoRASlotPool, load_lora
+from engine.distributed.plan import HOST_DROP, RETIRE, SLOT_LOAD
 
 
-class ShardedAdapterLoader:
-    def __init__(self, executor, model_cfg, max_lora_rank: int, dtype):
+class AdapterMirror:
+    """Rank 0: the residency observer that queues the workers' adapter ops."""
+
+    def __init__(self, executor, registry):
         self._exec = executor
-        self._cfg, self._max_rank, self._dtype = model_cfg, max_lora_rank, dtype
-        self._handles: dict[int, int] = {}   # id(rank 0's LoRAWeights) -> handle
-        self._next = itertools.count(1)
+        self._registry = registry
+        self._announced: set[int] = set()   # ids whose path the workers know
 
-    def load(self, path: str):
-        weights = load_lora(path, self._cfg, self._max_rank, tp=self._exec.tp,
-                            dtype=self._dtype)
-        handle = next(self._next)
-        failures = self._exec.add_adapter(handle, str(path))
-        if failures:
-            self._exec.queue_op(HOST_DROP, -1, handle)
-            raise AdapterError(f"{failures} tensor-parallel rank(s) could not read the "
-                               "adapter that rank 0 read", feature="tp_load", file=str(path))
-        key = id(weights)
-        self._handles[key] = handle
-        weakref.finalize(weights, self._dropped, key, handle)
+    def slot_loaded(self, slot: int, adapter_id: int) -> None:
+        if adapter_id not in self._announced:
+            self._announced.add(adapter_id)
+            self._exec.queue_add(adapter_id, self._registry.get(adapter_id).path)
+        self._exec.queue_op(SLOT_LOAD, slot, adapter_id)
+
+    def host_dropped(self, adapter_id: int) -> None:
+        if adapter_id in self._announced:   # otherwise the workers never read it
+            self._exec.queue_op(HOST_DROP, -1, adapter_id)
+
+    def retired(self, adapter_id: int) -> None:
+        if adapter_id in self._announced:
+            self._announced.discard(adapter_id)
+            self._exec.queue_op(RETIRE, -1, adapter_id)
+
+
+class ShardCache:
+    """A worker's host copies of its adapter shards, keyed by adapter id.
+
+    `read(path)` reads this rank's shard (load_lora(tp=...)); it holds at most the copies
+    rank 0 holds, since every host eviction on rank 0 reaches it as HOST_DROP."""
+
+    def __init__(self, read: Callable[[str], object]):
+        self._read = read
+        self._paths: dict[int, str] = {}
+        self._copies: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def add(self, adapter_id: int, path: str) -> None:
+        self._paths[adapter_id] = path
+
+    def get(self, adapter_id: int):
+        """The copy of `adapter_id`, read from its path first if this rank has none."""
+        weights = self._copies.get(adapter_id)
+        if weights is None:
+            path = self._paths.get(adapter_id)
+            assert path is not None, f"slot load of adapter {adapter_id} before its path"
+            weights = self._copies[adapter_id] = self._read(path)
         return weights
 
-    def handle_of(self, weights) -> int:
-        handle = self._handles.get(id(weights))
-        assert handle is not None, "slot load of adapter weights not read by this loader"
-        return handle
+    def drop(self, adapter_id: int) -> None:
+        self._copies.pop(adapter_id, None)
 
-    def _dropped(self, key: int, handle: int) -> None:
-        # runs when rank 0 lets go of its host copy: only queue, never communicate here
-        self._handles.pop(key, None)
-        self._exec.queue_op(HOST_DROP, -1, handle)
-
-
-class BroadcastingSlotPool:
-    """Rank 0's LoRASlotPool (everything else delegates to it) with load/clear mirrored."""
-
-    def __init__(self, local: LoRASlotPool, loader: ShardedAdapterLoader, executor):
-        self.local = local
-        self._loader = loader
-        self._exec = executor
-
-    def load(self, slot: int, weights, stream=None) -> None:
-        self.local.load(slot, weights, stream)
-        self._exec.queue_op(SLOT_LOAD, slot, self._loader.handle_of(weights))
-
-    def clear(self, slot: int, stream=None) -> None:
-        self.local.clear(slot, stream)
-        self._exec.queue_op(SLOT_CLEAR, slot, 0)
-
-    def __getattr__(self, name):
-        return getattr(self.local, name)
+    def retire(self, adapter_id: int) -> None:
+        self._copies.pop(adapter_id, None)
+        self._paths.pop(adapter_id, None)

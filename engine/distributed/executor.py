@@ -18,12 +18,12 @@ import torch.multiprocessing as mp
 
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
-from engine.distributed.errors import EngineDeadError
 from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encode_add_adapter,
                                      encode_step)
 from engine.distributed.tracker import PlanTracker
 from engine.distributed.watchdog import WorkerWatchdog
 from engine.distributed.worker import worker_main
+from engine.errors import EngineDeadError
 
 START_TIMEOUT_S = 120.0
 
@@ -34,7 +34,8 @@ class TPExecutor:
     def __init__(self, config):
         self.size = config.tp_size
         self.device = torch.device(config.device)
-        self._ops: list[tuple[int, int, int]] = []
+        self._ops: list[tuple[int, int, int]] = []   # (kind, slot, adapter id)
+        self._adds: list[tuple[int, str]] = []        # (adapter id, path)
         self._tracker = PlanTracker()
         self._closed = False
         store = pg.open_store()
@@ -71,23 +72,23 @@ class TPExecutor:
     def agree_min(self, value: int) -> int:
         return self._guard(lambda: pg.agree_min(self._control, value))
 
-    def add_adapter(self, handle: int, path: str) -> int:
-        """Every worker reads its shard of `path` under `handle`; how many failed."""
-        def run():
-            self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(handle, path))
-            return pg.rank_failures(self._control, False)
-        return self._guard(run)
+    def queue_add(self, adapter_id: int, path: str) -> None:
+        """Where a version's files are, for the workers, before its first slot load."""
+        self._adds.append((adapter_id, path))
 
-    def queue_op(self, kind: int, slot: int, handle: int) -> None:
+    def queue_op(self, kind: int, slot: int, adapter_id: int) -> None:
         """A slot or host-copy change for the workers' next step plan."""
-        self._ops.append((kind, slot, handle))
+        self._ops.append((kind, slot, adapter_id))
 
     def execute(self, out, runner):
         """Send this step's plan, then run rank 0's shard; rank 0's sampled tokens."""
+        adds, self._adds = self._adds, []
         ops, self._ops = self._ops, []
         plan = self._tracker.plan(out, ops)
 
         def run():
+            for adapter_id, path in adds:
+                self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(adapter_id, path))
             self._channel.send(OP_STEP, encode_step(plan))
             return runner.run(out)
         return self._guard(run)

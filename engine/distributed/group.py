@@ -71,9 +71,3 @@ def agree_min(control, value: int) -> int:
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
     return int(t.item())
 
-
-def rank_failures(control, failed: bool) -> int:
-    """How many ranks report failure (every rank must call it)."""
-    t = torch.tensor([int(failed)], dtype=torch.int64)
-    dist.all_reduce(t, group=control)
-    return int(t.item())

@@ -6,7 +6,7 @@ so a plan carries only what changed since the last one:
     STEP payload (all int64, no pickle):
       n_forget, n_slot_ops, n_seqs,
       forget handles                      n_forget x 1   requests that finished
-      slot ops (kind, slot, handle)       n_slot_ops x 3 LOAD / CLEAR / DROP, in engine order
+      slot ops (kind, slot, adapter id)   n_slot_ops x 3 LOAD / DROP / RETIRE, in engine order
       per sequence, in batch order:
         handle, start, num_new, slot, flags (bit0 samples, bit1 reset blocks),
         n_tokens, n_blocks, tokens[n_tokens], blocks[n_blocks]
@@ -17,7 +17,10 @@ appended to the request's block table, or its whole table when bit1 says the tab
 rebuilt (preemption and resume, or a fresh start). A request is known by a `handle`, a
 small integer rank 0 assigns once.
 
-    ADD_ADAPTER payload: handle, utf-8 bytes of the adapter directory (one per int)
+    ADD_ADAPTER payload: adapter id, utf-8 bytes of the adapter directory (one per int)
+
+Slot ops name adapter versions by id (engine/distributed/adapters.py says what each does);
+slot is -1 for the ops that concern a host copy only.
 
 Every message is a header int64[3] = (op, payload length, sequence number) followed by
 the payload when its length is non-zero (see engine/distributed/channel.py).
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 OP_STEP, OP_ADD_ADAPTER, OP_SHUTDOWN = 1, 2, 3
-SLOT_LOAD, SLOT_CLEAR, HOST_DROP = 0, 1, 2   # slot op kinds; DROP frees a host copy
+SLOT_LOAD, HOST_DROP, RETIRE = 0, 1, 2   # slot op kinds (engine/distributed/adapters.py)
 _SAMPLES, _RESET = 1, 2
 
 
@@ -49,7 +52,7 @@ class SeqPlan:
 @dataclass(frozen=True)
 class StepPlan:
     forget: tuple[int, ...] = ()
-    slot_ops: tuple[tuple[int, int, int], ...] = ()   # (kind, slot, handle)
+    slot_ops: tuple[tuple[int, int, int], ...] = ()   # (kind, slot, adapter id)
     seqs: tuple[SeqPlan, ...] = ()
 
 
@@ -88,8 +91,8 @@ def decode_step(payload: torch.Tensor) -> StepPlan:
     return StepPlan(forget, ops, tuple(seqs))
 
 
-def encode_add_adapter(handle: int, path: str) -> torch.Tensor:
-    return torch.tensor([handle, *path.encode("utf-8")], dtype=torch.int64)
+def encode_add_adapter(adapter_id: int, path: str) -> torch.Tensor:
+    return torch.tensor([adapter_id, *path.encode("utf-8")], dtype=torch.int64)
 
 
 def decode_add_adapter(payload: torch.Tensor) -> tuple[int, str]:

@@ -1,8 +1,8 @@
 """Ranks 1..N-1 of a tensor-parallel engine: a process that runs its model shard.
 
 It builds the same shard rank 0 builds (model, LoRA slot pool, KV cache of the agreed size,
-ModelRunner), then follows rank 0's messages until told to stop: adapter host copies to
-read or drop, and step plans (slot loads/clears, then the scheduled sequences) that its
+ModelRunner), then follows rank 0's messages until told to stop: where adapter versions'
+files are, and step plans (adapter ops by id, then the scheduled sequences) that its
 request mirror turns into the same SchedulerOutput rank 0 ran. It never samples.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from engine.config import EngineConfig
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.mirror import RequestMirror
-from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, SLOT_CLEAR,
+from engine.distributed.adapters import ShardCache
+from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
 from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
@@ -91,7 +92,7 @@ class Worker:
             graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
             max_model_len=max_model_len)
         self.mirror = RequestMirror()
-        self.host: dict[int, object] = {}   # handle -> this rank's LoRAWeights
+        self.adapters = ShardCache(self._read_adapter)
         self.channel = PlanChannel(self.control, self.tp.rank)
 
     def serve(self) -> None:
@@ -100,31 +101,29 @@ class Worker:
             if op == OP_SHUTDOWN:
                 return
             if op == OP_ADD_ADAPTER:
-                self._add_adapter(*decode_add_adapter(payload))
+                self.adapters.add(*decode_add_adapter(payload))
             elif op == OP_STEP:
                 self._step(payload)
             else:
                 raise RuntimeError(f"rank {self.tp.rank}: unknown plan op {op}")
 
-    def _add_adapter(self, handle: int, path: str) -> None:
-        failed = False
-        try:
-            w = load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
-                          dtype=self.config.torch_dtype)
-            self.host[handle] = w.pin_memory() if self.device.type == "cuda" else w
-        except Exception:  # noqa: BLE001 - reported to rank 0, which raises the typed error
-            failed = True
-        pg.rank_failures(self.control, failed)
+    def _read_adapter(self, path: str):
+        """This rank's shard of a version rank 0 has read and validated already."""
+        w = load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
+                      dtype=self.config.torch_dtype)
+        return w.pin_memory() if self.device.type == "cuda" else w
 
     def _step(self, payload: torch.Tensor) -> None:
         plan = decode_step(payload)
-        for kind, slot, handle in plan.slot_ops:
+        for kind, slot, adapter_id in plan.slot_ops:
             if kind == SLOT_LOAD:
-                self.pool.load(slot, self.host[handle])
-            elif kind == SLOT_CLEAR:
-                self.pool.clear(slot)
+                self.pool.load(slot, self.adapters.get(adapter_id))
             elif kind == HOST_DROP:
-                self.host.pop(handle, None)
+                self.adapters.drop(adapter_id)
+            elif kind == RETIRE:
+                self.adapters.retire(adapter_id)
+            else:
+                raise RuntimeError(f"rank {self.tp.rank}: unknown adapter op {kind}")
         out = self.mirror.apply(plan)
         if out.scheduled:
             self.runner.run(out)

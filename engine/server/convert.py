@@ -4,7 +4,7 @@ from __future__ import annotations
 from loramux.v1 import engine_pb2, generate_pb2
 
 from engine.errors import (AdapterError, AdapterNotFoundError, AdapterUnavailableError,
-                           CapacityError, InvalidRequestError, LoramuxError)
+                           CapacityError, EngineDeadError, InvalidRequestError, LoramuxError)
 from engine.outputs import FinishReason, StepOutput
 from engine.sampling_params import SamplingParams
 
@@ -36,6 +36,8 @@ def error_code(exc: BaseException) -> int:
         return engine_pb2.ERROR_CODE_INVALID_ARGUMENT
     if isinstance(exc, CapacityError):
         return engine_pb2.ERROR_CODE_RESOURCE_EXHAUSTED
+    if isinstance(exc, EngineDeadError):
+        return engine_pb2.ERROR_CODE_UNAVAILABLE
     if isinstance(exc, (AdapterUnavailableError, LoramuxError)):
         return engine_pb2.ERROR_CODE_FAILED_PRECONDITION
     return engine_pb2.ERROR_CODE_INTERNAL
