@@ -61,7 +61,8 @@ def make_engine(model_dir: Path, max_loras: int, max_batch: int, enforce_eager: 
     eng = Engine(cfg)
     # Host copies by path: NUM_ADAPTER_FILES files are read once, each name still gets its
     # own id, slot and device copy (what a decode step reads). Benchmark-only shortcut.
-    eng.registry._load_weights = functools.lru_cache(maxsize=None)(eng.registry._load_weights)
+    loader = eng.adapters.loader
+    loader._load_weights = functools.lru_cache(maxsize=None)(loader._load_weights)
     return eng
 
 

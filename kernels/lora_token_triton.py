@@ -14,6 +14,7 @@ from kernels import lora_token_kernels_triton as K
 GROUP = 16                 # sorted tokens per group: a uniform group is one 16-row product
 _TARGET_PROGRAMS = 1024    # shrink programs wanted in flight (a few per SM)
 _MIN_K_CHUNK = 512         # below this a split-K program is mostly prologue
+_MAX_SPLIT_K = 8           # the expand adds SPLIT_K partials per token: keep that short
 
 
 def _block_r(R: int) -> int:
@@ -31,7 +32,7 @@ def _precision(t: torch.Tensor) -> str:
 
 def default_split_k(T: int, S: int, Kdim: int) -> int:
     """Split K so that about _TARGET_PROGRAMS programs stream A, each >= _MIN_K_CHUNK wide."""
-    return max(1, min(Kdim // _MIN_K_CHUNK, -(-_TARGET_PROGRAMS // (T * S))))
+    return max(1, min(_MAX_SPLIT_K, Kdim // _MIN_K_CHUNK, -(-_TARGET_PROGRAMS // (T * S))))
 
 
 def lora_shrink_tokens(x: torch.Tensor, a: torch.Tensor, meta, ranks: torch.Tensor | None = None,
