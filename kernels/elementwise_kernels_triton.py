@@ -59,3 +59,71 @@ def rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, H, stride_qt, stride_
     o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
     tl.store(base + offs, o1.to(dt), mask=mask)
     tl.store(base + HALF + offs, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, N, stride_x, stride_r, stride_o, eps,
+                        BLOCK: tl.constexpr):
+    """Grid (rows,): res = (x + res).to(dtype) in place, out = rms_norm(res), one pass:
+    the residual add of a decoder layer fused into the following RMSNorm."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dt = res_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(dt)
+    tl.store(res_ptr + row * stride_r + offs, s, mask=mask)
+    sf = s.to(tl.float32)
+    var = tl.sum(sf * sf, 0) / N
+    h = (sf * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = w.to(tl.float32) * h.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
+                           kc_ptr, vc_ptr, H, stride_qt, stride_qh, stride_kt, stride_kh,
+                           stride_vt, stride_vh, stride_c,
+                           stride_kb, stride_ko, stride_kch, stride_vb, stride_vo, stride_vch,
+                           KV_BLOCK: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (tokens, H + KVH): rotate one head of q (h < H) or k in place, as
+    rotary_kernel; a k head is then written, with its v head, to the token's paged KV
+    cache slot (slot < 0: no write). Rotary and the KV store of a layer in one launch."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < H:
+        base = q_ptr + t * stride_qt + h * stride_qh
+    else:
+        base = k_ptr + t * stride_kt + (h - H) * stride_kh
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    pos = tl.load(pos_ptr + t)
+    dt = q_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
+    x1 = tl.load(base + offs, mask=mask).to(tl.float32)
+    x2 = tl.load(base + HALF + offs, mask=mask).to(tl.float32)
+    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    tl.store(base + offs, o1, mask=mask)
+    tl.store(base + HALF + offs, o2, mask=mask)
+    if h >= H:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            kvh = h - H
+            blk = slot // KV_BLOCK
+            off = slot % KV_BLOCK
+            kc = kc_ptr + blk * stride_kb + off * stride_ko + kvh * stride_kch
+            tl.store(kc + offs, o1.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc + HALF + offs, o2.to(kc_ptr.dtype.element_ty), mask=mask)
+            vb = v_ptr + t * stride_vt + kvh * stride_vh
+            vc = vc_ptr + blk * stride_vb + off * stride_vo + kvh * stride_vch
+            tl.store(vc + offs, tl.load(vb + offs, mask=mask).to(vc_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.store(vc + HALF + offs,
+                     tl.load(vb + HALF + offs, mask=mask).to(vc_ptr.dtype.element_ty),
+                     mask=mask)

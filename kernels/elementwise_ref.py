@@ -14,6 +14,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * h.to(dtype)
 
 
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): a decoder layer's residual add, then the
+    next RMSNorm (the new residual is a new tensor; the Triton form writes it in place)."""
+    residual = residual + x
+    return rms_norm_ref(residual, weight, eps), residual
+
+
 def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)

@@ -40,3 +40,39 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
             q, k, positions, cos, sin, H, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos.stride(0), HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2))
     return q, k
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x (in place, rounded to its dtype); returns (rms_norm(residual), residual)."""
+    assert x.dim() == 2 and x.shape == residual.shape and weight.shape == (x.shape[1],)
+    assert x.stride(-1) == 1 and residual.stride(-1) == 1
+    out = torch.empty_like(residual)
+    if x.shape[0]:
+        K.add_rms_norm_kernel[(x.shape[0],)](
+            x, residual, weight, out, x.shape[1], x.stride(0), residual.stride(0),
+            out.stride(0), eps, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out, residual
+
+
+def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor):
+    """Rotate q [T, H, D] and k [T, KVH, D] in place and write k and v [T, KVH, D] to
+    the paged caches [blocks, block_size, KVH, D] at slot_mapping (< 0: skipped), one
+    launch; returns (q, k)."""
+    T, H, D = q.shape
+    kvh = k.shape[1]
+    assert k.shape == (T, kvh, D) and v.shape == k.shape and D % 2 == 0
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    assert k_cache.shape[2:] == (kvh, D) and v_cache.shape == k_cache.shape
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and slot_mapping.shape == (T,)
+    if T:
+        K.rotary_store_kv_kernel[(T, H + kvh)](
+            q, k, v, positions, cos, sin, slot_mapping, k_cache, v_cache, H,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            KV_BLOCK=k_cache.shape[1], HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2))
+    return q, k

@@ -11,10 +11,16 @@ import triton
 
 from kernels import lora_token_kernels_triton as K
 
-GROUP = 16                 # sorted tokens per group: a uniform group is one 16-row product
-_TARGET_PROGRAMS = 1024    # shrink programs wanted in flight (a few per SM)
+SUB = 16                   # sub-group rows (tl.dot needs >= 16)
+_TARGET_PROGRAMS = 2048    # per-token programs wanted per launch (about 16 per SM)
 _MIN_K_CHUNK = 512         # below this a split-K program is mostly prologue
-_MAX_SPLIT_K = 8           # the expand adds SPLIT_K partials per token: keep that short
+_MAX_SPLIT_K = 32          # the expand adds SPLIT_K partials per token
+
+
+def group_size(T: int) -> int:
+    """Sorted tokens per group: a group that shares one slot is one GROUP-row product
+    (one adapter for the whole batch reads A/B once per 64 tokens, not per 16)."""
+    return 16 if T <= 16 else 32 if T <= 32 else 64
 
 
 def _block_r(R: int) -> int:
@@ -31,8 +37,14 @@ def _precision(t: torch.Tensor) -> str:
 
 
 def default_split_k(T: int, S: int, Kdim: int) -> int:
-    """Split K so that about _TARGET_PROGRAMS programs stream A, each >= _MIN_K_CHUNK wide."""
+    """Split K by token count: about _TARGET_PROGRAMS per-token programs, each at least
+    _MIN_K_CHUNK wide (1 token of down: 28 splits; 64 tokens of qkv: 8; 256 of qkv: 2)."""
     return max(1, min(_MAX_SPLIT_K, Kdim // _MIN_K_CHUNK, -(-_TARGET_PROGRAMS // (T * S))))
+
+
+def default_n_chunks(T: int, S: int, n_tiles: int) -> int:
+    """Expand programs per (token, slice): each loops over every n_chunks-th tile."""
+    return max(1, min(n_tiles, -(-_TARGET_PROGRAMS // (T * S))))
 
 
 def lora_shrink_tokens(x: torch.Tensor, a: torch.Tensor, meta, ranks: torch.Tensor | None = None,
@@ -45,33 +57,40 @@ def lora_shrink_tokens(x: torch.Tensor, a: torch.Tensor, meta, ranks: torch.Tens
     split_k = split_k or default_split_k(T, S, Kdim)
     hp = torch.empty((split_k, S, T, R), dtype=torch.float32, device=x.device)
     block_r = _block_r(R)
-    grid = (triton.cdiv(T, GROUP), min(GROUP, T), S * split_k)
+    group = group_size(T)
+    block_k = _tile(block_r)
+    grid = (triton.cdiv(T, group), min(group, T), S * split_k)
     K.lora_shrink_tok_kernel[grid](
         x, a, hp, meta.sorted_tokens, meta.sorted_slots,
         ranks if ranks is not None else meta.seg_len, T, Kdim, R,
         x.stride(0), x.stride(1), *a.stride(), *hp.stride(),
-        HAS_RANKS=ranks is not None, SPLIT_K=split_k, GROUP=GROUP, BLOCK_R=block_r,
-        BLOCK_K=_tile(block_r), PRECISION=_precision(a), UPCAST=x.is_cpu)
+        HAS_RANKS=ranks is not None, SPLIT_K=split_k, GROUP=group, BLOCK_R=block_r,
+        BLOCK_K=block_k, BLOCK_KG=max(32, min(block_k, 8192 // group)),
+        PRECISION=_precision(a), UPCAST=x.is_cpu)
     return hp
 
 
 def lora_expand_tokens(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
                        offsets: list[int], num_slices: int,
-                       ranks: torch.Tensor | None = None,
-                       block_n: int | None = None) -> torch.Tensor:
+                       ranks: torch.Tensor | None = None, block_n: int | None = None,
+                       n_chunks: int | None = None) -> torch.Tensor:
     """y[t, slice s] += (sum of hp's partials)[s, t] @ b[slot(t), slice s].T, in place.
 
-    offsets: the slice bounds padded to five entries (lora_triton._offsets)."""
+    offsets: the slice bounds padded to five entries (lora_triton._offsets); block_n and
+    n_chunks (tile width, programs per token and slice) default to the tuned choice."""
     split_k, S, T, R = hp.shape
     block_r = _block_r(R)
+    group = group_size(T)
     block_n = block_n or _tile(block_r)
+    # a GROUP-row tile keeps about 4096 float32 values per program, as the others
+    block_ng = max(16, min(block_n, (block_n * SUB) // group))
     widest = max(hi - lo for lo, hi in zip(offsets[:num_slices], offsets[1:num_slices + 1]))
-    n_blocks = max(1, triton.cdiv(widest, block_n))
-    grid = (triton.cdiv(T, GROUP), min(GROUP, T), num_slices * n_blocks)
+    n_chunks = n_chunks or default_n_chunks(T, num_slices, max(1, triton.cdiv(widest, block_n)))
+    grid = (triton.cdiv(T, group), min(group, T), num_slices * n_chunks)
     K.lora_expand_tok_kernel[grid](
         hp, b, y, meta.sorted_tokens, meta.sorted_slots,
-        ranks if ranks is not None else meta.seg_len, T, R, n_blocks, *offsets,
+        ranks if ranks is not None else meta.seg_len, T, R, n_chunks, *offsets,
         *hp.stride(), *b.stride(), y.stride(0), y.stride(1),
-        HAS_RANKS=ranks is not None, SPLIT_K=split_k, GROUP=GROUP, BLOCK_R=block_r,
-        BLOCK_N=block_n, PRECISION=_precision(b), UPCAST=y.is_cpu)
+        HAS_RANKS=ranks is not None, SPLIT_K=split_k, GROUP=group, BLOCK_R=block_r,
+        BLOCK_N=block_n, BLOCK_NG=block_ng, PRECISION=_precision(b), UPCAST=y.is_cpu)
     return y

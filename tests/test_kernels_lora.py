@@ -34,7 +34,7 @@ def _interpreted(name: str):
 _interpreted("kernels.lora_kernels_triton")
 _interpreted("kernels.lora_token_kernels_triton")
 from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref  # noqa: E402
-from kernels.lora_token_triton import lora_shrink_tokens  # noqa: E402
+from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens  # noqa: E402
 from kernels.lora_triton import (add_lora, add_lora_segments, add_lora_tokens,  # noqa: E402
                                  build_meta, lora_expand, lora_fused, lora_shrink)
 
@@ -121,6 +121,33 @@ def test_token_path_uniform_and_mixed_groups(dtype, case):
     want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
     got = add_lora_tokens(y.clone(), x, a, b, meta, offsets, ranks)
     torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got[ts < 0], y[ts < 0])
+
+
+def _token_slots_case(case: str, T: int, L: int):
+    g = torch.Generator().manual_seed(len(case) + T)
+    return {"one": torch.full((T,), L - 1),
+            "one_some_base": torch.where(torch.rand(T, generator=g) < 0.3, -1, 1),
+            "runs16": torch.arange(T) // 16 % L,          # sub-groups of 16 share a slot
+            "runs": torch.arange(T) * 4 // T,
+            "distinct": torch.randint(-1, L, (T,), generator=g)}[case].to(DEV)
+
+
+@pytest.mark.parametrize("T,n_chunks", [(12, 1), (29, 3), (70, 2)])
+@pytest.mark.parametrize("case", ["one", "one_some_base", "runs16", "runs", "distinct"])
+def test_token_expand_loops_over_tiles(T, case, n_chunks):
+    """Groups of 16/32/64 rows by token count; whole-group, sub-group and per-token levels;
+    narrow tiles so every program loops over several (lanes of a uniform block share them)."""
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, [8, 32, 16, 4], torch.float32, seed=T)
+    ts = _token_slots_case(case, T, a.shape[0])
+    x, y = _inputs(T, offsets[-1], torch.float32, seed=T + 3)
+    meta = build_meta(ts, a.shape[0])
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    hp = lora_shrink_tokens(x, a, meta, ranks, split_k=2)
+    got = lora_expand_tokens(hp, b, y.clone(), meta, list(offsets) + [offsets[-1]], 3, ranks,
+                             block_n=16, n_chunks=n_chunks)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[ts < 0], y[ts < 0])
 
 

@@ -22,7 +22,7 @@ from engine.model import sharding
 from engine.model.loader import WeightSource
 from engine.model.sharding import Shard
 from engine.parallel import TPGroup
-from kernels.elementwise import rms_norm
+from kernels.elementwise import add_rms_norm, rms_norm
 
 
 def _param(shape, dtype, device, fill: float = float("nan")) -> nn.Parameter:
@@ -186,3 +186,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)  # one launch on CUDA; reference on CPU
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor):
+        """(norm(residual + x), residual + x): the residual add fused into this norm (one
+        launch on CUDA, where `residual` is updated in place)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -25,7 +25,7 @@ from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
 from engine.model.loader import WeightSource
 from engine.model.rotary import RotaryEmbedding
 from engine.parallel import TPGroup
-from kernels.attention import paged_attention, store_kv
+from kernels.attention import paged_attention
 from kernels.elementwise import silu_mul
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -57,10 +57,11 @@ class LlamaAttention(nn.Module):
         if lora is not None:
             lora.apply(self.layer_idx, "qkv", x, qkv)
         q, k, v = self.qkv_proj.split(self.qkv_proj.add_bias(qkv))
-        q, k = self.rotary(attn.positions, q.reshape(T, self.num_heads, D),
-                           k.reshape(T, self.num_kv_heads, D))
         k_cache, v_cache = kv_cache
-        store_kv(k, v.reshape(T, self.num_kv_heads, D), k_cache, v_cache, attn.slot_mapping)
+        # rotary on q and k and the KV-cache store in one launch on CUDA
+        q, k = self.rotary.rotate_and_store(
+            attn.positions, q.reshape(T, self.num_heads, D), k.reshape(T, self.num_kv_heads, D),
+            v.reshape(T, self.num_kv_heads, D), k_cache, v_cache, attn.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, attn, self.scale).reshape(T, self.num_heads * D)
         y = self.o_proj.matmul(o)
         if lora is not None:
@@ -114,9 +115,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, h: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, lora) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), attn, kv_cache, lora)
-        return h + self.mlp(self.post_attention_layernorm(h), lora)
+    def forward(self, h: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, lora,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual): the layer's output is their sum, left for the next
+        norm to add (each residual add is fused into the RMSNorm after it: one launch on
+        CUDA). `residual` None: h is the embedding, the residual stream's start."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        x, residual = self.post_attention_layernorm.add_forward(
+            self.self_attn(x, attn, kv_cache, lora), residual)
+        return self.mlp(x, lora), residual
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         return {
@@ -161,10 +171,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[KVCache], lora=None) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), (len(kv_caches), len(self.layers))
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, attn, kv_cache, lora)
-        return self.norm(h)
+            h, residual = layer(h, attn, kv_cache, lora, residual)
+        if residual is None:
+            return self.norm(h)
+        return self.norm.add_forward(h, residual)[0]
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

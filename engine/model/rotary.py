@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from kernels.elementwise import rotary
+from kernels.elementwise import rotary, rotary_store_kv
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping | None) -> torch.Tensor:
@@ -63,3 +63,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # kernels/elementwise: one in-place launch on CUDA, kernels.elementwise_ref.rotary_ref (the HF form) on CPU
         return rotary(positions, q, k, self.cos, self.sin)
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor):
+        """forward, then the rotated k and v written to the paged KV cache at
+        slot_mapping (< 0: skipped); one launch on CUDA. Returns (q, k)."""
+        return rotary_store_kv(positions, q, k, v, self.cos, self.sin, k_cache, v_cache,
+                               slot_mapping)
