@@ -121,7 +121,9 @@ class ModelRunner:
     def _greedy_in_graph(self, sched) -> bool:
         """Every row samples greedily with nothing the graph's pick leaves out (penalty,
         top logprobs, a custom sampler): its token and logprob come from the graph."""
-        if type(self.sampler) is not Sampler:
+        if type(self.sampler) is not Sampler or self.model.tp.size > 1:
+            # under tensor parallelism every rank must capture the same graph, and only
+            # rank 0 samples: its greedy graph would hold an all-gather the others lack
             return False
         return all(s.samples and s.request.params.greedy and not s.request.params.top_logprobs
                    and s.request.params.repetition_penalty == 1.0 for s in sched)

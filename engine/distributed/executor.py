@@ -90,6 +90,8 @@ class TPExecutor:
             for adapter_id, path in adds:
                 self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(adapter_id, path))
             self._channel.send(OP_STEP, encode_step(plan))
+            if ops:  # workers may read adapter shards from disk first: wait for them on
+                pg.agree_min(self._control, 0)  # the control group, not in a timed collective
             return runner.run(out)
         return self._guard(run)
 
