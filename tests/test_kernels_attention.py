@@ -1,37 +1,21 @@
 """Triton paged attention and KV store against the torch reference (kernels/attention_ref.py).
 
-Without CUDA the kernels run under the Triton interpreter; see tests/test_kernels_lora.py
-for why the variable is set here *and* the kernel module is reloaded when an earlier test
-module already built it for the compiler.
+Without CUDA the kernels run under the Triton interpreter: tests/conftest.py sets
+TRITON_INTERPRET before any kernel module is imported, and
+`test_kernels_run_as_this_machine_needs` fails if that did not take effect.
 """
 from __future__ import annotations
-
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
+from engine.model.batch import AttentionMetadata
+from kernels import attention_kernels_triton
+from kernels.attention_ref import paged_attention_ref, store_kv_ref
+from kernels.attention_triton import paged_attention, store_kv
+from tests.support.triton_mode import check_kernel_mode
+
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"   # before any of our kernels is decorated
-
-
-def _interpreted(name: str):
-    module = importlib.import_module(name)
-    if not CUDA:
-        from triton.runtime.jit import JITFunction
-        if any(isinstance(v, JITFunction) for v in vars(module).values()):
-            module = importlib.reload(sys.modules[name])
-    return module
-
-
-_interpreted("kernels.attention_kernels_triton")
-from engine.model.batch import AttentionMetadata  # noqa: E402
-from kernels.attention_ref import paged_attention_ref, store_kv_ref  # noqa: E402
-from kernels.attention_triton import paged_attention, store_kv  # noqa: E402
-
 DEV = "cuda" if CUDA else "cpu"
 BS = 16
 D = 32
@@ -130,3 +114,10 @@ def test_bad_shapes_raise_precise_errors():
         paged_attention(q[:1], kc, vc, attn, 1.0)
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kv(q[:, :2], q[:, :2], kc, vc, attn.slot_mapping[:1])
+
+
+@pytest.mark.parametrize("module", [attention_kernels_triton], ids=lambda m: m.__name__)
+def test_kernels_run_as_this_machine_needs(module):
+    """Interpreted on the CPU (so the other tests here run the Triton kernels, not only the
+    references), compiled on CUDA."""
+    check_kernel_mode(module)

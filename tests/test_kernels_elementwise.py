@@ -1,36 +1,21 @@
 """Triton RMSNorm, SiLU-and-multiply and rotary kernels against the torch references
 (kernels/elementwise_ref.py): under the Triton interpreter on a machine without CUDA
-(float32), compiled on a GPU (float32 and bfloat16). Fresh random inputs, poisoned
-outputs (the wrappers allocate with empty; the rotary output is its input, rewritten)."""
+(float32; tests/conftest.py sets TRITON_INTERPRET before any kernel module is imported),
+compiled on a GPU (float32 and bfloat16). Fresh random inputs, poisoned outputs (the
+wrappers allocate with empty; the rotary output is its input, rewritten)."""
 from __future__ import annotations
-
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
-def _interpreted(name: str):
-    module = importlib.import_module(name)
-    if not CUDA:
-        from triton.runtime.jit import JITFunction
-        if any(isinstance(v, JITFunction) for v in vars(module).values()):
-            module = importlib.reload(sys.modules[name])
-    return module
-
-
-_interpreted("kernels.elementwise_kernels_triton")
-from kernels import elementwise_triton as T  # noqa: E402
-from kernels.attention_ref import store_kv_ref  # noqa: E402
-from kernels.elementwise_ref import (add_rms_norm_ref, rms_norm_ref, rotary_ref,  # noqa: E402
+from kernels import elementwise_kernels_triton
+from kernels import elementwise_triton as T
+from kernels.attention_ref import store_kv_ref
+from kernels.elementwise_ref import (add_rms_norm_ref, rms_norm_ref, rotary_ref,
                                      silu_mul_ref)
+from tests.support.triton_mode import check_kernel_mode
 
+CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
@@ -134,3 +119,10 @@ def test_rotary_store_kv(dtype, t, h, kvh, d, bs):
     torch.testing.assert_close(got_k, want_k, **TOL[dtype])
     torch.testing.assert_close(k_cache, want_kc, **TOL[dtype])
     assert torch.equal(v_cache, want_vc) and torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("module", [elementwise_kernels_triton], ids=lambda m: m.__name__)
+def test_kernels_run_as_this_machine_needs(module):
+    """Interpreted on the CPU (so the other tests here run the Triton kernels, not only the
+    references), compiled on CUDA."""
+    check_kernel_mode(module)

@@ -1,43 +1,24 @@
 """Triton multi-adapter LoRA kernels against the torch reference (kernels/lora_ref.py).
 
-On a machine without CUDA the kernels run under the Triton interpreter. Triton decides
-"interpreted or compiled" when a kernel is *decorated* (module import), not when it runs,
-so setting TRITON_INTERPRET here is only enough if no earlier test module imported the
-kernel module: pytest imports every test module of the session before running any test.
-`_interpreted` therefore sets the variable and, when the kernel module was already built
-for the compiler, reloads it (the host wrappers look kernels up through the module object,
-so they then call the interpreted ones).
+On a machine without CUDA the kernels run under the Triton interpreter: tests/conftest.py
+sets TRITON_INTERPRET before any kernel module is imported, and
+`test_kernels_run_as_this_machine_needs` fails if that did not take effect.
 """
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"   # before any of our kernels is decorated
-
-
-def _interpreted(name: str):
-    module = importlib.import_module(name)
-    if not CUDA:
-        from triton.runtime.jit import JITFunction
-        if any(isinstance(v, JITFunction) for v in vars(module).values()):
-            module = importlib.reload(sys.modules[name])
-    return module
-
-
-_interpreted("kernels.lora_kernels_triton")
-_interpreted("kernels.lora_token_kernels_triton")
-from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref  # noqa: E402
-from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens  # noqa: E402
-from kernels.lora_triton import (add_lora, add_lora_segments, add_lora_tokens,  # noqa: E402
+from kernels import lora_kernels_triton, lora_token_kernels_triton
+from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref
+from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
+from kernels.lora_triton import (add_lora, add_lora_segments, add_lora_tokens,
                                  build_meta, lora_expand, lora_fused, lora_shrink)
+from tests.support.triton_mode import check_kernel_mode
 
+CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}
 SLICES = {1: (0, 48), 2: (0, 40, 72), 3: (0, 32, 48, 64)}   # unequal widths (q/k/v under GQA)
@@ -273,3 +254,11 @@ def test_bench_floor_arithmetic():
     assert mapping.shape == (64,) and set(mapping.tolist()) == set(range(8))
     assert (mapping.diff() >= 0).all()
     assert len(bench.layer_groups()) == 4
+
+
+@pytest.mark.parametrize("module", [lora_kernels_triton, lora_token_kernels_triton],
+                         ids=lambda m: m.__name__)
+def test_kernels_run_as_this_machine_needs(module):
+    """Interpreted on the CPU (so the other tests here run the Triton kernels, not only the
+    references), compiled on CUDA."""
+    check_kernel_mode(module)
