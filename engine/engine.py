@@ -2,7 +2,8 @@
 
 Step-level API (what the engine server drives): `add_request`, `step`, `abort`,
 `has_unfinished`, `add_adapter`, `remove_adapter`, `stats`. `generate` is the offline
-convenience on top of it.
+convenience on top of it. Request checks live in engine/admission.py, adapter operations
+in engine/adapters/service.py, tensor parallelism in engine/distributed/.
 """
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ from pathlib import Path
 import torch
 
 from engine.adapters.host_cache import HostCache
-from engine.adapters.loader import DiskLoader, fingerprint
-from engine.adapters.registry import BASE_ID, AdapterRegistry
+from engine.adapters.loader import DiskLoader
+from engine.adapters.registry import AdapterRegistry
 from engine.adapters.residency import AdapterResidency
+from engine.adapters.service import AdapterService
 from engine.adapters.slots import SlotTable
+from engine.admission import (AdmissionLimits, check_length, check_request, prompt_token_ids,
+                              sequence_ids)
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.adapters import AdapterMirror
 from engine.distributed.executor import TPExecutor
-from engine.errors import AdapterError, CapacityError, InvalidRequestError, PromptTooLongError
+from engine.errors import InvalidRequestError
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
 from engine.lora import LoRASlotPool, load_lora
@@ -53,10 +57,33 @@ class Engine:
         self.device = torch.device(config.device)
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
-        mc, dtype = self.model_config, config.torch_dtype
+        mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         tp = self._tp.tp if self._tp else TPGroup.single()
+        self._build_model(config, tp)
+        if config.cpu_lora_capacity < config.max_loras:
+            raise InvalidRequestError(
+                f"max_cpu_loras={config.cpu_lora_capacity}: must be >= max_loras="
+                f"{config.max_loras} (every adapter in a slot may need its host copy)")
+        pinned: set[int] = set()  # one pin set for both tiers
+        self.slots = SlotTable(config.max_loras, pinned)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            config.max_loras, self.max_model_len),
+            self.kv, self.slots)
+        self._build_adapters(config, tp, pinned)
+        self._limits = AdmissionLimits(mc.vocab_size, self.max_model_len, self.num_kv_blocks,
+                                       config.block_size)
+        self._seeds = RequestSeeds(config.seed)
+        self._arrival = itertools.count()
+        self._generate_batches = itertools.count()
+        self._forks: dict[str, list[str]] = {}  # request id (n > 1) -> its sequence ids
+        self._eos_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
+
+    def _build_model(self, config: EngineConfig, tp: TPGroup) -> None:
+        """The model with its weights, the LoRA slot pool, the KV cache and the runner."""
+        mc, dtype = self.model_config, config.torch_dtype
         self.model = LlamaForCausalLM(mc, dtype, self.device, tp)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed + tp.rank)
@@ -74,20 +101,14 @@ class Engine:
         kv_caches = self.model.make_kv_caches(self.num_kv_blocks, config.block_size)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
-        if config.cpu_lora_capacity < config.max_loras:
-            raise InvalidRequestError(
-                f"max_cpu_loras={config.cpu_lora_capacity}: must be >= max_loras="
-                f"{config.max_loras} (every adapter in a slot may need its host copy)")
-        pinned: set[int] = set()  # one pin set for both tiers
-        self.slots = SlotTable(config.max_loras, pinned)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            config.max_loras, self.max_model_len),
-            self.kv, self.slots)
         self.runner = ModelRunner(
             self.model, kv_caches, self.lora_pool, config.block_size, self.device,
             graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
             max_model_len=self.max_model_len)
+
+    def _build_adapters(self, config: EngineConfig, tp: TPGroup, pinned: set[int]) -> None:
+        """Registry, residency across the tiers, and the adapter operations over them."""
+        mc, dtype = self.model_config, config.torch_dtype
         self.registry = AdapterRegistry()
         # rank 0 reads and validates its own shard; at TP > 1 the mirror repeats every
         # slot load and host-copy drop on the other ranks (by adapter id)
@@ -98,12 +119,8 @@ class Engine:
                        pin_memory=self.device.type == "cuda"),
             self.lora_pool, self.device,
             mirror=AdapterMirror(self._tp, self.registry) if self._tp else None)
-        self._seeds = RequestSeeds(config.seed)
-        self._arrival = itertools.count()
-        self._base_cache_hits = 0
-        self._generate_batches = itertools.count()
-        self._forks: dict[str, list[str]] = {}  # request id (n > 1) -> its sequence ids
-        self._eos_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
+        self.adapter_service = AdapterService(self.registry, self.slots, self.adapters,
+                                              self.kv, config.max_loras)
 
     # ---- adapters ---------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:
@@ -111,58 +128,18 @@ class Engine:
         one on every call, also for a name already loaded: see AdapterRegistry). It is
         copied into a device slot when a request (or a pin) needs it. Raises AdapterError
         (nothing registered) or CapacityError (a pin would take the last dynamic slot)."""
-        self.registry.check_name(name)
-        if pinned:
-            self._check_can_pin(name)
-        before = fingerprint(path)
-        weights = self.adapters.loader.read(path)
-        if fingerprint(path) != before:
-            raise AdapterError(f"adapter files at {path} changed while being read",
-                               feature="changed_on_disk")
-        old = self.registry.current(name)
-        aid = self.registry.add(name, str(path), weights.max_rank, before, pinned)
-        self.adapters.add_host_copy(aid, weights)
-        if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
-            self._set_pin(old.adapter_id, False)
-        self._set_pin(aid, pinned)
-        self._free_retired()  # the replaced version may be idle already
-        return aid
+        return self.adapter_service.add(name, path, pinned)
 
     def set_adapter_pinned(self, name: str, pinned: bool) -> int:
         """Pin (never evicted implicitly from a slot or host memory; brought into a slot at
         the next step) or unpin the current version of `name`."""
-        aid = self.registry.resolve(name)
-        if pinned and not self.registry.get(aid).pinned:
-            self._check_can_pin(name)
-            self.adapters.ensure_host_copy(aid)
-        self._set_pin(aid, pinned)
-        return aid
-
-    def _set_pin(self, aid: int, pinned: bool) -> None:
-        self.registry.get(aid).pinned = pinned
-        (self.slots.pinned.add if pinned else self.slots.pinned.discard)(aid)
-
-    def _check_can_pin(self, name: str) -> None:
-        current = self.registry.current(name)
-        others = self.slots.pinned - ({current.adapter_id} if current else set())
-        if len(others) + 1 >= self.config.max_loras:
-            raise CapacityError(
-                f"cannot pin adapter {name!r}: {len(others)} of max_loras="
-                f"{self.config.max_loras} slots are pinned and one must stay dynamic")
+        return self.adapter_service.set_pinned(name, pinned)
 
     def remove_adapter(self, name: str) -> int:
         """Unload `name`: refused for new requests at once; its slot, host copy and KV
         namespace are freed when its in-flight requests end (they finish with the weights
         they started with). Afterwards the name is unknown (AdapterNotFoundError)."""
-        aid = self.registry.remove(name)
-        self._set_pin(aid, False)
-        self._free_retired()
-        return aid
-
-    def _free_retired(self) -> None:
-        for rec in self.registry.take_ready():
-            self.adapters.forget(rec.adapter_id)
-            self.kv.evict_namespace(rec.adapter_id)
+        return self.adapter_service.remove(name)
 
     def _advance_adapters(self) -> list[StepOutput]:
         """Finished reads and copies move along the tiers. A version whose files changed
@@ -172,11 +149,10 @@ class Engine:
         for res in self.adapters.poll():
             for req in [r for r in self.scheduler.waiting if r.adapter_id == res.adapter_id]:
                 self.scheduler.finish(req, FinishReason.ERROR)
-                results.append(self._step_output(req, len(req.text), new_token=False))
+                results.append(req.step_output(len(req.text), new_token=False))
                 self._on_finished(req)
-            self._set_pin(res.adapter_id, False)
-            self.registry.retire(res.adapter_id)
-        self._free_retired()
+            self.adapter_service.retire(res.adapter_id)
+        self.adapter_service.free_retired()
         return results
 
     def _schedule(self, results: list[StepOutput]) -> tuple[SchedulerOutput, bool]:
@@ -186,8 +162,7 @@ class Engine:
         # the batch is fixed: bring in what waiting requests (and pins) need, evicting only
         # adapters without running requests; copies overlap this step's forward pass
         wanted = self.scheduler.wanted_adapters()
-        wanted += sorted(a for a in self.slots.pinned
-                         if self.slots.slot_of(a) is None and a not in wanted)
+        wanted += self.adapter_service.pinned_to_load(wanted)
         ready = self.adapters.prefetch(wanted, busy=self.scheduler.running_adapters())
         return out, ready
 
@@ -196,18 +171,11 @@ class Engine:
                     adapter: str | None = None) -> None:
         """Validate and queue a request. Raises (nothing queued) InvalidRequestError,
         PromptTooLongError, AdapterNotFoundError or AdapterUnavailableError."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id={request_id!r}: must be a non-empty string")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params.validate(self.model_config.vocab_size)
-        prompt_ids = self._prompt_ids(prompt)
-        self._check_length(len(prompt_ids), params.max_tokens)
+        check_request(request_id, params, self._limits)
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, self._limits)
+        check_length(len(prompt_ids), params.max_tokens, self._limits)
         adapter_id = self.registry.resolve(adapter)
-        # n > 1: n sequences "<id>/<i>" that inherit the adapter id; they share the
-        # prompt's full blocks through the prefix cache (same namespace, same tokens)
-        ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
+        ids = sequence_ids(request_id, params.n)
         if request_id in self._forks or any(self.scheduler.get(r) is not None for r in ids):
             raise InvalidRequestError(f"request_id={request_id!r}: already in use")
         seed = self._seeds.next()
@@ -227,35 +195,6 @@ class Engine:
                                                   sample_index=index)
         self.registry.acquire(req.adapter_id)
         self.scheduler.add(req)
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise InvalidRequestError(
-                        f"prompt token {i}: {t!r} is not a token id in [0, {vocab})")
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidRequestError("prompt is empty: at least one token is needed")
-        return ids
-
-    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
-        total = num_prompt + max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {num_prompt} tokens and max_tokens={max_tokens}: {total} > "
-                f"max_model_len={self.max_model_len}")
-        capacity = self.num_kv_blocks * self.config.block_size
-        if total > capacity:
-            raise PromptTooLongError(
-                f"prompt has {num_prompt} tokens and max_tokens={max_tokens}: {total} > "
-                f"KV cache capacity of {capacity} tokens ({self.num_kv_blocks} blocks)")
 
     def abort(self, request_id: str) -> bool:
         """Stop a waiting or running request (all n sequences of it) and free all it
@@ -283,47 +222,27 @@ class Engine:
                 break
             out, ready = self._schedule(results)
         if out.is_empty:
-            self._free_retired()
+            self.adapter_service.free_retired()
             return results
         for req, hits in out.cache_hits:
-            self._count_cache_hits(req.adapter_id, hits)
+            self.adapter_service.count_cache_hits(req.adapter_id, hits)
         text_before = {s.request.request_id: len(s.request.text) for s in out.scheduled}
         sampled = self._tp.execute(out, self.runner) if self._tp else self.runner.run(out)
         touched = self.scheduler.update(out, sampled)
         for req in touched:
             req.sampling_state.append(req.all_token_ids[-1])
-            results.append(self._step_output(req, text_before[req.request_id]))
+            results.append(req.step_output(text_before[req.request_id]))
             if req.is_finished:
                 self._on_finished(req)
-        self._free_retired()
+        self.adapter_service.free_retired()
         return results
-
-    def _count_cache_hits(self, adapter_id: int, hits: int) -> None:
-        if adapter_id == BASE_ID:
-            self._base_cache_hits += hits
-        else:
-            self.registry.get(adapter_id).cached_token_hits += hits
-
-    def _step_output(self, req: Request, text_start: int, new_token: bool = True) -> StepOutput:
-        want = new_token and (req.params.logprobs or req.params.top_logprobs > 0)
-        return StepOutput(
-            request_id=req.request_id,
-            new_token_ids=[req.all_token_ids[-1]] if new_token else [],
-            new_logprobs=[req.logprobs[-1]] if want else [],
-            new_top_logprobs=[req.top_logprobs[-1]] if new_token and req.params.top_logprobs
-            else [],
-            text_delta=req.text[text_start:],
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens)
 
     def _on_finished(self, req: Request) -> None:
         self.registry.release(req.adapter_id)
         forks = self._forks.get(req.parent_id) if req.parent_id is not None else None
         if forks and all(self.scheduler.get(rid) is None for rid in forks):
             del self._forks[req.parent_id]
-        self._free_retired()
+        self.adapter_service.free_retired()
 
     # ---- offline convenience ----------------------------------------------------
     def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None,
@@ -355,11 +274,7 @@ class Engine:
             raise
         while any(not r.is_finished for r in reqs):
             self.step()
-        return [RequestOutput(
-            request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
-            token_ids=r.output_token_ids, text=r.text, finish_reason=r.finish_reason,
-            logprobs=list(r.logprobs), top_logprobs=list(r.top_logprobs),
-            num_cached_tokens=r.num_cached_tokens, adapter_id=r.adapter_id) for r in reqs]
+        return [r.request_output() for r in reqs]
 
     # ---- lifetime ---------------------------------------------------------------
     def close(self) -> None:
@@ -383,19 +298,10 @@ class Engine:
         ("slot" ready in a device slot, "host", or "disk"), slot, pinned, unloading,
         in-flight requests, slot loads and evictions, disk reads, host evictions and
         cached-token hits."""
-        adapters = {}
-        for rec in self.registry.records():
-            aid = rec.adapter_id
-            adapters[aid] = {
-                "name": rec.name, "id": aid, "path": rec.path, "rank": rec.rank,
-                "state": self.adapters.state(aid), "slot": self.slots.slot_of(aid),
-                "pinned": rec.pinned, "unloading": rec.retiring, "in_flight": rec.in_flight,
-                "loads": rec.loads, "evictions": rec.evictions, "disk_reads": rec.disk_reads,
-                "host_evictions": rec.host_evictions,
-                "cached_token_hits": rec.cached_token_hits}
         return {
             "num_kv_blocks": self.num_kv_blocks, "free_kv_blocks": self.kv.num_free_blocks,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "slots_used": self.slots.num_used, "host_copies": len(self.adapters.host),
             "pending_evictions": self.registry.num_retiring,
-            "base_cached_token_hits": self._base_cache_hits, "adapters": adapters}
+            "base_cached_token_hits": self.adapter_service.base_cache_hits,
+            "adapters": self.adapter_service.stats()}

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -85,3 +85,27 @@ class Request:
         if self.num_output_tokens >= self.params.max_tokens:
             return FinishReason.LENGTH
         return None
+
+    def step_output(self, text_start: int, new_token: bool = True) -> StepOutput:
+        """What one step produced for this request: its newest token (unless `new_token`
+        is False, e.g. when it ends without one) and the text after `text_start`."""
+        want = new_token and (self.params.logprobs or self.params.top_logprobs > 0)
+        return StepOutput(
+            request_id=self.request_id,
+            new_token_ids=[self.all_token_ids[-1]] if new_token else [],
+            new_logprobs=[self.logprobs[-1]] if want else [],
+            new_top_logprobs=[self.top_logprobs[-1]] if new_token and self.params.top_logprobs
+            else [],
+            text_delta=self.text[text_start:],
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens)
+
+    def request_output(self) -> RequestOutput:
+        """The whole result of a finished request (Engine.generate)."""
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=self.output_token_ids, text=self.text, finish_reason=self.finish_reason,
+            logprobs=list(self.logprobs), top_logprobs=list(self.top_logprobs),
+            num_cached_tokens=self.num_cached_tokens, adapter_id=self.adapter_id)

@@ -1,0 +1,113 @@
+"""The engine's adapter operations by name: load, pin, unload, retirement, per-adapter stats.
+
+It ties the pieces below the control plane together: the registry (ids and lifecycle), the
+slot table's pin set (shared with the host cache), residency (host copies and slots) and
+the KV cache (one prefix-cache namespace per adapter id). Requests never come through
+here; the engine's step loop calls `free_retired` whenever a request may have ended.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.adapters.loader import fingerprint
+from engine.adapters.registry import BASE_ID, AdapterRegistry
+from engine.adapters.residency import AdapterResidency
+from engine.adapters.slots import SlotTable
+from engine.errors import AdapterError, CapacityError
+from engine.kv.kv_cache_manager import KVCacheManager
+
+
+class AdapterService:
+    def __init__(self, registry: AdapterRegistry, slots: SlotTable,
+                 residency: AdapterResidency, kv: KVCacheManager, max_loras: int):
+        self.registry = registry
+        self.slots = slots
+        self.residency = residency
+        self.kv = kv
+        self.max_loras = max_loras
+        self.base_cache_hits = 0  # prefix-cache hits of base-model requests
+
+    def add(self, name: str, path: str | Path, pinned: bool = False) -> int:
+        """See Engine.add_adapter."""
+        self.registry.check_name(name)
+        if pinned:
+            self._check_can_pin(name)
+        before = fingerprint(path)
+        weights = self.residency.loader.read(path)
+        if fingerprint(path) != before:
+            raise AdapterError(f"adapter files at {path} changed while being read",
+                               feature="changed_on_disk")
+        old = self.registry.current(name)
+        aid = self.registry.add(name, str(path), weights.max_rank, before, pinned)
+        self.residency.add_host_copy(aid, weights)
+        if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
+            self.set_pin(old.adapter_id, False)
+        self.set_pin(aid, pinned)
+        self.free_retired()  # the replaced version may be idle already
+        return aid
+
+    def set_pinned(self, name: str, pinned: bool) -> int:
+        """See Engine.set_adapter_pinned."""
+        aid = self.registry.resolve(name)
+        if pinned and not self.registry.get(aid).pinned:
+            self._check_can_pin(name)
+            self.residency.ensure_host_copy(aid)
+        self.set_pin(aid, pinned)
+        return aid
+
+    def remove(self, name: str) -> int:
+        """See Engine.remove_adapter."""
+        aid = self.registry.remove(name)
+        self.set_pin(aid, False)
+        self.free_retired()
+        return aid
+
+    def retire(self, aid: int) -> None:
+        """Retire a version that can no longer be read back (its files changed or vanished)."""
+        self.set_pin(aid, False)
+        self.registry.retire(aid)
+
+    def set_pin(self, aid: int, pinned: bool) -> None:
+        self.registry.get(aid).pinned = pinned
+        (self.slots.pinned.add if pinned else self.slots.pinned.discard)(aid)
+
+    def _check_can_pin(self, name: str) -> None:
+        current = self.registry.current(name)
+        others = self.slots.pinned - ({current.adapter_id} if current else set())
+        if len(others) + 1 >= self.max_loras:
+            raise CapacityError(
+                f"cannot pin adapter {name!r}: {len(others)} of max_loras="
+                f"{self.max_loras} slots are pinned and one must stay dynamic")
+
+    def free_retired(self) -> None:
+        """Free the slot, host copy and KV namespace of every retired version whose last
+        request has ended."""
+        for rec in self.registry.take_ready():
+            self.residency.forget(rec.adapter_id)
+            self.kv.evict_namespace(rec.adapter_id)
+
+    def pinned_to_load(self, wanted: list[int]) -> list[int]:
+        """Pinned adapters not in a slot and not already in `wanted` (in id order)."""
+        return sorted(a for a in self.slots.pinned
+                      if self.slots.slot_of(a) is None and a not in wanted)
+
+    def count_cache_hits(self, adapter_id: int, hits: int) -> None:
+        """Credit prefix-cache hits to the adapter version (or the base model) they served."""
+        if adapter_id == BASE_ID:
+            self.base_cache_hits += hits
+        else:
+            self.registry.get(adapter_id).cached_token_hits += hits
+
+    def stats(self) -> dict[int, dict]:
+        """Per adapter version (keyed by id): see Engine.stats."""
+        adapters = {}
+        for rec in self.registry.records():
+            aid = rec.adapter_id
+            adapters[aid] = {
+                "name": rec.name, "id": aid, "path": rec.path, "rank": rec.rank,
+                "state": self.residency.state(aid), "slot": self.slots.slot_of(aid),
+                "pinned": rec.pinned, "unloading": rec.retiring, "in_flight": rec.in_flight,
+                "loads": rec.loads, "evictions": rec.evictions, "disk_reads": rec.disk_reads,
+                "host_evictions": rec.host_evictions,
+                "cached_token_hits": rec.cached_token_hits}
+        return adapters
