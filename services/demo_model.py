@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,16 +61,18 @@ def ensure_demo(cache_dir: str | os.PathLike | None = None, spec: DemoSpec = Dem
     return demo
 
 
-def _tokenizer(vocab_size: int):
+def train_byte_level_bpe(corpus: str, vocab_size: int, specials: Sequence[str]):
+    """A byte-level BPE tokenizer (a `tokenizers.Tokenizer`) trained on `corpus`, with
+    `specials` as its first ids: offline and deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(_SPECIALS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([corpus] * 4, trainer=trainer)
     return tok
 
 
@@ -78,7 +81,7 @@ def write_model(path: Path, spec: DemoSpec) -> None:
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(spec.vocab_size)
+    tok = train_byte_level_bpe(_CORPUS, spec.vocab_size, _SPECIALS)
     tok.save(str(path / "tokenizer.json"))
     vocab = tok.get_vocab_size()
     h, inter, hd = spec.hidden_size, spec.intermediate_size, spec.hidden_size // spec.num_heads

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from services.demo_model import train_byte_level_bpe
+
 CORPUS = (
     "the quick brown fox jumps over the lazy dog. "
     "a multi adapter server shares one base model between many tenants. "
@@ -27,19 +29,7 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 
 def build_tokenizer(vocab_size: int = 384):
     """A byte-level BPE tokenizer trained on a small fixed corpus (offline, deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
-    return tok
+    return train_byte_level_bpe(CORPUS, vocab_size, SPECIAL_TOKENS)
 
 
 @dataclass(frozen=True)
