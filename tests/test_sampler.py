@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from engine.sampler import RequestSeeds, Sampler, SamplingState
+from engine.sampling import RequestSeeds, Sampler, SamplingState
 from engine.sampling.processors import apply_min_p, apply_top_k_top_p
 from engine.sampling_params import SamplingParams
 
