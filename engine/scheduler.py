@@ -240,7 +240,7 @@ class Scheduler:
         # called right after the request's allocation: its block table is final for
         # this step (requests already scheduled are never preempted)
         return ScheduledRequest(req, req.num_computed_tokens, n,
-                                tuple(self.kv.block_ids(req.request_id)),
+                                self.kv.block_id_tuple(req.request_id),
                                 -1 if slot is None else slot,
                                 samples=req.num_computed_tokens + n == req.num_tokens)
 

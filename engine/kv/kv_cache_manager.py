@@ -38,13 +38,24 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks already in the cache
+        self._ids: dict[str, tuple[int, ...]] = {}  # block table as ids, until it changes
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        return list(self.block_id_tuple(request_id))
+
+    def block_id_tuple(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table as ids; kept between steps while the table does not
+        change (a decode step grows it only once per block_size tokens)."""
+        ids = self._ids.get(request_id)
+        if ids is None:
+            ids = tuple(b.block_id for b in self._blocks.get(request_id, ()))
+            if request_id in self._blocks:
+                self._ids[request_id] = ids
+        return ids
 
     def get_computed_blocks(self, req: KVRequest) -> tuple[list[Block], int]:
         """Longest run of cached full blocks matching the start of the request's tokens in
@@ -73,6 +84,10 @@ class KVCacheManager:
         held = self._blocks.get(rid, [])
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         need = -(-(num_computed + num_new_tokens) // self.block_size)
+        if held and not computed_blocks and need <= len(held):
+            # the common decode step: the table already holds the new tokens
+            self._cache_full_blocks(req, num_computed + num_new_tokens)
+            return []
         num_new_blocks = max(0, need - len(held) - len(computed_blocks))
         # reviving cached free hits takes them off the free list too
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -81,6 +96,7 @@ class KVCacheManager:
         self.pool.touch(list(computed_blocks))
         new = self.pool.get_new_blocks(num_new_blocks)
         blocks = self._blocks.setdefault(rid, [])
+        self._ids.pop(rid, None)
         blocks.extend(computed_blocks)
         blocks.extend(new)
         if computed_blocks:
@@ -96,6 +112,7 @@ class KVCacheManager:
         self.pool.free_blocks(list(reversed(blocks)))
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
+        self._ids.pop(rid, None)
 
     def evict_namespace(self, adapter_id: int) -> int:
         """Drop every cached block of an unloaded adapter from the prefix cache (blocks of
