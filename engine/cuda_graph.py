@@ -64,6 +64,9 @@ class DecodeStaging:
         self.qsl = torch.arange(B + 1, dtype=torch.int32, device=device)  # one token each
         self._n64, self._n32 = self.h64.numpy(), self.h32.numpy()  # share memory
         self._tables = self._n32[2 * B:].reshape(B, max_blocks)
+        # the (immutable) block-id tuple each table row holds, so an unchanged row is
+        # not rewritten; None = unknown
+        self._rows: list[tuple[int, ...] | None] = [None] * B
         self._uploaded = torch.cuda.Event() if pin else None
 
     def fill(self, scheduled: list[ScheduledRequest], bucket: int) -> None:
@@ -73,15 +76,20 @@ class DecodeStaging:
         n, B, bs = len(scheduled), self.max_batch, self.block_size
         assert n <= bucket <= B, (n, bucket, B)
         ids, pos, slot_map = self._n64
-        seq_lens, tok_slots = self._n32[:B], self._n32[B:2 * B]
+        rows, tables = self._rows, self._tables
+        cols: tuple[list[int], ...] = ([], [], [], [])  # ids, positions, slot map, LoRA slots
         for i, s in enumerate(scheduled):
             p, blocks = s.start, s.block_ids
-            ids[i] = s.request.all_token_ids[p]
-            pos[i] = p
-            slot_map[i] = blocks[p // bs] * bs + p % bs
-            seq_lens[i] = p + 1
-            tok_slots[i] = s.slot
-            self._tables[i, :len(blocks)] = blocks
+            cols[0].append(s.request.all_token_ids[p])
+            cols[1].append(p)
+            cols[2].append(blocks[p // bs] * bs + p % bs)
+            cols[3].append(s.slot)
+            if rows[i] is not blocks:  # the scheduler reuses a table's tuple until it grows
+                tables[i, :len(blocks)] = blocks
+                rows[i] = blocks if type(blocks) is tuple else None
+        ids[:n], pos[:n], slot_map[:n] = cols[0], cols[1], cols[2]
+        self._n32[:n] = pos[:n] + 1  # seq lens
+        self._n32[B:B + n] = cols[3]
         self.fill_padding(n, bucket)
 
     def fill_padding(self, start: int, stop: int) -> None:
@@ -93,6 +101,7 @@ class DecodeStaging:
         self._n32[start:stop] = 1
         self._n32[B + start:B + stop] = -1
         self._tables[start:stop] = 0
+        self._rows[start:stop] = [None] * (stop - start)
 
     def upload(self) -> None:
         """Device side: two copies, asynchronous from pinned memory on CUDA."""

@@ -120,3 +120,32 @@ def test_greedy_pick_equals_the_sampler_on_greedy_rows():
     tok, lp = greedy_pick(logits).tolist()
     assert [int(t) for t in tok] == want.token_ids
     assert lp == want.logprobs
+
+
+def test_staging_refill_keeps_rows_right_when_tables_move_or_grow():
+    """fill() skips rewriting a row that holds the same block-id tuple as last step; rows
+    whose request moved, whose table grew, or that were padded must be rewritten."""
+    bs, max_len = 4, 64
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for i, length in enumerate([9, 13, 5, 20]):
+        tokens = torch.randint(3, 500, (length,), generator=gen).tolist()
+        blocks = tuple(torch.randperm(200, generator=gen)[:-(-length // bs)].tolist())
+        rows.append(_sched(f"r{i}", tokens, length - 1, 1, blocks, -1))
+    st = DecodeStaging(max_batch=8, max_blocks=max_len // bs, block_size=bs,
+                       max_model_len=max_len, device=torch.device("cpu"))
+    st.fill(rows, bucket=4)
+    grown = rows[0].block_ids + (199,)
+    rows[0] = _sched("r0", rows[0].request.all_token_ids, 8, 1, grown, -1)
+    for order in ([rows[0], rows[1], rows[2], rows[3]], [rows[3], rows[1], rows[0], rows[2]]):
+        st.fill(order, bucket=4)
+        st.upload()
+        _, attn, _ = st.views(4)
+        for i, s in enumerate(order):
+            assert attn.block_tables[i, :len(s.block_ids)].tolist() == list(s.block_ids)
+    st.fill(rows[:2], bucket=4)   # rows 2, 3 padded (zeroed), then refilled as before
+    st.fill(rows, bucket=4)
+    st.upload()
+    _, attn, _ = st.views(4)
+    for i, s in enumerate(rows):
+        assert attn.block_tables[i, :len(s.block_ids)].tolist() == list(s.block_ids)
