@@ -143,6 +143,7 @@ def test_staging_refill_keeps_rows_right_when_tables_move_or_grow():
         _, attn, _ = st.views(4)
         for i, s in enumerate(order):
             assert attn.block_tables[i, :len(s.block_ids)].tolist() == list(s.block_ids)
+    st.fill(rows, bucket=4)
     st.fill(rows[:2], bucket=4)   # rows 2, 3 padded (zeroed), then refilled as before
     st.fill(rows, bucket=4)
     st.upload()
