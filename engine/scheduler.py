@@ -36,6 +36,7 @@ pinned-adapter requests are never paused: they free no slot by pausing.
 from __future__ import annotations
 
 from collections import Counter, deque
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -43,6 +44,9 @@ from engine.adapters.slots import SlotTable
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
+
+
+_arrival = attrgetter("arrival")
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,12 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1,
-                                                    r.arrival))
+        decodes, prefills = [], []
+        for r in self.running:  # decodes first, each group oldest first
+            (prefills if r.num_tokens - r.num_computed_tokens > 1 else decodes).append(r)
+        decodes.sort(key=_arrival)
+        prefills.sort(key=_arrival)
+        order = decodes + prefills
         done: set[str] = set()
         for req in order:
             if budget == 0:
@@ -164,7 +172,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             done.add(req.request_id)
-            self.slots.touch(req.adapter_id)
+            if req.adapter_id:
+                self.slots.touch(req.adapter_id)
             out.scheduled.append(self._entry(req, n))
             budget -= n
         return budget
