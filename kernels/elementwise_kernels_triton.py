@@ -35,6 +35,30 @@ def silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _rotate_head_in_place(base, pos, cos_ptr, sin_ptr, stride_c, HALF: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """One head at `base`: x * cos + rotate_half(x) * sin, neox style, each product
+    rounded to the head's dtype as torch does, written back in place; returns the two
+    rotated halves."""
+    dt = base.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    c1 = tl.load(cos_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
+    c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
+    s1 = tl.load(sin_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
+    s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
+    x1 = tl.load(base + offs, mask=mask).to(tl.float32)
+    x2 = tl.load(base + HALF + offs, mask=mask).to(tl.float32)
+    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    o1 = o1.to(dt)
+    o2 = o2.to(dt)
+    tl.store(base + offs, o1, mask=mask)
+    tl.store(base + HALF + offs, o2, mask=mask)
+    return o1, o2
+
+
+@triton.jit
 def rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, H, stride_qt, stride_qh,
                   stride_kt, stride_kh, stride_c, HALF: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (tokens, H + KVH): rotate one head of q (h < H) or k in place, neox style:
@@ -45,20 +69,7 @@ def rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, H, stride_qt, stride_
         base = q_ptr + t * stride_qt + h * stride_qh
     else:
         base = k_ptr + t * stride_kt + (h - H) * stride_kh
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HALF
-    pos = tl.load(pos_ptr + t)
-    dt = q_ptr.dtype.element_ty
-    c1 = tl.load(cos_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
-    c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
-    s1 = tl.load(sin_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
-    s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
-    x1 = tl.load(base + offs, mask=mask).to(tl.float32)
-    x2 = tl.load(base + HALF + offs, mask=mask).to(tl.float32)
-    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-    tl.store(base + offs, o1.to(dt), mask=mask)
-    tl.store(base + HALF + offs, o2.to(dt), mask=mask)
+    _rotate_head_in_place(base, tl.load(pos_ptr + t), cos_ptr, sin_ptr, stride_c, HALF, BLOCK)
 
 
 @triton.jit
@@ -97,21 +108,11 @@ def rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_
         base = q_ptr + t * stride_qt + h * stride_qh
     else:
         base = k_ptr + t * stride_kt + (h - H) * stride_kh
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HALF
-    pos = tl.load(pos_ptr + t)
-    dt = q_ptr.dtype.element_ty
-    c1 = tl.load(cos_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
-    c2 = tl.load(cos_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
-    s1 = tl.load(sin_ptr + pos * stride_c + offs, mask=mask).to(dt).to(tl.float32)
-    s2 = tl.load(sin_ptr + pos * stride_c + HALF + offs, mask=mask).to(dt).to(tl.float32)
-    x1 = tl.load(base + offs, mask=mask).to(tl.float32)
-    x2 = tl.load(base + HALF + offs, mask=mask).to(tl.float32)
-    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    tl.store(base + offs, o1, mask=mask)
-    tl.store(base + HALF + offs, o2, mask=mask)
+    o1, o2 = _rotate_head_in_place(base, tl.load(pos_ptr + t), cos_ptr, sin_ptr, stride_c,
+                                   HALF, BLOCK)
     if h >= H:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             kvh = h - H
