@@ -18,14 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.dot_triton import dot_f32
 
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation. UPCAST (CPU interpreter only) widens the operands
-    first: the interpreter keeps bfloat16 as raw uint16 and would multiply bit patterns."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
+
 
 # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite
 _NEG = tl.constexpr(-1.0e30)
@@ -95,14 +90,14 @@ def paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                     + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vc_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vo
                     + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q.to(k.dtype), tl.trans(k), PRECISION, UPCAST) * qk_scale
+        s = dot_f32(q.to(k.dtype), tl.trans(k), PRECISION, UPCAST) * qk_scale
         allowed = k_mask[None, :] & (kpos[None, :] <= pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     if SPLIT:
         pa = part_acc_ptr + split * stride_ps + tok[:, None] * stride_pt \

@@ -13,14 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.dot_triton import dot_f32
 
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation. UPCAST (CPU interpreter only) widens the operands
-    first: the interpreter keeps bfloat16 as raw uint16 and would multiply bit patterns."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
+
 
 
 @triton.jit
@@ -64,7 +59,7 @@ def _shrink_tile(x_ptr, a_ptr, tok, m_mask, slot, s, rank, k_lo, k_hi,
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
                      mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        acc += _dot(xt.to(at.dtype), at, PRECISION, UPCAST)
+        acc += dot_f32(xt.to(at.dtype), at, PRECISION, UPCAST)
     return acc
 
 
@@ -80,7 +75,7 @@ def _expand_tile(h, b_ptr, y_ptr, tok, m_mask, slot, rank, n0, hi,
     bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
                  + offs_r[:, None] * stride_br,
                  mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
-    delta = _dot(h.to(bt.dtype), bt, PRECISION, UPCAST)
+    delta = dot_f32(h.to(bt.dtype), bt, PRECISION, UPCAST)
     y_ptrs = y_ptr + tok[:, None] * stride_yt + offs_n[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
