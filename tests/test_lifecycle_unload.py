@@ -62,11 +62,14 @@ def test_reload_while_old_version_pending_keeps_new_slot(llama_family, llama_ora
     ads = llama_family.adapters
     prompt = prompts_of([10], seed=51)[0]
     old = eng.add_adapter("x", ads["rs4"])
-    eng.add_request("old", prompt, greedy(4), "x")
+    eng.add_request("old", prompt, greedy(8), "x")
     eng.step()
     new = eng.add_adapter("x", ads["attn32"])
     eng.add_request("new", prompt, greedy(10), "x")
-    eng.step()
+    for _ in range(4):  # on CUDA the slot copy completes on a side stream, a step or two on
+        eng.step()
+        if eng.slots.ready_slot(new) is not None:
+            break
     new_slot = eng.slots.ready_slot(new)
     assert new_slot is not None and eng.slots.slot_of(old) is not None
     r_old, r_new = eng.scheduler.get("old"), eng.scheduler.get("new")
@@ -76,7 +79,7 @@ def test_reload_while_old_version_pending_keeps_new_slot(llama_family, llama_ora
     assert eng.slots.ready_slot(new) == new_slot and new in eng.adapters.host
     run_to_end(eng)
     refs = llama_oracle.generate([prompt, prompt], ["rs4", "attn32"], 10)
-    assert r_old.output_token_ids == refs[0][0][:4]
+    assert r_old.output_token_ids == refs[0][0][:8]
     assert r_new.output_token_ids == refs[1][0] and r_new.num_cached_tokens == 0
 
 

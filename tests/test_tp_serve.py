@@ -27,7 +27,8 @@ def test_serve_with_two_ranks(llama_family, tmp_path):
             "--control-port", str(ports[1]), "--metrics-port", str(ports[2]),
             "--workdir", str(tmp_path / "run")]
     code = f"import sys; from loramux.cli import main; sys.exit(main({args!r}))"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
