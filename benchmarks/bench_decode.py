@@ -97,13 +97,14 @@ class HostTimer:
         return out
 
 
-def graph_replay_s(eng, batch: int, use_lora: bool, reps: int = 20) -> float:
+def graph_replay_s(eng, batch: int, use_lora: bool, reps: int = 20,
+                   uniform: bool = False) -> float:
     """Median GPU time of one replay of the decode graph that served `batch` (the forward
     pass alone: no sampling, no host work)."""
     graphs = eng.runner.graphs
     if graphs is None:
         return float("nan")
-    graph = graphs.graph_for(batch, use_lora, greedy=True)
+    graph = graphs.graph_for(batch, use_lora, greedy=True, uniform=uniform)
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -135,7 +136,8 @@ def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         host.append(timer.take())
-    gpu = graph_replay_s(eng, batch, any(a is not None for a in adapters))
+    gpu = graph_replay_s(eng, batch, any(a is not None for a in adapters),
+                         uniform=len(set(adapters)) == 1)
     for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
         eng.abort(r.request_id)
     while eng.has_unfinished():
@@ -272,7 +274,7 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path) -> None:
             eng.step()
         eng.step()
         graphs = eng.runner.graphs
-        graph = graphs.graph_for(b, mode != "base", greedy=True)
+        graph = graphs.graph_for(b, mode != "base", greedy=True, uniform=mode == "one")
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: one graph per (batch-size bucket, with or without LoRA).
+"""CUDA graphs for decode steps: one graph per (batch-size bucket, LoRA mode).
 
 A decode step (every scheduled sequence runs exactly one token) of n sequences replays the
 graph of the smallest bucket >= n (buckets 1, 2, 4, ..., max_num_seqs); rows n..bucket-1
@@ -13,8 +13,11 @@ slot) is computed inside the graph from the static slot buffer, so one graph ser
 mix of adapters and base requests; adapter weights sit at fixed addresses in the slot
 pool, so loading an adapter never invalidates a graph. Attention is captured with
 max_seq_len = max_model_len, which fixes its split-KV count per graph (empty splits are
-merged away). Batches without any adapter replay a graph without the LoRA launches.
-Graphs are captured lazily, the first time a (bucket, lora, greedy) triple is needed.
+merged away). Batches without any adapter replay a graph without the LoRA launches;
+batches whose rows all use one adapter replay a "uniform" graph, whose LoRA kernels were
+captured with launch parameters tuned for one adapter (kernels/lora_token_triton.py; any
+mapping would still be computed right). Graphs are captured lazily, the first time a
+(bucket, lora, greedy, uniform) key is needed.
 
 A "greedy" graph also runs lm_head and picks every row's token inside the graph (argmax
 of the float32 logits and its raw log-softmax logprob: the Sampler's own ops for a greedy
@@ -140,7 +143,8 @@ class CudaGraphRunner:
         self.buckets = decode_buckets(max_batch)
         max_blocks = -(-max_model_len // block_size)
         self.staging = DecodeStaging(max_batch, max_blocks, block_size, max_model_len, device)
-        self._graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, bool, bool, bool],
+                           tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.num_replays = 0
 
@@ -152,15 +156,17 @@ class CudaGraphRunner:
         """(bucket, lora) pairs with a captured graph (greedy or not)."""
         return sorted({key[:2] for key in self._graphs})
 
-    def graph_for(self, n: int, use_lora: bool, greedy: bool = False):
+    def graph_for(self, n: int, use_lora: bool, greedy: bool = False, uniform: bool = False):
         """The captured graph serving n rows, or None (benchmarks time its replay)."""
-        entry = self._graphs.get((bucket_for(self.buckets, n), use_lora, greedy))
+        entry = self._graphs.get((bucket_for(self.buckets, n), use_lora, greedy,
+                                  use_lora and uniform))
         return entry[0] if entry else None
 
     def run(self, scheduled: list[ScheduledRequest], use_lora: bool,
-            greedy: bool = False) -> torch.Tensor:
+            greedy: bool = False, uniform: bool = False) -> torch.Tensor:
+        """`uniform`: every row uses the same adapter (picks the uniform LoRA graph)."""
         bucket = bucket_for(self.buckets, len(scheduled))
-        key = (bucket, use_lora, greedy)
+        key = (bucket, use_lora, greedy, use_lora and uniform)
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         graph, out = self._graphs[key]
@@ -170,26 +176,27 @@ class CudaGraphRunner:
         self.num_replays += 1
         return out[:, :len(scheduled)] if greedy else out[:len(scheduled)]
 
-    def _forward(self, bucket: int, use_lora: bool, greedy: bool = False) -> torch.Tensor:
+    def _forward(self, bucket: int, use_lora: bool, greedy: bool = False,
+                 uniform: bool = False) -> torch.Tensor:
         ids, attn, token_slots = self.staging.views(bucket)
-        lora = LoRABatch(self.lora_pool, token_slots) if use_lora else None
+        lora = LoRABatch(self.lora_pool, token_slots, uniform=uniform) if use_lora else None
         hidden = self.model.forward(ids, attn, self.kv_caches, lora)
         return greedy_pick(self.model.compute_logits(hidden)) if greedy else hidden
 
-    def _capture(self, bucket: int, use_lora: bool, greedy: bool):
+    def _capture(self, bucket: int, use_lora: bool, greedy: bool, uniform: bool):
         # Inputs of the warm-up and the capture: all padding (no KV writes, no adapter).
         self.staging.fill_padding(0, bucket)
         self.staging.upload()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # compiles the Triton kernels outside the capture
-            self._forward(bucket, use_lora, greedy)
+            self._forward(bucket, use_lora, greedy, uniform)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(bucket, use_lora, greedy)
+            out = self._forward(bucket, use_lora, greedy, uniform)
         torch.cuda.synchronize()
         return graph, out

@@ -105,12 +105,15 @@ class ModelRunner:
     def run_graph(self, out: SchedulerOutput) -> dict[str, Sampled]:
         """A decode-only step through the CUDA graph of its batch-size bucket."""
         sched = out.scheduled
-        use_lora = any(s.slot >= 0 for s in sched)
+        slots = {s.slot for s in sched}
+        use_lora = max(slots) >= 0
+        uniform = len(slots) == 1
         if self._greedy_in_graph(sched):
-            picked = self.graphs.run(sched, use_lora, greedy=True).cpu().tolist()  # one sync
+            picked = self.graphs.run(sched, use_lora, greedy=True,
+                                     uniform=uniform).cpu().tolist()  # one sync
             return {s.request.request_id: Sampled(int(tok), lp, None)
                     for s, tok, lp in zip(sched, *picked)}
-        hidden = self.graphs.run(sched, use_lora)
+        hidden = self.graphs.run(sched, use_lora, uniform=uniform)
         rows = [i for i, s in enumerate(sched) if s.samples]
         if not rows:
             return {}

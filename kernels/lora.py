@@ -18,15 +18,17 @@ except ImportError:
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              token_slots: torch.Tensor, slice_offsets: tuple[int, ...],
-             ranks: torch.Tensor | None = None, meta=None) -> torch.Tensor:
+             ranks: torch.Tensor | None = None, meta=None, uniform: bool = False) -> torch.Tensor:
     """y[t] += x[t] · A[slot(t)]ᵀ · B[slot(t)]ᵀ per slice, in place, for every token with
     token_slots[t] >= 0; returns y.
 
     y: [T, N]; x: [T, K]; a: [L, S, R, K]; b: [L, N, R]; token_slots: [T] int;
     ranks: [L] int32 (lets the kernel skip padded rank columns; optional);
-    meta: what `build_meta` returned for these token_slots, or None."""
+    meta: what `build_meta` returned for these token_slots, or None; uniform: a hint that
+    the tokens share one adapter (launch parameters only; the result is the same)."""
     if y.is_cuda and _triton is not None:
-        return _triton.add_lora(y, x, a, b, token_slots, slice_offsets, ranks=ranks, meta=meta)
+        return _triton.add_lora(y, x, a, b, token_slots, slice_offsets, ranks=ranks, meta=meta,
+                                uniform=uniform)
     return add_lora_ref(y, x, a, b, token_slots, slice_offsets)
 
 

@@ -37,27 +37,48 @@ def _precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
-def default_split_k(T: int, S: int, Kdim: int) -> int:
-    """Split K by token count: about _TARGET_PROGRAMS per-token programs, each at least
-    _MIN_K_CHUNK wide (1 token of down: 28 splits; 64 tokens of qkv: 8; 256 of qkv: 2).
-    (Measured: 28 splits at 64 tokens of down cost 33 µs against 27 µs with 8.)"""
-    cap = _MAX_SPLIT_K if T <= 16 else _MAX_SPLIT_K_WIDE
-    return max(1, min(cap, Kdim // _MIN_K_CHUNK, -(-_TARGET_PROGRAMS // (T * S))))
+def default_split_k(T: int, S: int, Kdim: int, uniform: bool = False) -> int:
+    """Shrink split-K, measured on an H200 at rank 16 (benchmarks/sweep_lora.py):
+    1 token: 16 splits, 28 for down's 14336 (one program per K chunk is all there is);
+    `uniform` (every token one adapter, so GROUP-row products): 8, 16 for down;
+    17..64 mixed tokens: 4 (more re-adds partials in every expand program: 64 tokens of
+    qkv over 64 adapters 25.6 -> 22.7 µs); otherwise about _TARGET_PROGRAMS per-token
+    programs of at least _MIN_K_CHUNK each."""
+    if T == 1:
+        split = max(16, Kdim // _MIN_K_CHUNK)
+    elif uniform:
+        split = min(16, Kdim // _MIN_K_CHUNK)
+    elif 16 < T <= 64:
+        split = min(4, Kdim // _MIN_K_CHUNK)
+    else:
+        cap = _MAX_SPLIT_K if T <= 16 else _MAX_SPLIT_K_WIDE
+        split = min(cap, Kdim // _MIN_K_CHUNK, -(-_TARGET_PROGRAMS // (T * S)))
+    return max(1, min(split, _MAX_SPLIT_K, Kdim // 128))
 
 
-def default_n_chunks(T: int, S: int, n_tiles: int) -> int:
-    """Expand programs per (token, slice): each loops over every n_chunks-th tile."""
-    return max(1, min(n_tiles, -(-_TARGET_PROGRAMS // (T * S))))
+def default_n_chunks(T: int, S: int, n_tiles: int, uniform: bool = False) -> int:
+    """Expand programs per (token, slice), each looping over every n_chunks-th tile;
+    measured as default_split_k: `uniform` groups 4 up to 16 tokens, else one program
+    per 16 tiles (the GROUP rows share each tile); 17..64 mixed tokens 4, 8 for one
+    slice; otherwise about _TARGET_PROGRAMS programs."""
+    if uniform and T > 1:
+        chunks = 4 if T <= 16 else -(-n_tiles // 16)
+    elif 16 < T <= 64:
+        chunks = 4 if S > 1 else 8
+    else:
+        chunks = -(-_TARGET_PROGRAMS // (T * S))
+    return max(1, min(n_tiles, chunks))
 
 
 def lora_shrink_tokens(x: torch.Tensor, a: torch.Tensor, meta, ranks: torch.Tensor | None = None,
-                       split_k: int | None = None) -> torch.Tensor:
+                       split_k: int | None = None, uniform: bool = False) -> torch.Tensor:
     """Split-K partial sums hp [SPLIT_K, S, T, R] (float32) of x[t] @ a[slot(t), s].T.
 
-    Rows of tokens without a slot are left unwritten (the expand never reads them)."""
+    Rows of tokens without a slot are left unwritten (the expand never reads them).
+    `uniform` (a hint: the tokens likely share one adapter) only picks the tuned split."""
     T, Kdim = x.shape
     L, S, R, _ = a.shape
-    split_k = split_k or default_split_k(T, S, Kdim)
+    split_k = split_k or default_split_k(T, S, Kdim, uniform)
     hp = torch.empty((split_k, S, T, R), dtype=torch.float32, device=x.device)
     block_r = _block_r(R)
     group = group_size(T)
@@ -76,7 +97,7 @@ def lora_shrink_tokens(x: torch.Tensor, a: torch.Tensor, meta, ranks: torch.Tens
 def lora_expand_tokens(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
                        offsets: list[int], num_slices: int,
                        ranks: torch.Tensor | None = None, block_n: int | None = None,
-                       n_chunks: int | None = None) -> torch.Tensor:
+                       n_chunks: int | None = None, uniform: bool = False) -> torch.Tensor:
     """y[t, slice s] += (sum of hp's partials)[s, t] @ b[slot(t), slice s].T, in place.
 
     offsets: the slice bounds padded to five entries (lora_triton._offsets); block_n and
@@ -88,7 +109,8 @@ def lora_expand_tokens(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
     # a GROUP-row tile keeps about 4096 float32 values per program, as the others
     block_ng = max(16, min(block_n, (block_n * SUB) // group))
     widest = max(hi - lo for lo, hi in zip(offsets[:num_slices], offsets[1:num_slices + 1]))
-    n_chunks = n_chunks or default_n_chunks(T, num_slices, max(1, triton.cdiv(widest, block_n)))
+    n_chunks = n_chunks or default_n_chunks(T, num_slices, max(1, triton.cdiv(widest, block_n)),
+                                        uniform)
     grid = (triton.cdiv(T, group), min(group, T), num_slices * n_chunks)
     K.lora_expand_tok_kernel[grid](
         hp, b, y, meta.sorted_tokens, meta.sorted_slots,

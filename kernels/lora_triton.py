@@ -179,12 +179,15 @@ TOKEN_PATH_MAX_TOKENS = 256   # decode batches: grids sized by tokens (lora_toke
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              token_slots: torch.Tensor, slice_offsets: tuple[int, ...],
-             ranks: torch.Tensor | None = None, meta: LoRAMeta | None = None) -> torch.Tensor:
+             ranks: torch.Tensor | None = None, meta: LoRAMeta | None = None,
+             uniform: bool = False) -> torch.Tensor:
     """y [T, N] += LoRA(x) per token's slot (-1: nothing), in place; returns y.
 
     x [T, K]; a [L, S, R, K]; b [L, N, R] (scaling folded in); slice_offsets: S+1 ints;
     ranks [L] int32 real rank per slot (work stops there); meta: from `build_meta`, built
-    here when absent (pass it in: it is shared by every layer of a step).
+    here when absent (pass it in: it is shared by every layer of a step); uniform: a hint
+    that the tokens share one adapter, which picks the decode path's launch parameters
+    tuned for that (any mapping stays correct).
 
     Two launches either way: up to TOKEN_PATH_MAX_TOKENS tokens the token-sized kernels
     (split-K partials reduced by the expand, no memset), above it the segment kernels."""
@@ -195,16 +198,16 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if meta is None:
         meta = build_meta(token_slots, a.shape[0])
     if x.shape[0] <= TOKEN_PATH_MAX_TOKENS:
-        return add_lora_tokens(y, x, a, b, meta, slice_offsets, ranks)
+        return add_lora_tokens(y, x, a, b, meta, slice_offsets, ranks, uniform)
     return add_lora_segments(y, x, a, b, meta, slice_offsets, ranks)
 
 
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
-                    ranks: torch.Tensor | None = None) -> torch.Tensor:
+                    ranks: torch.Tensor | None = None, uniform: bool = False) -> torch.Tensor:
     """The decode path: token-sized grids (kernels/lora_token_triton.py)."""
-    hp = lora_shrink_tokens(x, a, meta, ranks)
+    hp = lora_shrink_tokens(x, a, meta, ranks, uniform=uniform)
     return lora_expand_tokens(hp, b, y, meta, _offsets(slice_offsets), len(slice_offsets) - 1,
-                              ranks)
+                              ranks, uniform=uniform)
 
 
 def add_lora_segments(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],

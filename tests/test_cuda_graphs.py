@@ -93,4 +93,4 @@ def test_sampled_and_top_logprob_rows_match_eager(llama_family):
     got = graphs.generate(prompts, params, adapters)
     assert_same(got, eager.generate(prompts, params, adapters))
     assert got[1].top_logprobs and len(got[1].top_logprobs[0]) == 3
-    assert (4, True, False) in graphs.runner.graphs._graphs
+    assert (4, True, False, False) in graphs.runner.graphs._graphs

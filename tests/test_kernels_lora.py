@@ -87,9 +87,11 @@ def test_segment_path_matches_reference(dtype, T, mapping):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["one", "one_some_base", "runs", "distinct"])
-def test_token_path_uniform_and_mixed_groups(dtype, case):
+@pytest.mark.parametrize("uniform", [False, True])
+def test_token_path_uniform_and_mixed_groups(dtype, case, uniform):
     """Groups of 16 sorted tokens: all one slot (one matrix product per group), mixed (one
-    program per token), a group of a single token, base tokens inside a group."""
+    program per token), a group of a single token, base tokens inside a group. The
+    `uniform` hint (launch parameters of a one-adapter graph) never changes the result."""
     T, offsets = 37, SLICES[2]
     a, b, ranks = _pool(2, offsets, [8, 32, 16, 4], dtype, seed=11)
     g = torch.Generator().manual_seed(len(case))
@@ -100,9 +102,22 @@ def test_token_path_uniform_and_mixed_groups(dtype, case):
     x, y = _inputs(T, offsets[-1], dtype, seed=12)
     meta = build_meta(ts, a.shape[0])
     want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
-    got = add_lora_tokens(y.clone(), x, a, b, meta, offsets, ranks)
+    got = add_lora_tokens(y.clone(), x, a, b, meta, offsets, ranks, uniform=uniform)
     torch.testing.assert_close(got, want, **TOL[dtype])
     assert torch.equal(got[ts < 0], y[ts < 0])
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_launch_parameters_stay_in_range(uniform):
+    """Every token count, slice count and width (Llama-3-8B, its TP=2 shards, the tests'):
+    split-K chunks of at least 128 (or one split), at most one expand program per tile."""
+    from kernels.lora_token_triton import default_n_chunks, default_split_k
+    for T in range(1, 257):
+        for S, Kdim in ((3, 4096), (1, 2048), (2, 4096), (1, 14336), (1, 7168), (2, K_IN)):
+            split = default_split_k(T, S, Kdim, uniform)
+            assert 1 <= split <= 32 and (split == 1 or Kdim // split >= 128), (T, S, Kdim)
+            for n_tiles in (1, 3, 16, 56):
+                assert 1 <= default_n_chunks(T, S, n_tiles, uniform) <= n_tiles
 
 
 def _token_slots_case(case: str, T: int, L: int):

@@ -15,11 +15,15 @@ class LoRABatch:
     """Adds every token's adapter delta for one step.
 
     `token_slots[t]` is the pool slot of token t's adapter, -1 for the base model. The
-    tensor must stay alive and unchanged for the step (a CUDA graph may hold it)."""
+    tensor must stay alive and unchanged for the step (a CUDA graph may hold it).
+    `uniform`: the tokens (likely) share one adapter, which picks the kernels' launch
+    parameters tuned for that (a CUDA graph captured so serves such batches best)."""
 
-    def __init__(self, pool: LoRASlotPool, token_slots: torch.Tensor, meta=None):
+    def __init__(self, pool: LoRASlotPool, token_slots: torch.Tensor, meta=None,
+                 uniform: bool = False):
         assert token_slots.dim() == 1, token_slots.shape
         self.pool = pool
+        self.uniform = uniform
         self.token_slots = token_slots
         self.meta = meta if meta is not None else lora_kernels.build_meta(token_slots,
                                                                           pool.max_loras)
@@ -32,4 +36,4 @@ class LoRABatch:
         """y += LoRA delta of `group` in layer `layer_idx`, in place (x, y: this rank's shards)."""
         a, b, ranks, offsets = self.pool.weights(layer_idx, group)
         lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,
-                              meta=self.meta)
+                              meta=self.meta, uniform=self.uniform)
