@@ -10,6 +10,9 @@ Tiles of sequence b are numbered from `query_start_loc[b] // BLOCK_Q + b` on: th
 increasing and leaves room for every tile of b, so the grid can be sized from static
 counts (T // BLOCK_Q + num_seqs) and each program finds its sequence by binary search.
 
+In a decode-only batch (DECODE: one new token per sequence, so token t is sequence t)
+tile b is sequence b: no search, and the grid is one tile per sequence.
+
 Axis 2 splits the key range (split-KV, for decodes over long contexts): each split writes
 its unnormalised partial (acc, running max, running sum) and a reduce program merges them.
 """
@@ -48,18 +51,24 @@ def paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                       KV_BLOCK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                      UPCAST: tl.constexpr):
+                      UPCAST: tl.constexpr, DECODE: tl.constexpr = False):
     """Grid (tiles, KV heads, splits). qk_scale already includes log2(e)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    j = tile - (q_start // BLOCK_Q + b)
-    if j * BLOCK_Q >= q_len:
-        return
+    if DECODE:  # the serial chain of the search's dependent loads is most of a short decode
+        b = tile
+        q_start = tile
+        q_len = 1
+        j = 0
+    else:
+        b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+        j = tile - (q_start // BLOCK_Q + b)
+        if j * BLOCK_Q >= q_len:
+            return
     rows = tl.arange(0, BLOCK_M)
     qi = j * BLOCK_Q + rows // GROUP_PAD
     hg = rows % GROUP_PAD

@@ -96,7 +96,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group_pad = triton.next_power_of_2(group)
     block_q = _block_q(attn.max_query_len, group_pad)
     block_n = 64
-    tiles = triton.cdiv(T, block_q) + attn.num_seqs
+    decode = attn.max_query_len <= 1 and T == attn.num_seqs   # token t is sequence t
+    tiles = T if decode else triton.cdiv(T, block_q) + attn.num_seqs
     if num_splits is None:
         num_splits = _num_splits(tiles * kvh, attn.max_seq_len, block_n, T * H * (D + 2) * 4)
     split_size = triton.cdiv(triton.cdiv(max(1, attn.max_seq_len), num_splits), block_n) * block_n
@@ -115,7 +116,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=D,
         BLOCK_D=triton.next_power_of_2(D), KV_BLOCK=kv_block, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=q.is_cpu)  # CPU tensors: only the interpreter runs there
+        UPCAST=q.is_cpu, DECODE=decode)  # CPU tensors: only the interpreter runs there
     if split:
         K.split_reduce_kernel[(T, H)](
             part_acc, part_ml, out, num_splits, *part_acc.stride()[:3], *part_ml.stride()[:3],
