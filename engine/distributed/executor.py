@@ -84,7 +84,10 @@ class TPExecutor:
         """Send this step's plan, then run rank 0's shard; rank 0's sampled tokens."""
         adds, self._adds = self._adds, []
         ops, self._ops = self._ops, []
-        plan = self._tracker.plan(out, ops)
+        # rank 0 decides the greedy pick (only it samples); the plan carries the decision so
+        # that every rank replays the same CUDA graph
+        greedy = runner.greedy_step(out.scheduled)
+        plan = self._tracker.plan(out, ops, greedy)
 
         def run():
             for adapter_id, path in adds:
@@ -92,7 +95,7 @@ class TPExecutor:
             self._channel.send(OP_STEP, encode_step(plan))
             if ops:  # workers may read adapter shards from disk first: wait for them on
                 pg.agree_min(self._control, 0)  # the control group, not in a timed collective
-            return runner.run(out)
+            return runner.run(out, greedy)
         return self._guard(run)
 
     def _guard(self, fn):

@@ -128,4 +128,4 @@ class Worker:
             pg.agree_min(self.control, 0)
         out = self.mirror.apply(plan)
         if out.scheduled:
-            self.runner.run(out)
+            self.runner.run(out, plan.greedy)  # rank 0's decision: the same graph
