@@ -16,6 +16,7 @@ import weakref
 import torch
 import torch.multiprocessing as mp
 
+from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encode_add_adapter,
@@ -51,7 +52,11 @@ class TPExecutor:
         self._wait_ready(store)
         groups = self._guard(lambda: pg.connect(store, 0, self.size, self.device))
         self._store = store
-        self.tp = groups.tp
+        try:  # the all-reduce every rank agrees on (one-shot or the group's)
+            self.tp = fast_allreduce.attach(groups.tp, groups.control, config, self.device)
+        except BaseException:
+            self.close()
+            raise
         self._control = groups.control
         self._channel = PlanChannel(groups.control, 0)
 
