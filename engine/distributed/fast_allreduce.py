@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -115,6 +116,8 @@ class OneShotAllReduce:
         model group (NCCL, default group) and `control` (gloo), where each step is agreed
         so that no rank enters the buffer rendezvous or the self-test alone."""
         numel = min(numel, MAX_BUFFER_BYTES // torch.tensor([], dtype=dtype).element_size())
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # rank 0's "cuda"
         why = _unsupported(tp, dtype, device)
         why = _agree(tp, control, why, "pass the local checks")
         if why:
@@ -131,6 +134,7 @@ class OneShotAllReduce:
             return None, why
         group = tp.group if tp.group is not None else dist.group.WORLD
         try:
+            _register_group(symm_mem, group.group_name)
             symm_mem.rendezvous(buf, group.group_name)
         except Exception as exc:  # noqa: BLE001
             why = _describe("rendezvous of the symmetric buffer", exc)
@@ -165,6 +169,20 @@ def _use_cuda_backend(symm_mem) -> None:
         symm_mem.set_backend("CUDA")
     except Exception:  # noqa: BLE001 - already set or allocated: keep what is there
         pass
+
+
+def _register_group(symm_mem, group_name: str) -> None:
+    """Older torch needs the group announced to symmetric memory first; newer torch does
+    it by itself (the call is deprecated there and refuses a second registration)."""
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is None:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            enable(group_name)
+        except Exception:  # noqa: BLE001 - registered already: the rendezvous will tell
+            pass
 
 
 def _self_test(reducer: OneShotAllReduce, tp, group) -> str:
