@@ -176,6 +176,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="decode: profile 5 steps at b=64")
     ap.add_argument("--device", default="cuda", help="parity only: cpu runs it on gloo")
     ap.add_argument("--dtype", default="bfloat16", help="parity only")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="allreduce: seconds before the two ranks are killed (keep it under "
+                         "any outer timeout, so that no rank outlives this process)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     ap.add_argument("--modes", type=lambda s: s.split(","), default=["base", "one", "distinct"])
@@ -183,7 +186,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase == "allreduce":
         from benchmarks.tp_allreduce import run
-        result = run(args.out, size=args.tp, timeout_s=120.0)
+        result = run(args.out, size=args.tp, timeout_s=args.timeout)
     else:
         result = parity(args) if args.phase == "parity" else decode(args)
     tag = f"{args.phase}_tp{args.tp}{'_eager' if args.eager else ''}_{args.allreduce}"

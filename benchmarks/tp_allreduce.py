@@ -40,10 +40,11 @@ def run(out: Path, size: int = 2, timeout_s: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout_s
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
+    for p in procs:   # a rank stuck in a collective: never leave it holding a GPU
         if p.is_alive():
             p.kill()
+            p.join(5.0)
+    codes = [p.exitcode for p in procs]
     path = out / "allreduce.json"
     res = json.loads(path.read_text()) if path.exists() else {"ok": False}
     res["exit_codes"] = codes

@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/summary.txt"
 stamp() { echo "[$(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
 
 stamp "allreduce (limit ${AR_S}s)"
-timeout "$AR_S" $B allreduce --tp 2 --out "$JSON" > "$OUT/allreduce.log" 2>&1; ar=$?
+timeout "$AR_S" $B allreduce --tp 2 --timeout $((AR_S - 15)) --out "$JSON" > "$OUT/allreduce.log" 2>&1; ar=$?
 stamp "allreduce rc=$ar"
 grep -v '^ \|^{\|^}\|^\]' "$OUT/allreduce.log" | tail -25
 
