@@ -28,7 +28,7 @@ Slot ops name adapter versions by id (engine/distributed/adapters.py says what e
 slot is -1 for the ops that concern a host copy only.
 
 Every message is a header int64[3] = (op, payload length, sequence number) followed by
-the payload when its length is non-zero (see engine/distributed/channel.py).
+the payload, sent in one broadcast when it is small (see engine/distributed/channel.py).
 """
 from __future__ import annotations
 
