@@ -94,3 +94,19 @@ def test_setup_off_cuda_gives_no_reducer_on_any_rank():
         return fa.OneShotAllReduce.create(groups.tp, groups.control, 64 * 128,
                                           torch.bfloat16, torch.device("cpu"))
     assert _two_ranks(fn) == {0: (None, "not a CUDA device"), 1: (None, "not a CUDA device")}
+
+
+def test_self_test_compares_with_the_group_sum():
+    """The set-up's self-test check over a real gloo group: a correct sum passes, a step
+    that leaves the values alone is caught, and the test values differ per rank."""
+    def fn(rank, groups):
+        setup = fa._SetUp(fa.OneShotAllReduce, groups.tp, 64, torch.float32,
+                          torch.device("cpu"))
+        good = setup._values(0)
+        ok = setup._check(good, lambda: torch.distributed.all_reduce(good, group=groups.tp.group))
+        bad = setup._check(setup._values(1), lambda: None)
+        return ok, bad, setup._values(0)[:4].tolist()
+    out = _two_ranks(fn)
+    assert out[0][0] == out[1][0] == ""
+    assert out[0][1].endswith("of 64 sums differ from NCCL's") and out[1][1] == out[0][1]
+    assert out[0][2] != out[1][2]

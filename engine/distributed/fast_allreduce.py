@@ -13,10 +13,11 @@ captured in CUDA graphs like any kernel. Larger messages (prefill) stay on NCCL.
 Never used: NVLink multicast (no multimem ops, no multicast objects).
 
 Selection (`choose`, from EngineConfig.tp_allreduce): one rank: nothing to reduce; the CPU:
-gloo; CUDA: "nccl", or "auto"/"symm_mem" = one-shot. Setting it up is collective and every
-step is agreed over the control group, so all ranks end up on the same all-reduce: under
-"auto" any failure on any rank falls back to NCCL everywhere (logged once, with the
-reason); under "symm_mem" it is an error.
+gloo; CUDA: "nccl", or "auto"/"symm_mem" = one-shot. Setting it up is collective (local
+checks, allocation, rendezvous, then a self-test against NCCL eagerly and one in a captured
+CUDA graph) and every step's outcome is agreed over the control group, so all ranks end up
+on the same all-reduce: under "auto" any failure on any rank falls back to NCCL everywhere
+(logged once, with the reason); under "symm_mem" it is an error.
 """
 from __future__ import annotations
 
@@ -113,37 +114,87 @@ class OneShotAllReduce:
     def create(cls, tp, control, numel: int, dtype: torch.dtype, device: torch.device
                ) -> tuple["OneShotAllReduce | None", str]:
         """(reducer, "") on every rank, or (None, why) on every rank. Collective over the
-        model group (NCCL, default group) and `control` (gloo), where each step is agreed
-        so that no rank enters the buffer rendezvous or the self-test alone."""
+        model group (NCCL, the default group) and `control` (gloo): every step's outcome
+        is agreed before the next, so no rank enters a rendezvous, a kernel that waits
+        for its peers, or a graph replay alone."""
         numel = min(numel, MAX_BUFFER_BYTES // torch.tensor([], dtype=dtype).element_size())
         if device.type == "cuda" and device.index is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())  # rank 0's "cuda"
-        why = _unsupported(tp, dtype, device)
-        why = _agree(tp, control, why, "pass the local checks")
-        if why:
-            return None, why
-        buf = None
-        try:
-            from torch.distributed import _symmetric_memory as symm_mem
-            _use_cuda_backend(symm_mem)
-            buf = symm_mem.empty(numel, dtype=dtype, device=device)
-        except Exception as exc:  # noqa: BLE001 - any failure means: use NCCL
-            why = _describe("allocating the symmetric buffer", exc)
-        why = _agree(tp, control, why, "allocate the symmetric buffer")
-        if why:
-            return None, why
-        group = tp.group if tp.group is not None else dist.group.WORLD
-        try:
-            _register_group(symm_mem, group.group_name)
-            symm_mem.rendezvous(buf, group.group_name)
-        except Exception as exc:  # noqa: BLE001
-            why = _describe("rendezvous of the symmetric buffer", exc)
-        why = _agree(tp, control, why, "map the peers' buffers")
-        if why:
-            return None, why
-        reducer = cls(buf, group.group_name)
-        why = _agree(tp, control, _self_test(reducer, tp, group), "pass the self-test")
-        return (None, why) if why else (reducer, "")
+        setup = _SetUp(cls, tp, numel, dtype, device)
+        for what, step in setup.steps():
+            try:
+                why = step()
+            except Exception as exc:  # noqa: BLE001 - any failure means: use NCCL
+                why = f"{what}: {type(exc).__name__}: {_first_line(exc)}"
+            why = _agree(tp, control, why, what)
+            if why:
+                return None, why
+        return setup.reducer, ""
+
+
+class _SetUp:
+    """The steps of OneShotAllReduce.create; each returns "" or why it failed."""
+
+    def __init__(self, cls, tp, numel: int, dtype: torch.dtype, device: torch.device):
+        self.cls, self.tp, self.numel, self.dtype, self.device = cls, tp, numel, dtype, device
+        self.group = tp.group if tp.group is not None else dist.group.WORLD
+        self.buf = self.reducer = self.graph = self.static = None
+        self.test = min(numel, 8192) // 8 * 8   # elements of the self-tests
+
+    def steps(self):
+        return [("pass the local checks", lambda: _unsupported(self.tp, self.dtype, self.device)),
+                ("allocate the symmetric buffer", self.allocate),
+                ("map the peers' buffers", self.rendezvous),
+                ("match NCCL eagerly", self.eager_test),
+                ("capture it in a CUDA graph", self.capture),
+                ("match NCCL in a CUDA graph", self.replay_test)]
+
+    def allocate(self) -> str:
+        from torch.distributed import _symmetric_memory as symm_mem
+        _use_cuda_backend(symm_mem)
+        self.buf = symm_mem.empty(self.numel, dtype=self.dtype, device=self.device)
+        return ""
+
+    def rendezvous(self) -> str:
+        from torch.distributed import _symmetric_memory as symm_mem
+        _register_group(symm_mem, self.group.group_name)
+        symm_mem.rendezvous(self.buf, self.group.group_name)
+        self.reducer = self.cls(self.buf, self.group.group_name)
+        return ""
+
+    def _check(self, x: torch.Tensor, run) -> str:
+        """`run()` must leave in x the NCCL sum of x's current values."""
+        want = x.clone()
+        dist.all_reduce(want, group=self.group)
+        run()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        bad = int((x != want).sum())
+        return f"{bad} of {x.numel()} sums differ from NCCL's" if bad else ""
+
+    def _values(self, salt: int) -> torch.Tensor:
+        """Small integers (exact sums in bf16 for <= 8 ranks), different per rank."""
+        i = torch.arange(self.test, device=self.device)
+        return ((i * (salt + 3)) % 7 + self.tp.rank + 1).to(self.dtype)
+
+    def eager_test(self) -> str:
+        x = self._values(0)
+        why = self._check(x, lambda: self.reducer.all_reduce(x))
+        return f"eager self-test: {why}" if why else ""
+
+    def capture(self) -> str:
+        # no warm-up run needed: the eager test ran the same kernel at the same size
+        self.static = torch.zeros(self.test, dtype=self.dtype, device=self.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.reducer.all_reduce(self.static)
+        return ""
+
+    def replay_test(self) -> str:
+        self.static.copy_(self._values(1))
+        why = self._check(self.static, self.graph.replay)
+        self.graph = self.static = None
+        return f"CUDA-graph self-test: {why}" if why else ""
 
 
 def _unsupported(tp, dtype: torch.dtype, device: torch.device) -> str:
@@ -185,23 +236,6 @@ def _register_group(symm_mem, group_name: str) -> None:
             pass
 
 
-def _self_test(reducer: OneShotAllReduce, tp, group) -> str:
-    """One-shot against NCCL on small integers (exact in bf16 for <= 8 ranks)."""
-    n = min(reducer.numel, 8192) // 8 * 8
-    try:
-        x = (torch.arange(n, device=reducer._buf.device) % 7 + tp.rank + 1).to(reducer.dtype)
-        want = x.clone()
-        dist.all_reduce(want, group=group)
-        got = reducer.all_reduce(x.clone())
-        torch.cuda.synchronize()
-        if not torch.equal(got, want):
-            bad = int((got != want).sum())
-            return f"self-test: {bad} of {n} sums differ from NCCL's"
-        return ""
-    except Exception as exc:  # noqa: BLE001
-        return _describe("self-test", exc)
-
-
 def _agree(tp, control, why: str, what: str) -> str:
     """Every rank's outcome: "" if all succeeded, else this rank's reason or the name of
     the first rank that failed."""
@@ -211,6 +245,6 @@ def _agree(tp, control, why: str, what: str) -> str:
     return why or f"rank {first_bad} could not {what}"
 
 
-def _describe(what: str, exc: Exception) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{what}: {type(exc).__name__}: {first[:200]}"
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
