@@ -18,8 +18,9 @@ timeout "$AR_S" $B allreduce --tp 2 --timeout $((AR_S - 15)) --out "$JSON" > "$O
 stamp "allreduce rc=$ar"
 grep -v '^ \|^{\|^}\|^\]' "$OUT/allreduce.log" | tail -25
 
-stamp "parity (limit ${PARITY_S}s)"
-timeout "$PARITY_S" $B parity --tp 2 --out "$JSON" > "$OUT/parity.log" 2>&1
+PAR_AR=nccl; [ $ar -eq 0 ] && PAR_AR=auto   # the engine's default where one-shot passed
+stamp "parity --allreduce $PAR_AR (limit ${PARITY_S}s)"
+timeout "$PARITY_S" $B parity --tp 2 --allreduce $PAR_AR --out "$JSON" > "$OUT/parity.log" 2>&1
 stamp "parity rc=$?"
 grep -v '^ \|^{\|^}' "$OUT/parity.log" | tail -12
 
