@@ -9,6 +9,7 @@ from engine.errors import InvalidRequestError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights on the device, no weight files read
+TP_ALLREDUCE = ("auto", "nccl", "symm_mem")  # engine/distributed/fast_allreduce.py
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class EngineConfig:
     enforce_eager: bool = False     # True disables CUDA graphs
     seed: int = 0
     load_format: str = "auto"       # "auto": safetensors of `model`; "dummy": random weights
+    # TP > 1 on CUDA: "auto" = one-shot all-reduce over symmetric memory for decode-sized
+    # messages when every rank can set it up, else NCCL; "nccl"; "symm_mem" = required
+    tp_allreduce: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -37,6 +41,16 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError(
                 f"load_format={self.load_format!r}: must be one of {list(LOAD_FORMATS)}")
+        if self.tp_allreduce not in TP_ALLREDUCE:
+            raise InvalidRequestError(
+                f"tp_allreduce={self.tp_allreduce!r}: must be one of {list(TP_ALLREDUCE)}")
+        if self.tp_allreduce == "symm_mem" and not self.device.startswith("cuda"):
+            raise InvalidRequestError(
+                f"tp_allreduce='symm_mem' needs device='cuda' (device={self.device!r}): "
+                "symmetric memory exists on CUDA only; use 'auto'")
+        if self.tp_allreduce == "symm_mem" and self.tp_size > 8:
+            raise InvalidRequestError(f"tp_allreduce='symm_mem' supports tp_size <= 8 "
+                                      f"(tp_size={self.tp_size}); use 'auto' or 'nccl'")
         for name in ("max_loras", "max_lora_rank", "block_size", "max_num_seqs",
                      "max_num_batched_tokens", "tp_size"):
             if getattr(self, name) < 1:

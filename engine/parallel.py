@@ -17,10 +17,12 @@ class TPGroup:
     """Rank `rank` of a tensor-parallel group of `size` ranks.
 
     `group` is the torch.distributed process group (None = the default group); it is
-    unused at size 1."""
+    unused at size 1. `reducer`, when set, sums the tensors it `fits` instead of the
+    group (the one-shot all-reduce of engine/distributed/fast_allreduce.py)."""
     rank: int = 0
     size: int = 1
     group: Any = None
+    reducer: Any = None
 
     def __post_init__(self):
         assert self.size >= 1 and 0 <= self.rank < self.size, (self.rank, self.size)
@@ -37,6 +39,8 @@ class TPGroup:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns `t`."""
         if self.size > 1:
+            if self.reducer is not None and self.reducer.fits(t):
+                return self.reducer.all_reduce(t)
             torch.distributed.all_reduce(t, group=self.group)
         return t
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graph import CudaGraphRunner
+from engine.cuda_graph import CudaGraphRunner, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
 from engine.model.batch import AttentionMetadata, make_attention_metadata
 from engine.request import Request
 from engine.sampling import Sampler
-from engine.scheduler import Sampled, SchedulerOutput
+from engine.scheduler import Sampled, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -102,15 +102,18 @@ class ModelRunner:
                                            res.top_logprobs)}
 
     @torch.no_grad()
-    def run_graph(self, out: SchedulerOutput) -> dict[str, Sampled]:
-        """A decode-only step through the CUDA graph of its batch-size bucket."""
+    def run_graph(self, out: SchedulerOutput, greedy: bool = False) -> dict[str, Sampled]:
+        """A decode-only step through the CUDA graph of its batch-size bucket; `greedy`
+        (see `greedy_step`) replays the graph that also picks every row's token."""
         sched = out.scheduled
         slots = {s.slot for s in sched}
         use_lora = max(slots) >= 0
-        uniform = len(slots) == 1
-        if self._greedy_in_graph(sched):
-            picked = self.graphs.run(sched, use_lora, greedy=True,
-                                     uniform=uniform).cpu().tolist()  # one sync
+        uniform = len(slots) == 1   # one adapter for every row: the uniform LoRA graph
+        if greedy:
+            picked = self.graphs.run(sched, use_lora, greedy=True, uniform=uniform)
+            if type(self.sampler) is not Sampler:  # a TP worker: rank 0 reads the picks
+                return {}
+            picked = picked.cpu().tolist()  # the step's one sync
             return {s.request.request_id: Sampled(int(tok), lp, None)
                     for s, tok, lp in zip(sched, *picked)}
         hidden = self.graphs.run(sched, use_lora, uniform=uniform)
@@ -121,17 +124,25 @@ class ModelRunner:
             hidden = hidden[self._to_device(torch.tensor(rows, dtype=torch.int64))]
         return self._sample(hidden, [sched[i].request for i in rows])
 
-    def _greedy_in_graph(self, sched) -> bool:
-        """Every row samples greedily with nothing the graph's pick leaves out (penalty,
-        top logprobs, a custom sampler): its token and logprob come from the graph."""
-        if type(self.sampler) is not Sampler or self.model.tp.size > 1:
-            # under tensor parallelism every rank must capture the same graph, and only
-            # rank 0 samples: its greedy graph would hold an all-gather the others lack
+    def greedy_step(self, sched: list[ScheduledRequest]) -> bool:
+        """A decode step whose every row samples greedily with nothing the greedy pick leaves
+        out (penalty, top logprobs, a custom sampler): a CUDA-graph step then takes each
+        row's token and logprob from the greedy graph.
+
+        Under tensor parallelism only rank 0 samples, so only rank 0 can answer; the step
+        plan carries its answer to the workers (`run(out, greedy)`), and every rank
+        replays the same graph: same lm_head, same vocabulary all-gather."""
+        if type(self.sampler) is not Sampler or not is_decode_step(sched):
             return False
         return all(s.samples and s.request.params.greedy and not s.request.params.top_logprobs
                    and s.request.params.repetition_penalty == 1.0 for s in sched)
 
-    def run(self, out: SchedulerOutput) -> dict[str, Sampled]:
+    def run(self, out: SchedulerOutput, greedy: bool | None = None) -> dict[str, Sampled]:
+        """One step. `greedy`: this step takes the greedy pick (`greedy_step`); None decides
+        here (one device, or rank 0), a TP worker passes rank 0's decision from the plan.
+        The eager path (prefill, mixed steps, the CPU) samples with the sampler either way."""
         if self.graphs is not None and self.graphs.can_run(out.scheduled):
-            return self.run_graph(out)
+            if greedy is None:
+                greedy = self.greedy_step(out.scheduled)
+            return self.run_graph(out, greedy)
         return self.execute(self.prepare_inputs(out))

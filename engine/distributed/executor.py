@@ -16,6 +16,7 @@ import weakref
 import torch
 import torch.multiprocessing as mp
 
+from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encode_add_adapter,
@@ -51,7 +52,11 @@ class TPExecutor:
         self._wait_ready(store)
         groups = self._guard(lambda: pg.connect(store, 0, self.size, self.device))
         self._store = store
-        self.tp = groups.tp
+        try:  # the all-reduce every rank agrees on (one-shot or the group's)
+            self.tp = fast_allreduce.attach(groups.tp, groups.control, config, self.device)
+        except BaseException:
+            self.close()
+            raise
         self._control = groups.control
         self._channel = PlanChannel(groups.control, 0)
 
@@ -84,7 +89,10 @@ class TPExecutor:
         """Send this step's plan, then run rank 0's shard; rank 0's sampled tokens."""
         adds, self._adds = self._adds, []
         ops, self._ops = self._ops, []
-        plan = self._tracker.plan(out, ops)
+        # rank 0 decides the greedy pick (only it samples); the plan carries the decision so
+        # that every rank replays the same CUDA graph
+        greedy = runner.greedy_step(out.scheduled)
+        plan = self._tracker.plan(out, ops, greedy)
 
         def run():
             for adapter_id, path in adds:
@@ -92,7 +100,7 @@ class TPExecutor:
             self._channel.send(OP_STEP, encode_step(plan))
             if ops:  # workers may read adapter shards from disk first: wait for them on
                 pg.agree_min(self._control, 0)  # the control group, not in a timed collective
-            return runner.run(out)
+            return runner.run(out, greedy)
         return self._guard(run)
 
     def _guard(self, fn):

@@ -4,7 +4,7 @@ Workers keep a mirror of every request rank 0 has scheduled (engine/distributed/
 so a plan carries only what changed since the last one:
 
     STEP payload (all int64, no pickle):
-      n_forget, n_slot_ops, n_seqs,
+      n_forget, n_slot_ops, n_seqs, step flags (bit0 greedy: see below),
       forget handles                      n_forget x 1   requests that finished
       slot ops (kind, slot, adapter id)   n_slot_ops x 3 LOAD / DROP / RETIRE, in engine order
       per sequence, in batch order:
@@ -17,13 +17,18 @@ appended to the request's block table, or its whole table when bit1 says the tab
 rebuilt (preemption and resume, or a fresh start). A request is known by a `handle`, a
 small integer rank 0 assigns once.
 
+`greedy` is rank 0's decision that this step takes the greedy pick (ModelRunner.greedy_step):
+a decode step that replays a CUDA graph then replays the greedy graph (lm_head, the
+vocabulary all-gather and the pick inside it) on every rank, so every rank captures and
+replays the same graph with the same collectives; workers just do not read its output.
+
     ADD_ADAPTER payload: adapter id, utf-8 bytes of the adapter directory (one per int)
 
 Slot ops name adapter versions by id (engine/distributed/adapters.py says what each does);
 slot is -1 for the ops that concern a host copy only.
 
 Every message is a header int64[3] = (op, payload length, sequence number) followed by
-the payload when its length is non-zero (see engine/distributed/channel.py).
+the payload, sent in one broadcast when it is small (see engine/distributed/channel.py).
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ import torch
 
 OP_STEP, OP_ADD_ADAPTER, OP_SHUTDOWN = 1, 2, 3
 SLOT_LOAD, HOST_DROP, RETIRE = 0, 1, 2   # slot op kinds (engine/distributed/adapters.py)
-_SAMPLES, _RESET = 1, 2
+_SAMPLES, _RESET = 1, 2   # per-sequence flags
+_GREEDY = 1               # step flags
 
 
 @dataclass(frozen=True)
@@ -54,10 +60,12 @@ class StepPlan:
     forget: tuple[int, ...] = ()
     slot_ops: tuple[tuple[int, int, int], ...] = ()   # (kind, slot, adapter id)
     seqs: tuple[SeqPlan, ...] = ()
+    greedy: bool = False    # the step takes the greedy pick (in the graph on CUDA)
 
 
 def encode_step(plan: StepPlan) -> torch.Tensor:
-    out = [len(plan.forget), len(plan.slot_ops), len(plan.seqs), *plan.forget]
+    out = [len(plan.forget), len(plan.slot_ops), len(plan.seqs),
+           _GREEDY if plan.greedy else 0, *plan.forget]
     for op in plan.slot_ops:
         out.extend(op)
     for s in plan.seqs:
@@ -71,8 +79,8 @@ def encode_step(plan: StepPlan) -> torch.Tensor:
 
 def decode_step(payload: torch.Tensor) -> StepPlan:
     v = payload.tolist()
-    n_forget, n_ops, n_seqs = v[0], v[1], v[2]
-    i = 3
+    n_forget, n_ops, n_seqs, step_flags = v[0], v[1], v[2], v[3]
+    i = 4
     forget = tuple(v[i:i + n_forget])
     i += n_forget
     ops = tuple(tuple(v[i + 3 * k:i + 3 * k + 3]) for k in range(n_ops))
@@ -88,7 +96,7 @@ def decode_step(payload: torch.Tensor) -> StepPlan:
         seqs.append(SeqPlan(handle, start, num_new, slot, bool(flags & _SAMPLES), tokens,
                             bool(flags & _RESET), blocks))
     assert i == len(v), f"step plan has {len(v) - i} trailing values"
-    return StepPlan(forget, ops, tuple(seqs))
+    return StepPlan(forget, ops, tuple(seqs), bool(step_flags & _GREEDY))
 
 
 def encode_add_adapter(adapter_id: int, path: str) -> torch.Tensor:

@@ -29,11 +29,13 @@ class PlanTracker:
     def __len__(self) -> int:
         return len(self._known)
 
-    def plan(self, out: SchedulerOutput, slot_ops: list[tuple[int, int, int]]) -> StepPlan:
+    def plan(self, out: SchedulerOutput, slot_ops: list[tuple[int, int, int]],
+             greedy: bool = False) -> StepPlan:
+        """`greedy`: rank 0's runner's decision for this step (ModelRunner.greedy_step)."""
         forget = [k.handle for r, k in self._known.items() if r.is_finished]
         self._known = {r: k for r, k in self._known.items() if not r.is_finished}
         seqs = [self._seq(s) for s in out.scheduled]
-        return StepPlan(tuple(forget), tuple(slot_ops), tuple(seqs))
+        return StepPlan(tuple(forget), tuple(slot_ops), tuple(seqs), greedy)
 
     def _seq(self, s) -> SeqPlan:
         req = s.request

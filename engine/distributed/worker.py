@@ -7,12 +7,14 @@ request mirror turns into the same SchedulerOutput rank 0 ran. It never samples.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.mirror import RequestMirror
@@ -49,6 +51,8 @@ def worker_main(spec_json: str) -> None:
     store.set(f"ready/{rank}", "1")
     groups = pg.connect(store, rank, size, device)
     try:
+        groups = dataclasses.replace(  # the same all-reduce as rank 0 (a collective)
+            groups, tp=fast_allreduce.attach(groups.tp, groups.control, config, device))
         Worker(config, groups, device).serve()
     finally:
         pg.disconnect(device)
@@ -128,4 +132,4 @@ class Worker:
             pg.agree_min(self.control, 0)
         out = self.mirror.apply(plan)
         if out.scheduled:
-            self.runner.run(out)
+            self.runner.run(out, plan.greedy)  # rank 0's decision: the same graph

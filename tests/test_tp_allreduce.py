@@ -1,0 +1,112 @@
+"""Which all-reduce a tensor-parallel group uses (engine/distributed/fast_allreduce.py),
+on the CPU: EngineConfig.tp_allreduce validation, the selection (gloo never picks
+symmetric memory), and the set-up's agreement over a real two-rank gloo control group
+(every rank learns that one rank failed, and why where it is that rank). The one-shot
+kernel itself needs CUDA: benchmarks/bench_tp.py's `allreduce` phase checks it."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine import EngineConfig
+from engine.distributed import fast_allreduce as fa
+from engine.distributed import group as pg
+from engine.errors import InvalidRequestError
+from engine.parallel import TPGroup
+
+
+def test_config_refuses_unknown_mode_precisely():
+    with pytest.raises(InvalidRequestError, match=r"tp_allreduce='fast': must be one of "
+                                                  r"\['auto', 'nccl', 'symm_mem'\]"):
+        EngineConfig(model="m", tp_allreduce="fast")
+
+
+def test_config_refuses_symm_mem_off_cuda_and_beyond_eight_ranks():
+    with pytest.raises(InvalidRequestError, match=r"tp_allreduce='symm_mem' needs "
+                                                  r"device='cuda' \(device='cpu'\)"):
+        EngineConfig(model="m", tp_size=2, tp_allreduce="symm_mem")
+    with pytest.raises(InvalidRequestError, match=r"tp_size <= 8 \(tp_size=16\)"):
+        EngineConfig(model="m", device="cuda", tp_size=16, tp_allreduce="symm_mem")
+    assert EngineConfig(model="m").tp_allreduce == "auto"
+    assert EngineConfig(model="m", device="cuda", tp_size=2, tp_allreduce="symm_mem")
+
+
+@pytest.mark.parametrize("mode", ["auto", "nccl"])
+@pytest.mark.parametrize("size", [1, 2, 4, 16])
+def test_cpu_never_picks_symmetric_memory(mode, size):
+    assert fa.choose(mode, "cpu", size) == ("none" if size == 1 else "gloo")
+
+
+def test_cuda_choice_by_mode_and_size():
+    assert fa.choose("auto", "cuda", 2) == "symm_mem"
+    assert fa.choose("auto", "cuda", 8) == "symm_mem"
+    assert fa.choose("auto", "cuda", 16) == "nccl"   # beyond the kernel: NCCL, no error
+    assert fa.choose("nccl", "cuda", 2) == "nccl"
+    assert fa.choose("symm_mem", "cuda", 4) == "symm_mem"
+    assert fa.choose("auto", "cuda", 1) == "none"
+    with pytest.raises(InvalidRequestError, match="needs device='cuda'"):
+        fa.choose("symm_mem", "cpu", 2)
+    with pytest.raises(InvalidRequestError, match="must be one of"):
+        fa.choose("one-shot", "cuda", 2)
+
+
+def test_attach_leaves_a_cpu_group_alone(llama_family):
+    tp = TPGroup(0, 2, object())
+    config = EngineConfig(model=str(llama_family.model_dir), tp_size=2)
+    assert fa.attach(tp, None, config, torch.device("cpu")) is tp  # no collective either
+
+
+def _two_ranks(fn):
+    """fn(rank, groups) on two threads over real gloo groups; results by rank."""
+    store = pg.open_store()
+    out, errors = {}, []
+
+    def run(rank):
+        try:
+            s = store if rank == 0 else pg.join_store(store.port)
+            out[rank] = fn(rank, pg.connect(s, rank, 2, torch.device("cpu")))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def test_every_rank_learns_that_one_rank_failed():
+    def fn(rank, groups):
+        mine = "no buffer here" if rank == 1 else ""
+        return fa._agree(groups.tp, groups.control, mine, "allocate")
+    assert _two_ranks(fn) == {0: "rank 1 could not allocate", 1: "no buffer here"}
+
+
+def test_agreement_is_empty_when_all_succeed():
+    assert _two_ranks(lambda r, g: fa._agree(g.tp, g.control, "", "x")) == {0: "", 1: ""}
+
+
+def test_setup_off_cuda_gives_no_reducer_on_any_rank():
+    def fn(rank, groups):
+        return fa.OneShotAllReduce.create(groups.tp, groups.control, 64 * 128,
+                                          torch.bfloat16, torch.device("cpu"))
+    assert _two_ranks(fn) == {0: (None, "not a CUDA device"), 1: (None, "not a CUDA device")}
+
+
+def test_self_test_compares_with_the_group_sum():
+    """The set-up's self-test check over a real gloo group: a correct sum passes, a step
+    that leaves the values alone is caught, and the test values differ per rank."""
+    def fn(rank, groups):
+        setup = fa._SetUp(fa.OneShotAllReduce, groups.tp, 64, torch.float32,
+                          torch.device("cpu"))
+        good = setup._values(0)
+        ok = setup._check(good, lambda: torch.distributed.all_reduce(good, group=groups.tp.group))
+        bad = setup._check(setup._values(1), lambda: None)
+        return ok, bad, setup._values(0)[:4].tolist()
+    out = _two_ranks(fn)
+    assert out[0][0] == out[1][0] == ""
+    assert out[0][1].endswith("of 64 sums differ from NCCL's") and out[1][1] == out[0][1]
+    assert out[0][2] != out[1][2]
