@@ -34,6 +34,9 @@ class EngineConfig:
     # TP > 1 on CUDA: "auto" = one-shot all-reduce over symmetric memory for decode-sized
     # messages when every rank can set it up, else NCCL; "nccl"; "symm_mem" = required
     tp_allreduce: str = "auto"
+    # launch step N+1 before reading step N's tokens (engine/engine.py); None = on for
+    # CUDA with tp_size 1, off otherwise. True works on the CPU too (tests the logic).
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -55,10 +58,24 @@ class EngineConfig:
                      "max_num_batched_tokens", "tp_size"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.async_scheduling not in (None, True, False):
+            raise InvalidRequestError(
+                f"async_scheduling={self.async_scheduling!r}: must be true, false or None")
+        if self.async_scheduling and self.tp_size > 1:
+            raise InvalidRequestError(
+                f"async_scheduling=True with tp_size={self.tp_size}: async scheduling runs "
+                "only with tp_size=1 (the other ranks replay each step's plan in lockstep); "
+                "leave it None or set it to False")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.tp_size == 1 and torch.device(self.device).type == "cuda"
 
     @property
     def cpu_lora_capacity(self) -> int:

@@ -72,8 +72,10 @@ class DecodeStaging:
         self._rows: list[tuple[int, ...] | None] = [None] * B
         self._uploaded = torch.cuda.Event() if pin else None
 
-    def fill(self, scheduled: list[ScheduledRequest], bucket: int) -> None:
-        """Host side: rows 0..n-1 from the scheduled decodes, n..bucket-1 padding."""
+    def fill(self, scheduled: list[ScheduledRequest], bucket: int) -> list[int]:
+        """Host side: rows 0..n-1 from the scheduled decodes, n..bucket-1 padding.
+        Returns the rows whose input token is still being sampled (async scheduling:
+        written as 0 here, patched on the device after `upload`)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous upload has read the mirror
         n, B, bs = len(scheduled), self.max_batch, self.block_size
@@ -81,9 +83,14 @@ class DecodeStaging:
         ids, pos, slot_map = self._n64
         rows, tables = self._rows, self._tables
         cols: tuple[list[int], ...] = ([], [], [], [])  # ids, positions, slot map, LoRA slots
+        holes: list[int] = []
         for i, s in enumerate(scheduled):
-            p, blocks = s.start, s.block_ids
-            cols[0].append(s.request.all_token_ids[p])
+            p, blocks, toks = s.start, s.block_ids, s.request.all_token_ids
+            if p < len(toks):
+                cols[0].append(toks[p])
+            else:
+                cols[0].append(0)
+                holes.append(i)
             cols[1].append(p)
             cols[2].append(blocks[p // bs] * bs + p % bs)
             cols[3].append(s.slot)
@@ -94,6 +101,7 @@ class DecodeStaging:
         self._n32[:n] = pos[:n] + 1  # seq lens
         self._n32[B:B + n] = cols[3]
         self.fill_padding(n, bucket)
+        return holes
 
     def fill_padding(self, start: int, stop: int) -> None:
         """Rows [start, stop): token 0 at position 0, no KV write, no adapter."""
@@ -163,15 +171,20 @@ class CudaGraphRunner:
         return entry[0] if entry else None
 
     def run(self, scheduled: list[ScheduledRequest], use_lora: bool,
-            greedy: bool = False, uniform: bool = False) -> torch.Tensor:
-        """`uniform`: every row uses the same adapter (picks the uniform LoRA graph)."""
+            greedy: bool = False, uniform: bool = False, patch=None) -> torch.Tensor:
+        """`uniform`: every row uses the same adapter (picks the uniform LoRA graph).
+        `patch(input_ids, rows)`, when given, writes the in-flight input tokens of `rows`
+        into the static input-id buffer on the device before the replay."""
         bucket = bucket_for(self.buckets, len(scheduled))
         key = (bucket, use_lora, greedy, use_lora and uniform)
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         graph, out = self._graphs[key]
-        self.staging.fill(scheduled, bucket)
+        holes = self.staging.fill(scheduled, bucket)
         self.staging.upload()
+        if holes:
+            assert patch is not None, "in-flight input tokens without a previous step"
+            patch(self.staging.d64[0], holes)
         graph.replay()
         self.num_replays += 1
         return out[:, :len(scheduled)] if greedy else out[:len(scheduled)]

@@ -1,9 +1,24 @@
 """The engine: one model, many adapters, a paged KV cache and a step loop.
 
 Step-level API (what the engine server drives): `add_request`, `step`, `abort`,
-`has_unfinished`, `add_adapter`, `remove_adapter`, `stats`. `generate` is the offline
-convenience on top of it. Request checks live in engine/admission.py, adapter operations
-in engine/adapters/service.py, tensor parallelism in engine/distributed/.
+`has_unfinished`, `flush`, `add_adapter`, `remove_adapter`, `stats`. `generate` is the
+offline convenience on top of it. Request checks live in engine/admission.py, adapter
+operations in engine/adapters/service.py, tensor parallelism in engine/distributed/.
+
+Async scheduling (`EngineConfig.async_scheduling`). A sync step schedules, runs the
+forward pass, waits for the sampled tokens and updates the requests; the device idles
+while the host schedules and updates. An async step instead schedules step N+1 while step
+N is still on the device, launches it (its inputs that N is sampling come from N's token
+tensor on the device, see engine/runner.py), and only then waits for N's tokens, updates
+the requests with them and returns N's outputs: the device always has the next step
+queued while the host works. Tokens, logprobs and finish reasons are those of sync mode;
+what the scheduler does with in-flight tokens and with requests that finish while a
+launched step still holds them is in engine/scheduler.py. A step falls back to sync
+(completes the step in flight before scheduling) when that step sampled a request whose
+sampler reads the token history (repetition penalty). A request id still held by the
+step in flight is reused only after that step completes (add_request completes it).
+Nothing else needs a quiescent device: KV blocks and adapter slots are only written by
+work queued on the compute stream, in order (adapter copies wait for it).
 """
 from __future__ import annotations
 
@@ -33,11 +48,12 @@ from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.parallel import TPGroup
+from engine.pending import PendingSample
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling import RequestSeeds, SamplingState
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 
@@ -71,7 +87,10 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_loras, self.max_model_len),
-            self.kv, self.slots)
+            self.kv, self.slots, on_release=self._on_released)
+        self._async = config.use_async_scheduling
+        self._inflight: tuple[SchedulerOutput, PendingSample] | None = None
+        self._carry: list[StepOutput] = []  # outputs of a step completed outside step()
         self._build_adapters(config, tp, pinned)
         self._limits = AdmissionLimits(mc.vocab_size, self.max_model_len, self.num_kv_blocks,
                                        config.block_size)
@@ -148,7 +167,7 @@ class Engine:
         results = []
         for res in self.adapters.poll():
             for req in [r for r in self.scheduler.waiting if r.adapter_id == res.adapter_id]:
-                self.scheduler.finish(req, FinishReason.ERROR)
+                self.scheduler.finish(req, FinishReason.ERROR)  # (a preempted one may drain)
                 results.append(req.step_output(len(req.text), new_token=False))
                 self._on_finished(req)
             self.adapter_service.retire(res.adapter_id)
@@ -176,6 +195,8 @@ class Engine:
         check_length(len(prompt_ids), params.max_tokens, self._limits)
         adapter_id = self.registry.resolve(adapter)
         ids = sequence_ids(request_id, params.n)
+        if any(self.scheduler.is_draining(r) for r in ids):
+            self._carry += self._complete()  # the step in flight still holds the id
         if request_id in self._forks or any(self.scheduler.get(r) is not None for r in ids):
             raise InvalidRequestError(f"request_id={request_id!r}: already in use")
         seed = self._seeds.next()
@@ -198,7 +219,8 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a waiting or running request (all n sequences of it) and free all it
-        holds; False if unknown or already finished."""
+        holds (when the step in flight that holds it completes, if any: async
+        scheduling); False if unknown or already finished."""
         found = False
         for rid in self._forks.get(request_id, [request_id]):
             req = self.scheduler.abort(rid)
@@ -208,40 +230,85 @@ class Engine:
         return found
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests waiting or running, a step in flight, or outputs not yet returned."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._carry)
+
+    def flush(self) -> list[StepOutput]:
+        """Complete the step in flight, if any, and return every output step() has not
+        returned yet; afterwards nothing is in flight and every finished request has
+        freed what it held."""
+        results, self._carry = self._carry, []
+        if self._inflight is not None:
+            results += self._complete()
+        self.adapter_service.free_retired()
+        return results
 
     # ---- the step loop ----------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Schedule, run one forward pass, sample; one StepOutput per request that got a
-        token or finished in this step."""
-        results: list[StepOutput] = []
+        """Schedule and launch one forward pass; returns the outputs (one StepOutput per
+        request that got a token or finished) of the step completed in this call: the
+        one just launched (sync), or the one launched by the previous call (async)."""
+        results, self._carry = self._carry, []
+        if self._inflight is not None and self._inflight[1].needs_history:
+            results += self._complete()  # sync fallback: its tokens feed the sampler
+        out = self._schedule_step(results)
+        if out.is_empty:
+            if self._inflight is not None:
+                results += self._complete()
+            self.adapter_service.free_retired()
+            return results
+        for req, hits in out.cache_hits:
+            self.adapter_service.count_cache_hits(req.adapter_id, hits)
+        if not self._async:
+            sampled = self._tp.execute(out, self.runner) if self._tp else self.runner.run(out)
+            results += self._update(out, sampled)
+        else:
+            prev = self._inflight
+            launched = self.runner.launch(out, prev[1] if prev else None)
+            if prev is not None:
+                results += self._complete()
+            self._inflight = (out, launched)
+            if not self.scheduler.has_unfinished():
+                results += self._complete()  # only finished requests left in it
+        self.adapter_service.free_retired()
+        return results
+
+    def _schedule_step(self, results: list[StepOutput]) -> SchedulerOutput:
         out, ready = self._schedule(results)
+        if self._inflight is not None:
+            return out  # if empty, completing the step in flight is the progress
         for _ in range(3):  # disk -> host, host -> slot, admit
             # nothing could run: waiting for an adapter now delays no other request
             if not out.is_empty or not (ready or self.adapters.wait_pending()):
                 break
             out, ready = self._schedule(results)
-        if out.is_empty:
-            self.adapter_service.free_retired()
-            return results
-        for req, hits in out.cache_hits:
-            self.adapter_service.count_cache_hits(req.adapter_id, hits)
+        return out
+
+    def _complete(self) -> list[StepOutput]:
+        """Wait for the tokens of the step in flight and update the requests with them."""
+        out, pending = self._inflight
+        self._inflight = None
+        return self._update(out, pending.result())
+
+    def _update(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> list[StepOutput]:
         text_before = {s.request.request_id: len(s.request.text) for s in out.scheduled}
-        sampled = self._tp.execute(out, self.runner) if self._tp else self.runner.run(out)
-        touched = self.scheduler.update(out, sampled)
-        for req in touched:
-            req.sampling_state.append(req.all_token_ids[-1])
+        results = []
+        for req in self.scheduler.update(out, sampled):
+            # the runner counted the token in the sampler state at launch; write it in
+            req.sampling_state.output_token_ids[req.num_output_tokens - 1] = req.all_token_ids[-1]
             results.append(req.step_output(text_before[req.request_id]))
             if req.is_finished:
                 self._on_finished(req)
-        self.adapter_service.free_retired()
         return results
 
     def _on_finished(self, req: Request) -> None:
-        self.registry.release(req.adapter_id)
         forks = self._forks.get(req.parent_id) if req.parent_id is not None else None
         if forks and all(self.scheduler.get(rid) is None for rid in forks):
             del self._forks[req.parent_id]
+
+    def _on_released(self, req: Request) -> None:
+        """The scheduler freed the request's blocks: let go of its adapter reference."""
+        self.registry.release(req.adapter_id)
         self.adapter_service.free_retired()
 
     # ---- offline convenience ----------------------------------------------------
@@ -278,8 +345,12 @@ class Engine:
 
     # ---- lifetime ---------------------------------------------------------------
     def close(self) -> None:
-        """Stop the background adapter reader and join the other tensor-parallel ranks
-        (the engine is unusable afterwards; at TP > 1 a later step raises EngineDeadError)."""
+        """Complete the step in flight (its outputs are dropped: call flush() first to
+        keep them), stop the background adapter reader and join the other tensor-parallel
+        ranks (the engine is unusable afterwards; at TP > 1 a later step raises
+        EngineDeadError)."""
+        if getattr(self, "_inflight", None) is not None:
+            self.flush()
         if getattr(self, "adapters", None) is not None:
             self.adapters.loader.close()
         if self._tp is not None:

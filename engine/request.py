@@ -41,10 +41,18 @@ class Request:
     text: str = ""
     detokenizer: Any = None           # IncrementalDetokenizer, set by the engine
     sampling_state: Any = None        # the sampler's per-request state, set by the engine
+    # Async scheduling (a step is launched before the previous one's tokens are known):
+    num_inflight_tokens: int = 0      # sampled in launched steps, not yet appended
+    num_inflight_steps: int = 0       # launched steps holding this request, not yet updated
+    sample_row: int = -1              # its row among the newest launched step's samples
+    # its sampler reads the token history (repetition penalty): the step that samples it
+    # must see its previous token on the host, so async scheduling syncs before it
+    needs_history: bool = field(default=False, init=False)
     _tokens: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         self._tokens = list(self.prompt_token_ids)
+        self.needs_history = self.params.repetition_penalty != 1.0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -70,6 +78,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose K/V the next step may compute: known and in-flight ones past
+        `num_computed_tokens`; 0 when the in-flight token is known to be the last
+        (max_tokens reached), so the request is not scheduled again."""
+        total = len(self._tokens) + self.num_inflight_tokens
+        if self.num_inflight_tokens and (
+                total - len(self.prompt_token_ids) >= self.params.max_tokens):
+            return 0
+        return total - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
         self._tokens.append(int(token_id))

@@ -6,7 +6,14 @@ replays for decode-only steps without touching the scheduler.
 
 On CUDA the step inputs are built on the host, pinned, and copied without blocking; decode
 steps replay CUDA graphs (engine/cuda_graph.py) unless `graph_max_batch` is 0. The only
-host sync of a step is the sampler's read of the sampled tokens.
+host sync of a step is the read of the sampled tokens.
+
+`run(out)` is one step, start to end. `launch(out, prev)` only queues it and returns a
+PendingSample (engine/pending.py): with async scheduling the engine launches step N+1
+before reading step N's tokens. An input token of N+1 that N is still sampling (a
+"placeholder", the position just past a request's known tokens) is written as 0 on the
+host and replaced on the device by a gather from `prev.tokens` at the request's row
+(`Request.sample_row`, set at N's launch), before the forward pass or graph replay.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import torch
 from engine.cuda_graph import CudaGraphRunner, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
 from engine.model.batch import AttentionMetadata, make_attention_metadata
+from engine.pending import PendingSample
 from engine.request import Request
 from engine.sampling import Sampler
 from engine.scheduler import Sampled, ScheduledRequest, SchedulerOutput
@@ -31,6 +39,7 @@ class ModelInputs:
     logits_indices: torch.Tensor   # [S] flat index of the last token of each sampling seq
     sample_requests: list[Request]  # the S requests that sample, in row order
     has_lora: bool                 # any token uses an adapter (known on the host: no sync)
+    holes: tuple[list[int], list[int]] = ([], [])  # placeholder: flat index, row in prev
 
 
 class ModelRunner:
@@ -46,6 +55,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = sampler or Sampler()
         self.graphs = None
+        self.num_launches = 0
         if graph_max_batch > 0 and self.device.type == "cuda":
             self.graphs = CudaGraphRunner(model, kv_caches, lora_pool, block_size,
                                           graph_max_batch, max_model_len, self.device)
@@ -55,8 +65,14 @@ class ModelRunner:
         slots: list[int] = []
         last: list[int] = []
         samplers: list[Request] = []
+        holes: tuple[list[int], list[int]] = ([], [])
         for s in out.scheduled:
-            ids.extend(s.request.all_token_ids[s.start:s.start + s.num_new_tokens])
+            toks = s.request.all_token_ids
+            ids.extend(toks[s.start:s.start + s.num_new_tokens])
+            if s.start + s.num_new_tokens > len(toks):  # the last input is in flight
+                ids.append(0)
+                holes[0].append(len(ids) - 1)
+                holes[1].append(s.request.sample_row)
             slots.extend([s.slot] * s.num_new_tokens)
             if s.samples:
                 last.append(len(ids) - 1)
@@ -76,7 +92,7 @@ class ModelRunner:
             token_slots=to_dev(torch.tensor(slots, dtype=torch.int32)),
             logits_indices=to_dev(torch.tensor(last, dtype=torch.int64)),
             sample_requests=samplers,
-            has_lora=any(s.slot >= 0 for s in out.scheduled))
+            has_lora=any(s.slot >= 0 for s in out.scheduled), holes=holes)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor -> device; on CUDA through pinned memory without blocking (the
@@ -85,44 +101,66 @@ class ModelRunner:
             return t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)
 
+    def _fill_holes(self, input_ids: torch.Tensor, holes: tuple[list[int], list[int]],
+                    prev: PendingSample | None) -> None:
+        """Placeholder inputs <- the previous step's sampled tokens, on the device."""
+        if not holes[0]:
+            return
+        assert prev is not None and prev.tokens is not None, "placeholder without a step"
+        dst = self._to_device(torch.tensor(holes[0], dtype=torch.int64))
+        src = self._to_device(torch.tensor(holes[1], dtype=torch.int64))
+        input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
+
     @torch.no_grad()
-    def execute(self, inputs: ModelInputs) -> dict[str, Sampled]:
+    def execute(self, inputs: ModelInputs, prev: PendingSample | None = None) -> PendingSample:
         """Forward pass, logits for the sampling rows only, then the sampler."""
+        self._fill_holes(inputs.input_ids, inputs.holes, prev)
         lora = LoRABatch(self.lora_pool, inputs.token_slots) if inputs.has_lora else None
         hidden = self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora)
         if not inputs.sample_requests:
-            return {}
+            return PendingSample.known({}, [], self.device)
         return self._sample(hidden[inputs.logits_indices], inputs.sample_requests)
 
-    def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> dict[str, Sampled]:
+    def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> PendingSample:
         logits = self.model.compute_logits(hidden)
-        res = self.sampler.sample(logits, [r.sampling_state for r in requests])
-        return {r.request_id: Sampled(tok, lp, top)
-                for r, tok, lp, top in zip(requests, res.token_ids, res.logprobs,
-                                           res.top_logprobs)}
+        states = [r.sampling_state for r in requests]
+        if type(self.sampler) is Sampler:
+            return PendingSample.of_sampler(requests, self.sampler.sample_tensors(logits, states))
+        res = self.sampler.sample(logits, states)  # a custom sampler: host lists
+        sampled = {r.request_id: Sampled(tok, lp, top)
+                   for r, tok, lp, top in zip(requests, res.token_ids, res.logprobs,
+                                              res.top_logprobs)}
+        return PendingSample.known(sampled, [r for r in requests if r.request_id in sampled],
+                                   self.device)
 
     @torch.no_grad()
-    def run_graph(self, out: SchedulerOutput, greedy: bool = False) -> dict[str, Sampled]:
+    def run_graph(self, out: SchedulerOutput, prev: PendingSample | None = None,
+                  greedy: bool = False) -> PendingSample:
         """A decode-only step through the CUDA graph of its batch-size bucket; `greedy`
         (see `greedy_step`) replays the graph that also picks every row's token."""
         sched = out.scheduled
         slots = {s.slot for s in sched}
         use_lora = max(slots) >= 0
         uniform = len(slots) == 1   # one adapter for every row: the uniform LoRA graph
+        patch = None
+        if prev is not None:
+            def patch(input_ids: torch.Tensor, rows: list[int]) -> None:
+                self._fill_holes(input_ids, (rows, [sched[i].request.sample_row for i in rows]),
+                                 prev)
+        requests = [s.request for s in sched]
         if greedy:
-            picked = self.graphs.run(sched, use_lora, greedy=True, uniform=uniform)
+            picked = self.graphs.run(sched, use_lora, greedy=True, uniform=uniform, patch=patch)
             if type(self.sampler) is not Sampler:  # a TP worker: rank 0 reads the picks
-                return {}
-            picked = picked.cpu().tolist()  # the step's one sync
-            return {s.request.request_id: Sampled(int(tok), lp, None)
-                    for s, tok, lp in zip(sched, *picked)}
-        hidden = self.graphs.run(sched, use_lora, uniform=uniform)
+                return PendingSample.known({}, [], self.device)
+            return PendingSample.of_greedy_graph(requests, picked)
+        hidden = self.graphs.run(sched, use_lora, uniform=uniform, patch=patch)
         rows = [i for i, s in enumerate(sched) if s.samples]
         if not rows:
-            return {}
+            return PendingSample.known({}, [], self.device)
         if len(rows) < len(sched):
             hidden = hidden[self._to_device(torch.tensor(rows, dtype=torch.int64))]
-        return self._sample(hidden, [sched[i].request for i in rows])
+            requests = [requests[i] for i in rows]
+        return self._sample(hidden, requests)
 
     def greedy_step(self, sched: list[ScheduledRequest]) -> bool:
         """A decode step whose every row samples greedily with nothing the greedy pick leaves
@@ -137,12 +175,29 @@ class ModelRunner:
         return all(s.samples and s.request.params.greedy and not s.request.params.top_logprobs
                    and s.request.params.repetition_penalty == 1.0 for s in sched)
 
-    def run(self, out: SchedulerOutput, greedy: bool | None = None) -> dict[str, Sampled]:
-        """One step. `greedy`: this step takes the greedy pick (`greedy_step`); None decides
-        here (one device, or rank 0), a TP worker passes rank 0's decision from the plan.
-        The eager path (prefill, mixed steps, the CPU) samples with the sampler either way."""
+    def launch(self, out: SchedulerOutput, prev: PendingSample | None = None,
+               greedy: bool | None = None) -> PendingSample:
+        """Queue one step on the device; `prev`: the launched step whose tokens this
+        one's placeholder inputs take. Sets each sampling request's `sample_row`.
+        `greedy`: this step takes the greedy pick (`greedy_step`); None decides here (one
+        device, or rank 0), a TP worker passes rank 0's decision from the plan. The eager
+        path (prefill, mixed steps, the CPU) samples with the sampler either way."""
         if self.graphs is not None and self.graphs.can_run(out.scheduled):
             if greedy is None:
                 greedy = self.greedy_step(out.scheduled)
-            return self.run_graph(out, greedy)
-        return self.execute(self.prepare_inputs(out))
+            pending = self.run_graph(out, prev, greedy)
+        else:
+            pending = self.execute(self.prepare_inputs(out), prev)
+        for i, req in enumerate(pending.requests):
+            req.sample_row = i
+            # the sampler's step count includes this token from now on; the engine
+            # writes the token in when the step is updated
+            if req.sampling_state is not None:
+                req.sampling_state.output_token_ids.append(-1)
+                pending.needs_history |= req.needs_history
+        self.num_launches += 1
+        return pending
+
+    def run(self, out: SchedulerOutput, greedy: bool | None = None) -> dict[str, Sampled]:
+        """One whole step: launch, then wait for its tokens."""
+        return self.launch(out, greedy=greedy).result()

@@ -32,13 +32,25 @@ adapter, a request whose adapter is not resident is admitted within
 K + (A + 1) * (D + L) steps, A being the number of adapters whose oldest waiting request
 is older than its own (each rotation admits the oldest starving adapter). Base-model and
 pinned-adapter requests are never paused: they free no slot by pausing.
+
+Async scheduling (engine/engine.py launches step N+1 before step N's tokens are known).
+`schedule` advances `num_computed_tokens` itself and counts each sampling row as an
+in-flight token of its request (`num_inflight_tokens`), so the next schedule runs that
+token (a placeholder the device fills in) and never re-schedules what is in flight; a
+request whose in-flight token is its last (max_tokens) is not scheduled again. `update`
+appends the tokens. A request that finishes (stop, abort) while a launched step still
+holds it is "draining": finished for its caller at once, but its KV blocks, its count in
+the adapter cap and its `on_release` call wait until the last such step is updated, since
+the device may still write its KV and read its slot. A preempted request whose token is in
+flight gets that token appended when its step is updated, then recomputes from all its
+tokens. In sync use (schedule, run, update) all of this reduces to the usual loop.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
 from operator import attrgetter
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from engine.adapters.slots import SlotTable
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -92,7 +104,10 @@ class Sampled(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, slots: SlotTable):
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, slots: SlotTable,
+                 on_release: Callable[[Request], None] | None = None):
+        """`on_release(req)` is called once a finished request has let go of its blocks
+        (at finish, or when its last launched step is updated)."""
         self.cfg = cfg
         self.kv = kv
         self.slots = slots
@@ -101,7 +116,11 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._adapters = Counter()  # adapter id -> running requests (base excluded)
         self._since: dict[str, int] = {}  # request id -> step it first started waiting
+        # finished, still in a launched step: id -> (request, holds a count in the cap)
+        self._draining: dict[str, tuple[Request, bool]] = {}
+        self.on_release = on_release
         self.num_steps = 0
+        self.num_updates = 0
 
     # ---- queue management -------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -117,6 +136,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def is_draining(self, request_id: str) -> bool:
+        """Finished but still held by a launched step (its id is not free for reuse yet)."""
+        return request_id in self._draining
+
+    def draining(self) -> list[Request]:
+        """Finished requests whose blocks wait for a launched step to be updated."""
+        return [req for req, _ in self._draining.values()]
+
     def running_adapters(self) -> set[int]:
         return set(self._adapters)
 
@@ -129,15 +156,28 @@ class Scheduler:
         return req
 
     def finish(self, req: Request, reason: str) -> None:
-        if req.status is RequestStatus.RUNNING:
-            self._remove_running(req)
+        """Finish now for the caller; free now, or when the launched steps holding it
+        are updated (see the module docstring)."""
+        counted = req.status is RequestStatus.RUNNING  # holds a count in the adapter cap
+        if counted:
+            self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
         self._since.pop(req.request_id, None)
+        if req.num_inflight_steps:
+            self._draining[req.request_id] = (req, counted)
+        else:
+            self._release(req, counted)
+
+    def _release(self, req: Request, counted: bool) -> None:
+        if counted:
+            self._drop_adapter(req)
+        self.kv.free(req)
+        if self.on_release is not None:
+            self.on_release(req)
 
     # ---- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -151,7 +191,9 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         decodes, prefills = [], []
         for r in self.running:  # decodes first, each group oldest first
-            (prefills if r.num_tokens - r.num_computed_tokens > 1 else decodes).append(r)
+            left = r.num_tokens_to_compute
+            if left:  # 0: its in-flight token is its last
+                (prefills if left > 1 else decodes).append(r)
         decodes.sort(key=_arrival)
         prefills.sort(key=_arrival)
         order = decodes + prefills
@@ -161,7 +203,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_to_compute, budget)
             while self.kv.allocate_slots(req, n) is None:
                 victim = max((r for r in self.running if r.request_id not in done),
                              key=lambda r: r.arrival)
@@ -174,7 +216,7 @@ class Scheduler:
             done.add(req.request_id)
             if req.adapter_id:
                 self.slots.touch(req.adapter_id)
-            out.scheduled.append(self._entry(req, n))
+            out.scheduled.append(self._take(req, n))
             budget -= n
         return budget
 
@@ -192,7 +234,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(req, num_hit_tokens, out)
-            out.scheduled.append(self._entry(req, n))
+            out.scheduled.append(self._take(req, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
 
@@ -231,6 +273,8 @@ class Scheduler:
         return sorted(first, key=first.__getitem__)
 
     def _admit(self, req: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
+        # a preempted request's in-flight token is appended before the next schedule
+        assert not req.num_inflight_tokens, "admitted with a token in flight"
         if req.adapter_id:
             assert self.slots.ready_slot(req.adapter_id) is not None, "checked by _adapter_fits"
             self.slots.touch(req.adapter_id)
@@ -244,14 +288,19 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
-    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+    def _take(self, req: Request, n: int) -> ScheduledRequest:
+        """The entry of `req` running `n` tokens this step; advances the request past them."""
         slot = self.slots.ready_slot(req.adapter_id) if req.adapter_id else None
+        start = req.num_computed_tokens
+        samples = start + n == req.num_tokens + req.num_inflight_tokens
         # called right after the request's allocation: its block table is final for
         # this step (requests already scheduled are never preempted)
-        return ScheduledRequest(req, req.num_computed_tokens, n,
-                                self.kv.block_id_tuple(req.request_id),
-                                -1 if slot is None else slot,
-                                samples=req.num_computed_tokens + n == req.num_tokens)
+        entry = ScheduledRequest(req, start, n, self.kv.block_id_tuple(req.request_id),
+                                 -1 if slot is None else slot, samples=samples)
+        req.num_computed_tokens = start + n
+        req.num_inflight_steps += 1
+        req.num_inflight_tokens += samples
+        return entry
 
     def _preempt(self, req: Request) -> None:
         self._remove_running(req)
@@ -263,6 +312,9 @@ class Scheduler:
 
     def _remove_running(self, req: Request) -> None:
         self.running.remove(req)
+        self._drop_adapter(req)
+
+    def _drop_adapter(self, req: Request) -> None:
         if req.adapter_id:
             self._adapters[req.adapter_id] -= 1
             if not self._adapters[req.adapter_id]:
@@ -270,12 +322,19 @@ class Scheduler:
 
     # ---- after the forward pass -------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> list[Request]:
-        """Advance every scheduled request, append sampled tokens, finish the ones that
-        hit a stop condition. Returns the requests that got a token, in batch order."""
+        """Append the sampled tokens of a launched step, finish the requests that hit a
+        stop condition, release draining ones this step was the last to hold. Returns
+        the requests that got a token, in batch order."""
+        self.num_updates += 1
         touched = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens = s.start + s.num_new_tokens
+            req.num_inflight_steps -= 1
+            req.num_inflight_tokens -= s.samples
+            if req.status is RequestStatus.FINISHED:  # finished after this step's launch
+                if not req.num_inflight_steps:
+                    self._release(*self._draining.pop(req.request_id))
+                continue  # its token, if any, is discarded
             if not s.samples:
                 continue
             tok = sampled[req.request_id]

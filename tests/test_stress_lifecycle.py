@@ -2,7 +2,9 @@
 abort/step operations with fewer slots (2) and host copies (3) than adapters, checked
 against a small model of the rules after every operation; at idle every reference count
 is zero, every KV block free or cached, and every finished request's tokens equal the
-reference for the adapter version (weights) it ran with."""
+reference for the adapter version (weights) it ran with. Run in sync and in async scheduling
+(where a finished request still held by the step in flight keeps its adapter reference
+until that step completes)."""
 import random
 
 import pytest
@@ -47,17 +49,34 @@ def check_step(eng, model, st):
         a = st["adapters"][aid]
         assert a["evictions"] == model["pin_evictions"][aid]  # never evicted while pinned
         assert a["host_evictions"] == model["pin_host_evictions"][aid]
+    draining = [r.adapter_id for r in eng.scheduler.draining()]
     for aid, a in st["adapters"].items():
-        assert a["in_flight"] == sum(1 for v in model["live"].values() if v[1] == aid)
+        assert a["in_flight"] == sum(1 for v in model["live"].values() if v[1] == aid) + \
+            draining.count(aid)
     eng.kv.pool.check_invariants()
 
 
-def test_stress_lifecycle(llama_family, weights_dirs, references):
+def checked_launches(eng) -> None:
+    """`checked` (test_lifecycle_tiers) for the async path, which launches steps."""
+    launch = eng.runner.launch
+    eng.runner.run = lambda out: None
+    batches = checked(eng)
+
+    def launch_checked(out, prev=None):
+        eng.runner.run(out)  # the checks
+        return launch(out, prev)
+    eng.runner.launch = launch_checked
+    return batches
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stress_lifecycle(llama_family, weights_dirs, references, async_scheduling):
     prompts, refs = references
     rng = random.Random(1234)
     eng = make_engine(llama_family, max_loras=2, max_cpu_loras=3, num_kv_blocks=24,
-                      block_size=4, max_num_batched_tokens=16, max_num_seqs=6)
-    checked(eng)
+                      block_size=4, max_num_batched_tokens=16, max_num_seqs=6,
+                      async_scheduling=async_scheduling)
+    batches = checked_launches(eng) if async_scheduling else checked(eng)
     keys = list(weights_dirs)
     version = {}     # adapter id -> weights key
     current = {}     # name -> (id, retiring)
@@ -174,3 +193,4 @@ def test_stress_lifecycle(llama_family, weights_dirs, references):
             done += 1
     assert done > 150 and counts["refused"] > 20 and counts["add"] > 30, (done, counts)
     assert tiers_seen >= {"evictions", "host_evictions", "disk_reads"}, tiers_seen
+    assert len(batches) > 500 and eng.scheduler.draining() == []

@@ -133,7 +133,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = req.request_id
-        num_full = num_tokens // self.block_size
+        # a token still being sampled (async scheduling) is not known: its block is
+        # cached by a later allocation, once it is
+        num_full = min(num_tokens, len(req.all_token_ids)) // self.block_size
         done = self._num_cached.get(rid, 0)
         if num_full <= done:
             return

@@ -24,6 +24,27 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
+@dataclass(frozen=True)
+class SampledTensors:
+    """A sample() result still in tensors (on the device: no host sync taken yet), so a
+    caller can copy it to the host asynchronously and feed `token_ids` to the next step."""
+    token_ids: torch.Tensor            # [B] int64
+    logprobs: torch.Tensor             # [B] float32
+    top_values: torch.Tensor | None    # [B, k] raw logprobs of the k most likely ids
+    top_ids: torch.Tensor | None       # [B, k]
+    top_wanted: tuple[int, ...]        # per row: how many of the k it asked for (0 = none)
+
+    def to_output(self) -> SamplerOutput:
+        if self.top_values is None:
+            top = [None] * len(self.top_wanted)
+        else:
+            values, ids = self.top_values.tolist(), self.top_ids.tolist()
+            top = [dict(zip(ids[i][:w], values[i][:w])) if w else None
+                   for i, w in enumerate(self.top_wanted)]
+        return SamplerOutput(token_ids=self.token_ids.tolist(),
+                             logprobs=self.logprobs.tolist(), top_logprobs=top)
+
+
 class Sampler:
     """Picks the next token of every row of a logits batch [B, V].
 
@@ -33,6 +54,11 @@ class Sampler:
     depends only on its logits, its parameters, its seed and its step."""
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        return self.sample_tensors(logits, states).to_output()
+
+    def sample_tensors(self, logits: torch.Tensor,
+                       states: list[SamplingState]) -> SampledTensors:
+        """sample() without reading the result back to the host."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} must be [len(states)={len(states)}, V]")
         logits = logits.float()
@@ -45,8 +71,11 @@ class Sampler:
             is_greedy = torch.tensor(greedy, device=logits.device)
             token_ids = torch.where(is_greedy, token_ids, sampled)
         chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen.tolist(),
-                             top_logprobs=_top_logprobs(raw_logprobs, states))
+        wanted = tuple(min(s.params.top_logprobs, raw_logprobs.shape[-1]) for s in states)
+        values = ids = None
+        if max(wanted, default=0) > 0:
+            values, ids = raw_logprobs.topk(max(wanted), dim=-1)
+        return SampledTensors(token_ids, chosen, values, ids, wanted)
 
     @staticmethod
     def _penalise(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -90,15 +119,3 @@ def _gumbel_noise(states: list[SamplingState], greedy: list[bool], vocab: int,
     # -log(E) with E ~ Exp(1) is Gumbel; the clamp keeps E = 0 from giving +inf, which
     # would turn a removed token's -inf into NaN (and argmax picks NaN).
     return expo.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
-
-
-def _top_logprobs(raw_logprobs: torch.Tensor,
-                  states: list[SamplingState]) -> list[dict[int, float] | None]:
-    wanted = [min(s.params.top_logprobs, raw_logprobs.shape[-1]) for s in states]
-    k = max(wanted, default=0)
-    if k == 0:
-        return [None] * len(states)
-    values, ids = raw_logprobs.topk(k, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
-    return [dict(zip(ids[i][:w], values[i][:w])) if w else None
-            for i, w in enumerate(wanted)]
