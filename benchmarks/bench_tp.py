@@ -75,7 +75,16 @@ def parity(args) -> dict:
         progress(f"tp={tp}: warm-up done (kernels compiled)")
         outs[tp] = eng.generate(prompts, params, names)
         progress(f"tp={tp}: {len(prompts)} requests generated")
-        eng.close()
+        if tp == 1:
+            eng.close()
+    res = _compare(outs, args, len(prompts))
+    t0 = time.perf_counter()
+    eng.close()   # after the result is out: a teardown that hangs loses nothing
+    progress(f"tp={args.tp}: engine closed in {time.perf_counter() - t0:.1f} s")
+    return res
+
+
+def _compare(outs: dict, args, n: int) -> dict:
     same, total, first_lp = 0, 0, []
     for a, b in zip(outs[1], outs[args.tp]):
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
@@ -83,7 +92,7 @@ def parity(args) -> dict:
         same, total = same + n, total + len(a.token_ids)
         first_lp.append(abs(a.logprobs[0] - b.logprobs[0]))
     res = {"tp": args.tp, "device": args.device, "dtype": args.dtype, "eager": args.eager,
-           "allreduce": args.allreduce, "requests": len(prompts),
+           "allreduce": args.allreduce, "requests": n,
            "first_token_equal": sum(a.token_ids[0] == b.token_ids[0]
                                     for a, b in zip(outs[1], outs[args.tp])),
            "tokens_equal_before_divergence": same, "tokens": total,

@@ -17,6 +17,8 @@ so one process may hold several engines. NCCL goes through the default group.
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +26,12 @@ import torch.distributed as dist
 
 from engine.parallel import TPGroup
 
+_log = logging.getLogger(__name__)
+
 MODEL_TIMEOUT = datetime.timedelta(seconds=60)
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
+DISCONNECT_TIMEOUT_S = 10.0
 HOST = "127.0.0.1"
 
 
@@ -60,9 +65,36 @@ def connect(store, rank: int, size: int, device: torch.device) -> Groups:
     return Groups(TPGroup(rank, size, model), control)
 
 
-def disconnect(device: torch.device) -> None:
-    if device.type == "cuda" and dist.is_initialized():
-        dist.destroy_process_group()
+def disconnect(device: torch.device, peers_alive: bool = True,
+               timeout_s: float = DISCONNECT_TIMEOUT_S) -> None:
+    """Leave the NCCL default group (CUDA only; the gloo groups need nothing). Every rank
+    calls this at the same time on a clean shutdown. The teardown runs in a helper thread
+    given `timeout_s`: a peer that died mid-way must not hang this rank's close; with dead
+    peers the communicators are aborted instead of finalised."""
+    if device.type != "cuda" or not dist.is_initialized():
+        return
+    if not peers_alive:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            _bounded(abort, timeout_s)
+            return
+    _bounded(dist.destroy_process_group, timeout_s)
+
+
+def _bounded(fn, timeout_s: float) -> None:
+    done = threading.Event()
+
+    def run():
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - shutting down: report, do not raise
+            _log.warning("tensor-parallel teardown failed: %s", exc)
+        finally:
+            done.set()
+    threading.Thread(target=run, name="loramux-tp-teardown", daemon=True).start()
+    if not done.wait(timeout_s):
+        _log.warning("tensor-parallel teardown did not finish within %.0f s; "
+                    "leaving it to process exit", timeout_s)
 
 
 def agree_min(control, value: int) -> int:
