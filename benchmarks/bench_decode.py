@@ -49,7 +49,7 @@ def copy_bandwidth(gib: int = 4) -> float:
 
 
 def make_engine(model_dir: Path, max_loras: int, max_batch: int, enforce_eager: bool,
-                prompt_len: int, steps: int):
+                prompt_len: int, steps: int, async_scheduling: bool | None = None):
     from engine import Engine, EngineConfig
 
     per_seq = -(-(prompt_len + steps + 32) // 16)
@@ -57,7 +57,8 @@ def make_engine(model_dir: Path, max_loras: int, max_batch: int, enforce_eager: 
                        max_loras=max(1, max_loras), max_lora_rank=RANK, load_format="dummy",
                        max_num_seqs=max_batch, max_num_batched_tokens=8192,
                        num_kv_blocks=max_batch * per_seq + 64, max_model_len=1024,
-                       enable_prefix_caching=False, enforce_eager=enforce_eager)
+                       enable_prefix_caching=False, enforce_eager=enforce_eager,
+                       async_scheduling=async_scheduling)
     eng = Engine(cfg)
     # Host copies by path: NUM_ADAPTER_FILES files are read once, each name still gets its
     # own id, slot and device copy (what a decode step reads). Benchmark-only shortcut.
@@ -115,8 +116,9 @@ def graph_replay_s(eng, batch: int, use_lora: bool, reps: int = 20,
 
 def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
                 prompt_len: int, steps: int, gen) -> dict:
-    """Median wall seconds per decode step with `batch` running sequences, the median host
-    seconds per step in schedule/fill/update, and the graph's GPU time."""
+    """Wall seconds per decode step with `batch` running sequences (back-to-back steps,
+    one sync at each end: with async scheduling a step returns while the next one runs),
+    the median host seconds per step in schedule/fill/update, and the graph's GPU time."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
@@ -128,14 +130,14 @@ def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
         eng.step()
     eng.step(); eng.step()
     torch.cuda.synchronize()
-    times, host = [], []
+    host = []
     timer.take()
+    t0 = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
         eng.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
         host.append(timer.take())
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps
     gpu = graph_replay_s(eng, batch, any(a is not None for a in adapters),
                          uniform=len(set(adapters)) == 1)
     for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
@@ -143,7 +145,7 @@ def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
     while eng.has_unfinished():
         eng.step()
     med = {k: statistics.median(h[k] for h in host) for k in host[0]}
-    return {"step": statistics.median(times), "host": sum(med.values()), "gpu": gpu, **med}
+    return {"step": wall, "host": sum(med.values()), "gpu": gpu, **med}
 
 
 def hf_baseline(model_dir: Path, adapter_dirs: list[Path], batches: list[int], prompt_len: int,
@@ -199,6 +201,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--eager", action="store_true", help="disable CUDA graphs")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                    help="auto: the engine's default (on for one CUDA device)")
     args = ap.parse_args()
     if args.quick:
         args.batches, args.steps, args.hf_batches = "1,64", 8, "8"
@@ -218,7 +222,10 @@ def main() -> None:
                             args.prompt_len, args.hf_tokens, gen)
     max_b = max(batches)
     eng = make_engine(model_dir, max_loras=max_b, max_batch=max_b, enforce_eager=args.eager,
-                      prompt_len=args.prompt_len, steps=args.steps)
+                      prompt_len=args.prompt_len, steps=args.steps,
+                      async_scheduling={"auto": None, "on": True, "off": False}[
+                          args.async_scheduling])
+    print(f"async scheduling: {eng.config.use_async_scheduling}", flush=True)
     timer = HostTimer(eng)
     names = []
     for i in range(max_b):
@@ -246,7 +253,8 @@ def main() -> None:
     if not args.eager:
         profile_graphs(eng, names, args, gen, args.out / "profile.txt")
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv}
+            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
+            "async_scheduling": eng.config.use_async_scheduling}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     plot(rows, args.out / "decode_throughput.png")
     print("\n| system | mode | batch | step ms | tokens/s | x floor | graph ms | graph x floor "
