@@ -124,17 +124,14 @@ class TPExecutor:
             return
         self._closed = True
         self._watchdog.stop()
-        peers_alive = self._watchdog.dead is None and hasattr(self, "_channel")
-        if peers_alive:
+        if self._watchdog.dead is None and hasattr(self, "_channel"):
             try:
                 self._channel.send(OP_SHUTDOWN)
             except RuntimeError:
-                peers_alive = False  # a worker is gone already; the join below cleans up
-        # The workers leave the model group as soon as they read the shutdown; NCCL's
-        # teardown may wait for every rank, so rank 0 leaves it now too, not after the
-        # join (a worker blocked there until killed would leave rank 0 waiting on a dead
-        # peer). Bounded either way: see pg.disconnect.
-        pg.disconnect(self.device, peers_alive)
+                pass  # a worker is gone already; the join below cleans up
+        # The workers leave the model group as soon as they read the shutdown; rank 0
+        # leaves it now too, not after the join (see pg.disconnect).
+        pg.disconnect(self.device)
         deadline = time.monotonic() + timeout_s
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))

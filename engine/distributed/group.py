@@ -65,20 +65,17 @@ def connect(store, rank: int, size: int, device: torch.device) -> Groups:
     return Groups(TPGroup(rank, size, model), control)
 
 
-def disconnect(device: torch.device, peers_alive: bool = True,
-               timeout_s: float = DISCONNECT_TIMEOUT_S) -> None:
+def disconnect(device: torch.device, timeout_s: float = DISCONNECT_TIMEOUT_S) -> None:
     """Leave the NCCL default group (CUDA only; the gloo groups need nothing). Every rank
-    calls this at the same time on a clean shutdown. The teardown runs in a helper thread
-    given `timeout_s`: a peer that died mid-way must not hang this rank's close; with dead
-    peers the communicators are aborted instead of finalised."""
+    calls this at the same time on a clean shutdown. The communicators are aborted, not
+    finalised: NCCL's finalising teardown waited past 10 s on two H200s after decode
+    graphs had captured its kernels, and a process that still held the group could start
+    no other engine. Abort neither waits for peers nor for a dead one, and clears the
+    default group. Bounded by a helper thread all the same."""
     if device.type != "cuda" or not dist.is_initialized():
         return
-    if not peers_alive:
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None:
-            _bounded(abort, timeout_s)
-            return
-    _bounded(dist.destroy_process_group, timeout_s)
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    _bounded(abort or dist.destroy_process_group, timeout_s)
 
 
 def _bounded(fn, timeout_s: float) -> None:
