@@ -84,7 +84,7 @@ def parity(args) -> dict:
     return res
 
 
-def _compare(outs: dict, args, n: int) -> dict:
+def _compare(outs: dict, args, num_requests: int) -> dict:
     same, total, first_lp = 0, 0, []
     for a, b in zip(outs[1], outs[args.tp]):
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
@@ -92,7 +92,7 @@ def _compare(outs: dict, args, n: int) -> dict:
         same, total = same + n, total + len(a.token_ids)
         first_lp.append(abs(a.logprobs[0] - b.logprobs[0]))
     res = {"tp": args.tp, "device": args.device, "dtype": args.dtype, "eager": args.eager,
-           "allreduce": args.allreduce, "requests": n,
+           "allreduce": args.allreduce, "requests": num_requests,
            "first_token_equal": sum(a.token_ids[0] == b.token_ids[0]
                                     for a, b in zip(outs[1], outs[args.tp])),
            "tokens_equal_before_divergence": same, "tokens": total,
