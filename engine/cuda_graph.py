@@ -209,7 +209,9 @@ class CudaGraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the adapter reader thread may pin host memory meanwhile, which
+        # in the default (global) mode invalidates the capture (seen on an H200)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(bucket, use_lora, greedy, uniform)
         torch.cuda.synchronize()
         return graph, out

@@ -23,12 +23,12 @@ def make_engine(family, adapters=None, **kw):
 
 
 def checked(eng) -> list:
-    """Check every batch the runner executes: at most max_loras distinct adapters, and each
+    """Check every batch the runner launches (sync or async scheduling): at most max_loras distinct adapters, and each
     adapter request reads a slot that its adapter owns and whose copy is complete (never
     the base model, never a half-copied slot). Returns the list of executed batches."""
-    run, batches = eng.runner.run, []
+    launch, batches = eng.runner.launch, []
 
-    def run_checked(out):
+    def launch_checked(out, prev=None, greedy=None):  # every step goes through launch
         adapters = {s.request.adapter_id for s in out.scheduled} - {0}
         assert len(adapters) <= eng.config.max_loras
         for s in out.scheduled:
@@ -36,9 +36,9 @@ def checked(eng) -> list:
             assert s.slot == (eng.slots.ready_slot(aid) if aid else -1), (aid, s.slot)
             assert not aid or s.slot >= 0
         batches.append(out)
-        return run(out)
+        return launch(out, prev, greedy)
 
-    eng.runner.run = run_checked
+    eng.runner.launch = launch_checked
     return batches
 
 

@@ -56,19 +56,6 @@ def check_step(eng, model, st):
     eng.kv.pool.check_invariants()
 
 
-def checked_launches(eng) -> None:
-    """`checked` (test_lifecycle_tiers) for the async path, which launches steps."""
-    launch = eng.runner.launch
-    eng.runner.run = lambda out: None
-    batches = checked(eng)
-
-    def launch_checked(out, prev=None):
-        eng.runner.run(out)  # the checks
-        return launch(out, prev)
-    eng.runner.launch = launch_checked
-    return batches
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_stress_lifecycle(llama_family, weights_dirs, references, async_scheduling):
     prompts, refs = references
@@ -76,7 +63,7 @@ def test_stress_lifecycle(llama_family, weights_dirs, references, async_scheduli
     eng = make_engine(llama_family, max_loras=2, max_cpu_loras=3, num_kv_blocks=24,
                       block_size=4, max_num_batched_tokens=16, max_num_seqs=6,
                       async_scheduling=async_scheduling)
-    batches = checked_launches(eng) if async_scheduling else checked(eng)
+    batches = checked(eng)
     keys = list(weights_dirs)
     version = {}     # adapter id -> weights key
     current = {}     # name -> (id, retiring)
