@@ -156,6 +156,14 @@ class CudaGraphRunner:
         self._pool = None
         self.num_replays = 0
 
+    def release(self) -> None:
+        """Destroy every captured graph (they are captured again when needed). Under
+        tensor parallelism this comes before NCCL's teardown: a graph that captured NCCL
+        kernels holds resources of the communicator until it is destroyed."""
+        self._graphs.clear()
+        self._pool = None
+        torch.cuda.synchronize()
+
     def can_run(self, scheduled: list[ScheduledRequest]) -> bool:
         return is_decode_step(scheduled) and len(scheduled) <= self.buckets[-1]
 

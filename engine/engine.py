@@ -353,6 +353,8 @@ class Engine:
             self.flush()
         if getattr(self, "adapters", None) is not None:
             self.adapters.loader.close()
+        if getattr(self, "runner", None) is not None:
+            self.runner.release_graphs()  # before NCCL's teardown (CudaGraphRunner.release)
         if self._tp is not None:
             self._tp.close()
 

@@ -60,6 +60,11 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(model, kv_caches, lora_pool, block_size,
                                           graph_max_batch, max_model_len, self.device)
 
+    def release_graphs(self) -> None:
+        """Destroy the captured decode graphs (CUDA), e.g. before the engine closes."""
+        if self.graphs is not None:
+            self.graphs.release()
+
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         ids: list[int] = []
         slots: list[int] = []

@@ -100,6 +100,12 @@ class Worker:
         self.channel = PlanChannel(self.control, self.tp.rank)
 
     def serve(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.runner.release_graphs()  # before NCCL's teardown (CudaGraphRunner.release)
+
+    def _serve(self) -> None:
         while True:
             op, payload = self.channel.recv()
             if op == OP_SHUTDOWN:
