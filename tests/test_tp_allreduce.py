@@ -5,8 +5,6 @@ symmetric memory), and the set-up's agreement over a real two-rank gloo control 
 kernel itself needs CUDA: benchmarks/bench_tp.py's `allreduce` phase checks it."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from engine.distributed import fast_allreduce as fa
 from engine.distributed import group as pg
 from engine.errors import InvalidRequestError
 from engine.parallel import TPGroup
+from tests.support.ranks import two_ranks
 
 
 def test_config_refuses_unknown_mode_precisely():
@@ -58,42 +57,24 @@ def test_attach_leaves_a_cpu_group_alone(llama_family):
     assert fa.attach(tp, None, config, torch.device("cpu")) is tp  # no collective either
 
 
-def _two_ranks(fn):
-    """fn(rank, groups) on two threads over real gloo groups; results by rank."""
-    store = pg.open_store()
-    out, errors = {}, []
-
-    def run(rank):
-        try:
-            s = store if rank == 0 else pg.join_store(store.port)
-            out[rank] = fn(rank, pg.connect(s, rank, 2, torch.device("cpu")))
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
-    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return out
 
 
 def test_every_rank_learns_that_one_rank_failed():
     def fn(rank, groups):
         mine = "no buffer here" if rank == 1 else ""
         return fa._agree(groups.tp, groups.control, mine, "allocate")
-    assert _two_ranks(fn) == {0: "rank 1 could not allocate", 1: "no buffer here"}
+    assert two_ranks(fn) == {0: "rank 1 could not allocate", 1: "no buffer here"}
 
 
 def test_agreement_is_empty_when_all_succeed():
-    assert _two_ranks(lambda r, g: fa._agree(g.tp, g.control, "", "x")) == {0: "", 1: ""}
+    assert two_ranks(lambda r, g: fa._agree(g.tp, g.control, "", "x")) == {0: "", 1: ""}
 
 
 def test_setup_off_cuda_gives_no_reducer_on_any_rank():
     def fn(rank, groups):
         return fa.OneShotAllReduce.create(groups.tp, groups.control, 64 * 128,
                                           torch.bfloat16, torch.device("cpu"))
-    assert _two_ranks(fn) == {0: (None, "not a CUDA device"), 1: (None, "not a CUDA device")}
+    assert two_ranks(fn) == {0: (None, "not a CUDA device"), 1: (None, "not a CUDA device")}
 
 
 def test_self_test_compares_with_the_group_sum():
@@ -106,7 +87,7 @@ def test_self_test_compares_with_the_group_sum():
         ok = setup._check(good, lambda: torch.distributed.all_reduce(good, group=groups.tp.group))
         bad = setup._check(setup._values(1), lambda: None)
         return ok, bad, setup._values(0)[:4].tolist()
-    out = _two_ranks(fn)
+    out = two_ranks(fn)
     assert out[0][0] == out[1][0] == ""
     assert out[0][1].endswith("of 64 sums differ from NCCL's") and out[1][1] == out[0][1]
     assert out[0][2] != out[1][2]

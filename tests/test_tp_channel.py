@@ -4,12 +4,10 @@ one sequence; each arrives whole and in order, and a reused buffer never leaks i
 earlier payload."""
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from engine.distributed import group as pg
 from engine.distributed.channel import FIRST, PlanChannel
+from tests.support.ranks import two_ranks
 
 SIZES = [5, 0, FIRST - 3, FIRST - 2, 3 * FIRST + 7, 1, 600]
 
@@ -20,26 +18,16 @@ def _payload(i: int, n: int) -> torch.Tensor:
 
 
 def test_messages_arrive_whole_and_in_order():
-    store = pg.open_store()
-    got, errors = [], []
-
-    def rank(r):
-        try:
-            s = store if r == 0 else pg.join_store(store.port)
-            ch = PlanChannel(pg.connect(s, r, 2, torch.device("cpu")).control, r)
-            for i, n in enumerate(SIZES):
-                if r == 0:
-                    ch.send(10 + i, _payload(i, n) if n else None)
-                else:
-                    got.append(ch.recv())
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    def rank(r, groups):
+        ch = PlanChannel(groups.control, r)
+        got = []
+        for i, n in enumerate(SIZES):
+            if r == 0:
+                ch.send(10 + i, _payload(i, n) if n else None)
+            else:
+                got.append(ch.recv())
+        return got
+    got = two_ranks(rank)[1]
     assert [op for op, _ in got] == [10 + i for i in range(len(SIZES))]
     for i, (n, (_, payload)) in enumerate(zip(SIZES, got)):
         if n == 0:
