@@ -2,8 +2,9 @@
 
 Step-level API (what the engine server drives): `add_request`, `step`, `abort`,
 `has_unfinished`, `flush`, `add_adapter`, `remove_adapter`, `stats`. `generate` is the
-offline convenience on top of it. Request checks live in engine/admission.py, adapter
-operations in engine/adapters/service.py, tensor parallelism in engine/distributed/.
+offline convenience on top of it. The parts are built in engine/assembly.py, request
+checks live in engine/admission.py, adapter operations in engine/adapters/service.py,
+tensor parallelism in engine/distributed/.
 
 Async scheduling (`EngineConfig.async_scheduling`). A sync step schedules, runs the
 forward pass, waits for the sampled tokens and updates the requests; the device idles
@@ -27,30 +28,19 @@ from pathlib import Path
 
 import torch
 
-from engine.adapters.host_cache import HostCache
-from engine.adapters.loader import DiskLoader
-from engine.adapters.registry import AdapterRegistry
-from engine.adapters.residency import AdapterResidency
-from engine.adapters.service import AdapterService
 from engine.adapters.slots import SlotTable
 from engine.admission import (AdmissionLimits, check_length, check_request, prompt_token_ids,
                               sequence_ids)
+from engine.assembly import build_adapter_parts, build_model_parts
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.distributed.adapters import AdapterMirror
 from engine.distributed.executor import TPExecutor
 from engine.errors import InvalidRequestError
-from engine.kv.kv_cache_manager import KVCacheManager
-from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
-from engine.lora import LoRASlotPool, load_lora
-from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.parallel import TPGroup
 from engine.pending import PendingSample
 from engine.request import Request
-from engine.runner import ModelRunner
 from engine.sampling import RequestSeeds, SamplingState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
@@ -77,7 +67,10 @@ class Engine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         tp = self._tp.tp if self._tp else TPGroup.single()
-        self._build_model(config, tp)
+        parts = build_model_parts(config, mc, self.max_model_len, self.device, tp, self._tp)
+        self.model, self.lora_pool, self.kv, self.runner = (
+            parts.model, parts.lora_pool, parts.kv, parts.runner)
+        self.num_kv_blocks = parts.num_kv_blocks
         if config.cpu_lora_capacity < config.max_loras:
             raise InvalidRequestError(
                 f"max_cpu_loras={config.cpu_lora_capacity}: must be >= max_loras="
@@ -91,7 +84,8 @@ class Engine:
         self._async = config.use_async_scheduling
         self._inflight: tuple[SchedulerOutput, PendingSample] | None = None
         self._carry: list[StepOutput] = []  # outputs of a step completed outside step()
-        self._build_adapters(config, tp, pinned)
+        self.registry, self.adapters, self.adapter_service = build_adapter_parts(
+            config, mc, self.device, tp, self._tp, self.slots, pinned, self.lora_pool, self.kv)
         self._limits = AdmissionLimits(mc.vocab_size, self.max_model_len, self.num_kv_blocks,
                                        config.block_size)
         self._seeds = RequestSeeds(config.seed)
@@ -99,47 +93,6 @@ class Engine:
         self._generate_batches = itertools.count()
         self._forks: dict[str, list[str]] = {}  # request id (n > 1) -> its sequence ids
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
-
-    def _build_model(self, config: EngineConfig, tp: TPGroup) -> None:
-        """The model with its weights, the LoRA slot pool, the KV cache and the runner."""
-        mc, dtype = self.model_config, config.torch_dtype
-        self.model = LlamaForCausalLM(mc, dtype, self.device, tp)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed + tp.rank)
-        else:
-            self.model.load_weights(config.model)
-        self.lora_pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype,
-                                      self.device, tp_size=tp.size)
-        block_bytes = bytes_per_block(mc.num_layers, config.block_size,
-                                      self.model.num_kv_heads_per_rank, mc.head_dim, dtype)
-        self.num_kv_blocks = num_kv_blocks(
-            config.num_kv_blocks, self.device, config.kv_cache_fraction, block_bytes,
-            cap=max_useful_blocks(config.max_num_seqs, self.max_model_len, config.block_size))
-        if self._tp:  # every rank's cache holds the same blocks
-            self.num_kv_blocks = self._tp.agree_min(self.num_kv_blocks)
-        kv_caches = self.model.make_kv_caches(self.num_kv_blocks, config.block_size)
-        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
-                                 config.enable_prefix_caching)
-        self.runner = ModelRunner(
-            self.model, kv_caches, self.lora_pool, config.block_size, self.device,
-            graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
-            max_model_len=self.max_model_len)
-
-    def _build_adapters(self, config: EngineConfig, tp: TPGroup, pinned: set[int]) -> None:
-        """Registry, residency across the tiers, and the adapter operations over them."""
-        mc, dtype = self.model_config, config.torch_dtype
-        self.registry = AdapterRegistry()
-        # rank 0 reads and validates its own shard; at TP > 1 the mirror repeats every
-        # slot load and host-copy drop on the other ranks (by adapter id)
-        self.adapters = AdapterResidency(
-            self.registry, self.slots, HostCache(config.cpu_lora_capacity, pinned),
-            DiskLoader(lambda path: load_lora(path, mc, config.max_lora_rank, tp=tp,
-                                              dtype=dtype),
-                       pin_memory=self.device.type == "cuda"),
-            self.lora_pool, self.device,
-            mirror=AdapterMirror(self._tp, self.registry) if self._tp else None)
-        self.adapter_service = AdapterService(self.registry, self.slots, self.adapters,
-                                              self.kv, config.max_loras)
 
     # ---- adapters ---------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:

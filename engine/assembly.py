@@ -1,0 +1,85 @@
+"""Building an engine's parts from its config (engine/engine.py wires them together).
+
+`build_model_parts`: the model with its weights, the LoRA slot pool, the KV cache and the
+runner. `build_adapter_parts`: the adapter registry, residency across the three tiers
+(device slots, host cache, disk) and the adapter operations over them. At TP > 1 this
+process is rank 0: the KV block count is agreed with the other ranks, and every slot load
+and host-copy drop is mirrored to them by adapter id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.adapters.host_cache import HostCache
+from engine.adapters.loader import DiskLoader
+from engine.adapters.registry import AdapterRegistry
+from engine.adapters.residency import AdapterResidency
+from engine.adapters.service import AdapterService
+from engine.adapters.slots import SlotTable
+from engine.config import EngineConfig
+from engine.distributed.adapters import AdapterMirror
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
+from engine.lora import LoRASlotPool, load_lora
+from engine.model.dummy import init_dummy_weights
+from engine.model.hf_config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.parallel import TPGroup
+from engine.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    model: LlamaForCausalLM
+    lora_pool: LoRASlotPool
+    num_kv_blocks: int
+    kv: KVCacheManager
+    runner: ModelRunner
+
+
+def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
+                      device: torch.device, tp: TPGroup, executor=None) -> ModelParts:
+    """`executor`: rank 0's TPExecutor at TP > 1 (agrees the KV block count), else None."""
+    dtype = config.torch_dtype
+    model = LlamaForCausalLM(mc, dtype, device, tp)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed + tp.rank)
+    else:
+        model.load_weights(config.model)
+    lora_pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
+                             tp_size=tp.size)
+    block_bytes = bytes_per_block(mc.num_layers, config.block_size,
+                                  model.num_kv_heads_per_rank, mc.head_dim, dtype)
+    blocks = num_kv_blocks(
+        config.num_kv_blocks, device, config.kv_cache_fraction, block_bytes,
+        cap=max_useful_blocks(config.max_num_seqs, max_model_len, config.block_size))
+    if executor is not None:  # every rank's cache holds the same blocks
+        blocks = executor.agree_min(blocks)
+    kv_caches = model.make_kv_caches(blocks, config.block_size)
+    runner = ModelRunner(
+        model, kv_caches, lora_pool, config.block_size, device,
+        graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
+        max_model_len=max_model_len)
+    return ModelParts(model, lora_pool, blocks,
+                      KVCacheManager(blocks, config.block_size, config.enable_prefix_caching),
+                      runner)
+
+
+def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.device,
+                        tp: TPGroup, executor, slots: SlotTable, pinned: set[int],
+                        lora_pool: LoRASlotPool, kv: KVCacheManager
+                        ) -> tuple[AdapterRegistry, AdapterResidency, AdapterService]:
+    """`pinned`: the one pin set the slot table and the host cache share."""
+    registry = AdapterRegistry()
+    # rank 0 reads and validates its own shard; at TP > 1 the mirror repeats every slot
+    # load and host-copy drop on the other ranks (by adapter id)
+    adapters = AdapterResidency(
+        registry, slots, HostCache(config.cpu_lora_capacity, pinned),
+        DiskLoader(lambda path: load_lora(path, mc, config.max_lora_rank, tp=tp,
+                                          dtype=config.torch_dtype),
+                   pin_memory=device.type == "cuda"),
+        lora_pool, device,
+        mirror=AdapterMirror(executor, registry) if executor is not None else None)
+    return registry, adapters, AdapterService(registry, slots, adapters, kv, config.max_loras)
