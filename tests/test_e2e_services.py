@@ -45,6 +45,10 @@ def cluster(files):
     cfg = ClusterConfig(model=files["model"], adapter_roots=(files["adapters"],),
                         workdir=str(files["root"] / "run"), auth_token=TOKEN, metrics_port=0,
                         gateway_args=("--max-inflight", "250", "--max-message-bytes", str(1 << 20)),
+                        # the engine as it runs on one GPU by default: step N+1 launched
+                        # before step N's tokens are read (sync is covered by the engine
+                        # tests and by tests/test_compose.py)
+                        engine_args=("--async-scheduling", "on"),
                         env={"OMP_NUM_THREADS": "1"})
     c = Cluster(cfg)
     c.start()

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tensor-parallel-size", type=int, default=int(env("LORAMUX_TP_SIZE", "1")))
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"),
+                   default=env("LORAMUX_ASYNC_SCHEDULING", "auto"),
+                   help="launch step N+1 before reading step N's tokens; auto: on for one "
+                        "CUDA device, off otherwise")
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
@@ -45,7 +49,8 @@ def engine_config(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, tp_size=args.tensor_parallel_size,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 
 def main(argv: list[str] | None = None) -> int:
