@@ -16,7 +16,9 @@ queued while the host works. Tokens, logprobs and finish reasons are those of sy
 what the scheduler does with in-flight tokens and with requests that finish while a
 launched step still holds them is in engine/scheduler.py. A step falls back to sync
 (completes the step in flight before scheduling) when that step sampled a request whose
-sampler reads the token history (repetition penalty). A request id still held by the
+sampler reads the token history (repetition penalty), and under tensor parallelism
+unless every row of that step took the greedy pick (only then does every rank hold its
+tokens on the device: engine/distributed/executor.py). A request id still held by the
 step in flight is reused only after that step completes (add_request completes it).
 Nothing else needs a quiescent device: KV blocks and adapter slots are only written by
 work queued on the compute stream, in order (adapter copies wait for it).
@@ -202,8 +204,8 @@ class Engine:
         request that got a token or finished) of the step completed in this call: the
         one just launched (sync), or the one launched by the previous call (async)."""
         results, self._carry = self._carry, []
-        if self._inflight is not None and self._inflight[1].needs_history:
-            results += self._complete()  # sync fallback: its tokens feed the sampler
+        if self._inflight is not None and self._must_complete(self._inflight[1]):
+            results += self._complete()  # sync fallback: see the module docstring
         out = self._schedule_step(results)
         if out.is_empty:
             if self._inflight is not None:
@@ -217,7 +219,9 @@ class Engine:
             results += self._update(out, sampled)
         else:
             prev = self._inflight
-            launched = self.runner.launch(out, prev[1] if prev else None)
+            pending = prev[1] if prev else None
+            launched = (self._tp.launch(out, self.runner, pending) if self._tp
+                        else self.runner.launch(out, pending))
             if prev is not None:
                 results += self._complete()
             self._inflight = (out, launched)
@@ -237,11 +241,17 @@ class Engine:
             out, ready = self._schedule(results)
         return out
 
+    def _must_complete(self, pending: PendingSample) -> bool:
+        """The next step cannot be launched before this one's tokens are read: a sampler
+        needs them, or (TP) some rank lacks them on its device."""
+        return pending.needs_history or (self._tp is not None
+                                         and not pending.tokens_on_every_rank)
+
     def _complete(self) -> list[StepOutput]:
         """Wait for the tokens of the step in flight and update the requests with them."""
         out, pending = self._inflight
         self._inflight = None
-        return self._update(out, pending.result())
+        return self._update(out, self._tp.result(pending) if self._tp else pending.result())
 
     def _update(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> list[StepOutput]:
         text_before = {s.request.request_id: len(s.request.text) for s in out.scheduled}

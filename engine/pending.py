@@ -28,6 +28,9 @@ class PendingSample:
         self.requests = requests
         self.tokens = tokens
         self.needs_history = False  # a row's sampler reads the token history (runner sets)
+        # the tokens are the greedy pick of logits every tensor-parallel rank holds: every
+        # rank has them on its device (runner sets; async scheduling at TP needs it)
+        self.tokens_on_every_rank = False
         self._decode = decode
         self._event = None
         if tokens is not None and tokens.device.type == "cuda":
@@ -61,6 +64,14 @@ class PendingSample:
         """`picked`: the greedy graph's [2, n] (token id, logprob) float64 output; copied
         out before the next replay overwrites it (stream order)."""
         return cls(requests, picked[0].long(), (picked,), _decode_greedy)
+
+    @classmethod
+    def device_only(cls, requests: list[Request], tokens: torch.Tensor) -> "PendingSample":
+        """A tensor-parallel worker's step: the picked tokens stay on the device for the
+        next step's placeholders; the host never reads them (`result()` is empty)."""
+        pending = cls(requests, tokens, (), lambda _reqs: {})
+        pending._result = {}
+        return pending
 
     def result(self) -> dict[str, Sampled]:
         """Wait for the copies (the step's only host sync) and return the tokens."""

@@ -14,6 +14,14 @@ before reading step N's tokens. An input token of N+1 that N is still sampling (
 "placeholder", the position just past a request's known tokens) is written as 0 on the
 host and replaced on the device by a gather from `prev.tokens` at the request's row
 (`Request.sample_row`, set at N's launch), before the forward pass or graph replay.
+
+The greedy pick (`greedy=True`: every sampling row plain greedy) takes each row's token and
+logprob with `cuda_graph.greedy_pick` (inside the graph on a graph step, after the eager
+forward pass otherwise): the Sampler's own ops for such rows. Under tensor parallelism
+every rank computes the same all-gathered logits, so every rank picks the same tokens and
+keeps them on its device: a worker's next step can fill its placeholders from its own
+copy, which is what lets a tensor-parallel step be launched before the previous one's
+tokens are read (`PendingSample.tokens_on_every_rank`).
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graph import CudaGraphRunner, is_decode_step
+from engine.cuda_graph import CudaGraphRunner, greedy_pick, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
 from engine.model.batch import AttentionMetadata, make_attention_metadata
 from engine.pending import PendingSample
@@ -117,14 +125,27 @@ class ModelRunner:
         input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
 
     @torch.no_grad()
-    def execute(self, inputs: ModelInputs, prev: PendingSample | None = None) -> PendingSample:
-        """Forward pass, logits for the sampling rows only, then the sampler."""
+    def execute(self, inputs: ModelInputs, prev: PendingSample | None = None,
+                greedy: bool = False) -> PendingSample:
+        """Forward pass, logits for the sampling rows only, then the sampler (or, with
+        `greedy`, the greedy pick: see the module docstring)."""
         self._fill_holes(inputs.input_ids, inputs.holes, prev)
         lora = LoRABatch(self.lora_pool, inputs.token_slots) if inputs.has_lora else None
         hidden = self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora)
         if not inputs.sample_requests:
             return PendingSample.known({}, [], self.device)
-        return self._sample(hidden[inputs.logits_indices], inputs.sample_requests)
+        hidden = hidden[inputs.logits_indices]
+        if greedy:
+            picked = greedy_pick(self.model.compute_logits(hidden))
+            return self._greedy_pending(inputs.sample_requests, picked)
+        return self._sample(hidden, inputs.sample_requests)
+
+    def _greedy_pending(self, requests: list[Request], picked: torch.Tensor) -> PendingSample:
+        """The greedy pick's [2, n] output as a step result; a TP worker (no Sampler) keeps
+        only the token ids on its device, for its next step's placeholders."""
+        if type(self.sampler) is Sampler:
+            return PendingSample.of_greedy_graph(requests, picked)
+        return PendingSample.device_only(requests, picked[0].long())
 
     def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> PendingSample:
         logits = self.model.compute_logits(hidden)
@@ -155,9 +176,7 @@ class ModelRunner:
         requests = [s.request for s in sched]
         if greedy:
             picked = self.graphs.run(sched, use_lora, greedy=True, uniform=uniform, patch=patch)
-            if type(self.sampler) is not Sampler:  # a TP worker: rank 0 reads the picks
-                return PendingSample.known({}, [], self.device)
-            return PendingSample.of_greedy_graph(requests, picked)
+            return self._greedy_pending(requests, picked)
         hidden = self.graphs.run(sched, use_lora, uniform=uniform, patch=patch)
         rows = [i for i, s in enumerate(sched) if s.samples]
         if not rows:
@@ -175,24 +194,41 @@ class ModelRunner:
         Under tensor parallelism only rank 0 samples, so only rank 0 can answer; the step
         plan carries its answer to the workers (`run(out, greedy)`), and every rank
         replays the same graph: same lm_head, same vocabulary all-gather."""
-        if type(self.sampler) is not Sampler or not is_decode_step(sched):
+        if not is_decode_step(sched) or not all(s.samples for s in sched):
             return False
-        return all(s.samples and s.request.params.greedy and not s.request.params.top_logprobs
-                   and s.request.params.repetition_penalty == 1.0 for s in sched)
+        return self.greedy_rows(sched)
+
+    def greedy_rows(self, sched: list[ScheduledRequest]) -> bool:
+        """Every sampling row samples greedily with nothing the greedy pick leaves out
+        (penalty, top logprobs, a custom sampler); vacuously true without sampling rows."""
+        if type(self.sampler) is not Sampler:
+            return False
+        return all(s.request.params.greedy and not s.request.params.top_logprobs
+                   and s.request.params.repetition_penalty == 1.0 for s in sched if s.samples)
+
+    def tp_greedy(self, sched: list[ScheduledRequest]) -> bool:
+        """Rank 0's greedy decision for a tensor-parallel step (the plan carries it):
+        `greedy_step` for a step that replays a CUDA graph, `greedy_rows` for an eager one.
+        True means every rank ends the step with the same tokens on its device."""
+        if self.graphs is not None and self.graphs.can_run(sched):
+            return self.greedy_step(sched)
+        return self.greedy_rows(sched)
 
     def launch(self, out: SchedulerOutput, prev: PendingSample | None = None,
                greedy: bool | None = None) -> PendingSample:
         """Queue one step on the device; `prev`: the launched step whose tokens this
         one's placeholder inputs take. Sets each sampling request's `sample_row`.
-        `greedy`: this step takes the greedy pick (`greedy_step`); None decides here (one
-        device, or rank 0), a TP worker passes rank 0's decision from the plan. The eager
-        path (prefill, mixed steps, the CPU) samples with the sampler either way."""
+        `greedy`: this step takes the greedy pick. None (one device): a graph step decides
+        with `greedy_step`, an eager one samples with the sampler. Under tensor parallelism
+        every rank passes rank 0's `tp_greedy` decision, which the eager path (prefill,
+        mixed steps, the CPU) follows too."""
         if self.graphs is not None and self.graphs.can_run(out.scheduled):
             if greedy is None:
                 greedy = self.greedy_step(out.scheduled)
             pending = self.run_graph(out, prev, greedy)
         else:
-            pending = self.execute(self.prepare_inputs(out), prev)
+            pending = self.execute(self.prepare_inputs(out), prev, bool(greedy))
+        pending.tokens_on_every_rank = bool(greedy)
         for i, req in enumerate(pending.requests):
             req.sample_row = i
             # the sampler's step count includes this token from now on; the engine

@@ -237,9 +237,8 @@ def test_async_scheduling_config(llama_family):
     assert EngineConfig(model=model, device="cuda").use_async_scheduling is True
     assert EngineConfig(model=model, device="cuda", tp_size=2).use_async_scheduling is False
     assert EngineConfig(model=model, async_scheduling=True).use_async_scheduling is True
-    with pytest.raises(InvalidRequestError,
-                       match=r"async_scheduling=True with tp_size=2: .* only with tp_size=1"):
-        EngineConfig(model=model, tp_size=2, async_scheduling=True)
+    # opt-in at TP (tests/test_tp_async.py)
+    assert EngineConfig(model=model, tp_size=2, async_scheduling=True).use_async_scheduling
     with pytest.raises(InvalidRequestError, match="async_scheduling='yes'"):
         EngineConfig(model=model, async_scheduling="yes")
 

@@ -5,6 +5,13 @@ Sampling: every rank computes the step's logits (the vocabulary-parallel head al
 them inside the model), but only rank 0 samples; the sampled tokens reach the workers as
 "new tokens" in the next plan. Rank 0 owns every sampler state (seeds, penalties), so
 nothing else has to stay in sync.
+
+Async scheduling (`launch`): a step whose sampling rows all take the greedy pick leaves
+the same tokens on every rank's device (ModelRunner.tp_greedy). Only after such a step may
+rank 0 launch the next one before reading its tokens: the next plan then carries, per
+request, one input token fewer than it runs, and each worker fills that placeholder from
+its own previous step's tokens at the same row, as rank 0 does (engine/runner.py). After
+any other step rank 0 reads the tokens first and sends them in the plan (engine/engine.py).
 """
 from __future__ import annotations
 
@@ -87,21 +94,32 @@ class TPExecutor:
 
     def execute(self, out, runner):
         """Send this step's plan, then run rank 0's shard; rank 0's sampled tokens."""
+        return self._guard(lambda: self._launch(out, runner, None).result())
+
+    def launch(self, out, runner, prev):
+        """Send this step's plan and queue rank 0's shard without waiting for its tokens
+        (async scheduling); `prev`: rank 0's step in flight, whose tokens this step's
+        placeholders take (on every rank: only after a `tokens_on_every_rank` step)."""
+        assert prev is None or prev.tokens_on_every_rank, "placeholders the workers lack"
+        return self._guard(lambda: self._launch(out, runner, prev))
+
+    def result(self, pending):
+        """Rank 0's tokens of a launched step (a failed collective: EngineDeadError)."""
+        return self._guard(pending.result)
+
+    def _launch(self, out, runner, prev):
         adds, self._adds = self._adds, []
         ops, self._ops = self._ops, []
         # rank 0 decides the greedy pick (only it samples); the plan carries the decision so
-        # that every rank replays the same CUDA graph
-        greedy = runner.greedy_step(out.scheduled)
+        # that every rank replays the same CUDA graph or picks eagerly the same way
+        greedy = runner.tp_greedy(out.scheduled)
         plan = self._tracker.plan(out, ops, greedy)
-
-        def run():
-            for adapter_id, path in adds:
-                self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(adapter_id, path))
-            self._channel.send(OP_STEP, encode_step(plan))
-            if ops:  # workers may read adapter shards from disk first: wait for them on
-                pg.agree_min(self._control, 0)  # the control group, not in a timed collective
-            return runner.run(out, greedy)
-        return self._guard(run)
+        for adapter_id, path in adds:
+            self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(adapter_id, path))
+        self._channel.send(OP_STEP, encode_step(plan))
+        if ops:  # workers may read adapter shards from disk first: wait for them on
+            pg.agree_min(self._control, 0)  # the control group, not in a timed collective
+        return runner.launch(out, prev, greedy)
 
     def _guard(self, fn):
         why = self._watchdog.poll() if not self._closed else "the engine is closed"

@@ -3,7 +3,12 @@
 It turns each StepPlan back into the SchedulerOutput rank 0's runner saw (same tokens,
 positions, block tables, slots and sampling rows), so every rank's runner builds
 identical inputs. Mirror requests are plain Requests holding token ids only; workers
-never sample."""
+never sample. With async scheduling a row may run one token past those known (the token
+rank 0's step in flight is picking); it reaches the mirror in a later plan.
+
+A forgotten handle only leaves the mirror: a step already launched holds its Request in
+the SchedulerOutput built for it, and rank 0 forgets only finished requests, which it
+never schedules again."""
 from __future__ import annotations
 
 from engine.distributed.plan import StepPlan
@@ -40,7 +45,8 @@ class RequestMirror:
             if s.reset_blocks:
                 blocks.clear()
             blocks.extend(s.new_blocks)
-            assert s.start + s.num_new <= req.num_tokens, (s.handle, s.start, s.num_new)
+            # one more than known: the token in flight (async scheduling; a placeholder)
+            assert s.start + s.num_new <= req.num_tokens + 1, (s.handle, s.start, s.num_new)
             out.scheduled.append(ScheduledRequest(req, s.start, s.num_new, tuple(blocks),
                                                   s.slot, s.samples))
         return out

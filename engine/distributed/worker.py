@@ -3,7 +3,8 @@
 It builds the same shard rank 0 builds (model, LoRA slot pool, KV cache of the agreed size,
 ModelRunner), then follows rank 0's messages until told to stop: where adapter versions'
 files are, and step plans (adapter ops by id, then the scheduled sequences) that its
-request mirror turns into the same SchedulerOutput rank 0 ran. It never samples.
+request mirror turns into the same SchedulerOutput rank 0 ran. It never samples; the
+tokens a greedy step picks stay on its device for the next step's placeholders.
 """
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ class Worker:
             graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
             max_model_len=max_model_len)
         self.mirror = RequestMirror()
+        self._prev = None   # the last launched step: its picked tokens stay on the device
         self.adapters = ShardCache(self._read_adapter)
         self.channel = PlanChannel(self.control, self.tp.rank)
 
@@ -137,5 +139,6 @@ class Worker:
         if plan.slot_ops:  # matches rank 0's wait in TPExecutor.execute
             pg.agree_min(self.control, 0)
         out = self.mirror.apply(plan)
-        if out.scheduled:
-            self.runner.run(out, plan.greedy)  # rank 0's decision: the same graph
+        if out.scheduled:  # rank 0's greedy decision: the same graph or eager pick;
+            # placeholders (async scheduling) come from this rank's previous step
+            self._prev = self.runner.launch(out, self._prev, plan.greedy)
