@@ -37,7 +37,7 @@ from engine.assembly import build_adapter_parts, build_model_parts
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.executor import TPExecutor
-from engine.errors import InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.model.hf_config import ModelConfig
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.parallel import TPGroup
@@ -313,7 +313,10 @@ class Engine:
         ranks (the engine is unusable afterwards; at TP > 1 a later step raises
         EngineDeadError)."""
         if getattr(self, "_inflight", None) is not None:
-            self.flush()
+            try:
+                self.flush()
+            except EngineDeadError:  # a rank is gone (TP): the step's outputs with it
+                self._inflight = None
         if getattr(self, "adapters", None) is not None:
             self.adapters.loader.close()
         if getattr(self, "runner", None) is not None:
