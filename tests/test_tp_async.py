@@ -226,3 +226,32 @@ def test_worker_fills_placeholders_from_its_own_picked_tokens(llama_family):
     sampled = ref.run(out)   # one device: the eager path samples with the Sampler
     assert {k: (v.token_id, v.logprob) for k, v in sampled.items()} == \
         {k: (v.token_id, v.logprob) for k, v in picked[0].items()}
+
+
+@pytest.mark.parametrize("odd,want", [
+    (None, True),
+    (SamplingParams(temperature=0.7, max_tokens=8), False),          # sampled
+    (SamplingParams(temperature=0.0, max_tokens=8, top_logprobs=2), False),
+    (SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.2), False),
+])
+def test_tp_greedy_decision_covers_eager_steps(llama_family, odd, want):
+    """Rank 0 decides the greedy pick for a prefill/mixed (eager) step too: every sampling
+    row plain greedy; a non-sampling row (a prompt chunk) does not count. A worker never
+    decides (no sampler); on one device the eager path keeps sampling with the Sampler."""
+    cfg = ModelConfig.from_dir(llama_family.model_dir)
+    rank0 = _runner(cfg, llama_family.model_dir, None)
+    params = [SamplingParams(temperature=0.0, max_tokens=8)] * 2 + [odd or SamplingParams(
+        temperature=0.0, max_tokens=8)]
+    reqs = [Request(f"d{i}", [3 + 5 * i + j for j in range(5 + i)], p)
+            for i, p in enumerate(params)]
+    for r in reqs:
+        r.sampling_state = SamplingState.create(r.params, r.prompt_token_ids, default_seed=0)
+    out = SchedulerOutput([ScheduledRequest(r, 0, r.num_tokens, tuple(range(8 * i, 8 * i + 8)),
+                                            -1, True) for i, r in enumerate(reqs)])
+    chunk = SchedulerOutput([*out.scheduled[:2], ScheduledRequest(
+        reqs[2], 0, 2, out.scheduled[2].block_ids, -1, False)])  # the odd row only chunks
+    assert rank0.tp_greedy(out.scheduled) is want
+    assert rank0.tp_greedy(chunk.scheduled) is True
+    assert rank0.greedy_step(out.scheduled) is False           # the graph decision: decode only
+    assert _runner(cfg, llama_family.model_dir, NoSampling()).tp_greedy(out.scheduled) is False
+    assert rank0.launch(out).tokens_on_every_rank is False      # TP=1: the Sampler, unchanged
