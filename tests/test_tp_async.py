@@ -12,15 +12,10 @@ with in-flight tokens fills them from its own picked tokens at the row rank 0 us
 writes the KV rank 0 writes."""
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.errors import EngineDeadError
 from engine.distributed.mirror import RequestMirror
 from engine.distributed.plan import decode_step, encode_step
 from engine.distributed.tracker import PlanTracker
@@ -34,6 +29,7 @@ from engine.sampling import SamplingState
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from tests.test_engine_async import assert_idle, assert_same, drive, mixed_requests
 from tests.test_tp_engine import CFG, MIXED, PROMPTS, lifecycle
+from tests.support.ranks import kill_rank_and_expect_dead
 from tests.test_tp_failures import wait_gone
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -147,14 +143,7 @@ def test_killed_worker_mid_async_run_raises_and_close_is_clean(llama_family):
         for _ in range(3):
             engine.step()
         assert engine._inflight is not None, "async: a step is in flight"
-        os.kill(pids[0], signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError, match="rank 1"):
-            while engine.has_unfinished():
-                engine.step()
-        assert time.monotonic() - start < 10
-        with pytest.raises(EngineDeadError):
-            engine.step()
+        kill_rank_and_expect_dead(engine, pids[0])
     finally:
         engine.close()
     assert engine._inflight is None

@@ -12,10 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from engine import Engine, EngineConfig, SamplingParams
-from engine.errors import EngineDeadError
+from tests.support.ranks import kill_rank_and_expect_dead
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -46,14 +44,7 @@ def test_killed_worker_raises_promptly_and_cleans_up(llama_family):
         engine.add_request("r", [5, 6, 7, 8], LONG)
         engine.step()
         engine.step()
-        os.kill(pids[0], signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError, match="rank 1"):
-            while engine.has_unfinished():
-                engine.step()
-        assert time.monotonic() - start < 10
-        with pytest.raises(EngineDeadError):  # and it stays dead
-            engine.step()
+        kill_rank_and_expect_dead(engine, pids[0])
     finally:
         engine.close()
     assert wait_gone(pids, 5)

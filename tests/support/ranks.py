@@ -1,5 +1,6 @@
-"""Two tensor-parallel ranks as two threads of the test process, over real gloo groups
-(engine/distributed/group.py) met through a loopback TCP store."""
+"""Tensor-parallel test helpers: two ranks as two threads of the test process over real
+gloo groups (engine/distributed/group.py) met through a loopback TCP store, and the check
+that a killed worker rank takes its engine down promptly."""
 from __future__ import annotations
 
 import threading
@@ -28,3 +29,24 @@ def two_ranks(fn, timeout_s: float = 60.0) -> dict:
         t.join(timeout_s)
     assert not errors, errors
     return out
+
+
+def kill_rank_and_expect_dead(engine, pid: int, within_s: float = 10.0) -> None:
+    """SIGKILL a worker rank of `engine`; stepping must raise EngineDeadError naming
+    rank 1 within `within_s` (no hang), and the engine must stay dead."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from engine.errors import EngineDeadError
+
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1"):
+        while engine.has_unfinished():
+            engine.step()
+    assert time.monotonic() - start < within_s
+    with pytest.raises(EngineDeadError):  # and it stays dead
+        engine.step()
