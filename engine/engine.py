@@ -214,19 +214,15 @@ class Engine:
             return results
         for req, hits in out.cache_hits:
             self.adapter_service.count_cache_hits(req.adapter_id, hits)
-        if not self._async:
-            sampled = self._tp.execute(out, self.runner) if self._tp else self.runner.run(out)
-            results += self._update(out, sampled)
-        else:
-            prev = self._inflight
-            pending = prev[1] if prev else None
-            launched = (self._tp.launch(out, self.runner, pending) if self._tp
-                        else self.runner.launch(out, pending))
-            if prev is not None:
-                results += self._complete()
-            self._inflight = (out, launched)
-            if not self.scheduler.has_unfinished():
-                results += self._complete()  # only finished requests left in it
+        prev = self._inflight  # always None in sync mode
+        pending = prev[1] if prev else None
+        launched = (self._tp.launch(out, self.runner, pending) if self._tp
+                    else self.runner.launch(out, pending))
+        if prev is not None:
+            results += self._complete()
+        self._inflight = (out, launched)
+        if not self._async or not self.scheduler.has_unfinished():
+            results += self._complete()  # sync; or only finished requests left in it
         self.adapter_service.free_retired()
         return results
 

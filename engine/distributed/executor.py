@@ -37,7 +37,8 @@ START_TIMEOUT_S = 120.0
 
 
 class TPExecutor:
-    """`tp` is rank 0's TPGroup; build rank 0's shard with it, then call `execute` per step."""
+    """`tp` is rank 0's TPGroup; build rank 0's shard with it, then `launch` each step
+    and read its `result`."""
 
     def __init__(self, config):
         self.size = config.tp_size
@@ -91,10 +92,6 @@ class TPExecutor:
     def queue_op(self, kind: int, slot: int, adapter_id: int) -> None:
         """A slot or host-copy change for the workers' next step plan."""
         self._ops.append((kind, slot, adapter_id))
-
-    def execute(self, out, runner):
-        """Send this step's plan, then run rank 0's shard; rank 0's sampled tokens."""
-        return self._guard(lambda: self._launch(out, runner, None).result())
 
     def launch(self, out, runner, prev):
         """Send this step's plan and queue rank 0's shard without waiting for its tokens

@@ -136,7 +136,7 @@ class Worker:
                 self.adapters.retire(adapter_id)
             else:
                 raise RuntimeError(f"rank {self.tp.rank}: unknown adapter op {kind}")
-        if plan.slot_ops:  # matches rank 0's wait in TPExecutor.execute
+        if plan.slot_ops:  # matches rank 0's wait in TPExecutor._launch
             pg.agree_min(self.control, 0)
         out = self.mirror.apply(plan)
         if out.scheduled:  # rank 0's greedy decision: the same graph or eager pick;
