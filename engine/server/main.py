@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=env("LORAMUX_ASYNC_SCHEDULING", "auto"),
                    help="launch step N+1 before reading step N's tokens; auto: on for one "
                         "CUDA device, off otherwise")
+    p.add_argument("--shutdown-grace", type=float,
+                   default=float(env("LORAMUX_SHUTDOWN_GRACE", "30")),
+                   help="on SIGTERM/SIGINT, running requests have this many seconds to "
+                        "finish; new ones are refused (default: 30)")
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine serving: input={args.input} output={args.output} "
           f"instance={server.instance_id}", file=sys.stderr, flush=True)
     try:
-        server.serve_forever(stop)
+        server.serve_forever(stop, args.shutdown_grace)
     finally:
         engine.close()  # joins the other tensor-parallel ranks, if any
     return 0
