@@ -241,7 +241,7 @@ def build_app(front: OpenAIFront) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        up = front.servicer.engine.up
+        up = front.servicer.engine.up and not front.servicer.engine.draining
         return JSONResponse({"status": "ok" if up else "engine unavailable"},
                             status_code=200 if up else 503)
 
