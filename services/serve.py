@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if plan.demo:
             _load_demo_adapters(cluster, args.auth_token)
         print(f"loramux serving {plan.model}\n  gateway  {cluster.gateway_address}\n"
+              f"  http     {cluster.http_address or 'off'}\n"
               f"  control  {cluster.control_address}\n  logs     {plan.workdir}\n"
               f"try: loramux generate --gateway {cluster.gateway_address} "
               f"{'--adapter demo-a ' if plan.demo else ''}\"hello\"   (Ctrl-C stops)",

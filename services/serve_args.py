@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gRPC AdapterAdmin port (default: 50052; 0 picks a free one)")
     s.add_argument("--metrics-port", type=_port(True), default=9090,
                    help="Prometheus /metrics port (default: 9090; -1: off)")
-    s.add_argument("--auth-token", default=None, help="bearer token for admin calls")
+    s.add_argument("--http-port", type=_port(False), default=8000,
+                   help="OpenAI-compatible HTTP API port (default: 8000; 0: off)")
+    s.add_argument("--auth-token", default=None,
+                   help="bearer token for admin calls and the HTTP API")
     s.add_argument("--workdir", default=None, help="registry and logs (default: a temp dir "
                    "for the demo, <cache>/serve otherwise)")
     s.add_argument("--cache-dir", default=None, help="where the demo model is made")
@@ -127,7 +130,8 @@ def cluster_config(args, plan: Plan):
     return ClusterConfig(
         model=plan.model, adapter_roots=plan.adapter_roots, workdir=plan.workdir,
         host=args.host, gateway_port=args.gateway_port, control_port=args.control_port,
-        metrics_port=args.metrics_port, auth_token=args.auth_token, tensor_parallel_size=tp,
+        metrics_port=args.metrics_port, http_port=args.http_port or -1,
+        auth_token=args.auth_token, tensor_parallel_size=tp,
         shutdown_grace_s=args.shutdown_grace,
         engine_args=tuple(to_argv(engine, ENGINE_OPTIONS)),
         gateway_args=tuple(to_argv(args.gateway, GATEWAY_OPTIONS)),
