@@ -23,11 +23,12 @@ from engine.distributed.adapters import ShardCache
 from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
-from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
 from engine.lora import LoRASlotPool, load_lora
+from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
+from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplerOutput
 
@@ -84,11 +85,8 @@ class Worker:
             model.load_weights(config.model)
         self.pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
                                  tp_size=self.tp.size)
-        block_bytes = bytes_per_block(mc.num_layers, config.block_size,
-                                      model.num_kv_heads_per_rank, mc.head_dim, dtype)
-        blocks = pg.agree_min(self.control, num_kv_blocks(
-            config.num_kv_blocks, device, config.kv_cache_fraction, block_bytes,
-            cap=max_useful_blocks(config.max_num_seqs, max_model_len, config.block_size)))
+        blocks = pg.agree_min(self.control, kv_blocks(
+            config, mc, model.num_kv_heads_per_rank, device, max_model_len))
         kv_caches = model.make_kv_caches(blocks, config.block_size)
         # built exactly like rank 0's runner (engine/engine.py), so decode steps take the
         # same path (graph replay or eager) on every rank
@@ -98,6 +96,7 @@ class Worker:
             max_model_len=max_model_len)
         self.mirror = RequestMirror()
         self._prev = None   # the last launched step: its picked tokens stay on the device
+        self._buffers = HostBufferPool(pin=self.device.type == "cuda")
         self.adapters = ShardCache(self._read_adapter)
         self.channel = PlanChannel(self.control, self.tp.rank)
 
@@ -121,9 +120,8 @@ class Worker:
 
     def _read_adapter(self, path: str):
         """This rank's shard of a version rank 0 has read and validated already."""
-        w = load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
-                      dtype=self.config.torch_dtype)
-        return w.pin_memory() if self.device.type == "cuda" else w
+        return load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
+                         dtype=self.config.torch_dtype, buffers=self._buffers)
 
     def _step(self, payload: torch.Tensor) -> None:
         plan = decode_step(payload)
