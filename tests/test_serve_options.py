@@ -29,7 +29,7 @@ NON_DEFAULT = {
     "max_model_len": ("200", 200), "gpu_memory_utilization": ("0.5", 0.5),
     "num_kv_blocks": ("40", 40), "block_size": ("8", 8),
     "enable_prefix_caching": (None, False), "enforce_eager": (None, True),
-    "async_scheduling": ("on", True), "seed": ("7", 7), "load_format": ("dummy", "dummy"),
+    "async_scheduling": ("on", True), "cpu_threads": ("1", 1), "seed": ("7", 7), "load_format": ("dummy", "dummy"),
     "tp_allreduce": ("nccl", "nccl"),
 }
 

@@ -16,7 +16,8 @@ from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = OneLineErrors(prog="python -m engine.server", description="Run the loramux engine behind ZMQ sockets.")
+    p = OneLineErrors(prog="python -m engine.server",
+                      description="Run the loramux engine behind ZMQ sockets.")
     p.add_argument("--model", default=env("LORAMUX_MODEL"), help="HF model directory")
     p.add_argument("--input", default=env("LORAMUX_ENGINE_INPUT"),
                    help="address to bind the PULL socket for requests and commands")
@@ -28,7 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
                    default=env("LORAMUX_SHUTDOWN_GRACE", "30"),
                    help="on SIGTERM/SIGINT, running requests have this many seconds to "
                         "finish; new ones are refused (default: 30)")
-    p.add_argument("--heartbeat-interval", type=positive_float, default=0.2)
+    p.add_argument("--heartbeat-interval", type=positive_float, default=0.2,
+                   help="seconds between heartbeats (sent from their own thread: a long "
+                        "step does not delay them)")
+    p.add_argument("--stall-timeout", type=positive_float, default=600.0,
+                   help="heartbeats stop while one step-loop iteration has run this many "
+                        "seconds (a hung engine then looks dead to its peers)")
+    p.add_argument("--debug-step-sleep", type=non_negative_float, default=0.0,
+                   help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
     return p
@@ -67,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LoramuxError, argparse.ArgumentTypeError) as err:
         print(f"error: {config_error_message(str(err))}", file=sys.stderr)
         return 2
-    server = EngineServer(engine, ServerConfig(args.input, args.output,
-                                               heartbeat_interval_s=args.heartbeat_interval))
+    server = EngineServer(engine, ServerConfig(
+        args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
+        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

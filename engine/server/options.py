@@ -195,6 +195,10 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            "on, off or auto: launch step N+1 before reading step N's tokens (default: "
            "auto: on for one CUDA device, off otherwise; the bare flag means on)",
            env="LORAMUX_ASYNC_SCHEDULING", tri_state=True),
+    Option("cpu_threads", "--cpu-threads", auto_positive_int,
+           "torch threads on the CPU device (default: auto: $OMP_NUM_THREADS if set, else "
+           "the cores this process may use, shared among tensor-parallel ranks)",
+           env="LORAMUX_CPU_THREADS"),
     Option("seed", "--seed", non_negative_int,
            "seed of the engine's random sampling (default: 0)", env="LORAMUX_SEED"),
     Option("load_format", "--load-format", choice("auto", "dummy"),
