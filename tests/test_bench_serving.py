@@ -87,3 +87,15 @@ def test_tiny_run_writes_the_report(tmp_path):
     has_plots = importlib.util.find_spec("matplotlib") is not None
     assert (out / "latency_vs_throughput.png").exists() == has_plots
     assert (out / "adapters.png").exists() == has_plots
+
+
+def test_synthetic_files_are_hard_links_of_a_few_weight_sets(tmp_path):
+    from benchmarks.serving.files import prepare
+
+    files = prepare(tmp_path, tiny=False, num_adapters=5, distinct=2, layers=1)
+    assert files.dummy_weights and files.names == ("a0000", "a0001", "a0002", "a0003", "a0004")
+    assert files.vocab == range(3, 128000)  # Llama 3's special ids start at 128000
+    inodes = [(files.adapter_root / n / "adapter_model.safetensors").stat().st_ino
+              for n in files.names]
+    assert inodes[0] == inodes[2] == inodes[4] != inodes[1] == inodes[3]
+    assert not (files.adapter_root / "a0000").is_symlink()
