@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=int(env("LORAMUX_METRICS_PORT", "9090")),
                    help="Prometheus /metrics HTTP port (0 picks one, -1 disables)")
     p.add_argument("--metrics-host", default=env("LORAMUX_METRICS_HOST", "127.0.0.1"))
+    p.add_argument("--metrics-max-adapters", type=int, default=64,
+                   help="distinct adapter label values in metrics; later adapters count as 'other'")
     p.add_argument("--heartbeat-timeout", type=float, default=1.5)
     p.add_argument("--shutdown-grace", "--grace", dest="shutdown_grace", type=float,
                    default=float(env("LORAMUX_SHUTDOWN_GRACE", "30")),
@@ -90,6 +92,7 @@ async def serve(args) -> int:
     from engine.tokenizer import Tokenizer
     from services.gateway.adapter_table import AdapterTable
     from services.gateway.engine_client import EngineClient
+    from services.gateway.engine_metrics import EngineCollector
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.prompts import PromptBuilder
     from services.gateway.servicer import GenerateServicer
@@ -97,11 +100,12 @@ async def serve(args) -> int:
     log = configure_logging("gateway", args.log_level)
     prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(args.metrics_max_adapters)
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
     engine = EngineClient(args.engine_input, args.engine_output, max_inflight=args.max_inflight,
                           heartbeat_timeout_s=args.heartbeat_timeout)
     table = AdapterTable(args.table_address)
+    metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
