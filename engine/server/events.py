@@ -32,9 +32,23 @@ def engine_event(stats: dict, loaded: dict, histograms=()) -> engine_pb2.EngineE
     for key, value in stats.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             ev.stats[key] = float(value)
+    for key, value in adapter_totals(stats).items():
+        ev.stats[key] = float(value)
     for entry in _adapter_entries(stats):
         ev.adapters.append(_adapter_status(entry, loaded))
     return ev
+
+
+_TOTALS = {"loads": "adapter_slot_loads", "evictions": "adapter_slot_evictions",
+           "disk_reads": "adapter_disk_reads", "host_evictions": "adapter_host_evictions"}
+
+
+def adapter_totals(stats: dict) -> dict[str, int]:
+    """Engine-wide adapter movement since start, summed over the versions it holds:
+    copies into device slots, slot evictions, reads from disk after the first (implicit
+    reloads), host-copy evictions."""
+    entries = _adapter_entries(stats)
+    return {total: sum(int(e.get(key, 0) or 0) for e in entries) for key, total in _TOTALS.items()}
 
 
 def _adapter_entries(stats: dict) -> list[dict]:
