@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+from engine.server import curve
+
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
+    curve.add_arguments(p)
     return p
 
 
@@ -60,12 +63,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --{name} is required (or set LORAMUX_{'MODEL' if name == 'model' else 'ENGINE_' + name.upper()})",
                   file=sys.stderr)
             return 2
+    try:
+        keys = curve.keys_from_args(args)
+    except curve.ZmqKeyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     from engine.engine import Engine
     from engine.server.loop import EngineServer, ServerConfig
 
     engine = Engine(engine_config(args))
     server = EngineServer(engine, ServerConfig(args.input, args.output,
-                                               heartbeat_interval_s=args.heartbeat_interval))
+                                               heartbeat_interval_s=args.heartbeat_interval,
+                                               keys=keys))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -76,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                        "output": args.output, "pid": os.getpid()}, f)
         os.replace(tmp, args.ready_file)
     print(f"engine serving: input={args.input} output={args.output} "
-          f"instance={server.instance_id}", file=sys.stderr, flush=True)
+          f"instance={server.instance_id} zmq={'curve' if keys else 'INSECURE'}",
+          file=sys.stderr, flush=True)
     try:
         server.serve_forever(stop)
     finally:

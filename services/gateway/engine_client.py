@@ -17,13 +17,14 @@ from services.gateway.errors import Rejected
 
 class EngineClient:
     def __init__(self, input_address: str, output_address: str, *, max_inflight: int,
-                 heartbeat_timeout_s: float = 1.5):
+                 heartbeat_timeout_s: float = 1.5, keys=None):
         self.max_inflight = max_inflight
         self.prefix = f"gw-{uuid.uuid4().hex[:12]}-"  # request ids unique across gateways
         self._streams: dict[str, asyncio.Queue] = {}
         self._counter = 0
         self.conn = EngineConnection(input_address, output_address, on_output=self._output,
-                                     on_down=self._down, heartbeat_timeout_s=heartbeat_timeout_s)
+                                     on_down=self._down, heartbeat_timeout_s=heartbeat_timeout_s,
+                                     keys=keys)
 
     @property
     def inflight(self) -> int:
