@@ -1,15 +1,18 @@
 """adapter_config.json matching rules against PEFT's own functions, over every module name
-of a Llama-style model (no model or tensors needed)."""
+of a Llama-style model (no model or tensors needed); hostile patterns are matched in
+linear time (RE2) or refused."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.other import get_pattern_key
 
-from engine.lora.config import read_adapter_config
+from engine.errors import AdapterError
+from engine.lora.config import parse_adapter_config, read_adapter_config
 from engine.lora.plan import module_name
 from engine.model.lora_targets import LORA_TARGETS
 
@@ -25,7 +28,19 @@ CASES = [
     dict(target_modules=["o_proj"], layers_to_transform=4, layers_pattern="layers"),
     dict(target_modules=["q_proj", "k_proj", "down_proj"], exclude_modules=["k_proj"]),
     dict(target_modules=["q_proj", "down_proj"], exclude_modules=r".*layers\.[2-5]\..*"),
+    # target_modules / exclude_modules as written by common training recipes
+    dict(target_modules=r".*\.(q_proj|k_proj|v_proj|o_proj)$"),
+    dict(target_modules=r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj"),
+    dict(target_modules=r"(?:.*\.)?(?:gate|up|down)_proj"),
+    dict(target_modules=r".*(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj"),
+    dict(target_modules=r".*layers\.(0|1|2|10)\.self_attn\.[qv]_proj"),
+    dict(target_modules=r"^(?!.*lm_head).*proj$"),      # lookaround: refused, see below
+    dict(target_modules=r"(?i).*Q_PROJ"),
+    dict(target_modules=["q_proj", "v_proj"], exclude_modules=["layers.3.self_attn.q_proj"]),
+    dict(target_modules=r".*_proj", exclude_modules=r".*\.(?:1[0-1]|[02468])\.mlp\..*"),
+    dict(target_modules=["layers.1.mlp.down_proj", "model.layers.11.self_attn.v_proj"]),
 ]
+NOT_RE2 = {r"^(?!.*lm_head).*proj$"}
 
 
 def write_config(tmp_path, **fields):
@@ -36,6 +51,10 @@ def write_config(tmp_path, **fields):
 
 @pytest.mark.parametrize("fields", CASES, ids=range(len(CASES)))
 def test_targets_match_peft(tmp_path, fields):
+    if str(fields["target_modules"]) in NOT_RE2:
+        with pytest.raises(AdapterError, match="linear time"):
+            write_config(tmp_path, **fields)
+        return
     peft_cfg, ours = write_config(tmp_path, **fields)
     for name in NAMES:
         want = check_target_module_exists(peft_cfg, name)
@@ -65,3 +84,57 @@ def test_all_linear_excludes_head_and_embedding(tmp_path):
     assert ours.is_all_linear
     assert all(ours.targets(n) for n in NAMES[:-3])
     assert not ours.targets("lm_head") and not ours.targets("model.embed_tokens")
+
+
+def test_real_world_rank_and_alpha_patterns_match_peft(tmp_path):
+    """Per-layer patterns as produced by rank-allocating tools (one key per module,
+    full names and suffixes mixed, regex groups and classes)."""
+    rank_pattern = {f"model.layers.{i}.self_attn.{m}": 1 + (i * 3 + k) % 16
+                    for i in range(0, 12, 2) for k, m in enumerate(("q_proj", "v_proj"))}
+    rank_pattern.update({r"layers\.(1|3|5)\.mlp\.(gate|up)_proj": 12, r"\w+\.down_proj": 6})
+    alpha_pattern = {r"model\.layers\.[0-4]\..*": 7, r"self_attn\.[kv]_proj": 9.5}
+    peft_cfg, ours = write_config(tmp_path, target_modules=list(LORA_TARGETS),
+                                  rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+    for name in NAMES[:-3]:
+        r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), name), peft_cfg.r)
+        alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), name), peft_cfg.lora_alpha)
+        assert ours.rank_of(name) == r, name
+        assert ours.scaling_of(name) == pytest.approx(alpha / r, rel=1e-12), name
+
+
+HOSTILE = [r"(a+)+$", r"(.*a){20}", r"(x+x+)+y", r"(\w|\w\w)*\d", r"((a|aa)+)+b",
+           r"(.*\.)*(.*\.)*(.*\.)*(.*\.)*(.*\.)*z"]
+
+
+@pytest.mark.parametrize("field", ["target_modules", "exclude_modules", "rank_pattern",
+                                   "alpha_pattern"])
+@pytest.mark.parametrize("pattern", HOSTILE, ids=range(len(HOSTILE)))
+def test_catastrophic_patterns_match_in_linear_time(field, pattern):
+    """Python's re takes exponential time on these against long names; RE2 does not."""
+    raw = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    raw[field] = {pattern: 4} if field.endswith("pattern") else pattern
+    cfg = parse_adapter_config(json.dumps(raw).encode(), 64, "adapter_config.json")
+    long_names = ["a" * 5000 + "!", "model." + "a." * 3000 + "x" * 2000, "w" * 5000 + "_"]
+    t0 = time.monotonic()
+    for name in long_names:
+        cfg.targets(name), cfg.rank_of(name), cfg.scaling_of(name)
+    assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.parametrize("pattern, why", [
+    (r"(a)\1", "linear time"), (r"(?<=x)q_proj", "linear time"), (r"(?=q)q_proj", "linear time"),
+    (r"(unclosed", "not a valid regex"), (r"(a{1000}){1000}", "linear time"),
+    ("x" * 20000, "longer than")])
+def test_patterns_refused(pattern, why):
+    for field in ("target_modules", "exclude_modules", "rank_pattern"):
+        raw = {"r": 8, "target_modules": ["q_proj"]}
+        raw[field] = {pattern: 4} if field == "rank_pattern" else pattern
+        with pytest.raises(AdapterError) as ei:
+            parse_adapter_config(json.dumps(raw).encode(), 64, "adapter_config.json")
+        assert why in str(ei.value) and ei.value.feature == field, str(ei.value)
+
+
+def test_too_many_pattern_keys_refused():
+    raw = {"r": 8, "target_modules": ["q_proj"], "rank_pattern": {f"k{i}": 4 for i in range(2000)}}
+    with pytest.raises(AdapterError, match="keys"):
+        parse_adapter_config(json.dumps(raw).encode(), 64, "adapter_config.json")

@@ -98,7 +98,7 @@ def test_generated_code_is_fresh_and_check_detects_staleness(tmp_path):
     for part in ("protos", "scripts", "clients/python/loramux/v1"):
         shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
     proto = tmp_path / "protos/loramux/v1/generate.proto"
-    proto.write_text(proto.read_text().replace("string request_id = 5;", "string request_id = 5;\n  int32 extra = 6;"))
+    proto.write_text(proto.read_text().replace("string request_id = 5;", "string request_id = 5;\n  int32 extra = 99;"))
     env = {**os.environ, "PYTHON": sys.executable}
     stale = subprocess.run(["bash", "scripts/gen_protos.sh", "--check"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=120, env=env)

@@ -21,6 +21,7 @@ import pytest
 from loramux import AdminClient, GenerateClient
 
 from engine.server import curve
+from engine.server.probe import wait_output
 from services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
@@ -114,18 +115,19 @@ def cluster(files):
 def rogue(cluster, files, mode: str, seconds: float) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tests.support.rogue_zmq", "--as", mode,
            "--engine-input", cluster.engine_input, "--engine-output", cluster.engine_output,
-           "--table", cluster.table_address, "--server-public",
-           cluster.zmq_keys.server_public.decode(), "--outside", files["outside"],
+           "--table", cluster.table_address,  # z85 may start with '-': one argument
+           f"--server-public={cluster.zmq_keys.server_public.decode()}", "--outside", files["outside"],
            "--served", "a1", "--seconds", str(seconds)]
     if mode == "member":
         cmd += ["--zmq-keys", cluster.zmq_keys.directory]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def report(proc: subprocess.Popen) -> dict:
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -177,3 +179,11 @@ def test_the_same_process_with_the_run_keys_gets_through(cluster, files):
     got = report(rogue(cluster, files, "member", seconds=2.0))
     assert got["output"] > 0 and got["table"] > 0, got
     assert "member-pin" in got["acks"], got
+
+
+def test_reading_without_the_keys_fails_loudly(cluster):
+    """A test or tool that forgets the keys is told so at once, not left to time out."""
+    t0 = time.monotonic()
+    with pytest.raises(curve.ZmqKeyError, match="refused the handshake.*no CURVE keys"):
+        wait_output(cluster.engine_output, lambda m: True, 20)
+    assert time.monotonic() - t0 < 5

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from engine.errors import AdapterError
+from engine.lora.patterns import Pattern, check_key_count, dotted_suffixes
 
 CONFIG_NAME = "adapter_config.json"
+MAX_CONFIG_BYTES = 1 << 20
 
 # Fields of peft.LoraConfig that change the math of the forward pass (or the base weights)
 # in ways a plain x·A·B·scaling kernel cannot reproduce. Refused when set to anything truthy.
@@ -41,6 +42,11 @@ class AdapterConfig:
     alpha_pattern: tuple[tuple[str, float], ...]
     layers_to_transform: tuple[int, ...] | None
     file: str
+    # Compiled forms of the fields above (RE2 patterns, suffix sets), built once.
+    _match: dict = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_match", _compile_matchers(self))
 
     @property
     def is_all_linear(self) -> bool:
@@ -49,12 +55,13 @@ class AdapterConfig:
 
     def rank_of(self, module: str) -> int:
         """Rank PEFT gives `module` (a full module name)."""
-        return _pattern_value(self.rank_pattern, module, self.r)
+        return _pattern_value(self._match["rank"], self.rank_pattern, module, self.r)
 
     def scaling_of(self, module: str) -> float:
         """The factor PEFT multiplies lora_B(lora_A(x)) by for `module`."""
         r = self.rank_of(module)
-        alpha = _pattern_value(self.alpha_pattern, module, self.lora_alpha)
+        alpha = _pattern_value(self._match["alpha"], self.alpha_pattern, module,
+                               self.lora_alpha)
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
     def targets(self, module: str) -> bool:
@@ -64,11 +71,11 @@ class AdapterConfig:
         if self.is_all_linear:
             return module != "lm_head" and not module.endswith("embed_tokens")
         if isinstance(self.target_modules, str):
-            return re.fullmatch(self.target_modules, module) is not None
-        if module in self.target_modules:
-            return True
-        if not any(module.endswith(f".{t}") for t in self.target_modules):
+            return self._match["target"].matches(module)
+        if not dotted_suffixes(module) & self._match["target"]:
             return False
+        if module in self._match["target"]:
+            return True
         if self.layers_to_transform is None:
             return True
         m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
@@ -79,29 +86,57 @@ class AdapterConfig:
         if not ex:
             return False
         if isinstance(ex, str):
-            return re.fullmatch(ex, module) is not None
-        return module in ex or any(module.endswith(f".{e}") for e in ex)
+            return self._match["exclude"].matches(module)
+        return bool(dotted_suffixes(module) & self._match["exclude"])
 
 
-def _pattern_value(pattern: tuple, module: str, default):
-    for key, value in pattern:
-        if re.match(rf"(.*\.)?({key})$", module):
+def _compile_matchers(cfg: AdapterConfig) -> dict:
+    """RE2 patterns for the string forms, suffix sets for the list forms."""
+    def one(v, name):
+        if v is None:
+            return None
+        return Pattern(v, False, name, cfg.file) if isinstance(v, str) else frozenset(v)
+    target = None if cfg.is_all_linear else one(cfg.target_modules, "target_modules")
+    return {"target": target, "exclude": one(cfg.exclude_modules, "exclude_modules"),
+            "rank": tuple(Pattern(k, True, "rank_pattern", cfg.file) for k, _ in cfg.rank_pattern),
+            "alpha": tuple(Pattern(k, True, "alpha_pattern", cfg.file)
+                           for k, _ in cfg.alpha_pattern)}
+
+
+def _pattern_value(compiled: tuple, pattern: tuple, module: str, default):
+    """PEFT's get_pattern_key: the value of the first key matching `module`."""
+    for matcher, (_, value) in zip(compiled, pattern):
+        if matcher.matches(module):
             return value
     return default
 
 
-def read_adapter_config(adapter_dir: str | Path, max_lora_rank: int) -> AdapterConfig:
-    """Parse and check `adapter_dir/adapter_config.json`; raise AdapterError naming the
-    feature and the file for anything a plain multi-LoRA kernel cannot serve."""
-    path = Path(adapter_dir) / CONFIG_NAME
-    file = str(path)
-    if not path.is_file():
+def read_adapter_config(adapter_dir, max_lora_rank: int) -> AdapterConfig:
+    """Parse and check `adapter_dir/adapter_config.json` (read through
+    engine/adapters/safe_files.py); see `parse_adapter_config`."""
+    from engine.adapters.safe_files import open_adapter_dir
+
+    with open_adapter_dir(str(adapter_dir), None) as d:
+        return parse_adapter_config(read_config_bytes(d).data, max_lora_rank,
+                                    f"{d.shown}/{CONFIG_NAME}")
+
+
+def read_config_bytes(d):
+    """adapter_config.json of the open AdapterDir `d`, read once (a FileRead)."""
+    if d.kind(CONFIG_NAME) is None:
         raise AdapterError(f"adapter directory has no {CONFIG_NAME}", feature="adapter_config",
-                           file=file)
+                           file=f"{d.shown}/{CONFIG_NAME}")
+    return d.read(CONFIG_NAME, MAX_CONFIG_BYTES)
+
+
+def parse_adapter_config(data: bytes, max_lora_rank: int, file: str) -> AdapterConfig:
+    """Parse and check the bytes of an adapter_config.json; raise AdapterError naming the
+    feature and the file for anything a plain multi-LoRA kernel cannot serve."""
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{CONFIG_NAME} is not valid JSON: {e}", feature="adapter_config",
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = e if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        raise AdapterError(f"{CONFIG_NAME} is not valid JSON: {why}", feature="adapter_config",
                            file=file) from None
     if not isinstance(raw, dict):
         raise AdapterError(f"{CONFIG_NAME} must hold a JSON object", feature="adapter_config",
@@ -175,10 +210,7 @@ def _str_or_list(v, name: str, file: str):
 def _targets(v, file: str):
     if v is None or v == [] or v == "":
         raise AdapterError("target_modules is empty", feature="target_modules", file=file)
-    out = _str_or_list(v, "target_modules", file)
-    if isinstance(out, str) and out.lower() != "all-linear":
-        _compile(out, "target_modules", file)
-    return out
+    return _str_or_list(v, "target_modules", file)
 
 
 def _pattern(v, name: str, file: str, check) -> tuple:
@@ -186,17 +218,8 @@ def _pattern(v, name: str, file: str, check) -> tuple:
         return ()
     if not isinstance(v, dict):
         raise AdapterError(f"{name} must be a JSON object", feature=name, file=file)
-    for key in v:
-        _compile(key, name, file)
+    check_key_count(len(v), name, file)
     return tuple((k, check(val, f"{name}[{k!r}]", file)) for k, val in v.items())
-
-
-def _compile(pattern: str, name: str, file: str) -> None:
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise AdapterError(f"{name}: {pattern!r} is not a valid regex ({e})", feature=name,
-                           file=file) from None
 
 
 def _layers(raw: dict, file: str) -> tuple[int, ...] | None:

@@ -1,10 +1,13 @@
-"""Check a PEFT adapter directory against the base model without reading tensor data.
+"""Check a PEFT adapter directory against the base model, before any tensor is built.
 
-`plan_adapter` reads adapter_config.json and the safetensors header only, decides which
-modules of which layers the adapter wraps (PEFT's own matching rules, engine/lora/config.py),
-and checks that every such module has exactly its lora_A/lora_B tensors with the shapes
-the base model needs. The control plane uses it to accept or refuse an adapter cheaply;
-`load_lora` runs it first, so both paths refuse exactly the same adapters.
+`plan_adapter` reads adapter_config.json and adapter_model.safetensors once each, through
+engine/adapters/safe_files.py (inside the adapter roots, no link followed, hashed: the
+hash is the adapter's version), decides which modules of which layers the adapter wraps
+(PEFT's own matching rules, engine/lora/config.py), and checks the safetensors header
+(engine/lora/safetensors_buffer.py) so that every such module has exactly its
+lora_A/lora_B tensors with the shapes the base model needs. The control plane uses it to
+accept or refuse an adapter; `load_lora` builds the weights from the very bytes planned
+here, so both paths refuse exactly the same adapters.
 """
 from __future__ import annotations
 
@@ -12,8 +15,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.adapters.safe_files import AdapterDir, AdapterRoots, combined_version, open_adapter_dir
 from engine.errors import AdapterError
-from engine.lora.config import AdapterConfig, read_adapter_config
+from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
+from engine.lora.patterns import dotted_suffixes
+from engine.lora.safetensors_buffer import TensorInfo, is_float, parse_header
 from engine.model.lora_targets import LORA_TARGETS, full_shape
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -53,10 +59,14 @@ class ModulePlan:
 
 @dataclass(frozen=True)
 class AdapterPlan:
-    """What an adapter directory holds, checked against the base model."""
+    """What an adapter directory holds, checked against the base model: the bytes of
+    its weights file as read (once), their header, and the adapter's version."""
     config: AdapterConfig
-    weights_file: str
+    weights_file: str                       # for messages: the path as the caller gave it
     modules: tuple[ModulePlan, ...]
+    weights: bytes                          # adapter_model.safetensors, whole
+    tensors: dict[str, TensorInfo]          # its checked header
+    version: str                            # sha256 over both files (combined_version)
 
     @property
     def max_rank(self) -> int:
@@ -68,40 +78,52 @@ class AdapterPlan:
         return frozenset(m.module for m in self.modules)
 
 
-def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int) -> AdapterPlan:
-    """Check `adapter_dir` (config, safetensors header, shapes) against `model_cfg`;
-    raise AdapterError naming the feature and the file on the first problem."""
-    adapter_dir = Path(adapter_dir)
-    cfg = read_adapter_config(adapter_dir, max_lora_rank)
-    weights_file = _weights_file(adapter_dir)
-    targets = _targeted_modules(cfg, model_cfg)
-    shapes = _read_header(weights_file)
-    found = _index_keys(shapes, model_cfg.num_layers, str(weights_file))
+def max_weights_bytes(model_cfg, max_lora_rank: int) -> int:
+    """The largest adapter_model.safetensors an adapter of this model can need: every
+    module of every layer at max_lora_rank in float64, plus room for the header."""
+    per_layer = sum(max_lora_rank * sum(full_shape(model_cfg, m)) * 8 for m in LORA_TARGETS)
+    return model_cfg.num_layers * per_layer + (1 << 20)
+
+
+def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
+                 roots: AdapterRoots | None = None) -> AdapterPlan:
+    """Read `adapter_dir` (below `roots` when given) and check its config, safetensors
+    header and shapes against `model_cfg`; raise AdapterError naming the feature and the
+    file on the first problem (PathRefused when the path leaves the roots)."""
+    with open_adapter_dir(str(adapter_dir), roots) as d:
+        config = read_config_bytes(d)
+        cfg = parse_adapter_config(config.data, max_lora_rank, f"{d.shown}/{CONFIG_NAME}")
+        weights_file = _check_weights_file(d)
+        targets = _targeted_modules(cfg, model_cfg)
+        weights = d.read(WEIGHTS_NAME, max_weights_bytes(model_cfg, max_lora_rank))
+    shapes = parse_header(weights.data, weights_file)
+    found = _index_keys(shapes, model_cfg.num_layers, weights_file)
     modules = []
     for layer, module in targets:
-        modules.append(_module_plan(cfg, model_cfg, layer, module, found, shapes,
-                                    str(weights_file)))
+        modules.append(_module_plan(cfg, model_cfg, layer, module, found, shapes, weights_file))
     extra = sorted(set(found) - set(targets))
     if extra:
         layer, module = extra[0]
         key = next(iter(found[(layer, module)].values()))
         raise AdapterError(f"tensor {key!r} is for {module_name(layer, module)}, which "
                            f"target_modules does not select", feature="tensor",
-                           file=str(weights_file))
-    return AdapterPlan(cfg, str(weights_file), tuple(modules))
+                           file=weights_file)
+    version = combined_version([(CONFIG_NAME, config), (WEIGHTS_NAME, weights)])
+    return AdapterPlan(cfg, weights_file, tuple(modules), weights.data, shapes, version)
 
 
-def _weights_file(adapter_dir: Path) -> Path:
-    path = adapter_dir / WEIGHTS_NAME
-    if path.is_file():
+def _check_weights_file(d: AdapterDir) -> str:
+    """The weights file's path for messages; AdapterError when there is none (pickle
+    files are named, never opened)."""
+    path = f"{d.shown}/{WEIGHTS_NAME}"
+    if d.kind(WEIGHTS_NAME) is not None:
         return path
-    pickles = sorted(p.name for p in adapter_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    pickles = [n for n in d.names() if Path(n).suffix in _PICKLE_SUFFIXES]
     if pickles:
         raise AdapterError(f"only pickle weights ({', '.join(pickles)}) found; pickle is never "
                            f"loaded, save the adapter with safe_serialization=True",
-                           feature="pickle", file=str(adapter_dir / pickles[0]))
-    raise AdapterError(f"adapter directory has no {WEIGHTS_NAME}", feature="weights",
-                       file=str(path))
+                           feature="pickle", file=f"{d.shown}/{pickles[0]}")
+    raise AdapterError(f"adapter directory has no {WEIGHTS_NAME}", feature="weights", file=path)
 
 
 def _targeted_modules(cfg: AdapterConfig, model_cfg) -> list[tuple[int, str]]:
@@ -119,8 +141,9 @@ def _targeted_modules(cfg: AdapterConfig, model_cfg) -> list[tuple[int, str]]:
                                    f"LoRA on the {feature.replace('_', ' ')} is not supported",
                                    feature=feature, file=cfg.file)
     if isinstance(cfg.target_modules, tuple):
+        known = set().union(*(dotted_suffixes(name) for _, _, name in all_names))
         for t in cfg.target_modules:
-            if not any(name == t or name.endswith(f".{t}") for _, _, name in all_names):
+            if t not in known:
                 raise AdapterError(f"target_modules entry {t!r} matches no supported module "
                                    f"(supported: {', '.join(LORA_TARGETS)})",
                                    feature="target_modules", file=cfg.file)
@@ -134,19 +157,6 @@ def _targeted_modules(cfg: AdapterConfig, model_cfg) -> list[tuple[int, str]]:
 
 def _show(targets) -> str:
     return repr(list(targets) if isinstance(targets, tuple) else targets)
-
-
-def _read_header(weights_file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{key: (shape, dtype)} from the safetensors header, without reading the data."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(weights_file), framework="pt") as f:
-            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
-                    for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise AdapterError(f"not a readable safetensors file: {e}", feature="safetensors",
-                           file=str(weights_file)) from None
 
 
 def _index_keys(shapes: dict, num_layers: int, file: str) -> dict[tuple[int, str], dict[str, str]]:
@@ -186,12 +196,12 @@ def _module_plan(cfg: AdapterConfig, model_cfg, layer: int, module: str, found: 
     r = cfg.rank_of(name)
     k_in, n_out = full_shape(model_cfg, module)
     for factor, want in (("A", (r, k_in)), ("B", (n_out, r))):
-        got, dtype = shapes[keys[factor]]
-        if got != want:
-            raise AdapterError(f"tensor {keys[factor]!r} has shape {list(got)}, expected "
+        info = shapes[keys[factor]]
+        if info.shape != want:
+            raise AdapterError(f"tensor {keys[factor]!r} has shape {list(info.shape)}, expected "
                                f"{list(want)} (rank {r}, base module {name})",
                                feature="shape", file=file)
-        if dtype not in ("F32", "F16", "BF16", "F64"):
-            raise AdapterError(f"tensor {keys[factor]!r} has dtype {dtype}, expected a "
+        if not is_float(info):
+            raise AdapterError(f"tensor {keys[factor]!r} has dtype {info.dtype}, expected a "
                                f"floating type", feature="dtype", file=file)
     return ModulePlan(layer, module, r, cfg.scaling_of(name), keys["A"], keys["B"])

@@ -12,7 +12,10 @@ import time
 import zmq
 from loramux.v1 import engine_pb2
 
-from engine.server.curve import KEYS_ENV, ZmqKeys
+from engine.server.curve import KEYS_ENV, ZmqKeyError, ZmqKeys
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 def wait_heartbeat(output_address: str, timeout_s: float = 5.0,
@@ -28,18 +31,28 @@ def wait_output(output_address: str, predicate, timeout_s: float = 5.0,
                 ) -> engine_pb2.EngineOutput | None:
     """The first EngineOutput on `output_address` with predicate(msg) true, or None after
     `timeout_s`. If `last` is given, every message seen is appended to it. `keys`: the
-    run's CURVE keys (None: a plain connection, which a keyed engine never answers)."""
+    run's CURVE keys (services.launcher.Cluster.zmq_keys); an engine that refuses the
+    handshake (keys missing or not the run's) raises ZmqKeyError at once."""
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         keys.connect(sub)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sub.get_monitor_socket(_HANDSHAKE_FAILED)
     sub.connect(output_address)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     deadline = time.monotonic() + timeout_s
     try:
         while (left := deadline - time.monotonic()) > 0:
-            if not sub.poll(int(left * 1000)):
+            ready = dict(poller.poll(int(left * 1000)))
+            if monitor in ready:
+                why = "keys not the run's" if keys else "no CURVE keys given"
+                raise ZmqKeyError(f"{output_address} refused the handshake ({why}); pass the "
+                                  "run's keys (keys=cluster.zmq_keys)")
+            if sub not in ready:
                 break
             msg = engine_pb2.EngineOutput.FromString(sub.recv())
             if last is not None:
@@ -48,6 +61,8 @@ def wait_output(output_address: str, predicate, timeout_s: float = 5.0,
                 return msg
         return None
     finally:
+        sub.disable_monitor()
+        monitor.close(0)
         sub.close(0)
 
 

@@ -55,6 +55,8 @@ def make_validator(model_dir: str, max_lora_rank: int):
 
 async def serve(args) -> int:
     from services.control.auth import BearerTokenInterceptor
+    from services.control.binding import binding_for
+    from services.control.binding import prepare as prepare_registry
     from services.control.engine_link import EngineLink
     from services.control.manager import AdapterManager
     from services.control.paths import AdapterRoots
@@ -64,7 +66,9 @@ async def serve(args) -> int:
 
     log = configure_logging("control", args.log_level)
     roots = args.adapter_root or [r for r in os.environ.get("LORAMUX_ADAPTER_ROOTS", "").split(":") if r]
-    registry = Registry(args.db)
+    binding = await asyncio.to_thread(binding_for, args.model, roots)
+    prepare_registry(args.db, binding, log)
+    registry = Registry(args.db, binding.to_json())
     table = TablePublisher(args.table_address, keys=args.keys)
     manager_box: list[AdapterManager] = []
     link = EngineLink(args.engine_input, args.engine_output,

@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS adapters (
     loads INTEGER NOT NULL DEFAULT 0,
     created_at REAL NOT NULL
 )"""
+_META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 _COLUMNS = ("name", "path", "state", "pinned", "adapter_id", "rank", "target_modules",
             "loads", "created_at")
 
@@ -60,11 +61,17 @@ def _to_row(rec: AdapterRecord) -> tuple:
 class Registry:
     """CRUD over the adapters table. Single writer (the control plane's event loop)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, binding: str | None = None):
+        """`binding`: what this registry belongs to (services/control/binding.py), recorded
+        in the file so that a later start under another model can tell."""
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
+        self._db.execute(_META)
+        if binding is not None:
+            with self._db:
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('binding', ?)", (binding,))
 
     def close(self) -> None:
         self._db.close()

@@ -34,7 +34,8 @@ class TablePublisher:
         """Replace the table with `records` and send it now."""
         table = engine_pb2.AdapterTable(version=self._table.version + 1)
         for r in records:
-            table.entries.add(name=r.name, state=r.state, pinned=r.pinned, id=r.adapter_id)
+            table.entries.add(name=r.name, state=r.state, pinned=r.pinned, id=r.adapter_id,
+                              path=r.path)
         self._table = table
         self._send()
 

@@ -55,8 +55,8 @@ class AdapterTable:
             except Exception:  # noqa: BLE001 - a garbled table is dropped, the old one stays
                 continue
 
-    def resolve(self, name: str) -> None:
-        """Raise Rejected unless adapter `name` may take new requests now."""
+    def resolve(self, name: str) -> engine_pb2.AdapterTableEntry:
+        """The entry of adapter `name`; Rejected unless it may take new requests now."""
         if self._entries is None:
             raise Rejected(grpc.StatusCode.UNAVAILABLE,
                            "the adapter table has not been received from the control plane yet")
@@ -69,3 +69,10 @@ class AdapterTable:
         if entry.state == admin_pb2.ADAPTER_STATE_UNLOADING:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                            f"adapter {name!r} is being unloaded")
+        return entry
+
+    def loaded(self) -> list[engine_pb2.AdapterTableEntry]:
+        """Every adapter that takes requests now (LOADED), by name."""
+        entries = (self._entries or {}).values()
+        return sorted((e for e in entries if e.state == admin_pb2.ADAPTER_STATE_LOADED),
+                      key=lambda e: e.name)

@@ -59,10 +59,11 @@ async def serve(args) -> int:
     from services.gateway.adapter_table import AdapterTable
     from services.gateway.engine_client import EngineClient
     from services.gateway.metrics import GatewayMetrics
+    from services.gateway.prompts import PromptBuilder
     from services.gateway.servicer import GenerateServicer
 
     log = configure_logging("gateway", args.log_level)
-    tokenizer = Tokenizer.from_dir(args.model)
+    prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
     metrics = GatewayMetrics()
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
@@ -71,7 +72,7 @@ async def serve(args) -> int:
     table = AdapterTable(args.table_address, keys=args.keys)
     server = grpc_server.make_server(args.max_message_bytes)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(
-        GenerateServicer(engine, table, tokenizer, metrics, max_len), server)
+        GenerateServicer(engine, table, prompts, metrics, max_len), server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
     address = grpc_server.bind(server, args.listen)
     await engine.start()
@@ -90,6 +91,7 @@ async def serve(args) -> int:
     await server.stop(args.grace)
     await table.close()
     await engine.close()
+    prompts.close()
     return 0
 
 

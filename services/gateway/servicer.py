@@ -7,6 +7,7 @@ stream's text is exactly the offline engine's text, and multi-byte characters ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -17,7 +18,8 @@ from services.gateway.adapter_table import AdapterTable
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import Rejected
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.validation import check_sampling, prompt_ids
+from services.gateway.prompts import PromptBuilder
+from services.gateway.validation import check_sampling
 
 
 class _Stream:
@@ -33,21 +35,20 @@ class _Stream:
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, engine: EngineClient, table: AdapterTable, tokenizer,
+    def __init__(self, engine: EngineClient, table: AdapterTable, prompts: PromptBuilder,
                  metrics: GatewayMetrics, default_max_model_len: int):
-        self.engine, self.table, self.tokenizer = engine, table, tokenizer
+        self.engine, self.table, self.prompts = engine, table, prompts
         self.metrics = metrics
         self.default_max_model_len = default_max_model_len
         self._log = structlog.get_logger()
 
-    def _admit(self, req: generate_pb2.GenerateRequest) -> tuple[str, asyncio.Queue, int]:
+    async def _admit(self, req: generate_pb2.GenerateRequest) -> tuple[str, asyncio.Queue, int]:
         hb = self.engine.conn.heartbeat
-        vocab = hb.vocab_size or self.tokenizer.vocab_size
+        vocab = hb.vocab_size or self.prompts.tokenizer.vocab_size
         max_len = hb.max_model_len or self.default_max_model_len
-        ids = prompt_ids(req, self.tokenizer, max_len, vocab)
         check_sampling(req.sampling, vocab)
-        if req.adapter:
-            self.table.resolve(req.adapter)
+        entry = self.table.resolve(req.adapter) if req.adapter else None
+        ids = await self.prompts.token_ids(req, entry, max_len, vocab)
         rid, queue = self.engine.open()
         try:
             self.engine.submit(rid, ids, req.adapter, req.sampling)
@@ -57,11 +58,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return rid, queue, len(ids)
 
     async def Generate(self, request, context):
+        try:
+            async with contextlib.aclosing(self.stream(request)) as responses:
+                async for resp in responses:
+                    yield resp
+        except Rejected as err:
+            await context.abort(err.code, str(err))
+
+    async def stream(self, request: generate_pb2.GenerateRequest):
+        """The responses of one request (what Generate streams, and what the HTTP API
+        serves); raises Rejected with the status the call ends with."""
         st = _Stream(request.adapter)
         log = self._log.bind(request_id=request.request_id, adapter=request.adapter or "<base>")
         status, finished, rid = "OK", False, None
         try:
-            rid, queue, st.prompt_tokens = self._admit(request)
+            rid, queue, st.prompt_tokens = await self._admit(request)
             log = log.bind(engine_request_id=rid)
             self.metrics.inflight.inc()
             while not finished:
@@ -72,8 +83,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 yield self._response(request, item, st)
         except Rejected as err:
             status = err.code.name
-            await context.abort(err.code, str(err))
-        except asyncio.CancelledError:
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
             status = "CANCELLED"
             raise
         finally:

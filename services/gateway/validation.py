@@ -25,25 +25,22 @@ def check_sampling(pb: generate_pb2.SamplingParams, vocab_size: int) -> None:
         raise _bad(str(err)) from None
 
 
-def prompt_ids(req: generate_pb2.GenerateRequest, tokenizer, max_model_len: int,
-               vocab_size: int) -> list[int]:
-    """The prompt's token ids; Rejected when it is empty, has ids outside the vocabulary,
-    or leaves no room for one generated token within the model's limit."""
-    which = req.WhichOneof("prompt")
-    if which == "text":
-        if not req.text:
-            raise _bad("prompt text is empty")
-        ids = tokenizer.encode(req.text)
-    elif which == "token_ids":
-        ids = list(req.token_ids.ids)
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise _bad(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    else:
-        raise _bad("the request has no prompt (set text or token_ids)")
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of a text prompt, special tokens added by the tokenizer, but BOS never
+    twice: a prompt that already starts with the BOS token (text rendered by a chat
+    template) keeps only its own."""
+    ids = tokenizer.encode(text)
+    bos = tokenizer.bos_token_id
+    if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        return ids[1:]
+    return ids
+
+
+def check_prompt_ids(ids: list[int], max_model_len: int) -> None:
+    """Rejected when the prompt has no tokens or leaves no room for one generated token
+    within the model's limit."""
     if not ids:
         raise _bad("the prompt has no tokens")
     if max_model_len and len(ids) >= max_model_len:
         raise _bad(f"the prompt has {len(ids)} tokens; the model's limit is {max_model_len} "
                    "tokens for prompt and output together")
-    return ids

@@ -1,7 +1,7 @@
 """Builds Generate and admin requests from plain Python arguments (shared by both clients)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from loramux.v1 import generate_pb2
 
@@ -14,14 +14,36 @@ def generate_request(prompt: str | Sequence[int], adapter: str | None = None,
                      request_id: str = "", **sampling) -> generate_pb2.GenerateRequest:
     """A GenerateRequest; `prompt` is text or a list of token ids, `sampling` takes the
     SamplingParams field names (temperature=0.0, max_tokens=32, stop=["\\n"], ...)."""
-    unknown = set(sampling) - set(_SAMPLING_FIELDS)
-    if unknown:
-        raise TypeError(f"unknown sampling argument(s): {sorted(unknown)}")
     req = generate_pb2.GenerateRequest(adapter=adapter or "", request_id=request_id)
     if isinstance(prompt, str):
         req.text = prompt
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)
+    _set_sampling(req, sampling)
+    return req
+
+
+def chat_request(messages: Sequence[Mapping[str, str]], adapter: str | None = None,
+                 request_id: str = "", *, add_generation_prompt: bool | None = None,
+                 continue_final_message: bool = False,
+                 **sampling) -> generate_pb2.GenerateRequest:
+    """A GenerateRequest whose prompt is a chat: `messages` are dicts with "role" and
+    "content" (and optionally "name"), rendered by the served model's chat template."""
+    req = generate_pb2.GenerateRequest(adapter=adapter or "", request_id=request_id)
+    chat = req.messages
+    for m in messages:
+        chat.messages.add(role=m["role"], content=m.get("content") or "", name=m.get("name") or "")
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    chat.continue_final_message = continue_final_message
+    _set_sampling(req, sampling)
+    return req
+
+
+def _set_sampling(req: generate_pb2.GenerateRequest, sampling: dict) -> None:
+    unknown = set(sampling) - set(_SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s): {sorted(unknown)}")
     for name, value in sampling.items():
         if value is None:
             continue
@@ -29,7 +51,6 @@ def generate_request(prompt: str | Sequence[int], adapter: str | None = None,
             getattr(req.sampling, name).extend(value)
         else:
             setattr(req.sampling, name, value)
-    return req
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

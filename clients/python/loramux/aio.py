@@ -1,11 +1,11 @@
 """asyncio clients (grpc.aio): AsyncGenerateClient and AsyncAdminClient."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 
-from loramux._request import auth_metadata, generate_request
+from loramux._request import auth_metadata, chat_request, generate_request
 from loramux.client import Completion, LoramuxError
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
@@ -23,8 +23,32 @@ class AsyncGenerateClient:
                      timeout: float | None = None, request_id: str = "",
                      **sampling) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Yield one GenerateResponse per engine step; leaving early cancels the request."""
-        call = self._stub.Generate(generate_request(prompt, adapter, request_id, **sampling),
-                                   timeout=timeout)
+        req = generate_request(prompt, adapter, request_id, **sampling)
+        async for resp in self._stream(req, timeout):
+            yield resp
+
+    async def chat_stream(self, messages: Sequence[Mapping[str, str]], adapter: str | None = None,
+                          *, timeout: float | None = None, request_id: str = "",
+                          add_generation_prompt: bool | None = None,
+                          continue_final_message: bool = False,
+                          **sampling) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Like stream(), with the prompt made from chat `messages` by the chat template."""
+        req = chat_request(messages, adapter, request_id,
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, **sampling)
+        async for resp in self._stream(req, timeout):
+            yield resp
+
+    async def chat(self, messages: Sequence[Mapping[str, str]], adapter: str | None = None, *,
+                   timeout: float | None = None, **kwargs) -> Completion:
+        out = Completion()
+        async for resp in self.chat_stream(messages, adapter, timeout=timeout, **kwargs):
+            out.add(resp)
+        return out
+
+    async def _stream(self, req: generate_pb2.GenerateRequest,
+                      timeout: float | None) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        call = self._stub.Generate(req, timeout=timeout)
         try:
             async for resp in call:
                 yield resp

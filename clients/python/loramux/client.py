@@ -1,11 +1,11 @@
 """Synchronous clients: GenerateClient (streaming text generation) and AdminClient."""
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 
-from loramux._request import auth_metadata, generate_request
+from loramux._request import auth_metadata, chat_request, generate_request
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
 from loramux.v1 import generate_pb2, generate_pb2_grpc
@@ -36,7 +36,27 @@ class GenerateClient:
                **sampling) -> Iterator[generate_pb2.GenerateResponse]:
         """Yield one GenerateResponse per engine step; the last has finish_reason set.
         Closing the iterator early cancels the request in the engine."""
-        req = generate_request(prompt, adapter, request_id, **sampling)
+        return self._stream(generate_request(prompt, adapter, request_id, **sampling), timeout)
+
+    def chat_stream(self, messages: Sequence[Mapping[str, str]], adapter: str | None = None, *,
+                    timeout: float | None = None, request_id: str = "",
+                    add_generation_prompt: bool | None = None,
+                    continue_final_message: bool = False,
+                    **sampling) -> Iterator[generate_pb2.GenerateResponse]:
+        """Like stream(), with the prompt made from chat `messages` ({"role", "content"}
+        dicts) by the served model's chat template (the adapter's own when it has one)."""
+        req = chat_request(messages, adapter, request_id,
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, **sampling)
+        return self._stream(req, timeout)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], adapter: str | None = None, *,
+             timeout: float | None = None, **kwargs) -> "Completion":
+        """Run one chat request to completion (the assistant's reply in .text)."""
+        return Completion.collect(self.chat_stream(messages, adapter, timeout=timeout, **kwargs))
+
+    def _stream(self, req: generate_pb2.GenerateRequest,
+                timeout: float | None) -> Iterator[generate_pb2.GenerateResponse]:
         call = self._stub.Generate(req, timeout=timeout)
         try:
             yield from call

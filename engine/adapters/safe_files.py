@@ -1,0 +1,251 @@
+"""Reading adapter files so that no read can leave the adapter roots.
+
+Every adapter directory is reached from a directory handle opened once per root, one path
+component at a time, each opened relative to its parent's handle with O_NOFOLLOW: a
+symbolic link anywhere below the root, a `..`, a FIFO or a device in place of a file is
+refused before a byte is read. A file is read whole and once into memory and hashed as it
+is read; what the caller parses is exactly what was hashed, so the hash names the bytes in
+use (`AdapterFiles.version`). A file whose size or modification time moves during the read
+is refused instead of being half-read.
+
+Messages name paths only as the caller gave them (relative to the adapter directory or the
+root), never what lies beyond a link, so a refusal reveals nothing outside the roots.
+
+    roots = AdapterRoots(["/srv/adapters"])
+    with roots.open_dir("tenant-a/v3") as d:      # PathRefused: outside, link, not a dir
+        cfg = d.read("adapter_config.json", max_bytes=1 << 20)
+    cfg.data, cfg.sha256
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import PurePosixPath
+from typing import NamedTuple
+
+from engine.errors import AdapterError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_CHUNK = 8 << 20
+
+
+class PathRefused(AdapterError):
+    """The adapter path is outside the roots or crosses a link (gRPC PERMISSION_DENIED)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, feature="path")
+
+
+class FileRead(NamedTuple):
+    data: bytes
+    sha256: str
+
+
+class AdapterDir:
+    """An open adapter directory: files in it are read by name, never through a link.
+    Close it (or use it as a context manager) when done."""
+
+    def __init__(self, fd: int, shown: str):
+        self._fd = fd
+        self.shown = shown  # the path as the caller named it, for messages
+
+    def __enter__(self) -> "AdapterDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def names(self) -> list[str]:
+        """The entries of the directory (no link is followed)."""
+        return sorted(os.listdir(self._fd))
+
+    def kind(self, name: str) -> str | None:
+        """'file', 'dir', 'link', 'other' for the entry `name`, or None if it is absent."""
+        _check_name(name)
+        try:
+            st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return _kind(st.st_mode)
+
+    def read(self, name: str, max_bytes: int) -> FileRead:
+        """All bytes of the regular file `name` in this directory, read once, and their
+        sha256. AdapterError when it is absent, not a regular file, larger than
+        `max_bytes`, or changed while being read."""
+        _check_name(name)
+        where = f"{self.shown}/{name}"
+        try:
+            st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise AdapterError(f"{name} is missing", feature="missing_file", file=where) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise AdapterError(f"{name} is a {_kind(st.st_mode)}, not a regular file (links "
+                               "are not followed)", feature="not_a_file", file=where)
+        if st.st_size > max_bytes:
+            raise AdapterError(f"{name} is {st.st_size} bytes, more than the {max_bytes} an "
+                               "adapter of this model can need", feature="file_size", file=where)
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=self._fd)
+        except OSError as e:
+            raise AdapterError(f"{name} cannot be opened ({os.strerror(e.errno)})",
+                               feature="not_a_file", file=where) from None
+        try:
+            return _read_whole(fd, st, name, where)
+        finally:
+            os.close(fd)
+
+
+def _read_whole(fd: int, before: os.stat_result, name: str, where: str) -> FileRead:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+        raise AdapterError(f"{name} was replaced while being opened", feature="changed_on_disk",
+                           file=where)
+    buf = bytearray(st.st_size)
+    view = memoryview(buf)
+    h = hashlib.sha256()
+    got = 0
+    while got < st.st_size:
+        n = os.readv(fd, [view[got:got + _CHUNK]])
+        if n == 0:
+            break
+        h.update(view[got:got + n])
+        got += n
+    after = os.fstat(fd)
+    if got != st.st_size or os.read(fd, 1) or _moved(st, after):
+        raise AdapterError(f"{name} changed while being read", feature="changed_on_disk",
+                           file=where)
+    return FileRead(bytes(buf), h.hexdigest())
+
+
+def _moved(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_size, a.st_mtime_ns, a.st_ctime_ns) != (b.st_size, b.st_mtime_ns, b.st_ctime_ns)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISLNK(mode):
+        return "symbolic link"
+    return "special file (FIFO, socket or device)"
+
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or name in (".", "..") or "\0" in name:
+        raise ValueError(f"not a plain file name: {name!r}")
+
+
+def _parts(rel: str, shown: str) -> list[str]:
+    """The components of a path relative to a root; PathRefused for `..` or odd names."""
+    if "\0" in rel:
+        raise PathRefused(f"adapter path {shown!r} contains a NUL byte")
+    parts = [p for p in PurePosixPath(rel).parts if p not in ("", ".", "/")]
+    if ".." in parts:
+        raise PathRefused(f"adapter path {shown!r} contains '..'")
+    return parts
+
+
+class AdapterRoots:
+    """The directories adapters may be read from, each opened once (the operator's own
+    path to a root may contain links; nothing below a root may)."""
+
+    def __init__(self, roots: list[str] | tuple[str, ...]):
+        if not roots:
+            raise ValueError("at least one adapter root is required")
+        self.roots = [os.path.realpath(r) for r in roots]
+        self._given = [os.path.abspath(r) for r in roots]
+        self._fds = [os.open(r, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) for r in self.roots]
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def locate(self, path: str) -> tuple[int, list[str]]:
+        """(root index, components below it) of `path`, decided on the text alone:
+        relative paths are taken from the first root. PathRefused otherwise."""
+        if not path:
+            raise PathRefused("adapter path is empty")
+        if not os.path.isabs(path):
+            return 0, _parts(path, path)
+        norm = PurePosixPath(path)
+        if ".." in norm.parts:
+            raise PathRefused(f"adapter path {path!r} contains '..'")
+        for i, (real, given) in enumerate(zip(self.roots, self._given)):
+            for root in (real, given):
+                if norm == PurePosixPath(root) or PurePosixPath(root) in norm.parents:
+                    return i, _parts(str(norm.relative_to(root)), path)
+        raise PathRefused(f"adapter path {path!r} is outside the adapter roots")
+
+    def canonical(self, path: str) -> str:
+        """The absolute path (under the root's real path) that `path` names; nothing is
+        opened. PathRefused as in `locate`."""
+        i, parts = self.locate(path)
+        return os.path.join(self.roots[i], *parts)
+
+    def open_dir(self, path: str) -> AdapterDir:
+        """Open the adapter directory `path` below a root, component by component, never
+        through a link. PathRefused when it leaves the roots or crosses a link;
+        AdapterError when it does not exist or is not a directory."""
+        i, parts = self.locate(path)
+        if not parts:
+            raise PathRefused(f"adapter path {path!r} is an adapter root itself, not a "
+                              "directory inside one")
+        fd = os.dup(self._fds[i])
+        for k, part in enumerate(parts):  # each step closes the handle it starts from
+            fd = _enter(fd, part, path, "/".join(parts[:k + 1]))
+        return AdapterDir(fd, path)
+
+
+def _enter(parent: int, part: str, shown: str, so_far: str) -> int:
+    """Open `part` below `parent` as a directory without following a link; closes `parent`."""
+    try:
+        st = os.stat(part, dir_fd=parent, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            raise PathRefused(f"adapter path {shown!r}: {so_far!r} is a symbolic link; links "
+                              "below an adapter root are not followed")
+        if not stat.S_ISDIR(st.st_mode):
+            raise AdapterError(f"adapter path {shown!r}: {so_far!r} is not a directory",
+                               feature="adapter_dir")
+        return os.open(part, _DIR_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        raise AdapterError(f"adapter path {shown!r}: {so_far!r} does not exist",
+                           feature="adapter_dir") from None
+    except OSError as e:  # a link or a non-directory swapped in after the stat
+        raise PathRefused(f"adapter path {shown!r}: {so_far!r} cannot be opened as a "
+                          f"directory ({os.strerror(e.errno)})") from None
+    finally:
+        os.close(parent)
+
+
+def open_adapter_dir(path: str, roots: AdapterRoots | None) -> AdapterDir:
+    """The adapter directory `path`: below `roots` when given; otherwise `path` itself is
+    trusted as the anchor (an in-process caller named it) and only the files in it are
+    opened without following links."""
+    if roots is not None:
+        return roots.open_dir(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise AdapterError(f"adapter directory {path!r} does not exist",
+                           feature="adapter_dir") from None
+    except OSError as e:
+        raise AdapterError(f"adapter directory {path!r} cannot be opened "
+                           f"({os.strerror(e.errno)})", feature="adapter_dir") from None
+    return AdapterDir(fd, str(path))
+
+
+def combined_version(files: list[tuple[str, FileRead]]) -> str:
+    """One sha256 over (name, sha256) of each file: the adapter version."""
+    h = hashlib.sha256()
+    for name, fr in files:
+        h.update(f"{name}\0{fr.sha256}\n".encode())
+    return h.hexdigest()

@@ -1,0 +1,111 @@
+"""Prompts to token ids, off the event loop: text, token ids, or chat messages rendered by
+the chat template of the adapter (when its directory has one) or of the base model.
+
+Tokenizing a prompt of megabytes takes seconds; done on the event loop it would stall every
+other stream, so it runs in a small thread pool (the tokenizer releases the GIL while it
+works). A request's size is capped before it gets here (the gRPC message limit, the HTTP
+body limit)."""
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from loramux.v1 import engine_pb2, generate_pb2
+
+from services.common.chat_template import ChatTemplate, ChatTemplateError, special_tokens_of
+from services.gateway.errors import Rejected
+from services.gateway.validation import check_prompt_ids, encode_text
+
+MAX_CHAT_MESSAGES = 4096
+
+
+def _bad(message: str) -> Rejected:
+    return Rejected(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, model_dir: str, *, workers: int | None = None):
+        self.tokenizer = tokenizer
+        self._special = special_tokens_of(model_dir)
+        self.base_template = ChatTemplate.from_dir(model_dir, self._special)
+        # adapter name -> (adapter id, path, its own template or None)
+        self._adapter_templates: dict[str, tuple[int, str, ChatTemplate | None]] = {}
+        self._pool = ThreadPoolExecutor(workers or min(4, os.cpu_count() or 1),
+                                        thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def token_ids(self, req: generate_pb2.GenerateRequest,
+                        adapter: engine_pb2.AdapterTableEntry | None, max_model_len: int,
+                        vocab_size: int) -> list[int]:
+        """The prompt's ids; Rejected(INVALID_ARGUMENT) when it is empty, malformed, has ids
+        outside the vocabulary or leaves no room for one generated token."""
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._pool, self._encode, req, adapter, vocab_size)
+        check_prompt_ids(ids, max_model_len)
+        return ids
+
+    def _encode(self, req, adapter, vocab_size: int) -> list[int]:
+        which = req.WhichOneof("prompt")
+        if which == "text":
+            if not req.text:
+                raise _bad("prompt text is empty")
+            return encode_text(self.tokenizer, req.text)
+        if which == "token_ids":
+            ids = list(req.token_ids.ids)
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise _bad(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            return ids
+        if which == "messages":
+            text = self.render_chat(req.messages, adapter)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        raise _bad("the request has no prompt (set text, token_ids or messages)")
+
+    def render_chat(self, chat: generate_pb2.ChatMessages,
+                    adapter: engine_pb2.AdapterTableEntry | None) -> str:
+        """The chat's prompt text under the adapter's template, else the base model's."""
+        if not chat.messages:
+            raise _bad("messages is empty")
+        if len(chat.messages) > MAX_CHAT_MESSAGES:
+            raise _bad(f"messages has {len(chat.messages)} entries; at most {MAX_CHAT_MESSAGES}")
+        for i, m in enumerate(chat.messages):
+            if not m.role:
+                raise _bad(f"messages[{i}].role is empty")
+        template = self._template(adapter)
+        messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                    for m in chat.messages]
+        add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        try:
+            return template.render(messages, add_generation_prompt=add and not chat.continue_final_message,
+                                   continue_final_message=chat.continue_final_message)
+        except ChatTemplateError as err:
+            raise _bad(str(err)) from None
+
+    def _template(self, adapter: engine_pb2.AdapterTableEntry | None) -> ChatTemplate:
+        own = self._adapter_template(adapter) if adapter is not None else None
+        template = own or self.base_template
+        if template is None:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                           "the model has no chat template (no chat_template.jinja and no "
+                           "chat_template in tokenizer_config.json); send a text prompt")
+        return template
+
+    def _adapter_template(self, entry: engine_pb2.AdapterTableEntry) -> ChatTemplate | None:
+        cached = self._adapter_templates.get(entry.name)
+        if cached is not None and cached[:2] == (entry.id, entry.path):
+            return cached[2]
+        template = None
+        if entry.path:
+            try:
+                template = ChatTemplate.from_dir(entry.path, self._special)
+            except ChatTemplateError as err:
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"adapter {entry.name!r} has an unusable chat template: {err}") from None
+            except OSError:
+                template = None  # the directory is not visible here: the base template serves
+        self._adapter_templates[entry.name] = (entry.id, entry.path, template)
+        return template
