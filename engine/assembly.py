@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.distributed.adapters import AdapterMirror
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
+from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -69,13 +70,13 @@ def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.dev
                         ) -> tuple[AdapterRegistry, AdapterResidency, AdapterService]:
     """`pinned`: the one pin set the slot table and the host cache share."""
     registry = AdapterRegistry()
+    buffers = HostBufferPool(pin=device.type == "cuda")
     # rank 0 reads and validates its own shard; at TP > 1 the mirror repeats every slot
     # load and host-copy drop on the other ranks (by adapter id)
     adapters = AdapterResidency(
         registry, slots, HostCache(config.max_cpu_loras, pinned),
         DiskLoader(lambda path: load_lora(path, mc, config.max_lora_rank, tp=tp,
-                                          dtype=config.torch_dtype),
-                   pin_memory=device.type == "cuda"),
+                                          dtype=config.torch_dtype, buffers=buffers)),
         lora_pool, device,
         mirror=AdapterMirror(executor, registry) if executor is not None else None)
     return registry, adapters, AdapterService(registry, slots, adapters, kv, config.max_loras)

@@ -1,7 +1,8 @@
 """The disk tier: reading an adapter's files into host memory off the step path.
 
-Reads run on one background thread (safetensors reads and the copy into the host layout
-are CPU work the step loop should not wait for). Each loaded version remembers a
+Reads run on a few background threads (the file is memory-mapped and converted straight
+into a reused, page-locked host buffer: engine/lora/weights.py; CPU work the step loop
+should not wait for), so several adapters are read at once. Each loaded version remembers a
 fingerprint of its files (size and modification time); a read for an id whose files
 changed since the id was loaded fails, because an id stands for the weights it was
 loaded with and must never silently serve others.
@@ -39,23 +40,23 @@ class LoadResult(NamedTuple):
 class DiskLoader:
     """Background reads keyed by adapter id; `load_weights(path)` does the reading."""
 
-    def __init__(self, load_weights: Callable[[str], Any], pin_memory: bool = False):
+    def __init__(self, load_weights: Callable[[str], Any], num_threads: int = 4):
         self._load_weights = load_weights
-        self._pin_memory = pin_memory
+        self._num_threads = num_threads
         self._executor: ThreadPoolExecutor | None = None  # started on first use
         self._pending: dict[int, Future] = {}
 
     def read(self, path: str | Path) -> Any:
         """Synchronous read (admin loads: the caller waits for validation anyway)."""
-        weights = self._load_weights(str(path))
-        return weights.pin_memory() if self._pin_memory else weights
+        return self._load_weights(str(path))
 
     def submit(self, adapter_id: int, path: str, expected: tuple) -> None:
         """Start reading `adapter_id` from `path` unless already pending."""
         if adapter_id in self._pending:
             return
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-disk")
+            self._executor = ThreadPoolExecutor(self._num_threads,
+                                                thread_name_prefix="lora-disk")
         self._pending[adapter_id] = self._executor.submit(self.read_checked, path, expected)
 
     def read_checked(self, path: str, expected: tuple):

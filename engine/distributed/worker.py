@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import torch
 
@@ -24,6 +23,7 @@ from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
 from engine.lora import LoRASlotPool, load_lora
+from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -64,8 +64,7 @@ def _device(config: EngineConfig, rank: int, size: int) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
-    # share the cores with rank 0 rather than oversubscribe them
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(config.cpu_threads)  # this rank's share (engine/resolve.py)
     return device
 
 
@@ -95,6 +94,7 @@ class Worker:
             max_model_len=max_model_len)
         self.mirror = RequestMirror()
         self._prev = None   # the last launched step: its picked tokens stay on the device
+        self._buffers = HostBufferPool(pin=self.device.type == "cuda")
         self.adapters = ShardCache(self._read_adapter)
         self.channel = PlanChannel(self.control, self.tp.rank)
 
@@ -118,9 +118,8 @@ class Worker:
 
     def _read_adapter(self, path: str):
         """This rank's shard of a version rank 0 has read and validated already."""
-        w = load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
-                      dtype=self.config.torch_dtype)
-        return w.pin_memory() if self.device.type == "cuda" else w
+        return load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
+                         dtype=self.config.torch_dtype, buffers=self._buffers)
 
     def _step(self, payload: torch.Tensor) -> None:
         plan = decode_step(payload)

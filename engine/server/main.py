@@ -50,7 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
                    default=env("LORAMUX_ASYNC_SCHEDULING", "auto"),
                    help="launch step N+1 before reading step N's tokens; auto: on for one "
                         "CUDA device, off otherwise")
-    p.add_argument("--heartbeat-interval", type=float, default=0.2)
+    p.add_argument("--shutdown-grace", type=float,
+                   default=float(env("LORAMUX_SHUTDOWN_GRACE", "30")),
+                   help="on SIGTERM/SIGINT, running requests have this many seconds to "
+                        "finish; new ones are refused (default: 30)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.2,
+                   help="seconds between heartbeats (sent from their own thread: a long "
+                        "step does not delay them)")
+    p.add_argument("--stall-timeout", type=float, default=600.0,
+                   help="heartbeats stop while one step-loop iteration has run this many "
+                        "seconds (a hung engine then looks dead to its peers)")
+    p.add_argument("--debug-step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
     curve.add_arguments(p)
@@ -97,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.server.loop import EngineServer, ServerConfig
 
     engine = Engine(engine_config(args))
-    server = EngineServer(engine, ServerConfig(args.input, args.output,
-                                               heartbeat_interval_s=args.heartbeat_interval,
-                                               keys=keys))
+    server = EngineServer(engine, ServerConfig(
+        args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
+        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep, keys=keys))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
           f"instance={server.instance_id} zmq={'curve' if keys else 'INSECURE'} "
           f"{engine.describe()}", file=sys.stderr, flush=True)
     try:
-        server.serve_forever(stop)
+        server.serve_forever(stop, args.shutdown_grace)
     finally:
         engine.close()  # joins the other tensor-parallel ranks, if any
     return 0
