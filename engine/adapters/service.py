@@ -7,6 +7,7 @@ here; the engine's step loop calls `free_retired` whenever a request may have en
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from engine.adapters.loader import fingerprint
@@ -33,7 +34,9 @@ class AdapterService:
         if pinned:
             self._check_can_pin(name)
         before = fingerprint(path)
+        t0 = time.perf_counter()
         weights = self.residency.loader.read(path)
+        self.residency.disk_read_seconds.observe(time.perf_counter() - t0)
         if fingerprint(path) != before:
             raise AdapterError(f"adapter files at {path} changed while being read",
                                feature="changed_on_disk")
