@@ -108,9 +108,7 @@ def _points(args, names: tuple[str, ...], vocab: range) -> list[dict]:
 
 def _engine_totals(cluster) -> dict | None:
     """Adapter movement counters from the engine's next event (None if none comes)."""
-    from engine.server.probe import wait_output
-
-    msg = wait_output(cluster.engine_output, lambda m: m.WhichOneof("kind") == "event", 5)
+    msg = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
     if msg is None:
         return None
     return {k: int(v) for k, v in msg.event.stats.items() if k.startswith("adapter_")}
