@@ -127,13 +127,14 @@ def run_service_points(args, files, points, serve_argv: list[str], work: Path) -
     from services.launcher import Cluster, wait_serving
     from services.serve_args import Plan, cluster_config, parse_args
 
+    serve_dir = tempfile.mkdtemp(prefix="serve-", dir=work)  # a fresh registry each run
     flags = ["--model", str(files.model), "--adapter-root", str(files.adapter_root),
              "--gateway-port", "0", "--control-port", "0", "--metrics-port", "-1",
-             "--http-port", "0", "--workdir", str(work / "serve"), *serve_argv]
+             "--http-port", "0", "--workdir", serve_dir, *serve_argv]
     if files.dummy_weights and "--load-format" not in serve_argv:
         flags += ["--load-format", "dummy"]
     serve_args = parse_args(flags)
-    plan = Plan(str(files.model), (str(files.adapter_root),), str(work / "serve"), False)
+    plan = Plan(str(files.model), (str(files.adapter_root),), serve_dir, False)
     cfg = cluster_config(serve_args, plan)
     path = os.pathsep.join(p for p in (*sys.path[:2], os.environ.get("PYTHONPATH")) if p)
     cfg.env["PYTHONPATH"] = path  # the services run this checkout, wherever we are called from
@@ -148,7 +149,8 @@ def run_service_points(args, files, points, serve_argv: list[str], work: Path) -
                 admin.load(name, name)
                 if (i + 1) % 100 == 0:
                     print(f"  loaded {i + 1}/{len(used)} adapters", flush=True)
-        print(f"service: {len(used)} adapters loaded in {time.perf_counter() - t:.1f} s; "
+        args.adapter_load_s = time.perf_counter() - t
+        print(f"service: {len(used)} adapters loaded in {args.adapter_load_s:.1f} s; "
               f"engine: {ready['engine'].get('config')}", flush=True)
         warm_service(cluster.gateway_address, [None, *used[:8]])
         for p in points:
@@ -201,6 +203,7 @@ def _meta(args, argv: list[str], config: dict) -> dict:
         commit = ""
     return {"device": device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": commit, "argv": argv, "engine_config": config,
+            "adapter_load_s": getattr(args, "adapter_load_s", None),
             "popularity": args.popularity, "input_len": args.input_len,
             "output_len": args.output_len, "seed": args.seed,
             "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl}}
