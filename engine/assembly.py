@@ -14,6 +14,7 @@ import torch
 
 from engine.adapters.host_cache import HostCache
 from engine.adapters.loader import DiskLoader
+from engine.adapters.safe_files import AdapterRoots
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.service import AdapterService
@@ -67,6 +68,16 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
                       runner)
 
 
+def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup):
+    """(path, expected version) -> this rank's LoRAWeights, read inside the adapter roots."""
+    roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
+
+    def read(path: str, version: str | None):
+        return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
+                         roots=roots, expected_version=version)
+    return read
+
+
 def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.device,
                         tp: TPGroup, executor, slots: SlotTable, pinned: set[int],
                         lora_pool: LoRASlotPool, kv: KVCacheManager
@@ -77,8 +88,7 @@ def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.dev
     # load and host-copy drop on the other ranks (by adapter id)
     adapters = AdapterResidency(
         registry, slots, HostCache(config.cpu_lora_capacity, pinned),
-        DiskLoader(lambda path: load_lora(path, mc, config.max_lora_rank, tp=tp,
-                                          dtype=config.torch_dtype),
+        DiskLoader(adapter_reader(config, mc, tp),
                    pin_memory=device.type == "cuda"),
         lora_pool, device,
         mirror=AdapterMirror(executor, registry) if executor is not None else None)

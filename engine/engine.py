@@ -97,12 +97,15 @@ class Engine:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
 
     # ---- adapters ---------------------------------------------------------------
-    def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:
+    def add_adapter(self, name: str, path: str | Path, pinned: bool = False,
+                    version: str | None = None) -> int:
         """Validate and read a PEFT adapter into host memory; returns its new id (a new
         one on every call, also for a name already loaded: see AdapterRegistry). It is
-        copied into a device slot when a request (or a pin) needs it. Raises AdapterError
-        (nothing registered) or CapacityError (a pin would take the last dynamic slot)."""
-        return self.adapter_service.add(name, path, pinned)
+        copied into a device slot when a request (or a pin) needs it. `path` must lie in
+        the configured adapter roots; `version`, when given, is the sha256 version the
+        files must have. Raises AdapterError (nothing registered; AdapterPathError,
+        AdapterChangedError) or CapacityError (a pin would take the last dynamic slot)."""
+        return self.adapter_service.add(name, path, pinned, version)
 
     def set_adapter_pinned(self, name: str, pinned: bool) -> int:
         """Pin (never evicted implicitly from a slot or host memory; brought into a slot at
@@ -329,10 +332,10 @@ class Engine:
     def stats(self) -> dict:
         """Counters for the control plane and metrics. Per engine: KV blocks (total,
         free), queue lengths, slots used, host copies, pending evictions (retired versions
-        still draining). Per adapter version (keyed by id): name, path, rank, state
-        ("slot" ready in a device slot, "host", or "disk"), slot, pinned, unloading,
-        in-flight requests, slot loads and evictions, disk reads, host evictions and
-        cached-token hits."""
+        still draining). Per adapter version (keyed by id): name, path, rank, sha256
+        version, state ("slot" ready in a device slot, "host", or "disk"), slot, pinned,
+        unloading, in-flight requests, slot loads and evictions, disk reads, host
+        evictions and cached-token hits."""
         return {
             "num_kv_blocks": self.num_kv_blocks, "free_kv_blocks": self.kv.num_free_blocks,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

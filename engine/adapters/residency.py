@@ -55,7 +55,7 @@ class AdapterResidency:
             return
         rec = self.registry.get(adapter_id)
         self.loader.cancel(adapter_id)
-        weights = self.loader.read_checked(rec.path, rec.fingerprint)
+        weights = self.loader.read(rec.path, rec.version)
         rec.disk_reads += 1
         self.add_host_copy(adapter_id, weights)
 
@@ -112,7 +112,7 @@ class AdapterResidency:
             if weights is None:
                 if reads > 0 and not self.loader.is_pending(aid):
                     rec = self.registry.get(aid)
-                    self.loader.submit(aid, rec.path, rec.fingerprint)
+                    self.loader.submit(aid, rec.path, rec.version)
                     reads -= 1
                 continue
             if not self._load_slot(aid, weights, protected):

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.adapters.loader import fingerprint
 from engine.adapters.registry import BASE_ID, AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.slots import SlotTable
-from engine.errors import AdapterError, CapacityError
+from engine.errors import CapacityError
 from engine.kv.kv_cache_manager import KVCacheManager
 
 
@@ -27,18 +26,15 @@ class AdapterService:
         self.max_loras = max_loras
         self.base_cache_hits = 0  # prefix-cache hits of base-model requests
 
-    def add(self, name: str, path: str | Path, pinned: bool = False) -> int:
+    def add(self, name: str, path: str | Path, pinned: bool = False,
+            version: str | None = None) -> int:
         """See Engine.add_adapter."""
         self.registry.check_name(name)
         if pinned:
             self._check_can_pin(name)
-        before = fingerprint(path)
-        weights = self.residency.loader.read(path)
-        if fingerprint(path) != before:
-            raise AdapterError(f"adapter files at {path} changed while being read",
-                               feature="changed_on_disk")
+        weights = self.residency.loader.read(path, version)
         old = self.registry.current(name)
-        aid = self.registry.add(name, str(path), weights.max_rank, before, pinned)
+        aid = self.registry.add(name, str(path), weights.max_rank, weights.version, pinned)
         self.residency.add_host_copy(aid, weights)
         if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
             self.set_pin(old.adapter_id, False)
@@ -105,6 +101,7 @@ class AdapterService:
             aid = rec.adapter_id
             adapters[aid] = {
                 "name": rec.name, "id": aid, "path": rec.path, "rank": rec.rank,
+                "version": rec.version,
                 "state": self.residency.state(aid), "slot": self.slots.slot_of(aid),
                 "pinned": rec.pinned, "unloading": rec.retiring, "in_flight": rec.in_flight,
                 "loads": rec.loads, "evictions": rec.evictions, "disk_reads": rec.disk_reads,

@@ -19,12 +19,13 @@ from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.mirror import RequestMirror
+from engine.assembly import adapter_reader
 from engine.distributed.adapters import ShardCache
 from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
 from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
-from engine.lora import LoRASlotPool, load_lora
+from engine.lora import LoRASlotPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -98,6 +99,7 @@ class Worker:
             max_model_len=max_model_len)
         self.mirror = RequestMirror()
         self._prev = None   # the last launched step: its picked tokens stay on the device
+        self._reader = adapter_reader(self.config, self.model_config, self.tp)
         self.adapters = ShardCache(self._read_adapter)
         self.channel = PlanChannel(self.control, self.tp.rank)
 
@@ -119,10 +121,10 @@ class Worker:
             else:
                 raise RuntimeError(f"rank {self.tp.rank}: unknown plan op {op}")
 
-    def _read_adapter(self, path: str):
-        """This rank's shard of a version rank 0 has read and validated already."""
-        w = load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
-                      dtype=self.config.torch_dtype)
+    def _read_adapter(self, path: str, version: str):
+        """This rank's shard of a version rank 0 has read and validated already (the same
+        bytes: their hash must be `version`)."""
+        w = self._reader(path, version)
         return w.pin_memory() if self.device.type == "cuda" else w
 
     def _step(self, payload: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 import torch
 
-from engine.errors import AdapterError
+from engine.errors import AdapterChangedError, AdapterError
 from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.safetensors_buffer import tensor
 from engine.model.lora_targets import LORA_TARGETS, GroupShape, lora_group_shapes, lora_shard
@@ -88,9 +88,9 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
     or when the files' version is not `expected_version`; nothing is kept on error."""
     plan = plan_adapter(path, model_cfg, max_lora_rank, roots)
     if expected_version is not None and plan.version != expected_version:
-        raise AdapterError("adapter files changed since this version was registered or "
-                           "loaded; load the name again to serve them",
-                           feature="changed_on_disk", file=str(path))
+        raise AdapterChangedError("adapter files changed since this version was validated "
+                                  "or loaded; register or load the name again to serve them",
+                                  file=str(path))
     return weights_from_plan(plan, model_cfg, tp, dtype)
 
 

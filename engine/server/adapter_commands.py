@@ -1,7 +1,8 @@
 """Applies AdapterCommands from the control plane to the Engine and builds their acks.
 
 Commands are idempotent so that the control plane can replay its desired state at any
-time: loading a name already loaded from the same path only updates its pin."""
+time: loading a name already loaded from the same path (and, when the command names one,
+the same version) only updates its pin."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ class LoadedAdapter:
     path: str
     adapter_id: int
     pinned: bool
+    version: str = ""
 
 
 class AdapterCommands:
@@ -41,26 +43,31 @@ class AdapterCommands:
 
     def _dispatch(self, cmd: engine_pb2.AdapterCommand) -> int:
         if cmd.kind == _Kind.ADAPTER_COMMAND_KIND_LOAD:
-            return self._load(cmd.name, cmd.path, cmd.pinned)
+            return self._load(cmd.name, cmd.path, cmd.pinned, cmd.version)
         if cmd.kind == _Kind.ADAPTER_COMMAND_KIND_UNLOAD:
             return self._unload(cmd.name)
         if cmd.kind in (_Kind.ADAPTER_COMMAND_KIND_PIN, _Kind.ADAPTER_COMMAND_KIND_UNPIN):
             return self._pin(cmd.name, cmd.kind == _Kind.ADAPTER_COMMAND_KIND_PIN)
         raise ValueError(f"adapter command kind {cmd.kind} is not supported")
 
-    def _load(self, name: str, path: str, pinned: bool) -> int:
+    def _load(self, name: str, path: str, pinned: bool, version: str = "") -> int:
         have = self.loaded.get(name)
-        if have is not None and have.path == path and have.pinned == pinned:
+        same = have is not None and have.path == path and version in ("", have.version)
+        if same and have.pinned == pinned:
             return have.adapter_id
-        if have is not None and have.path == path and hasattr(self._engine, "set_adapter_pinned"):
+        if same and hasattr(self._engine, "set_adapter_pinned"):
             self._engine.set_adapter_pinned(name, pinned)
-            self.loaded[name] = LoadedAdapter(path, have.adapter_id, pinned)
+            self.loaded[name] = LoadedAdapter(path, have.adapter_id, pinned, have.version)
             return have.adapter_id
         # New weights (or a pin change the engine can only take as a reload) under the same
         # name get a new id; the engine retires the old one once its requests end.
-        adapter_id = self._engine.add_adapter(name, path, pinned=pinned)
-        self.loaded[name] = LoadedAdapter(path, adapter_id, pinned)
+        adapter_id = self._engine.add_adapter(name, path, pinned=pinned, version=version or None)
+        self.loaded[name] = LoadedAdapter(path, adapter_id, pinned, self._version_of(adapter_id))
         return adapter_id
+
+    def _version_of(self, adapter_id: int) -> str:
+        stats = self._engine.stats().get("adapters", {}) if hasattr(self._engine, "stats") else {}
+        return str(stats.get(adapter_id, {}).get("version", ""))
 
     def _unload(self, name: str) -> int:
         have = self.loaded.pop(name, None)
@@ -75,4 +82,4 @@ class AdapterCommands:
         have = self.loaded.get(name)
         if have is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded on this engine")
-        return self._load(name, have.path, pinned)
+        return self._load(name, have.path, pinned, have.version)

@@ -34,10 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
                    default=env("LORAMUX_ASYNC_SCHEDULING", "auto"),
                    help="launch step N+1 before reading step N's tokens; auto: on for one "
                         "CUDA device, off otherwise")
+    p.add_argument("--adapter-root", action="append", default=None,
+                   help="directory adapters may be read from (repeatable; "
+                        "$LORAMUX_ADAPTER_ROOTS, ':'-separated); none: every adapter "
+                        "directory the control plane names is its own root")
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
     return p
+
+
+def adapter_roots(args) -> list[str]:
+    return args.adapter_root or [r for r in os.environ.get("LORAMUX_ADAPTER_ROOTS", "").split(":")
+                                 if r]
 
 
 def engine_config(args):
@@ -49,7 +58,7 @@ def engine_config(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, tp_size=args.tensor_parallel_size,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, adapter_roots=tuple(adapter_roots(args)),
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 

@@ -38,16 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_validator(model_dir: str, max_lora_rank: int):
-    """The engine's own adapter validator, bound to the base model."""
+def make_validator(model_dir: str, max_lora_rank: int, roots):
+    """The engine's own adapter validator, bound to the base model and the adapter roots:
+    path -> (rank, target modules, sha256 version)."""
     from engine.lora import validate_lora
     from engine.model.hf_config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(model_dir)
 
-    def validate(path: str) -> tuple[int, tuple[str, ...]]:
-        plan = validate_lora(path, model_cfg, max_lora_rank)
-        return int(plan.max_rank), tuple(sorted(plan.target_modules))
+    def validate(path: str) -> tuple[int, tuple[str, ...], str]:
+        plan = validate_lora(path, model_cfg, max_lora_rank, roots)
+        return int(plan.max_rank), tuple(sorted(plan.target_modules)), plan.version
     return validate
 
 
@@ -73,8 +74,10 @@ async def serve(args) -> int:
                       on_connect=lambda inst: manager_box[0].replay(inst),
                       on_event=lambda ev: manager_box[0].on_event(ev),
                       heartbeat_timeout_s=args.heartbeat_timeout)
-    manager = AdapterManager(registry, AdapterRoots(roots),
-                             make_validator(args.model, args.max_lora_rank), link, table)
+    adapter_roots = AdapterRoots(roots)
+    manager = AdapterManager(registry, adapter_roots,
+                             make_validator(args.model, args.max_lora_rank, adapter_roots),
+                             link, table)
     manager_box.append(manager)
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = grpc_server.make_server(interceptors=interceptors)
