@@ -22,12 +22,12 @@ from engine.adapters.slots import SlotTable
 from engine.config import EngineConfig
 from engine.distributed.adapters import AdapterMirror
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
 from engine.lora import LoRASlotPool, load_lora
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
+from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
 
 
@@ -51,11 +51,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
         model.load_weights(config.model)
     lora_pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
                              tp_size=tp.size)
-    block_bytes = bytes_per_block(mc.num_layers, config.block_size,
-                                  model.num_kv_heads_per_rank, mc.head_dim, dtype)
-    blocks = num_kv_blocks(
-        config.num_kv_blocks, device, config.kv_cache_fraction, block_bytes,
-        cap=max_useful_blocks(config.max_num_seqs, max_model_len, config.block_size))
+    blocks = kv_blocks(config, mc, model.num_kv_heads_per_rank, device, max_model_len)
     if executor is not None:  # every rank's cache holds the same blocks
         blocks = executor.agree_min(blocks)
     kv_caches = model.make_kv_caches(blocks, config.block_size)
@@ -87,7 +83,7 @@ def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.dev
     # rank 0 reads and validates its own shard; at TP > 1 the mirror repeats every slot
     # load and host-copy drop on the other ranks (by adapter id)
     adapters = AdapterResidency(
-        registry, slots, HostCache(config.cpu_lora_capacity, pinned),
+        registry, slots, HostCache(config.max_cpu_loras, pinned),
         DiskLoader(adapter_reader(config, mc, tp),
                    pin_memory=device.type == "cuda"),
         lora_pool, device,

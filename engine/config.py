@@ -1,4 +1,8 @@
-"""Engine configuration: one small frozen dataclass; derived values are functions."""
+"""Engine configuration: one small frozen dataclass; derived values are functions.
+
+Fields left "auto" or None are decided from the model and the machine by
+engine/resolve.py (`resolve_config`) before anything is built; the engine keeps the
+resolved config (every field concrete) as `Engine.config`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,16 +19,19 @@ TP_ALLREDUCE = ("auto", "nccl", "symm_mem")  # engine/distributed/fast_allreduce
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_loras: int = 4              # GPU slots; also the cap on distinct adapters per batch
-    max_cpu_loras: int | None = None  # host copies; None = 4 * max_loras
+    device: str = "auto"            # "auto": CUDA when a GPU is present, else the CPU
+    dtype: str = "auto"             # "auto": bfloat16 (float16 on GPUs without it), CPU float32
+    # None below = sized from the model and the memory (engine/resolve.py)
+    max_loras: int | None = None    # device slots; also the cap on distinct adapters per batch
+    max_cpu_loras: int | None = None  # host copies (>= max_loras)
     max_lora_rank: int = 64
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None = sized from kv_cache_fraction (CUDA) or 1024 (CPU)
-    kv_cache_fraction: float = 0.85   # share of free device memory the KV pool may take
-    max_num_seqs: int = 64          # running requests at most
-    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    num_kv_blocks: int | None = None  # None = what gpu_memory_utilization leaves (CPU: 1024)
+    # share of the GPU's total memory this engine may use: weights, adapter slots,
+    # activations and CUDA graphs first, the KV cache gets the rest
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int | None = None  # running requests at most
+    max_num_batched_tokens: int | None = None  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     tp_size: int = 1
@@ -45,39 +52,48 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "adapter_roots", tuple(self.adapter_roots))
-        if self.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype={self.dtype!r}: must be one of {sorted(_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidRequestError(
+                f"dtype={self.dtype!r}: must be 'auto' or one of {sorted(_DTYPES)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError(f"gpu_memory_utilization={self.gpu_memory_utilization}: "
+                                      "must be in (0, 1]")
         if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError(
                 f"load_format={self.load_format!r}: must be one of {list(LOAD_FORMATS)}")
         if self.tp_allreduce not in TP_ALLREDUCE:
             raise InvalidRequestError(
                 f"tp_allreduce={self.tp_allreduce!r}: must be one of {list(TP_ALLREDUCE)}")
-        if self.tp_allreduce == "symm_mem" and not self.device.startswith("cuda"):
+        if self.tp_allreduce == "symm_mem" and self.device not in ("auto",) \
+                and not self.device.startswith("cuda"):
             raise InvalidRequestError(
                 f"tp_allreduce='symm_mem' needs device='cuda' (device={self.device!r}): "
                 "symmetric memory exists on CUDA only; use 'auto'")
         if self.tp_allreduce == "symm_mem" and self.tp_size > 8:
             raise InvalidRequestError(f"tp_allreduce='symm_mem' supports tp_size <= 8 "
                                       f"(tp_size={self.tp_size}); use 'auto' or 'nccl'")
-        for name in ("max_loras", "max_lora_rank", "block_size", "max_num_seqs",
-                     "max_num_batched_tokens", "tp_size"):
-            if getattr(self, name) < 1:
+        for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "block_size",
+                     "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "tp_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.async_scheduling not in (None, True, False):
             raise InvalidRequestError(
                 f"async_scheduling={self.async_scheduling!r}: must be true, false or None")
 
+        if (self.max_loras is not None and self.max_cpu_loras is not None
+                and self.max_cpu_loras < self.max_loras):
+            raise InvalidRequestError(
+                f"max_cpu_loras={self.max_cpu_loras}: must be >= max_loras={self.max_loras} "
+                "(every adapter in a slot may need its host copy)")
+
     @property
     def torch_dtype(self) -> torch.dtype:
+        assert self.dtype in _DTYPES, f"dtype {self.dtype!r} not resolved (engine/resolve.py)"
         return _DTYPES[self.dtype]
 
     @property
     def use_async_scheduling(self) -> bool:
         if self.async_scheduling is not None:
             return self.async_scheduling
+        assert self.device != "auto", "device not resolved (engine/resolve.py)"
         return self.tp_size == 1 and torch.device(self.device).type == "cuda"
-
-    @property
-    def cpu_lora_capacity(self) -> int:
-        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * self.max_loras

@@ -43,6 +43,7 @@ from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.parallel import TPGroup
 from engine.pending import PendingSample
 from engine.request import Request
+from engine.resolve import MachineFacts, describe, resolve_config
 from engine.sampling import RequestSeeds, SamplingState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
@@ -51,6 +52,10 @@ from engine.tokenizer import Tokenizer
 
 class Engine:
     def __init__(self, config: EngineConfig):
+        """`config`'s automatic values are resolved first (engine/resolve.py);
+        `self.config` is the resolved config."""
+        self.model_config = ModelConfig.from_dir(config.model)
+        config = resolve_config(config, self.model_config, MachineFacts.probe(config.device))
         self.config = config
         # tp_size > 1: this process is rank 0; the executor spawns ranks 1..N-1 and
         # mirrors every step and adapter change to them (engine/distributed/)
@@ -63,7 +68,6 @@ class Engine:
 
     def _build(self, config: EngineConfig) -> None:
         self.device = torch.device(config.device)
-        self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -73,10 +77,6 @@ class Engine:
         self.model, self.lora_pool, self.kv, self.runner = (
             parts.model, parts.lora_pool, parts.kv, parts.runner)
         self.num_kv_blocks = parts.num_kv_blocks
-        if config.cpu_lora_capacity < config.max_loras:
-            raise InvalidRequestError(
-                f"max_cpu_loras={config.cpu_lora_capacity}: must be >= max_loras="
-                f"{config.max_loras} (every adapter in a slot may need its host copy)")
         pinned: set[int] = set()  # one pin set for both tiers
         self.slots = SlotTable(config.max_loras, pinned)
         self.scheduler = Scheduler(
@@ -328,6 +328,10 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def describe(self) -> str:
+        """The resolved configuration in one line (the server logs it at start-up)."""
+        return describe(self.config, self.num_kv_blocks, self.max_model_len)
 
     def stats(self) -> dict:
         """Counters for the control plane and metrics. Per engine: KV blocks (total,

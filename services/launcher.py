@@ -36,6 +36,7 @@ class ClusterConfig:
     metrics_port: int = -1           # -1: no metrics server
     auth_token: str | None = None
     tensor_parallel_size: int = 1
+    shutdown_grace_s: float = 30.0   # in-flight streams' time to finish on stop
     engine_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     control_args: tuple[str, ...] = ()
@@ -63,7 +64,8 @@ class Cluster:
         if name == "engine":
             return [sys.executable, "-m", "engine.server", *common, *roots, "--input", self.engine_input,
                     "--output", self.engine_output, "--tensor-parallel-size",
-                    str(c.tensor_parallel_size), "--ready-file", self._ready(name), *c.engine_args]
+                    str(c.tensor_parallel_size), "--ready-file", self._ready(name),
+                    "--shutdown-grace", str(c.shutdown_grace_s), *c.engine_args]
         links = ["--engine-input", self.engine_input, "--engine-output", self.engine_output,
                  "--table-address", self.table_address, "--ready-file", self._ready(name)]
         if name == "control":
@@ -72,7 +74,7 @@ class Cluster:
                     "--listen", self.control_address, "--db", self.db, *c.control_args]
         return [sys.executable, "-m", "services.gateway", *common, *links,
                 "--listen", self.gateway_address, "--metrics-port", str(c.metrics_port),
-                *c.gateway_args]
+                "--shutdown-grace", str(c.shutdown_grace_s), *c.gateway_args]
 
     def _ready(self, name: str) -> str:
         return str(self.workdir / f"{name}.ready.json")
@@ -84,7 +86,10 @@ class Cluster:
             ready.unlink(missing_ok=True)
             log = open(self.workdir / f"{name}.log", "ab")
             env = {**os.environ, **self.cfg.env}
-            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log, env=env)
+            # own session: a terminal's Ctrl-C reaches the launcher only, which stops the
+            # services in drain order (close) instead of all at once
+            self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log,
+                                                env=env, start_new_session=True)
             log.close()
 
     def wait_ready(self, *names: str, timeout_s: float = 120.0) -> dict[str, dict]:
@@ -123,20 +128,28 @@ class Cluster:
         self.stop(name, signal.SIGKILL)
 
     def close(self, timeout_s: float = 20.0) -> None:
-        """Signal every service at once (so their grace periods overlap), then wait."""
-        procs = [self.procs.get(n) for n in ("gateway", "control", "engine")]
-        for proc in procs:
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name in ("gateway", "control", "engine"):
-            proc = self.procs.pop(name, None)
-            if proc is None:
-                continue
+        """Stop in drain order: the gateway first (it refuses new calls and gives in-flight
+        ones `shutdown_grace_s` to finish), then the control plane and the engine together.
+        A process still there `timeout_s` after its grace is killed."""
+        self._stop_together(("gateway",), self.cfg.shutdown_grace_s + timeout_s)
+        self._stop_together(("control", "engine"), timeout_s)
+
+    def kill_all(self) -> None:
+        self._stop_together(SERVICES, 5.0, signal.SIGKILL)
+
+    def _stop_together(self, names, timeout_s: float, sig: int = signal.SIGTERM) -> None:
+        procs = [(n, self.procs[n]) for n in names if n in self.procs]
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in procs:
             try:
-                proc.wait(timeout_s)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            self.procs.pop(name, None)  # only once gone: an interrupted close can kill it
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]

@@ -1,7 +1,9 @@
 """`loramux serve`: control plane, engine and gateway as three local processes.
 
 With no --model it serves the demo model (made once in the cache directory) and loads its
-two adapters, so a fresh machine serves at once. Ctrl-C stops all three cleanly."""
+two adapters, so a fresh machine serves at once. Ctrl-C or SIGTERM drains: the gateway
+refuses new calls, in-flight streams finish within --shutdown-grace, then the engine and
+control plane stop; a second Ctrl-C stops everything at once."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="registry and logs (default: a temp dir "
                    "for the demo, <cache>/serve otherwise)")
     p.add_argument("--cache-dir", default=None, help="where the demo model is made")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight streams may take to finish on stop (default: 30)")
     return p
 
 
@@ -48,6 +52,33 @@ def _load_demo_adapters(cluster, token: str | None) -> None:
             admin.load(name, name)
 
 
+class _ForcedStop(Exception):
+    """A second stop signal while draining."""
+
+
+def _install_stop_signals() -> threading.Event:
+    """First SIGINT/SIGTERM: set the returned event (drain). Second: _ForcedStop."""
+    stop = threading.Event()
+
+    def handler(*_):
+        if stop.is_set():
+            raise _ForcedStop
+        stop.set()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return stop
+
+
+def _drain(cluster, grace_s: float) -> None:
+    if cluster.procs:
+        print(f"loramux: draining (in-flight streams have up to {grace_s:g} s; "
+              "Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+    try:
+        cluster.close()
+    except _ForcedStop:
+        cluster.kill_all()
+
+
 def main(argv: list[str] | None = None) -> int:
     from services.demo_model import default_cache_dir, ensure_demo
     from services.launcher import Cluster, ClusterConfig, wait_serving
@@ -66,11 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         model=model, adapter_roots=tuple(roots), workdir=workdir, host=args.host,
         gateway_port=args.gateway_port, control_port=args.control_port,
         metrics_port=args.metrics_port, auth_token=args.auth_token,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, shutdown_grace_s=args.shutdown_grace,
         engine_args=("--device", _device(args.device))))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _install_stop_signals()
     try:
         cluster.start()
         cluster.wait_ready()
@@ -90,4 +119,4 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         return 0
     finally:
-        cluster.close()
+        _drain(cluster, args.shutdown_grace)

@@ -44,7 +44,7 @@ def references(llama_family, weights_dirs):
 
 def check_step(eng, model, st):
     assert st["slots_used"] <= eng.config.max_loras
-    assert st["host_copies"] <= eng.config.cpu_lora_capacity
+    assert st["host_copies"] <= eng.config.max_cpu_loras
     for aid in model["pinned"]:
         a = st["adapters"][aid]
         assert a["evictions"] == model["pin_evictions"][aid]  # never evicted while pinned

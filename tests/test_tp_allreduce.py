@@ -25,7 +25,7 @@ def test_config_refuses_unknown_mode_precisely():
 def test_config_refuses_symm_mem_off_cuda_and_beyond_eight_ranks():
     with pytest.raises(InvalidRequestError, match=r"tp_allreduce='symm_mem' needs "
                                                   r"device='cuda' \(device='cpu'\)"):
-        EngineConfig(model="m", tp_size=2, tp_allreduce="symm_mem")
+        EngineConfig(model="m", device="cpu", tp_size=2, tp_allreduce="symm_mem")
     with pytest.raises(InvalidRequestError, match=r"tp_size <= 8 \(tp_size=16\)"):
         EngineConfig(model="m", device="cuda", tp_size=16, tp_allreduce="symm_mem")
     assert EngineConfig(model="m").tp_allreduce == "auto"

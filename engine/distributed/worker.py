@@ -24,11 +24,11 @@ from engine.distributed.adapters import ShardCache
 from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
-from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
 from engine.lora import LoRASlotPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
+from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplerOutput
 
@@ -85,11 +85,8 @@ class Worker:
             model.load_weights(config.model)
         self.pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
                                  tp_size=self.tp.size)
-        block_bytes = bytes_per_block(mc.num_layers, config.block_size,
-                                      model.num_kv_heads_per_rank, mc.head_dim, dtype)
-        blocks = pg.agree_min(self.control, num_kv_blocks(
-            config.num_kv_blocks, device, config.kv_cache_fraction, block_bytes,
-            cap=max_useful_blocks(config.max_num_seqs, max_model_len, config.block_size)))
+        blocks = pg.agree_min(self.control, kv_blocks(
+            config, mc, model.num_kv_heads_per_rank, device, max_model_len))
         kv_caches = model.make_kv_caches(blocks, config.block_size)
         # built exactly like rank 0's runner (engine/engine.py), so decode steps take the
         # same path (graph replay or eager) on every rank

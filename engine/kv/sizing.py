@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.errors import InvalidRequestError
+
 CPU_DEFAULT_BLOCKS = 1024
 
 
@@ -19,15 +21,32 @@ def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) ->
     return max_num_seqs * -(-max_model_len // block_size)
 
 
-def num_kv_blocks(requested: int | None, device: torch.device, fraction: float,
-                  block_bytes: int, cap: int | None = None) -> int:
-    """`requested` if set; on CUDA, `fraction` of the memory free now (after the weights
-    and the LoRA pool are in place), at most `cap` (see max_useful_blocks: a tiny model
-    would otherwise get millions of blocks); on the CPU, a fixed default."""
+def num_kv_blocks(requested: int | None, device: torch.device, utilization: float,
+                  reserve_bytes: int, block_bytes: int, cap: int | None = None) -> int:
+    """`requested` if set; on CUDA, what `utilization` of the device's memory leaves once
+    the weights and the LoRA pool are in place (measured now) and `reserve_bytes` are
+    held back for activations and CUDA graphs, at most `cap` (see max_useful_blocks: a
+    tiny model would otherwise get millions of blocks); on the CPU, a fixed default."""
     if requested is not None:
         return requested
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        blocks = max(1, int(free * fraction) // block_bytes)
-        return min(blocks, cap) if cap is not None else blocks
+        free, total = torch.cuda.mem_get_info(device)
+        return blocks_for_memory(total, free, utilization, reserve_bytes, block_bytes, cap)
     return CPU_DEFAULT_BLOCKS
+
+
+def blocks_for_memory(total: int, free: int, utilization: float, reserve_bytes: int,
+                      block_bytes: int, cap: int | None = None) -> int:
+    """KV blocks in `utilization` of `total` bytes, less the bytes in use (`total - free`,
+    ours and other processes') and `reserve_bytes`. Raises InvalidRequestError when not
+    even one block fits."""
+    budget = int(total * utilization) - (total - free) - reserve_bytes
+    if budget < block_bytes:
+        gib = 1 << 30
+        raise InvalidRequestError(
+            f"no memory left for the KV cache: gpu_memory_utilization={utilization} of "
+            f"{total / gib:.1f} GiB, {(total - free) / gib:.1f} GiB in use after loading, "
+            f"{reserve_bytes / gib:.1f} GiB held for activations; raise "
+            "gpu_memory_utilization or lower max_loras / max_num_batched_tokens")
+    blocks = budget // block_bytes
+    return min(blocks, cap) if cap is not None else blocks

@@ -45,18 +45,32 @@ class EngineServer:
         self._pub.bind(cfg.output_address)
         self.adapters = AdapterCommands(engine)
         self._live: set[str] = set()
+        self._stopping = False
         self._step = 0
         self._hb_seq = 0
         self._next_heartbeat = 0.0
         self._next_event = 0.0
 
-    def serve_forever(self, stop: threading.Event) -> None:
+    def serve_forever(self, stop: threading.Event, drain_s: float = 0.0) -> None:
+        """Serve until `stop` is set, then drain for up to `drain_s` seconds."""
         try:
             while not stop.is_set():
                 self._iterate()
+            self._drain_requests(drain_s)
         finally:
             self._pull.close(0)
             self._pub.close(0)
+
+    def _drain_requests(self, grace_s: float) -> None:
+        """Stopping: new requests are refused (UNAVAILABLE), running ones go on for up to
+        `grace_s`; then a short tail of heartbeats lets the last tokens leave the socket."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_s
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            self._iterate()
+        tail = time.monotonic() + (0.2 if grace_s > 0 else 0.0)
+        while time.monotonic() < tail:
+            self._iterate()
 
     def _iterate(self) -> None:
         busy = self.engine.has_unfinished()
@@ -102,6 +116,10 @@ class EngineServer:
             self._next_event = 0.0  # residency changed: tell the control plane soon
 
     def _add_request(self, req: engine_pb2.EngineGenerate, batch: engine_pb2.StepBatch) -> None:
+        if self._stopping:
+            batch.errors.add(request_id=req.request_id, code=engine_pb2.ERROR_CODE_UNAVAILABLE,
+                             message="the engine is shutting down")
+            return
         try:
             params = sampling_from_proto(req.sampling)
             self.engine.add_request(req.request_id, list(req.prompt_token_ids), params,

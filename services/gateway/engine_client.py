@@ -22,6 +22,7 @@ class EngineClient:
         self.prefix = f"gw-{uuid.uuid4().hex[:12]}-"  # request ids unique across gateways
         self._streams: dict[str, asyncio.Queue] = {}
         self._counter = 0
+        self.draining = False  # set on shutdown: new requests are refused, live ones go on
         self.conn = EngineConnection(input_address, output_address, on_output=self._output,
                                      on_down=self._down, heartbeat_timeout_s=heartbeat_timeout_s)
 
@@ -41,6 +42,9 @@ class EngineClient:
 
     def open(self) -> tuple[str, asyncio.Queue]:
         """Admit a new request: its engine request id and queue, or Rejected."""
+        if self.draining:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                           "the gateway is shutting down; retry on another one")
         if not self.conn.up:
             raise Rejected(grpc.StatusCode.UNAVAILABLE, "the engine is unavailable")
         if len(self._streams) >= self.max_inflight:
@@ -52,6 +56,14 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         return rid, queue
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight, or `timeout_s`; True if none is left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._streams
 
     def submit(self, rid: str, prompt_ids: list[int], adapter: str,
                sampling: generate_pb2.SamplingParams) -> None:

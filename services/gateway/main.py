@@ -34,8 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus /metrics HTTP port (0 picks one, -1 disables)")
     p.add_argument("--metrics-host", default=env("LORAMUX_METRICS_HOST", "127.0.0.1"))
     p.add_argument("--heartbeat-timeout", type=float, default=1.5)
-    p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds in-flight calls may take to finish on shutdown")
+    p.add_argument("--shutdown-grace", "--grace", dest="shutdown_grace", type=float,
+                   default=float(env("LORAMUX_SHUTDOWN_GRACE", "30")),
+                   help="on SIGTERM/SIGINT: new calls get UNAVAILABLE, health goes "
+                        "NOT_SERVING, and in-flight calls have this many seconds to finish "
+                        "(default: 30)")
     p.add_argument("--ready-file", default=None)
     p.add_argument("--log-level", default=env("LORAMUX_LOG_LEVEL", "info"))
     return p
@@ -49,6 +52,19 @@ async def _track_health(health, engine) -> None:
             serving = engine.up
             await grpc_server.set_serving(health, [SERVICE], serving)
         await asyncio.sleep(0.2)
+
+
+async def _drain(grace_s: float, engine, health, health_task, log) -> None:
+    """Stop accepting (new calls: UNAVAILABLE; health: NOT_SERVING, still answered so that
+    balancers see it), then give in-flight calls up to `grace_s` to finish."""
+    engine.draining = True
+    health_task.cancel()
+    await grpc_server.set_serving(health, [SERVICE], False)
+    log.info("draining", grace_s=grace_s, inflight=engine.inflight)
+    if not await engine.drained(grace_s):
+        log.warning("grace_expired", inflight=engine.inflight)
+    log.info("stopping")
+    await health.enter_graceful_shutdown()
 
 
 async def serve(args) -> int:
@@ -83,10 +99,8 @@ async def serve(args) -> int:
     stop = asyncio.Event()
     grpc_server.install_stop_signals(stop)
     await stop.wait()
-    log.info("stopping", grace_s=args.grace, inflight=engine.inflight)
-    health_task.cancel()
-    await health.enter_graceful_shutdown()
-    await server.stop(args.grace)
+    await _drain(args.shutdown_grace, engine, health, health_task, log)
+    await server.stop(1.0)
     await table.close()
     await engine.close()
     prompts.close()

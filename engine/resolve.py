@@ -1,0 +1,201 @@
+"""Deciding every automatic EngineConfig value ("auto", None) in one place.
+
+`resolve_config(config, model_config, facts)` returns a config with every field concrete;
+`MachineFacts.probe` measures the machine once (tests pass their own facts instead).
+
+On a GPU the engine may use `gpu_memory_utilization` of the device's total memory (less
+what other processes hold). It is spent in this order:
+
+    | weights | activations + CUDA graphs | adapter slots | KV cache (the rest) |
+                 (runtime_reserve_bytes)     (LORA_MEMORY_SHARE of what is left after
+                                              weights and reserve, at most MAX_AUTO_LORAS)
+
+Slot count and host copies are decided here, before anything is allocated (they are
+sizes of preallocated pools); the KV block count is measured after the weights and slots
+are in place (engine/kv/sizing.py), with the same reserve held back. On the CPU the
+defaults stay small: the CPU path is for tests and demos, not throughput.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
+from engine.model.lora_targets import lora_group_shapes
+
+GiB = 1 << 30
+CPU_MAX_LORAS = 4
+CPU_HOST_COPIES_PER_SLOT = 4
+CPU_MAX_NUM_SEQS = 64
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+GPU_MAX_NUM_SEQS = 256          # the CUDA-graph batch buckets go up to this
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+LORA_MEMORY_SHARE = 1 / 3       # of the GPU memory left after weights and the reserve
+MAX_AUTO_LORAS = 512
+HOST_MEMORY_SHARE = 0.5         # of the host memory available at start, for adapter copies
+MAX_AUTO_CPU_LORAS = 8192
+GRAPH_RESERVE_BYTES = GiB // 2  # CUDA graphs' private pools and the allocator's slack
+ACTIVATION_SAFETY = 2           # temporaries the estimate does not name
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What resolution needs to know about the machine."""
+    cuda: bool                      # a CUDA device is usable
+    bf16: bool = False              # that device computes in bfloat16
+    gpu_total_bytes: int = 0
+    gpu_free_bytes: int = 0         # free now (other processes' use is not ours to take)
+    host_available_bytes: int = 0
+    cpu_count: int = 1
+
+    @classmethod
+    def probe(cls, device: str = "auto") -> "MachineFacts":
+        """Measure the machine; `device` names the GPU whose memory counts ("auto": the
+        current one). CUDA is not touched when `device` is a CPU device."""
+        host, cpus = _host_available_bytes(), os.cpu_count() or 1
+        if device.startswith("cpu") or not torch.cuda.is_available():
+            return cls(cuda=False, host_available_bytes=host, cpu_count=cpus)
+        dev = torch.device("cuda") if device == "auto" else torch.device(device)
+        free, total = torch.cuda.mem_get_info(dev)
+        return cls(cuda=True, bf16=torch.cuda.is_bf16_supported(), gpu_total_bytes=total,
+                   gpu_free_bytes=free, host_available_bytes=host, cpu_count=cpus)
+
+
+def resolve_config(config: EngineConfig, mc, facts: MachineFacts) -> EngineConfig:
+    """`config` with device, dtype, max_loras, max_cpu_loras, max_num_seqs and
+    max_num_batched_tokens decided (values the caller set are kept). Raises
+    InvalidRequestError when the model cannot fit the memory the config allows."""
+    device = resolve_device(config.device, facts)
+    on_gpu = torch.device(device).type == "cuda"
+    dtype = resolve_dtype(config.dtype, on_gpu, facts)
+    c = dataclasses.replace(config, device=device, dtype=dtype)
+    if not on_gpu:
+        loras = c.max_loras or CPU_MAX_LORAS
+        return dataclasses.replace(
+            c, max_loras=loras, max_cpu_loras=c.max_cpu_loras or CPU_HOST_COPIES_PER_SLOT * loras,
+            max_num_seqs=c.max_num_seqs or CPU_MAX_NUM_SEQS,
+            max_num_batched_tokens=c.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS)
+    c = dataclasses.replace(
+        c, max_num_seqs=c.max_num_seqs or GPU_MAX_NUM_SEQS,
+        max_num_batched_tokens=c.max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS)
+    loras = c.max_loras or gpu_slots(c, mc, facts)
+    return dataclasses.replace(c, max_loras=loras,
+                               max_cpu_loras=c.max_cpu_loras or host_copies(c, mc, facts, loras))
+
+
+def resolve_device(requested: str, facts: MachineFacts) -> str:
+    if requested == "auto":
+        return "cuda" if facts.cuda else "cpu"
+    if torch.device(requested).type == "cuda" and not facts.cuda:
+        raise InvalidRequestError(f"device={requested!r}: no CUDA device is available "
+                                  "(use 'auto' or 'cpu')")
+    return requested
+
+
+def resolve_dtype(requested: str, on_gpu: bool, facts: MachineFacts) -> str:
+    if requested != "auto":
+        return requested
+    if not on_gpu:
+        return "float32"
+    return "bfloat16" if facts.bf16 else "float16"
+
+
+def gpu_slots(c: EngineConfig, mc, facts: MachineFacts) -> int:
+    """As many slots of rank `max_lora_rank` as LORA_MEMORY_SHARE of the memory left
+    after weights and the runtime reserve holds (1 to MAX_AUTO_LORAS)."""
+    left = usable_gpu_bytes(c, facts) - weight_bytes(mc, c) - runtime_reserve_bytes(mc, c)
+    if left <= 0:
+        raise InvalidRequestError(
+            f"the model's weights ({weight_bytes(mc, c) / GiB:.1f} GiB per rank in {c.dtype}) "
+            f"and activations ({runtime_reserve_bytes(mc, c) / GiB:.1f} GiB) do not fit "
+            f"gpu_memory_utilization={c.gpu_memory_utilization} of "
+            f"{facts.gpu_total_bytes / GiB:.1f} GiB "
+            f"({(facts.gpu_total_bytes - facts.gpu_free_bytes) / GiB:.1f} GiB already in use)")
+    return max(1, min(MAX_AUTO_LORAS, int(left * LORA_MEMORY_SHARE) // adapter_bytes(mc, c)))
+
+
+def host_copies(c: EngineConfig, mc, facts: MachineFacts, loras: int) -> int:
+    """As many host copies of rank `max_lora_rank` as HOST_MEMORY_SHARE of the host's
+    available memory holds, never fewer than the slots (each slot may need its copy)."""
+    fit = int(facts.host_available_bytes * HOST_MEMORY_SHARE) // adapter_bytes(mc, c)
+    return max(loras, min(MAX_AUTO_CPU_LORAS, fit))
+
+
+def usable_gpu_bytes(c: EngineConfig, facts: MachineFacts) -> int:
+    """This engine's share of the GPU, less what other processes already hold."""
+    in_use = facts.gpu_total_bytes - facts.gpu_free_bytes
+    return int(facts.gpu_total_bytes * c.gpu_memory_utilization) - in_use
+
+
+def weight_bytes(mc, c: EngineConfig) -> int:
+    """Base weights on one tensor-parallel rank."""
+    tp, h = c.tp_size, mc.hidden_size
+    per_layer = (h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h
+                 + 3 * h * mc.intermediate_size) // tp + 2 * h
+    vocab = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2) // tp
+    return (mc.num_layers * per_layer + vocab + h) * _elem(c)
+
+
+def adapter_bytes(mc, c: EngineConfig) -> int:
+    """One adapter of rank `max_lora_rank` on one rank: a device slot, or a host copy."""
+    r, per_layer = c.max_lora_rank, 0
+    for shape in lora_group_shapes(mc, c.tp_size).values():
+        per_layer += (len(shape.out_features) * shape.in_features + sum(shape.out_features)) * r
+    return mc.num_layers * per_layer * _elem(c)
+
+
+def runtime_reserve_bytes(mc, c: EngineConfig) -> int:
+    """GPU memory held back from the KV cache for one step's activations at the token and
+    sequence budgets (hidden states, q|k|v, gate|up, logits in float32 and their softmax)
+    and for CUDA graphs."""
+    tp, t = c.tp_size, c.max_num_batched_tokens
+    widths = 4 * mc.hidden_size + (mc.q_size + 2 * mc.kv_size + 3 * mc.intermediate_size) // tp
+    logits = 2 * 4 * c.max_num_seqs * mc.vocab_size
+    return ACTIVATION_SAFETY * (t * widths * _elem(c) + logits) + GRAPH_RESERVE_BYTES
+
+
+def kv_blocks(c: EngineConfig, mc, num_kv_heads_per_rank: int, device: torch.device,
+              max_model_len: int) -> int:
+    """This rank's KV block count, measured once its weights and slots are in place
+    (at TP > 1 the ranks then agree on the smallest)."""
+    block_bytes = bytes_per_block(mc.num_layers, c.block_size, num_kv_heads_per_rank,
+                                  mc.head_dim, c.torch_dtype)
+    return num_kv_blocks(c.num_kv_blocks, device, c.gpu_memory_utilization,
+                         runtime_reserve_bytes(mc, c), block_bytes,
+                         cap=max_useful_blocks(c.max_num_seqs, max_model_len, c.block_size))
+
+
+def describe(c: EngineConfig, num_kv_blocks: int, max_model_len: int) -> str:
+    """One line with the resolved values a user may want to check at start-up."""
+    return (f"device={c.device} dtype={c.dtype} tp={c.tp_size} max_loras={c.max_loras} "
+            f"max_cpu_loras={c.max_cpu_loras} max_lora_rank={c.max_lora_rank} "
+            f"max_num_seqs={c.max_num_seqs} max_num_batched_tokens={c.max_num_batched_tokens} "
+            f"max_model_len={max_model_len} kv_blocks={num_kv_blocks}x{c.block_size} "
+            f"({num_kv_blocks * c.block_size} tokens) "
+            f"gpu_memory_utilization={c.gpu_memory_utilization} "
+            f"prefix_caching={c.enable_prefix_caching} "
+            f"cuda_graphs={c.device.startswith('cuda') and not c.enforce_eager} "
+            f"async_scheduling={c.use_async_scheduling}")
+
+
+def _elem(c: EngineConfig) -> int:
+    return c.torch_dtype.itemsize
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 * GiB

@@ -1,0 +1,141 @@
+"""Resolution of EngineConfig's automatic values (engine/resolve.py) from injected machine
+facts, checked against the real pools and model those values size."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import InvalidRequestError
+from engine.kv.sizing import blocks_for_memory
+from engine.lora import LoRASlotPool
+from engine.model.hf_config import ModelConfig, parse_config
+from engine.model.llama import LlamaForCausalLM
+from engine.parallel import TPGroup
+from engine.resolve import (MAX_AUTO_LORAS, MachineFacts, adapter_bytes, resolve_config,
+                            runtime_reserve_bytes, usable_gpu_bytes, weight_bytes)
+from engine.server.main import build_parser, engine_config
+
+GiB = 1 << 30
+LLAMA3_8B = parse_config(dict(
+    architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    rope_theta=500000.0, tie_word_embeddings=False, eos_token_id=128001))
+H100 = MachineFacts(cuda=True, bf16=True, gpu_total_bytes=80 * GiB, gpu_free_bytes=79 * GiB,
+                    host_available_bytes=500 * GiB, cpu_count=16)
+CPU = MachineFacts(cuda=False, host_available_bytes=8 * GiB, cpu_count=2)
+
+
+def test_cpu_defaults_are_small_and_float32():
+    c = resolve_config(EngineConfig(model="m"), LLAMA3_8B, CPU)
+    assert (c.device, c.dtype, c.max_loras, c.max_cpu_loras, c.max_num_seqs,
+            c.max_num_batched_tokens) == ("cpu", "float32", 4, 16, 64, 512)
+    assert c.use_async_scheduling is False
+
+
+def test_values_the_user_set_are_kept():
+    c = resolve_config(EngineConfig(model="m", dtype="bfloat16", max_loras=7, max_cpu_loras=9,
+                                    max_num_seqs=3, max_num_batched_tokens=100), LLAMA3_8B, H100)
+    assert (c.device, c.dtype, c.max_loras, c.max_cpu_loras, c.max_num_seqs,
+            c.max_num_batched_tokens) == ("cuda", "bfloat16", 7, 9, 3, 100)
+    assert resolve_config(EngineConfig(model="m", max_loras=8), LLAMA3_8B, CPU).max_cpu_loras == 32
+
+
+def test_h100_llama8b_rank16_gets_hundreds_of_slots_that_fit_with_the_kv_cache():
+    c = resolve_config(EngineConfig(model="m", max_lora_rank=16), LLAMA3_8B, H100)
+    assert (c.device, c.dtype, c.max_num_seqs, c.max_num_batched_tokens) == \
+        ("cuda", "bfloat16", 256, 8192)
+    assert adapter_bytes(LLAMA3_8B, c) == 2 * 41_943_040  # 42 M parameters, 84 MB in bf16
+    assert 150 <= c.max_loras <= MAX_AUTO_LORAS, c.max_loras
+    assert c.max_cpu_loras >= 2000  # 250 GB of host memory holds thousands of rank-16 copies
+    used = weight_bytes(LLAMA3_8B, c) + runtime_reserve_bytes(LLAMA3_8B, c) \
+        + c.max_loras * adapter_bytes(LLAMA3_8B, c)
+    kv_left = usable_gpu_bytes(c, H100) - used
+    # the KV cache keeps twice what the slots took: room for 256 sequences of 1,000+ tokens
+    assert kv_left >= 2 * c.max_loras * adapter_bytes(LLAMA3_8B, c) * 0.99
+    assert kv_left // (128 * 1024) >= 256 * 1000
+
+
+def test_slots_scale_with_rank_memory_and_utilization():
+    r16 = resolve_config(EngineConfig(model="m", max_lora_rank=16), LLAMA3_8B, H100).max_loras
+    r64 = resolve_config(EngineConfig(model="m", max_lora_rank=64), LLAMA3_8B, H100).max_loras
+    assert r64 == pytest.approx(r16 / 4, abs=1)
+    low = resolve_config(EngineConfig(model="m", max_lora_rank=16, gpu_memory_utilization=0.5),
+                         LLAMA3_8B, H100).max_loras
+    assert low < r16 / 2
+    busy = MachineFacts(cuda=True, bf16=True, gpu_total_bytes=80 * GiB,
+                        gpu_free_bytes=50 * GiB, host_available_bytes=500 * GiB)
+    assert resolve_config(EngineConfig(model="m", max_lora_rank=16), LLAMA3_8B,
+                          busy).max_loras < r16 * 0.7  # 30 GB held by another process
+    tp2 = resolve_config(EngineConfig(model="m", max_lora_rank=16, tp_size=2), LLAMA3_8B, H100)
+    assert tp2.max_loras > r16  # each rank holds half the weights and a part of each adapter
+
+
+def test_gpu_without_bf16_gets_float16_and_few_host_copies_never_below_the_slots():
+    v100 = MachineFacts(cuda=True, bf16=False, gpu_total_bytes=32 * GiB,
+                        gpu_free_bytes=32 * GiB, host_available_bytes=1 * GiB)
+    c = resolve_config(EngineConfig(model="m", max_lora_rank=16), LLAMA3_8B, v100)
+    assert c.dtype == "float16"
+    assert c.max_cpu_loras == c.max_loras  # 0.5 GB holds 5 copies; every slot needs one
+
+
+def test_model_too_big_for_the_gpu_is_refused_with_the_numbers():
+    small = MachineFacts(cuda=True, bf16=True, gpu_total_bytes=16 * GiB, gpu_free_bytes=16 * GiB)
+    with pytest.raises(InvalidRequestError, match=r"weights \(15\.\d GiB per rank in bfloat16\)"
+                                                  r".*gpu_memory_utilization=0\.9 of 16\.0 GiB"):
+        resolve_config(EngineConfig(model="m"), LLAMA3_8B, small)
+    with pytest.raises(InvalidRequestError, match=r"device='cuda': no CUDA device"):
+        resolve_config(EngineConfig(model="m", device="cuda"), LLAMA3_8B, CPU)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(InvalidRequestError, match=r"gpu_memory_utilization=1\.5: must be in"):
+        EngineConfig(model="m", gpu_memory_utilization=1.5)
+    with pytest.raises(InvalidRequestError, match=r"dtype='half': must be 'auto' or one of"):
+        EngineConfig(model="m", dtype="half")
+    with pytest.raises(InvalidRequestError, match=r"max_cpu_loras=2: must be >= max_loras=4"):
+        EngineConfig(model="m", max_loras=4, max_cpu_loras=2)
+    with pytest.raises(InvalidRequestError, match=r"max_num_seqs=0: must be >= 1"):
+        EngineConfig(model="m", max_num_seqs=0)
+
+
+def test_kv_blocks_fill_what_is_left_of_the_budget():
+    block = 2 * GiB // 1000
+    # 72 GB allowed, 30 GB in use, 2 GB reserve: 40 GB of blocks
+    assert blocks_for_memory(80 * GiB, 50 * GiB, 0.9, 2 * GiB, block) == 40 * GiB // block
+    assert blocks_for_memory(80 * GiB, 50 * GiB, 0.9, 2 * GiB, block, cap=10) == 10
+    with pytest.raises(InvalidRequestError, match=r"no memory left for the KV cache: "
+                                                  r"gpu_memory_utilization=0\.4 of 80\.0 GiB"):
+        blocks_for_memory(80 * GiB, 50 * GiB, 0.4, 2 * GiB, block)
+
+
+def test_estimates_match_the_real_model_and_slot_pool(llama_family):
+    mc = ModelConfig.from_dir(llama_family.model_dir)
+    c = resolve_config(EngineConfig(model="m", max_lora_rank=8), mc, CPU)
+    model = LlamaForCausalLM(mc, torch.float32, torch.device("cpu"), TPGroup.single())
+    assert weight_bytes(mc, c) == sum(p.nbytes for p in model.parameters())
+    pool = LoRASlotPool(mc, 3, 8)
+    ranks_bytes = 4 * 3 * mc.num_layers * 4  # an int32 rank per slot per (layer, group)
+    assert pool.nbytes == 3 * adapter_bytes(mc, c) + ranks_bytes
+
+
+def test_engine_keeps_the_resolved_config_and_describes_it(llama_family):
+    with Engine(EngineConfig(model=str(llama_family.model_dir), num_kv_blocks=32)) as eng:
+        c = eng.config
+        assert (c.device, c.dtype, c.max_loras, c.max_cpu_loras) == ("cpu", "float32", 4, 16)
+        line = eng.describe()
+    for part in ("device=cpu", "dtype=float32", "max_loras=4", "max_cpu_loras=16",
+                 "max_num_seqs=64", "max_num_batched_tokens=512", "kv_blocks=32x16"):
+        assert part in line, line
+
+
+def test_server_flags_take_auto_and_numbers():
+    args = build_parser().parse_args(["--model", "m", "--max-loras", "auto",
+                                      "--max-num-seqs", "12", "--gpu-memory-utilization", "0.7"])
+    c = engine_config(args)
+    assert (c.device, c.dtype, c.max_loras, c.max_num_seqs, c.gpu_memory_utilization) == \
+        ("auto", "auto", None, 12, 0.7)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--max-loras", "many"])
