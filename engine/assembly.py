@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.distributed.adapters import AdapterMirror
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
+from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -64,13 +65,15 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
                       runner)
 
 
-def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup):
-    """(path, expected version) -> this rank's LoRAWeights, read inside the adapter roots."""
+def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
+                   buffers: HostBufferPool):
+    """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
+    read inside the adapter roots."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
 
     def read(path: str, version: str | None):
         return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
-                         roots=roots, expected_version=version)
+                         roots=roots, expected_version=version, buffers=buffers)
     return read
 
 
@@ -80,12 +83,12 @@ def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.dev
                         ) -> tuple[AdapterRegistry, AdapterResidency, AdapterService]:
     """`pinned`: the one pin set the slot table and the host cache share."""
     registry = AdapterRegistry()
+    buffers = HostBufferPool(pin=device.type == "cuda")
     # rank 0 reads and validates its own shard; at TP > 1 the mirror repeats every slot
     # load and host-copy drop on the other ranks (by adapter id)
     adapters = AdapterResidency(
         registry, slots, HostCache(config.max_cpu_loras, pinned),
-        DiskLoader(adapter_reader(config, mc, tp),
-                   pin_memory=device.type == "cuda"),
+        DiskLoader(adapter_reader(config, mc, tp, buffers)),
         lora_pool, device,
         mirror=AdapterMirror(executor, registry) if executor is not None else None)
     return registry, adapters, AdapterService(registry, slots, adapters, kv, config.max_loras)

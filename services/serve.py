@@ -26,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-port", type=int, default=50051)
     p.add_argument("--control-port", type=int, default=50052)
     p.add_argument("--metrics-port", type=int, default=9090)
-    p.add_argument("--auth-token", default=None, help="bearer token for admin calls")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API port (0: off)")
+    p.add_argument("--auth-token", default=None,
+                   help="bearer token for admin calls and the HTTP API")
     p.add_argument("--workdir", default=None, help="registry and logs (default: a temp dir "
                    "for the demo, <cache>/serve otherwise)")
     p.add_argument("--cache-dir", default=None, help="where the demo model is made")
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(ClusterConfig(
         model=model, adapter_roots=tuple(roots), workdir=workdir, host=args.host,
         gateway_port=args.gateway_port, control_port=args.control_port,
-        metrics_port=args.metrics_port, auth_token=args.auth_token,
+        metrics_port=args.metrics_port, http_port=args.http_port or -1,
+        auth_token=args.auth_token,
         tensor_parallel_size=args.tensor_parallel_size, shutdown_grace_s=args.shutdown_grace,
         engine_args=("--device", _device(args.device))))
     stop = _install_stop_signals()
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if demo:
             _load_demo_adapters(cluster, args.auth_token)
         print(f"loramux serving {model}\n  gateway  {cluster.gateway_address}\n"
+              f"  http     {cluster.http_address or 'off'}\n"
               f"  control  {cluster.control_address}\n  logs     {workdir}\n"
               f"try: loramux generate --gateway {cluster.gateway_address} "
               f"{'--adapter demo-a ' if demo else ''}\"hello\"   (Ctrl-C stops)",

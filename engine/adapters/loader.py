@@ -1,11 +1,12 @@
 """The disk tier: reading an adapter's files into host memory off the step path.
 
-Reads run on one background thread (safetensors reads and the copy into the host layout
-are CPU work the step loop should not wait for). Each loaded version remembers the sha256
-version of its files (engine/adapters/safe_files.py: the bytes are read once and hashed,
-and the weights are built from those very bytes); a read for an id whose files hash
-otherwise fails (AdapterChangedError), because an id stands for the weights it was loaded
-with and must never silently serve others.
+Reads run on a few background threads (the file is read once through
+engine/adapters/safe_files.py and converted straight into a reused, page-locked host
+buffer: engine/lora/weights.py; CPU work the step loop should not wait for), so several
+adapters are read at once. Each loaded version remembers the sha256 version of its files
+(the bytes are read once and hashed, and the weights are built from those very bytes); a
+read for an id whose files hash otherwise fails (AdapterChangedError), because an id
+stands for the weights it was loaded with and must never silently serve others.
 """
 from __future__ import annotations
 
@@ -24,23 +25,23 @@ class DiskLoader:
     """Background reads keyed by adapter id; `load_weights(path, expected_version)` does
     the reading (expected_version None: any version; the weights carry theirs)."""
 
-    def __init__(self, load_weights: Callable[[str, str | None], Any], pin_memory: bool = False):
+    def __init__(self, load_weights: Callable[[str, str | None], Any], num_threads: int = 4):
         self._load_weights = load_weights
-        self._pin_memory = pin_memory
+        self._num_threads = num_threads
         self._executor: ThreadPoolExecutor | None = None  # started on first use
         self._pending: dict[int, Future] = {}
 
     def read(self, path: str | Path, expected: str | None = None) -> Any:
         """Synchronous read (admin loads: the caller waits for validation anyway)."""
-        weights = self._load_weights(str(path), expected)
-        return weights.pin_memory() if self._pin_memory else weights
+        return self._load_weights(str(path), expected)
 
     def submit(self, adapter_id: int, path: str, expected: str) -> None:
         """Start reading `adapter_id` from `path` unless already pending."""
         if adapter_id in self._pending:
             return
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-disk")
+            self._executor = ThreadPoolExecutor(self._num_threads,
+                                                thread_name_prefix="lora-disk")
         self._pending[adapter_id] = self._executor.submit(self.read, path, expected)
 
     def is_pending(self, adapter_id: int) -> bool:

@@ -25,6 +25,7 @@ from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
 from engine.lora import LoRASlotPool
+from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -96,7 +97,8 @@ class Worker:
             max_model_len=max_model_len)
         self.mirror = RequestMirror()
         self._prev = None   # the last launched step: its picked tokens stay on the device
-        self._reader = adapter_reader(self.config, self.model_config, self.tp)
+        self._buffers = HostBufferPool(pin=self.device.type == "cuda")
+        self._reader = adapter_reader(self.config, self.model_config, self.tp, self._buffers)
         self.adapters = ShardCache(self._read_adapter)
         self.channel = PlanChannel(self.control, self.tp.rank)
 
@@ -121,8 +123,7 @@ class Worker:
     def _read_adapter(self, path: str, version: str):
         """This rank's shard of a version rank 0 has read and validated already (the same
         bytes: their hash must be `version`)."""
-        w = self._reader(path, version)
-        return w.pin_memory() if self.device.type == "cuda" else w
+        return self._reader(path, version)
 
     def _step(self, payload: torch.Tensor) -> None:
         plan = decode_step(payload)

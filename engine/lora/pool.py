@@ -73,6 +73,11 @@ class LoRASlotPool:
         with _on_stream(stream):
             for key in self._a:
                 self._copy_group(slot, key, weights.groups.get(key))
+            if weights.buffer is not None and self.device.type == "cuda":
+                # the host buffer is reused only after these copies have read it
+                event = torch.cuda.Event()
+                event.record()
+                weights.buffer.fence(event)
 
     def clear(self, slot: int, stream: torch.cuda.Stream | None = None) -> None:
         """Zero `slot` everywhere (its tokens would then add nothing)."""

@@ -14,6 +14,12 @@ activations into inf/NaN), otherwise AdapterError names the tensor. Tensor paral
 column-parallel groups (qkv, gate_up) keep A whole and cut B's rows like the base weight;
 row-parallel groups (o, down) cut A's columns and keep B whole, so each rank's partial
 delta is summed by the layer's existing all-reduce.
+
+The conversion (dtype, scaling, TP cut, layout) runs once per adapter, in one pass from
+the file's bytes (read once by the plan) straight into one host buffer per adapter,
+reused across adapters and page-locked on CUDA (engine/lora/host_buffers.py); a slot
+load is then plain copies. Every group tensor is a view of that buffer, valid while the
+LoRAWeights lives.
 """
 from __future__ import annotations
 
@@ -21,9 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+import math
+
 import torch
 
 from engine.errors import AdapterChangedError, AdapterError
+from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.safetensors_buffer import tensor
 from engine.model.lora_targets import LORA_TARGETS, GroupShape, lora_group_shapes, lora_shard
@@ -57,13 +66,17 @@ class LoRAWeights:
     tp_size: int
     source: str                     # the adapter's weights file, for messages
     version: str = ""               # sha256 of the files it was built from
+    buffer: HostBuffer | None = None  # the host memory every group tensor views, if one
 
     @property
     def nbytes(self) -> int:
         return sum(g.a.nbytes + g.b.nbytes for g in self.groups.values())
 
     def pin_memory(self) -> "LoRAWeights":
-        """A copy in page-locked memory, so pool loads can copy asynchronously."""
+        """A copy in page-locked memory, so pool loads can copy asynchronously (itself
+        when it already is)."""
+        if all(g.a.is_pinned() and g.b.is_pinned() for g in self.groups.values()):
+            return self
         pinned = {k: GroupWeights(g.a.pin_memory(), g.b.pin_memory(), g.slice_ranks)
                   for k, g in self.groups.items()}
         return LoRAWeights(MappingProxyType(pinned), self.shapes, self.num_layers,
@@ -81,56 +94,100 @@ def validate_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None) -
 
 def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPGroup.single(),
               dtype: torch.dtype = torch.float32, roots=None,
-              expected_version: str | None = None) -> LoRAWeights:
+              expected_version: str | None = None,
+              buffers: HostBufferPool | None = None) -> LoRAWeights:
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors; below
-    `roots` when given) into this rank's host layout, scaling folded into B. Raises
-    AdapterError (feature, file) for anything that is not a plain LoRA fitting the model,
-    or when the files' version is not `expected_version`; nothing is kept on error."""
+    `roots` when given) into this rank's host layout, scaling folded into B, in a buffer
+    from `buffers` (a private one when None). Raises AdapterError (feature, file) for
+    anything that is not a plain LoRA fitting the model, or when the files' version is
+    not `expected_version`; nothing is kept on error."""
     plan = plan_adapter(path, model_cfg, max_lora_rank, roots)
     if expected_version is not None and plan.version != expected_version:
         raise AdapterChangedError("adapter files changed since this version was validated "
                                   "or loaded; register or load the name again to serve them",
                                   file=str(path))
-    return weights_from_plan(plan, model_cfg, tp, dtype)
+    return weights_from_plan(plan, model_cfg, tp, dtype, buffers)
 
 
 def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single(),
-                      dtype: torch.dtype = torch.float32) -> LoRAWeights:
-    """This rank's host layout of a planned adapter, built from the bytes the plan read."""
+                      dtype: torch.dtype = torch.float32,
+                      buffers: HostBufferPool | None = None) -> LoRAWeights:
+    """This rank's host layout of a planned adapter, built from the bytes the plan read,
+    values checked as served (module docstring)."""
     shapes = lora_group_shapes(model_cfg, tp.size)
     by_group: dict[tuple[int, str], dict[int, ModulePlan]] = {}
     for mp in plan.modules:
         group, s = LORA_TARGETS[mp.module]
         by_group.setdefault((mp.layer, group), {})[s] = mp
-    groups = {}
-    for (layer, group), slices in by_group.items():
-        groups[(layer, group)] = _group_weights(plan, model_cfg, tp, shapes[group], slices,
-                                                dtype)
-    return LoRAWeights(MappingProxyType(groups), MappingProxyType(shapes),
-                       model_cfg.num_layers, plan.max_rank, plan.target_modules,
-                       tp.rank, tp.size, plan.weights_file, plan.version)
+    layout, nbytes = _layout(by_group, shapes, dtype)
+    pool = buffers if buffers is not None else HostBufferPool()
+    buf = pool.acquire(nbytes)
+    try:
+        groups = {}
+        for key, (a_at, b_at) in layout.items():
+            a, b = _view(buf, a_at, dtype), _view(buf, b_at, dtype)
+            groups[key] = _fill_group(a, b, plan, model_cfg, tp, shapes[key[1]], by_group[key])
+        _check_groups(groups, by_group, shapes, plan.weights_file)
+    except BaseException:
+        pool.release(buf)
+        raise
+    weights = LoRAWeights(MappingProxyType(groups), MappingProxyType(shapes),
+                          model_cfg.num_layers, plan.max_rank, plan.target_modules,
+                          tp.rank, tp.size, plan.weights_file, plan.version, buffer=buf)
+    pool.attach(weights, buf)
+    return weights
 
 
-def _group_weights(plan: AdapterPlan, model_cfg, tp: TPGroup, shape: GroupShape,
-                   slices: dict[int, ModulePlan], dtype: torch.dtype) -> GroupWeights:
-    num_slices = len(shape.out_features)
-    r = max(mp.rank for mp in slices.values())
-    a = torch.zeros(num_slices, r, shape.in_features, dtype=dtype)
-    b = torch.zeros(sum(shape.out_features), r, dtype=dtype)
-    ranks = [0] * num_slices
+def _layout(by_group: dict, shapes: dict, dtype: torch.dtype):
+    """{(layer, group): ((a offset, a dims), (b offset, b dims))} in one buffer, each
+    tensor 256-byte aligned; and the buffer's size in bytes."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out, at = {}, 0
+    for key, slices in by_group.items():
+        shape = shapes[key[1]]
+        r = max(mp.rank for mp in slices.values())
+        parts = []
+        for dims in ((len(shape.out_features), r, shape.in_features),
+                     (sum(shape.out_features), r)):
+            parts.append((at, dims))
+            at += -(-math.prod(dims) * itemsize // 256) * 256
+        out[key] = tuple(parts)
+    return out, max(at, 256)
+
+
+def _view(buf: HostBuffer, at: tuple[int, tuple[int, ...]], dtype: torch.dtype) -> torch.Tensor:
+    offset, dims = at
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return buf.data[offset:offset + math.prod(dims) * itemsize].view(dtype).view(dims)
+
+
+def _fill_group(a: torch.Tensor, b: torch.Tensor, plan: AdapterPlan, model_cfg, tp: TPGroup,
+                shape: GroupShape, slices: dict[int, ModulePlan]) -> GroupWeights:
+    """Write one group's slices into its views a [S, R, K], b [N, R] (zeros where a slice
+    is absent or of a smaller rank): every element once, in the serving dtype."""
+    ranks = [0] * a.shape[0]
     offset = 0
     for s, width in enumerate(shape.out_features):
         mp = slices.get(s)
-        if mp is not None:
-            a_s, b_s = _shard(plan, model_cfg, tp, mp)
-            a[s, :mp.rank] = a_s.to(dtype)
-            b[offset:offset + width, :mp.rank] = (b_s.double() * mp.scaling).to(dtype)
-            _check_values(a[s, :mp.rank], mp.a_key, "", plan.weights_file)
-            _check_values(b[offset:offset + width, :mp.rank], mp.b_key,
-                          f" times scaling {mp.scaling:g}", plan.weights_file)
+        a_s, b_s = a[s], b[offset:offset + width]
+        if mp is None:
+            a_s.zero_()
+            b_s.zero_()
+        else:
+            lora_a, lora_b = _shard(plan, model_cfg, tp, mp)
+            a_s[:mp.rank].copy_(_compute_dtype(lora_a, a.dtype))
+            torch.mul(_compute_dtype(lora_b, b.dtype), mp.scaling, out=b_s[:, :mp.rank])
+            a_s[mp.rank:].zero_()
+            b_s[:, mp.rank:].zero_()
             ranks[s] = mp.rank
         offset += width
     return GroupWeights(a, b, tuple(ranks))
+
+
+def _compute_dtype(t: torch.Tensor, out: torch.dtype) -> torch.Tensor:
+    """`t`, or `t` in float32 where converting it straight to `out` would not round as
+    float32 math does (float64 or float16 sources)."""
+    return t if t.dtype in (torch.float32, out) else t.float()
 
 
 def _shard(plan: AdapterPlan, model_cfg, tp: TPGroup, mp: ModulePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +198,26 @@ def _shard(plan: AdapterPlan, model_cfg, tp: TPGroup, mp: ModulePlan) -> tuple[t
     if cut.factor == "B":
         return a, b[cut.shard.start:cut.shard.stop, :]
     return a[:, cut.shard.start:cut.shard.stop], b
+
+
+def _check_groups(groups: dict, by_group: dict, shapes: dict, file: str) -> None:
+    """Every served value finite and within MAX_ABS_WEIGHT: one aminmax per tensor (NaN
+    propagates through it; far cheaper than isfinite + abs). On failure, the per-slice
+    check names the tensor."""
+    bounds = torch.stack([torch.stack(torch.aminmax(t)).float()
+                          for g in groups.values() for t in (g.a, g.b)])
+    if bool(torch.isfinite(bounds).all()) and float(bounds.abs().max()) <= MAX_ABS_WEIGHT:
+        return
+    for key, g in groups.items():
+        offset = 0
+        for s, width in enumerate(shapes[key[1]].out_features):
+            mp = by_group[key].get(s)
+            if mp is not None:
+                _check_values(g.a[s, :mp.rank], mp.a_key, "", file)
+                _check_values(g.b[offset:offset + width, :mp.rank], mp.b_key,
+                              f" times scaling {mp.scaling:g}", file)
+            offset += width
+    raise AssertionError("bounds out of range but no tensor found")  # unreachable
 
 
 def _check_values(t: torch.Tensor, key: str, what: str, file: str) -> None:

@@ -1,0 +1,131 @@
+"""Reusable host memory for adapter host copies: one buffer per adapter, page-locked on CUDA.
+
+Pinning memory is slow (the driver locks every page: tens of milliseconds for an 84 MB
+adapter), so buffers are never given back to the system while the engine runs: a buffer
+whose host copy was dropped is kept in a free list of its exact size and handed to the
+next adapter of that size (adapters of one shape, the common case, all share one size).
+Sizes are exact (rounded up to 64 KiB), not powers of two: thousands of host copies must
+not waste a third of host memory.
+
+A buffer goes back to its free list when the `LoRAWeights` that owns it is garbage
+collected, and only once every device copy that reads it has completed: the slot pool
+records an event for each copy it queues from a buffer (`HostBuffer.fence`). Holders of
+a host copy (the host cache, a copy in flight, a worker's shard cache) keep the
+`LoRAWeights` alive, so no buffer is reused while anything may still read it.
+
+On CUDA a buffer is ordinary host memory registered with the driver (cudaHostRegister),
+falling back to torch's pinned allocator where registration fails.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+_GRANULE = 1 << 16
+_ALIGN = 4096
+
+
+class HostBuffer:
+    """One buffer: `data` is a uint8 tensor of `nbytes` (page-aligned)."""
+
+    def __init__(self, data: torch.Tensor, nbytes: int, registered_ptr: int | None):
+        self.data = data
+        self.nbytes = nbytes
+        self._registered_ptr = registered_ptr
+        self._fences: list = []
+        self._lock = threading.Lock()
+
+    def fence(self, event) -> None:
+        """A device copy reading this buffer was queued; `event` completes after it."""
+        with self._lock:
+            self._fences.append(event)
+
+    def __del__(self):
+        if self._registered_ptr is not None:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            except Exception:  # interpreter shutdown: the process is going anyway
+                pass
+
+    def idle(self) -> bool:
+        """No queued device copy still reads the buffer."""
+        with self._lock:
+            self._fences = [e for e in self._fences if not e.query()]
+            return not self._fences
+
+
+class HostBufferPool:
+    """Free lists of host buffers by size; thread-safe (disk reads run on several threads)."""
+
+    def __init__(self, pin: bool = False):
+        self.pin = pin
+        self._free: dict[int, list[HostBuffer]] = {}
+        self._fenced: list[HostBuffer] = []   # released, a device copy may still read it
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0
+        self.num_allocations = 0
+        self.num_reuses = 0
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
+
+    def acquire(self, nbytes: int) -> HostBuffer:
+        """A buffer of at least `nbytes` (contents undefined)."""
+        size = self.size_class(nbytes)
+        with self._lock:
+            self._reap()
+            free = self._free.get(size)
+            if free:
+                self.num_reuses += 1
+                return free.pop()
+            self.num_allocations += 1
+            self.allocated_bytes += size
+        return self._allocate(size)
+
+    def attach(self, owner, buf: HostBuffer) -> None:
+        """Return `buf` to the pool when `owner` is garbage collected."""
+        weakref.finalize(owner, self.release, buf)
+
+    def release(self, buf: HostBuffer) -> None:
+        with self._lock:
+            if buf.idle():
+                self._free.setdefault(buf.nbytes, []).append(buf)
+            else:
+                self._fenced.append(buf)
+
+    def _reap(self) -> None:
+        still = []
+        for buf in self._fenced:
+            if buf.idle():
+                self._free.setdefault(buf.nbytes, []).append(buf)
+            else:
+                still.append(buf)
+        self._fenced = still
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._free.values())
+
+    def _allocate(self, size: int) -> HostBuffer:
+        if not self.pin:
+            return HostBuffer(_aligned(size), size, None)
+        data = _aligned(size)
+        ptr = data.data_ptr()
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+            ok = int(err) == 0
+        except Exception:  # no such binding in this torch build
+            ok = False
+        if ok:
+            return HostBuffer(data, size, ptr)
+        return HostBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True), size, None)
+
+
+def _aligned(size: int) -> torch.Tensor:
+    raw = torch.empty(size + _ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _ALIGN
+    return raw[skip:skip + size]
