@@ -35,7 +35,7 @@ class AdapterService:
         weights = self.residency.loader.read(path, version)
         old = self.registry.current(name)
         aid = self.registry.add(name, str(path), weights.max_rank, weights.version, pinned)
-        self.residency.add_host_copy(aid, weights)
+        self.residency.add_host_copy(aid, weights, pinned)
         if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
             self.set_pin(old.adapter_id, False)
         self.set_pin(aid, pinned)

@@ -56,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
                    default=float(env("LORAMUX_SHUTDOWN_GRACE", "30")),
                    help="on SIGTERM/SIGINT, running requests have this many seconds to "
                         "finish; new ones are refused (default: 30)")
-    p.add_argument("--heartbeat-interval", type=float, default=0.2)
+    p.add_argument("--heartbeat-interval", type=float, default=0.2,
+                   help="seconds between heartbeats (sent from their own thread: a long "
+                        "step does not delay them)")
+    p.add_argument("--stall-timeout", type=float, default=600.0,
+                   help="heartbeats stop while one step-loop iteration has run this many "
+                        "seconds (a hung engine then looks dead to its peers)")
+    p.add_argument("--debug-step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
     return p
@@ -102,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.server.loop import EngineServer, ServerConfig
 
     engine = Engine(engine_config(args))
-    server = EngineServer(engine, ServerConfig(args.input, args.output,
-                                               heartbeat_interval_s=args.heartbeat_interval))
+    server = EngineServer(engine, ServerConfig(
+        args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
+        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
