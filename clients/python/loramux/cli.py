@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     load = asub.add_parser("load")
     load.add_argument("name")
     load.add_argument("--path", default=None, help="register from this path first")
-    load.add_argument("--pinned", action="store_true")
+    load.add_argument("--pinned", action=argparse.BooleanOptionalAction, default=None,
+                      help="pin (--pinned) or unpin (--no-pinned); default: keep the pin")
     for action in ("unload", "unregister", "pin", "unpin", "get"):
         asub.add_parser(action).add_argument("name")
     lst = asub.add_parser("list")
