@@ -7,6 +7,7 @@ here; the engine's step loop calls `free_retired` whenever a request may have en
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from engine.adapters.registry import BASE_ID, AdapterRegistry
@@ -32,7 +33,9 @@ class AdapterService:
         self.registry.check_name(name)
         if pinned:
             self._check_can_pin(name)
+        t0 = time.perf_counter()
         weights = self.residency.loader.read(path, version)
+        self.residency.disk_read_seconds.observe(time.perf_counter() - t0)
         old = self.registry.current(name)
         aid = self.registry.add(name, str(path), weights.max_rank, weights.version, pinned)
         self.residency.add_host_copy(aid, weights, pinned)

@@ -29,6 +29,9 @@ GATEWAY_OPTIONS = (
            "seconds without an engine heartbeat before the engine counts as gone and its "
            "streams end with UNAVAILABLE (default: 1.5)", env="LORAMUX_HEARTBEAT_TIMEOUT",
            default=1.5),
+    Option("metrics_max_adapters", "--metrics-max-adapters", positive_int,
+           "distinct adapter label values in the gateway's metrics; later adapters count "
+           "as 'other' (default: 64)", env="LORAMUX_METRICS_MAX_ADAPTERS", default=64),
 )
 
 
@@ -103,6 +106,7 @@ async def serve(args) -> int:
     from engine.tokenizer import Tokenizer
     from services.gateway.adapter_table import AdapterTable
     from services.gateway.engine_client import EngineClient
+    from services.gateway.engine_metrics import EngineCollector
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.prompts import PromptBuilder
     from services.gateway.servicer import GenerateServicer
@@ -110,11 +114,12 @@ async def serve(args) -> int:
     log = configure_logging("gateway", args.log_level)
     prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(args.metrics_max_adapters)
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
     engine = EngineClient(args.engine_input, args.engine_output, max_inflight=args.max_inflight,
                           heartbeat_timeout_s=args.heartbeat_timeout)
     table = AdapterTable(args.table_address)
+    metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
