@@ -60,6 +60,9 @@ def test_steps_of_four_timeouts_each_do_not_end_a_stream(slow_steps, tiny_model)
         out = gen.generate([5, 6, 7], None, temperature=0.0, max_tokens=3, ignore_eos=True)
     assert out.token_ids == want and out.finish_reason == "length"
     assert time.monotonic() - t0 >= 3 * 2.0  # three steps, each 4x the timeout
+    # the start-up line shows the configuration the engine resolved for itself
+    assert "device=cpu dtype=float32" in slow_steps.log_tail("engine", 100_000)
+    assert "max_loras=4 max_cpu_loras=16" in slow_steps.log_tail("engine", 100_000)
 
 
 def test_engine_killed_in_a_long_step_is_unavailable_within_two_seconds(slow_steps):
