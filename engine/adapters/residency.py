@@ -43,12 +43,15 @@ the only places residency writes into the slot pool or lets go of a host copy.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.adapters.host_cache import PIN, HostCache
 from engine.adapters.loader import DiskLoader, LoadResult
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.slots import SlotTable
+from engine.telemetry import LOAD_SECONDS, Histogram
 
 
 class AdapterResidency:
@@ -61,7 +64,11 @@ class AdapterResidency:
         self.lora_pool = lora_pool
         self.mirror = mirror
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._copies: dict[int, tuple] = {}  # adapter id -> (event, host weights kept alive)
+        self._copies: dict[int, tuple] = {}  # adapter id -> (event, host weights kept alive, t0)
+        self._reads_started: dict[int, float] = {}
+        # disk -> host reads and host -> slot loads (a swap when it evicts), start to ready
+        self.disk_read_seconds = Histogram("adapter_disk_read_seconds", LOAD_SECONDS)
+        self.slot_load_seconds = Histogram("adapter_slot_load_seconds", LOAD_SECONDS)
 
     # ---- tiers ------------------------------------------------------------------
     def add_host_copy(self, adapter_id: int, weights, pinned: bool = False) -> None:
@@ -76,7 +83,9 @@ class AdapterResidency:
             return
         rec = self.registry.get(adapter_id)
         self.loader.cancel(adapter_id)
+        t0 = time.perf_counter()
         weights = self.loader.read_checked(rec.path, rec.fingerprint)
+        self.disk_read_seconds.observe(time.perf_counter() - t0)
         rec.disk_reads += 1
         self._put(adapter_id, weights, (PIN,))
 
@@ -106,6 +115,7 @@ class AdapterResidency:
         self.slots.pinned.discard(adapter_id)
         self.host.drop(adapter_id)
         self.loader.cancel(adapter_id)
+        self._reads_started.pop(adapter_id, None)
         if self.mirror is not None:
             self.mirror.retired(adapter_id)
 
@@ -114,18 +124,22 @@ class AdapterResidency:
         """Move finished work along the tiers; returns failed disk reads."""
         failed = []
         for res in self.loader.collect():
+            t0 = self._reads_started.pop(res.adapter_id, None)
             rec = self.registry.find(res.adapter_id)
             if rec is None:
                 continue  # retired while being read
             if res.error is not None:
                 failed.append(res)
                 continue
+            if t0 is not None:
+                self.disk_read_seconds.observe(time.perf_counter() - t0)
             rec.disk_reads += 1
             self._put(res.adapter_id, res.weights, None)  # claim: NEEDED if still wanted
-        for aid, (event, _weights) in list(self._copies.items()):
+        for aid, (event, _weights, t0) in list(self._copies.items()):
             if event.query():
                 del self._copies[aid]
                 self.slots.mark_ready(aid)
+                self.slot_load_seconds.observe(time.perf_counter() - t0)
         return failed
 
     def prefetch(self, wanted: list[int], busy: set[int]) -> bool:
@@ -164,6 +178,7 @@ class AdapterResidency:
             return
         rec = self.registry.get(aid)
         self.loader.submit(aid, rec.path, rec.fingerprint)
+        self._reads_started[aid] = time.perf_counter()
 
     def _load_slot(self, aid: int, weights, protected: set[int]) -> bool:
         a = self.slots.assign(aid, protected)
@@ -174,9 +189,11 @@ class AdapterResidency:
             if rec is not None:
                 rec.evictions += 1
         self.registry.get(aid).loads += 1
+        t0 = time.perf_counter()
         if self._stream is None:
             self._write_slot(a.slot, aid, weights)
             self.slots.mark_ready(aid)
+            self.slot_load_seconds.observe(time.perf_counter() - t0)
             return True
         # ordered after everything already queued on the compute stream, i.e. after the
         # last batch that may have read this slot's previous occupant
@@ -184,7 +201,7 @@ class AdapterResidency:
         self._write_slot(a.slot, aid, weights, stream=self._stream)
         event = torch.cuda.Event()
         event.record(self._stream)
-        self._copies[aid] = (event, weights)
+        self._copies[aid] = (event, weights, t0)
         return True
 
     def _write_slot(self, slot: int, aid: int, weights, stream=None) -> None:

@@ -7,6 +7,7 @@ here; the engine's step loop calls `free_retired` whenever a request may have en
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -47,7 +48,9 @@ class AdapterService:
         """See Engine.read_adapter: reads and validates, changes nothing (any thread)."""
         self.registry.check_name(name)
         before = fingerprint(path)
+        t0 = time.perf_counter()
         weights = self.residency.loader.read(path)
+        self.residency.disk_read_seconds.observe(time.perf_counter() - t0)
         if fingerprint(path) != before:
             raise AdapterError(f"adapter files at {path} changed while being read",
                                feature="changed_on_disk")

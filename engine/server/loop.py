@@ -175,7 +175,8 @@ class EngineServer:
         now = time.monotonic()
         if now >= self._next_event:
             self._next_event = now + self.cfg.event_interval_s
-            self._publish(event=engine_event(self.engine.stats(), self.adapters.loaded))
+            self._publish(event=engine_event(self.engine.stats(), self.adapters.loaded,
+                                             self.engine.histograms()))
 
     def _publish(self, **kind) -> None:
         data = engine_pb2.EngineOutput(instance_id=self.instance_id, **kind).SerializeToString()

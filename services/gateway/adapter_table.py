@@ -67,6 +67,10 @@ class AdapterTable:
                            f"adapter {name!r} is being unloaded")
         return entry
 
+    def entries(self) -> list[engine_pb2.AdapterTableEntry]:
+        """Every adapter the control plane published, whatever its state."""
+        return list((self._entries or {}).values())
+
     def loaded(self) -> list[engine_pb2.AdapterTableEntry]:
         """Every adapter that takes requests now (LOADED), by name."""
         entries = (self._entries or {}).values()

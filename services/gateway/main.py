@@ -8,16 +8,37 @@ import sys
 
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
+from engine.server.options import (OneLineErrors, Option, add_options, given,
+                                   non_negative_float, positive_float, positive_int)
 from services.common import grpc_server
 from services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
+# The gateway's tunables; `loramux serve` takes the same flags (engine/server/options.py).
+GATEWAY_OPTIONS = (
+    Option("max_inflight", "--max-inflight", positive_int,
+           "admission limit: calls beyond it get RESOURCE_EXHAUSTED (default: 256)",
+           env="LORAMUX_MAX_INFLIGHT", default=256),
+    Option("max_message_bytes", "--max-message-bytes", positive_int,
+           "largest request accepted, gRPC message and HTTP body, in bytes; bigger ones are "
+           f"refused (default: {grpc_server.DEFAULT_MAX_MESSAGE_BYTES})",
+           env="LORAMUX_MAX_MESSAGE_BYTES", default=grpc_server.DEFAULT_MAX_MESSAGE_BYTES),
+    Option("heartbeat_timeout", "--heartbeat-timeout", positive_float,
+           "seconds without an engine heartbeat before the engine counts as gone and its "
+           "streams end with UNAVAILABLE (default: 1.5)", env="LORAMUX_HEARTBEAT_TIMEOUT",
+           default=1.5),
+    Option("metrics_max_adapters", "--metrics-max-adapters", positive_int,
+           "distinct adapter label values in the gateway's metrics; later adapters count "
+           "as 'other' (default: 64)", env="LORAMUX_METRICS_MAX_ADAPTERS", default=64),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m services.gateway",
-                                description="loramux gateway (GenerateService)")
+    p = OneLineErrors(prog="python -m services.gateway",
+                      description="loramux gateway (GenerateService)")
     p.add_argument("--listen", default=env("LORAMUX_GATEWAY_LISTEN", "127.0.0.1:50051"),
                    help="gRPC host:port (port 0 picks a free one)")
     p.add_argument("--model", default=env("LORAMUX_MODEL"),
@@ -26,11 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
                    help="the control plane's adapter-table PUB address")
-    p.add_argument("--max-inflight", type=int, default=int(env("LORAMUX_MAX_INFLIGHT", "256")),
-                   help="admission limit: calls beyond it get RESOURCE_EXHAUSTED")
-    p.add_argument("--max-message-bytes", type=int,
-                   default=int(env("LORAMUX_MAX_MESSAGE_BYTES", str(grpc_server.DEFAULT_MAX_MESSAGE_BYTES))),
-                   help="largest request accepted: gRPC message and HTTP body, in bytes")
+    add_options(p, GATEWAY_OPTIONS)
     p.add_argument("--http-port", type=int, default=int(env("LORAMUX_HTTP_PORT", "0")),
                    help="OpenAI-compatible HTTP API port, on the --listen host (0: off)")
     p.add_argument("--served-model-name", default=env("LORAMUX_SERVED_MODEL_NAME"),
@@ -40,9 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=int(env("LORAMUX_METRICS_PORT", "9090")),
                    help="Prometheus /metrics HTTP port (0 picks one, -1 disables)")
     p.add_argument("--metrics-host", default=env("LORAMUX_METRICS_HOST", "127.0.0.1"))
-    p.add_argument("--heartbeat-timeout", type=float, default=1.5)
-    p.add_argument("--shutdown-grace", "--grace", dest="shutdown_grace", type=float,
-                   default=float(env("LORAMUX_SHUTDOWN_GRACE", "30")),
+    p.add_argument("--shutdown-grace", "--grace", dest="shutdown_grace", type=non_negative_float,
+                   default=env("LORAMUX_SHUTDOWN_GRACE", "30"),
                    help="on SIGTERM/SIGINT: new calls get UNAVAILABLE, health goes "
                         "NOT_SERVING, and in-flight calls have this many seconds to finish "
                         "(default: 30)")
@@ -90,6 +106,7 @@ async def serve(args) -> int:
     from engine.tokenizer import Tokenizer
     from services.gateway.adapter_table import AdapterTable
     from services.gateway.engine_client import EngineClient
+    from services.gateway.engine_metrics import EngineCollector
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.prompts import PromptBuilder
     from services.gateway.servicer import GenerateServicer
@@ -97,11 +114,12 @@ async def serve(args) -> int:
     log = configure_logging("gateway", args.log_level)
     prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(args.metrics_max_adapters)
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
     engine = EngineClient(args.engine_input, args.engine_output, max_inflight=args.max_inflight,
                           heartbeat_timeout_s=args.heartbeat_timeout)
     table = AdapterTable(args.table_address)
+    metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
@@ -131,6 +149,11 @@ async def serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        vars(args).update(given(args, GATEWAY_OPTIONS, os.environ))
+    except argparse.ArgumentTypeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     missing = [n for n in ("model", "engine_input", "engine_output", "table_address")
                if not getattr(args, n)]
     if missing:
