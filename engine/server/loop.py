@@ -22,6 +22,7 @@ import zmq
 from loramux.v1 import engine_pb2
 
 from engine.server.adapter_commands import AdapterCommands
+from engine.server.curve import ZmqKeys, start_authenticator
 from engine.server.convert import delta_to_proto, error_code, sampling_from_proto
 from engine.server.events import engine_event, max_model_len
 
@@ -38,6 +39,7 @@ class ServerConfig:
     # no heartbeat while one step-loop iteration has run this long: the loop is hung
     stall_timeout_s: float = 600.0
     debug_step_sleep_s: float = 0.0  # test hook: each engine step first sleeps this long
+    keys: ZmqKeys | None = None    # CURVE keys; None: any local process may connect
 
 
 class EngineServer:
@@ -48,10 +50,13 @@ class EngineServer:
         self.cfg = cfg
         self.instance_id = uuid.uuid4().hex
         self._ctx = ctx or zmq.Context.instance()
+        self._auth = start_authenticator(self._ctx, cfg.keys) if cfg.keys else None
         self._pull = self._ctx.socket(zmq.PULL)
         self._pub = self._ctx.socket(zmq.PUB)
         for sock in (self._pull, self._pub):
             sock.setsockopt(zmq.LINGER, 0)
+            if cfg.keys:
+                cfg.keys.serve(sock)
         self._pull.bind(cfg.input_address)
         self._pub.bind(cfg.output_address)
         self.adapters = AdapterCommands(engine)
@@ -79,6 +84,8 @@ class EngineServer:
             self.adapters.close()
             self._pull.close(0)
             self._pub.close(0)
+            if self._auth:
+                self._auth.stop()
 
     def _drain_requests(self, grace_s: float) -> None:
         """Stopping: new requests are refused (UNAVAILABLE), running ones go on for up to
