@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from engine.adapters.registry import BASE_ID, AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.slots import SlotTable
 from engine.errors import CapacityError
 from engine.kv.kv_cache_manager import KVCacheManager
+
+
+class ReadAdapter(NamedTuple):
+    """An adapter read from disk and validated, not registered yet."""
+    name: str
+    path: str
+    weights: Any          # LoRAWeights
+    version: str          # sha256 of the bytes it was built from (safe_files)
 
 
 class AdapterService:
@@ -32,13 +41,25 @@ class AdapterService:
         """See Engine.add_adapter."""
         self.registry.check_name(name)
         if pinned:
-            self._check_can_pin(name)
+            self._check_can_pin(name)  # before the read: fail fast
+        return self.register(self.read(name, path, version), pinned)
+
+    def read(self, name: str, path: str | Path, version: str | None = None) -> "ReadAdapter":
+        """See Engine.read_adapter: reads and validates, changes nothing (any thread)."""
+        self.registry.check_name(name)
         t0 = time.perf_counter()
         weights = self.residency.loader.read(path, version)
         self.residency.disk_read_seconds.observe(time.perf_counter() - t0)
-        old = self.registry.current(name)
-        aid = self.registry.add(name, str(path), weights.max_rank, weights.version, pinned)
-        self.residency.add_host_copy(aid, weights, pinned)
+        return ReadAdapter(name, str(path), weights, weights.version)
+
+    def register(self, read: "ReadAdapter", pinned: bool = False) -> int:
+        """See Engine.register_adapter."""
+        if pinned:
+            self._check_can_pin(read.name)
+        old = self.registry.current(read.name)
+        aid = self.registry.add(read.name, read.path, read.weights.max_rank, read.version,
+                                pinned)
+        self.residency.add_host_copy(aid, read.weights, pinned)
         if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
             self.set_pin(old.adapter_id, False)
         self.set_pin(aid, pinned)
