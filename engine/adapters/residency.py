@@ -6,16 +6,19 @@
 
 The engine calls, once per step and after the batch is fixed:
 
-- `poll()`: finished disk reads join the host tier; finished copies make slots ready.
+- `poll()`: finished disk reads join the host tier; finished copies let go of the host
+  copy they read.
 - `prefetch(wanted, busy)`: for the adapters waiting requests need (priority order),
   start disk reads and host→device copies. Slot eviction never touches `busy` adapters
   (those with running requests: a superset of the batch just built) nor pinned ones nor
   adapters with a higher claim, so a copy never overwrites a slot the batch reads.
 
-On CUDA a copy runs on a side stream, ordered after all work queued so far on the compute
-stream (the previous reader of the slot), and its event tells when the slot is ready; the
-scheduler only admits requests whose adapter's slot is ready, so no step waits for a copy
-of another request. On the CPU copies are synchronous.
+A copy is ordered by events, never by a host sync (engine/adapters/copier.py): on CUDA it
+runs on a side stream after all work queued so far on the compute stream (the previous
+readers of the slot), and the slot is usable at once: the scheduler may admit requests
+of the adapter in the very next schedule, and `order_before_step` makes the compute
+stream wait for the copy's event before the step that reads the slot. On the CPU copies
+are synchronous.
 
 With tensor parallelism, `mirror` (engine/distributed/adapters.py) hears of every slot
 load, host-copy drop and retirement, by adapter id, so the other ranks follow; these are
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.adapters.copier import copier_for
 from engine.adapters.host_cache import HostCache
 from engine.adapters.loader import DiskLoader, LoadResult
 from engine.adapters.registry import AdapterRegistry
@@ -33,15 +37,16 @@ from engine.adapters.slots import SlotTable
 
 class AdapterResidency:
     def __init__(self, registry: AdapterRegistry, slots: SlotTable, host: HostCache,
-                 loader: DiskLoader, lora_pool, device: torch.device, mirror=None):
+                 loader: DiskLoader, lora_pool, device: torch.device, mirror=None,
+                 copier=None):
         self.registry = registry
         self.slots = slots
         self.host = host
         self.loader = loader
         self.lora_pool = lora_pool
         self.mirror = mirror
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._copies: dict[int, tuple] = {}  # adapter id -> (event, host weights kept alive)
+        self.copier = copier if copier is not None else copier_for(device)
+        self._copies: dict[int, tuple] = {}  # adapter id -> (copy handle, host weights kept alive)
         self._wanted: set[int] = set()
 
     # ---- tiers ------------------------------------------------------------------
@@ -89,10 +94,9 @@ class AdapterResidency:
                 continue
             rec.disk_reads += 1
             self.add_host_copy(res.adapter_id, res.weights)
-        for aid, (event, _weights) in list(self._copies.items()):
-            if event.query():
+        for aid, (handle, _weights) in list(self._copies.items()):
+            if self.copier.done(handle):
                 del self._copies[aid]
-                self.slots.mark_ready(aid)
         return failed
 
     def prefetch(self, wanted: list[int], busy: set[int]) -> bool:
@@ -130,21 +134,22 @@ class AdapterResidency:
             if rec is not None:
                 rec.evictions += 1
         self.registry.get(aid).loads += 1
-        if self._stream is None:
-            self._write_slot(a.slot, aid, weights)
-            self.slots.mark_ready(aid)
-            return True
-        # ordered after everything already queued on the compute stream, i.e. after the
-        # last batch that may have read this slot's previous occupant
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        self._write_slot(a.slot, aid, weights, stream=self._stream)
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        self._copies[aid] = (event, weights)
+        handle = self.copier.queue(a.slot, aid, lambda: self._write_slot(a.slot, aid, weights))
+        if handle is not None:
+            self._copies[aid] = (handle, weights)
+        self.slots.mark_ready(aid)  # readable by a step ordered after the copy
         return True
 
-    def _write_slot(self, slot: int, aid: int, weights, stream=None) -> None:
-        self.lora_pool.load(slot, weights, stream=stream)
+    def order_before_step(self, adapter_ids) -> None:
+        """The step about to be launched reads the slots of `adapter_ids`: it runs after
+        every copy into them that may still be in flight (an event wait, not a sync)."""
+        for aid in adapter_ids:
+            entry = self._copies.get(aid)
+            if entry is not None:
+                self.copier.order_compute_after(entry[0])
+
+    def _write_slot(self, slot: int, aid: int, weights) -> None:
+        self.lora_pool.load(slot, weights)
         if self.mirror is not None:
             self.mirror.slot_loaded(slot, aid)
 
@@ -152,11 +157,9 @@ class AdapterResidency:
         return bool(self._copies) or self.loader.num_pending > 0
 
     def wait_pending(self) -> bool:
-        """Block until some pending read or copy finishes; only called when nothing else
-        can run, so no request waits for another one's adapter. False if none pending."""
-        if self._copies:
-            next(iter(self._copies.values()))[0].synchronize()
-            return True
+        """Block until some pending read finishes; only called when nothing else can run,
+        so no request waits for another one's adapter. False if none pending (copies in
+        flight never block: a step is ordered after them)."""
         if self.loader.num_pending:
             self.loader.wait_any()
             return True
