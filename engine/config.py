@@ -31,6 +31,9 @@ class EngineConfig:
     # activations and CUDA graphs first, the KV cache gets the rest
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int | None = None  # running requests at most
+    # torch's CPU threads (CPU device only): None = $OMP_NUM_THREADS if set, else the
+    # cores this process may use (affinity, cgroup quota) shared among the TP ranks
+    cpu_threads: int | None = None
     max_num_batched_tokens: int | None = None  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
@@ -68,7 +71,7 @@ class EngineConfig:
         if self.tp_allreduce == "symm_mem" and self.tp_size > 8:
             raise InvalidRequestError(f"tp_allreduce='symm_mem' supports tp_size <= 8 "
                                       f"(tp_size={self.tp_size}); use 'auto' or 'nccl'")
-        for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "block_size",
+        for name in ("max_loras", "max_cpu_loras", "max_lora_rank", "block_size", "cpu_threads",
                      "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "tp_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name}={getattr(self, name)}: must be >= 1")

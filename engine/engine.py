@@ -68,6 +68,8 @@ class Engine:
 
     def _build(self, config: EngineConfig) -> None:
         self.device = torch.device(config.device)
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.tokenizer = Tokenizer.from_dir(config.model)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,

@@ -51,19 +51,21 @@ class MachineFacts:
     gpu_total_bytes: int = 0
     gpu_free_bytes: int = 0         # free now (other processes' use is not ours to take)
     host_available_bytes: int = 0
-    cpu_count: int = 1
+    cpu_count: int = 1              # cores this process may use (affinity, cgroup quota)
+    omp_threads: int | None = None  # $OMP_NUM_THREADS, when the user set it
 
     @classmethod
     def probe(cls, device: str = "auto") -> "MachineFacts":
         """Measure the machine; `device` names the GPU whose memory counts ("auto": the
         current one). CUDA is not touched when `device` is a CPU device."""
-        host, cpus = _host_available_bytes(), os.cpu_count() or 1
+        host = dict(host_available_bytes=_host_available_bytes(), cpu_count=_usable_cpus(),
+                    omp_threads=_omp_threads())
         if device.startswith("cpu") or not torch.cuda.is_available():
-            return cls(cuda=False, host_available_bytes=host, cpu_count=cpus)
+            return cls(cuda=False, **host)
         dev = torch.device("cuda") if device == "auto" else torch.device(device)
         free, total = torch.cuda.mem_get_info(dev)
         return cls(cuda=True, bf16=torch.cuda.is_bf16_supported(), gpu_total_bytes=total,
-                   gpu_free_bytes=free, host_available_bytes=host, cpu_count=cpus)
+                   gpu_free_bytes=free, **host)
 
 
 def resolve_config(config: EngineConfig, mc, facts: MachineFacts) -> EngineConfig:
@@ -77,7 +79,7 @@ def resolve_config(config: EngineConfig, mc, facts: MachineFacts) -> EngineConfi
     if not on_gpu:
         loras = c.max_loras or CPU_MAX_LORAS
         return dataclasses.replace(
-            c, max_loras=loras, max_cpu_loras=c.max_cpu_loras or CPU_HOST_COPIES_PER_SLOT * loras,
+            c, max_loras=loras, cpu_threads=c.cpu_threads or cpu_threads(c, facts), max_cpu_loras=c.max_cpu_loras or CPU_HOST_COPIES_PER_SLOT * loras,
             max_num_seqs=c.max_num_seqs or CPU_MAX_NUM_SEQS,
             max_num_batched_tokens=c.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS)
     c = dataclasses.replace(
@@ -86,6 +88,13 @@ def resolve_config(config: EngineConfig, mc, facts: MachineFacts) -> EngineConfi
     loras = c.max_loras or gpu_slots(c, mc, facts)
     return dataclasses.replace(c, max_loras=loras,
                                max_cpu_loras=c.max_cpu_loras or host_copies(c, mc, facts, loras))
+
+
+def cpu_threads(c: EngineConfig, facts: MachineFacts) -> int:
+    """$OMP_NUM_THREADS when set; else this process's usable cores shared among the
+    tensor-parallel ranks (torch's own default counts every core of the machine, also
+    those a container's quota or the affinity mask withholds)."""
+    return facts.omp_threads or max(1, facts.cpu_count // c.tp_size)
 
 
 def resolve_device(requested: str, facts: MachineFacts) -> str:
@@ -175,6 +184,7 @@ def describe(c: EngineConfig, num_kv_blocks: int, max_model_len: int) -> str:
     return (f"device={c.device} dtype={c.dtype} tp={c.tp_size} max_loras={c.max_loras} "
             f"max_cpu_loras={c.max_cpu_loras} max_lora_rank={c.max_lora_rank} "
             f"max_num_seqs={c.max_num_seqs} max_num_batched_tokens={c.max_num_batched_tokens} "
+            f"cpu_threads={c.cpu_threads or torch.get_num_threads()} "
             f"max_model_len={max_model_len} kv_blocks={num_kv_blocks}x{c.block_size} "
             f"({num_kv_blocks * c.block_size} tokens) "
             f"gpu_memory_utilization={c.gpu_memory_utilization} "
@@ -185,6 +195,25 @@ def describe(c: EngineConfig, num_kv_blocks: int, max_model_len: int) -> str:
 
 def _elem(c: EngineConfig) -> int:
     return c.torch_dtype.itemsize
+
+
+def _usable_cpus() -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus or 1)
+
+
+def _omp_threads() -> int | None:
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return None
 
 
 def _host_available_bytes() -> int:

@@ -21,17 +21,34 @@ actually admitted, so a request that fails to get blocks leaves no trace in the 
 order: the adapter whose oldest waiting request has waited longest comes first.
 
 Fairness (the drainer). A request "starves" when it has waited at least
-`starvation_steps` (K) steps while its adapter is not in a slot. While any request
+`starvation_steps` (K) steps while its adapter is not ready in a slot. While any request
 starves, with t* the step the oldest starving request started waiting, requests of
 unpinned adapters that started waiting after t* are not admitted: running requests
 finish, the unpinned adapters go idle, and the slot freed first goes to the oldest
-starving adapter (priority order above), whose requests from up to t* are admitted.
-Bound: with D the most steps a running request can still take (prompt chunks plus
-max_tokens, recomputation after preemption included) and L the steps to read and copy an
-adapter, a request whose adapter is not resident is admitted within
-K + (A + 1) * (D + L) steps, A being the number of adapters whose oldest waiting request
-is older than its own (each rotation admits the oldest starving adapter). Base-model and
-pinned-adapter requests are never paused: they free no slot by pausing.
+starving adapter, whose requests from up to t* are admitted. Base-model and
+pinned-adapter requests are never paused: they free no slot by pausing (pins take at
+most max_loras - 1 slots, so one always rotates).
+
+Progress across the three tiers (slots, host copies, disk). `wanted_adapters()` is the
+priority order; its first adapter without a slot, the head, is the oldest starving
+adapter whenever one starves (any adapter ahead of it is ready in a slot and has a
+request from up to t*, so it is not paused). The residency manager keeps R1-R3 for the
+head (engine/adapters/residency.py): its disk read always has room, its host copy is
+displaced by no other adapter's read or traffic, and it takes the first slot that
+holds no running, pinned or higher-priority adapter. Bound: with
+  D  the most steps an admitted request runs: ceil(S * P / (B - S + 1)) prompt steps
+     (S = max_num_seqs, P = the longest prompt, B = max_num_batched_tokens: decodes
+     take at most S - 1 tokens of a step) plus max_tokens, plus 1 under async scheduling
+     (a finished request holds its cap place until its step is updated);
+  L  3 steps to place an adapter once its read has landed (poll into the host tier,
+     copy into the slot after that step's batch, admission at the next step);
+a request whose adapter is not ready is admitted within K + (A + 1) * (D + L) steps of
+its arrival, A being the number of other adapters with a waiting request older than
+it, not counting the time disk reads it waits for are in flight (the engine steps on
+meanwhile and waits for a read only when nothing else can run) and assuming no
+preemption and no wait for `max_num_seqs` or KV blocks (those are FIFO among requests
+that may run). An admin pin may displace the head's host copy; each one adds at most
+L. tests/test_stress_lifecycle.py checks this bound after every step.
 
 Async scheduling (engine/engine.py launches step N+1 before step N's tokens are known).
 `schedule` advances `num_computed_tokens` itself and counts each sampling row as an

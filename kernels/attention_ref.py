@@ -6,6 +6,7 @@ KV cache of one layer: k_cache, v_cache: [num_blocks, block_size, num_kv_heads, 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -25,34 +26,33 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Causal attention of new tokens q [T, H, D] over their sequence's cached context
     (which already holds the new tokens' K/V). Returns [T, H, D] in q's dtype.
 
-    Every token gathers its own sequence's context through the block table and masks
-    context positions greater than its own position; computed in float32."""
+    One sequence at a time: gather its context [L, KVH, D] through its block table (only
+    its first seq_len slots: the tail of the last block may hold anything, NaN included)
+    and run torch's scaled-dot-product attention in float32, each new token seeing the
+    context positions up to its own. Memory is one sequence's context and scores, never
+    a [tokens, context, heads, dim] tensor (the CPU path runs long prompts through this)."""
     T, H, D = q.shape
     nb, bs, kvh, _ = k_cache.shape
-    num_seqs = seq_lens.shape[0]
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    seq_of_tok = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens)
-    max_ctx = block_tables.shape[1] * bs
-    # [B, max_ctx] flat slot of each context position of each sequence
-    offs = torch.arange(max_ctx, device=q.device)
-    slots = block_tables.long()[:, offs // bs] * bs + offs % bs
-    k = k_cache.view(nb * bs, kvh, D)[slots].float()  # [B, C, KVH, D]
-    v = v_cache.view(nb * bs, kvh, D)[slots].float()
-    # Slots past a sequence's length (tail of its last block, padding entries of the
-    # block table) hold whatever the pool last had, possibly inf/NaN; a zero softmax
-    # weight does not cancel those (0 * NaN = NaN), so they are zeroed here.
-    valid = (offs.view(1, -1) < seq_lens.long().view(-1, 1)).view(num_seqs, max_ctx, 1, 1)
-    k = k.masked_fill(~valid, 0.0)
-    v = v.masked_fill(~valid, 0.0)
-    group = H // kvh
-    k = k.repeat_interleave(group, dim=2)            # [B, C, H, D]
-    v = v.repeat_interleave(group, dim=2)
-    kt = k[seq_of_tok]                               # [T, C, H, D]
-    vt = v[seq_of_tok]
-    scores = torch.einsum("thd,tchd->thc", q.float(), kt) * scale
-    ctx_pos = offs.view(1, -1)
-    allowed = (ctx_pos <= positions.view(-1, 1)) & (ctx_pos < seq_lens.long()[seq_of_tok].view(-1, 1))
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("thc,tchd->thd", probs, vt)
-    return out.to(q.dtype)
+    k_flat, v_flat = k_cache.view(nb * bs, kvh, D), v_cache.view(nb * bs, kvh, D)
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, ctx_len in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        offs = torch.arange(ctx_len, device=q.device)
+        slots = block_tables[b].long()[offs // bs] * bs + offs % bs
+        k = _heads_first(k_flat[slots], H // kvh)      # [H, L, D]
+        v = _heads_first(v_flat[slots], H // kvh)
+        allowed = offs.view(1, -1) <= positions[lo:hi].view(-1, 1)  # [n, L]
+        # 4-d inputs: torch's fused CPU kernel (3-d ones take its unfused path)
+        o = F.scaled_dot_product_attention(q[lo:hi].float().transpose(0, 1)[None], k[None],
+                                           v[None], attn_mask=allowed, scale=scale)
+        out[lo:hi] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _heads_first(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[L, KVH, D] -> [KVH * group, L, D] in float32, each KV head repeated for its group
+    of query heads."""
+    return x.float().repeat_interleave(group, dim=1).transpose(0, 1)

@@ -19,6 +19,9 @@ _CORPUS = (
 _SPECIALS = ("<s>", "</s>", "<pad>")
 _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEMO_ADAPTERS = ("demo-a", "demo-b")
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,8 @@ def write_model(path: Path, spec: DemoSpec) -> None:
                                                   "pad_token_id": 2})
     _write_json(path / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "pad_token": "<pad>", "model_max_length": spec.max_position_embeddings})
+        "pad_token": "<pad>", "model_max_length": spec.max_position_embeddings,
+        "chat_template": DEMO_CHAT_TEMPLATE})
     g = torch.Generator().manual_seed(spec.seed)
 
     def rand(*shape, std=0.08):

@@ -34,6 +34,7 @@ class ClusterConfig:
     gateway_port: int = 0            # 0: a free port
     control_port: int = 0
     metrics_port: int = -1           # -1: no metrics server
+    http_port: int = -1              # -1: no HTTP API; 0: a free port
     auth_token: str | None = None
     tensor_parallel_size: int = 1
     shutdown_grace_s: float = 30.0   # in-flight streams' time to finish on stop
@@ -54,6 +55,8 @@ class Cluster:
         self.table_address = f"tcp://{h}:{free_port(h)}"
         self.gateway_address = f"{h}:{cfg.gateway_port or free_port(h)}"
         self.control_address = f"{h}:{cfg.control_port or free_port(h)}"
+        self.http_port = cfg.http_port if cfg.http_port != 0 else free_port(h)
+        self.http_address = f"{h}:{self.http_port}" if self.http_port > 0 else None
         self.db = str(self.workdir / "registry.sqlite")
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -72,9 +75,11 @@ class Cluster:
             token = ["--auth-token", c.auth_token] if c.auth_token else []
             return [sys.executable, "-m", "services.control", *common, *links, *roots, *token,
                     "--listen", self.control_address, "--db", self.db, *c.control_args]
+        http = ["--http-port", str(self.http_port)] if self.http_port > 0 else []
+        token = ["--auth-token", c.auth_token] if c.auth_token else []
         return [sys.executable, "-m", "services.gateway", *common, *links,
                 "--listen", self.gateway_address, "--metrics-port", str(c.metrics_port),
-                "--shutdown-grace", str(c.shutdown_grace_s), *c.gateway_args]
+                "--shutdown-grace", str(c.shutdown_grace_s), *http, *token, *c.gateway_args]
 
     def _ready(self, name: str) -> str:
         return str(self.workdir / f"{name}.ready.json")

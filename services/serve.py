@@ -6,40 +6,10 @@ refuses new calls, in-flight streams finish within --shutdown-grace, then the en
 control plane stop; a second Ctrl-C stops everything at once."""
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loramux serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF model directory (default: the demo model)")
-    p.add_argument("--adapter-root", action="append", default=[],
-                   help="directory adapters may be registered from (repeatable)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--gateway-port", type=int, default=50051)
-    p.add_argument("--control-port", type=int, default=50052)
-    p.add_argument("--metrics-port", type=int, default=9090)
-    p.add_argument("--auth-token", default=None, help="bearer token for admin calls")
-    p.add_argument("--workdir", default=None, help="registry and logs (default: a temp dir "
-                   "for the demo, <cache>/serve otherwise)")
-    p.add_argument("--cache-dir", default=None, help="where the demo model is made")
-    p.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="seconds in-flight streams may take to finish on stop (default: 30)")
-    return p
-
-
-def _device(arg: str | None) -> str:
-    if arg:
-        return arg
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _load_demo_adapters(cluster, token: str | None) -> None:
@@ -53,20 +23,22 @@ def _load_demo_adapters(cluster, token: str | None) -> None:
 
 
 class _ForcedStop(Exception):
-    """A second stop signal while draining."""
+    """A stop signal that must not wait: the second one, or one before serving began."""
 
 
-def _install_stop_signals() -> threading.Event:
-    """First SIGINT/SIGTERM: set the returned event (drain). Second: _ForcedStop."""
-    stop = threading.Event()
+class _StopSignals:
+    """First SIGINT/SIGTERM while serving: `requested` is set (drain). Any other: _ForcedStop."""
 
-    def handler(*_):
-        if stop.is_set():
+    def __init__(self):
+        self.requested = threading.Event()
+        self.serving = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, *_):
+        if self.requested.is_set() or not self.serving:
             raise _ForcedStop
-        stop.set()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-    return stop
+        self.requested.set()
 
 
 def _drain(cluster, grace_s: float) -> None:
@@ -79,44 +51,57 @@ def _drain(cluster, grace_s: float) -> None:
         cluster.kill_all()
 
 
-def main(argv: list[str] | None = None) -> int:
-    from services.demo_model import default_cache_dir, ensure_demo
-    from services.launcher import Cluster, ClusterConfig, wait_serving
+def _started(cluster, workdir: str) -> str | None:
+    """None once every service is ready and the gateway is SERVING, else why not (the
+    failing service's last error line)."""
+    from services.launcher import wait_serving
 
-    args = build_parser().parse_args(argv)
-    demo = args.model is None
-    if demo:
+    try:
+        ready = cluster.wait_ready(timeout_s=600)
+        wait_serving(cluster.gateway_address, timeout_s=600)
+    except (RuntimeError, TimeoutError) as err:
+        lines = [ln for ln in str(err).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "error" in ln.lower()]
+        return f"{lines[0]} {(errors or lines)[-1].strip()} (logs in {workdir})"
+    config = ready["engine"].get("config", {})
+    print("loramux engine: " + " ".join(f"{k}={v}" for k, v in config.items()
+                                          if k not in ("model",)), file=sys.stderr, flush=True)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.launcher import Cluster
+    from services.serve_args import cluster_config, files, parse_args
+
+    args = parse_args(argv)
+    if args.model is None:
         print("loramux: preparing the demo model (once) ...", file=sys.stderr, flush=True)
-        model = str(ensure_demo(args.cache_dir))
-        roots = [str(Path(model) / "adapters"), *args.adapter_root]
-    else:
-        model, roots = args.model, args.adapter_root or [args.model]
-    workdir = args.workdir or (tempfile.mkdtemp(prefix="loramux-serve-") if demo
-                               else str(default_cache_dir() / "serve"))
-    cluster = Cluster(ClusterConfig(
-        model=model, adapter_roots=tuple(roots), workdir=workdir, host=args.host,
-        gateway_port=args.gateway_port, control_port=args.control_port,
-        metrics_port=args.metrics_port, auth_token=args.auth_token,
-        tensor_parallel_size=args.tensor_parallel_size, shutdown_grace_s=args.shutdown_grace,
-        engine_args=("--device", _device(args.device))))
-    stop = _install_stop_signals()
+    plan = files(args)
+    cluster = Cluster(cluster_config(args, plan))
+    stop = _StopSignals()
     try:
         cluster.start()
-        cluster.wait_ready()
-        wait_serving(cluster.gateway_address, timeout_s=600)
-        if demo:
+        if (why := _started(cluster, plan.workdir)) is not None:
+            print(f"loramux: {why}", file=sys.stderr)
+            return 1
+        if plan.demo:
             _load_demo_adapters(cluster, args.auth_token)
-        print(f"loramux serving {model}\n  gateway  {cluster.gateway_address}\n"
-              f"  control  {cluster.control_address}\n  logs     {workdir}\n"
+        print(f"loramux serving {plan.model}\n  gateway  {cluster.gateway_address}\n"
+              f"  http     {cluster.http_address or 'off'}\n"
+              f"  control  {cluster.control_address}\n  logs     {plan.workdir}\n"
               f"try: loramux generate --gateway {cluster.gateway_address} "
-              f"{'--adapter demo-a ' if demo else ''}\"hello\"   (Ctrl-C stops)",
+              f"{'--adapter demo-a ' if plan.demo else ''}\"hello\"   (Ctrl-C stops)",
               file=sys.stderr, flush=True)
-        while not stop.is_set():
+        stop.serving = True
+        while not stop.requested.is_set():
             if dead := cluster.dead():
-                print(f"loramux: {', '.join(dead)} exited; stopping. Logs in {workdir}",
+                print(f"loramux: {', '.join(dead)} exited; stopping. Logs in {plan.workdir}",
                       file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0
+    except _ForcedStop:
+        cluster.kill_all()
+        return 130
     finally:
         _drain(cluster, args.shutdown_grace)

@@ -40,7 +40,8 @@ def files(tmp_path_factory):
 def _serve(files: Path, ports: list[int]) -> subprocess.Popen:
     args = ["serve", "--model", str(files / "model"), "--adapter-root", str(files / "adapters"),
             "--device", "cpu", "--gateway-port", str(ports[0]), "--control-port", str(ports[1]),
-            "--metrics-port", "-1", "--workdir", str(files / "run"), "--shutdown-grace", "60"]
+            "--metrics-port", "-1", "--http-port", "0", "--workdir", str(files / "run"),
+            "--shutdown-grace", "60"]
     code = f"import sys; from loramux.cli import main; sys.exit(main({args!r}))"
     path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "clients" / "python"),
                                        os.environ.get("PYTHONPATH")) if p)

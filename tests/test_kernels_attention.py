@@ -121,3 +121,40 @@ def test_kernels_run_as_this_machine_needs(module):
     """Interpreted on the CPU (so the other tests here run the Triton kernels, not only the
     references), compiled on CUDA."""
     check_kernel_mode(module)
+
+
+def _naive_attention(q, kc, vc, attn, scale):
+    """Token by token, head by head, straight from the definition."""
+    out = torch.zeros_like(q, dtype=torch.float32)
+    starts, lens = attn.query_start_loc.tolist(), attn.seq_lens.tolist()
+    group = q.shape[1] // kc.shape[2]
+    for b, L in enumerate(lens):
+        slots = [int(attn.block_tables[b, p // BS]) * BS + p % BS for p in range(L)]
+        k = kc.view(-1, *kc.shape[2:])[slots].float()
+        v = vc.view(-1, *vc.shape[2:])[slots].float()
+        for t in range(starts[b], starts[b + 1]):
+            p = int(attn.positions[t])
+            for h in range(q.shape[1]):
+                w = torch.softmax(k[:p + 1, h // group] @ q[t, h].float() * scale, dim=0)
+                out[t, h] = w @ v[:p + 1, h // group]
+    return out.to(q.dtype)
+
+
+@pytest.mark.parametrize("H,KVH", [(4, 4), (8, 2)])
+def test_reference_matches_the_definition(H, KVH):
+    """The reference (per-sequence SDPA) against attention computed from its definition,
+    with NaN in the cache slots past each sequence's length."""
+    q, kc, vc, attn = _batch([30, 0, 16, 7], [1, 20, 9, 1], H, KVH, torch.float32, seed=8)
+    q, kc, vc = q.cpu(), kc.cpu(), vc.cpu()
+    attn = AttentionMetadata(**{f: getattr(attn, f).cpu() if torch.is_tensor(getattr(attn, f))
+                                else getattr(attn, f) for f in attn.__dataclass_fields__})
+    used = set()
+    for b, L in enumerate(attn.seq_lens.tolist()):
+        used |= {int(attn.block_tables[b, p // BS]) * BS + p % BS for p in range(L)}
+    unused = torch.tensor(sorted(set(range(kc.shape[0] * BS)) - used))
+    kc.view(-1, KVH, D)[unused] = float("nan")
+    vc.view(-1, KVH, D)[unused] = float("nan")
+    want = _naive_attention(q, kc, vc, attn, D ** -0.5)
+    got = paged_attention_ref(q, kc, vc, attn.positions, attn.query_start_loc, attn.seq_lens,
+                              attn.block_tables, D ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -6,9 +6,8 @@ import threading
 import pytest
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.adapters.host_cache import HostCache
 from engine.adapters.slots import SlotTable
-from engine.errors import AdapterNotFoundError, CapacityError, InvalidRequestError
+from engine.errors import AdapterNotFoundError, InvalidRequestError
 from tests.test_engine_parity import prompts_of
 
 
@@ -66,18 +65,6 @@ def test_slot_table_never_evicts_protected_pinned_or_loading():
     assert t.assign(4, protected={2, 3}) is None
     a = t.assign(4, protected={3})
     assert a.evicted == 2 and t.slot_of(2) is None and t.ready_slot(4) is None
-
-
-def test_host_cache_lru_pins_and_keep():
-    pinned = {1}
-    h = HostCache(2, pinned)
-    assert h.put(1, "w1") == [] and h.put(2, "w2") == []
-    assert h.put(3, "w3") == [2]               # 1 is pinned
-    assert h.put(4, "w4", keep={3}) == [3]     # keep is only a preference
-    pinned.add(4)
-    with pytest.raises(CapacityError, match="would need to evict a pinned one"):
-        h.put(5, "w5")
-    assert 1 in h and 4 in h and 5 not in h and len(h) == 2
 
 
 def test_host_capacity_below_slots_refused(llama_family):

@@ -2,6 +2,8 @@
 facts, checked against the real pools and model those values size."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -139,3 +141,14 @@ def test_server_flags_take_auto_and_numbers():
         ("auto", "auto", None, 12, 0.7)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--max-loras", "many"])
+
+
+def test_cpu_threads_follow_usable_cores_and_omp_num_threads():
+    many = MachineFacts(cuda=False, host_available_bytes=8 * GiB, cpu_count=16)
+    assert resolve_config(EngineConfig(model="m"), LLAMA3_8B, many).cpu_threads == 16
+    assert resolve_config(EngineConfig(model="m", tp_size=2), LLAMA3_8B, many).cpu_threads == 8
+    omp = MachineFacts(cuda=False, host_available_bytes=8 * GiB, cpu_count=16, omp_threads=3)
+    assert resolve_config(EngineConfig(model="m"), LLAMA3_8B, omp).cpu_threads == 3
+    assert resolve_config(EngineConfig(model="m", cpu_threads=5), LLAMA3_8B, omp).cpu_threads == 5
+    assert resolve_config(EngineConfig(model="m"), LLAMA3_8B, H100).cpu_threads is None
+    assert 1 <= MachineFacts.probe("cpu").cpu_count <= (os.cpu_count() or 1)

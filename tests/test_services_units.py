@@ -72,6 +72,23 @@ def test_sampling_conversion_and_error_codes():
     assert error_code(RuntimeError("x")) == 13
 
 
+def test_gateway_rejections_one_code_per_condition_and_bounded():
+    import grpc
+
+    from services.gateway.errors import Rejected
+    # the gateway sends only names its table has LOADED: an engine lacking one is a known
+    # name in the wrong state, as a REGISTERED name is (adapter_table.py)
+    assert Rejected.from_wire(5, "adapter 'a' is not loaded").code == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    assert Rejected.from_wire(3, "bad").code == grpc.StatusCode.INVALID_ARGUMENT
+    assert Rejected.from_wire(77, "odd").code == grpc.StatusCode.INTERNAL
+    full = f"adapter {'x' * 20_000!r} is not registered"
+    msg = str(Rejected(grpc.StatusCode.NOT_FOUND, full))
+    kept, cut = msg.rsplit("... (", 1)
+    assert len(msg) <= 1024 and full.startswith(kept)
+    assert cut == f"{len(full) - len(kept)} characters cut)"
+
+
 def test_client_package_imports_without_torch():
     code = ("import sys, builtins\n"
             "real = builtins.__import__\n"
@@ -111,6 +128,9 @@ def test_cli_parser():
     assert (a.command, a.adapter, a.max_tokens, a.prompt) == ("generate", "x", 3, "hello there")
     a = p.parse_args(["adapters", "--control", "h:1", "load", "n", "--path", "p", "--pinned"])
     assert (a.action, a.name, a.path, a.pinned, a.control) == ("load", "n", "p", True, "h:1")
+    load = ["adapters", "--control", "h:1", "load", "n"]
+    assert p.parse_args(load).pinned is None  # unset: the adapter keeps its pin
+    assert p.parse_args([*load, "--no-pinned"]).pinned is False
     for action in ("register", "load", "unload", "unregister", "pin", "unpin", "get", "list"):
         extra = {"register": ["n", "p"], "list": []}.get(action, ["n"])
         assert p.parse_args(["adapters", action, *extra]).action == action

@@ -20,11 +20,12 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_serve_with_two_ranks(llama_family, tmp_path):
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     args = ["serve", "--model", str(llama_family.model_dir),
             "--adapter-root", str(llama_family.adapters["rs4"].parent),
             "--tensor-parallel-size", "2", "--device", "cpu", "--gateway-port", str(ports[0]),
             "--control-port", str(ports[1]), "--metrics-port", str(ports[2]),
+            "--http-port", str(ports[3]),
             "--workdir", str(tmp_path / "run")]
     code = f"import sys; from loramux.cli import main; sys.exit(main({args!r}))"
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)

@@ -1,9 +1,20 @@
-"""The host tier: LRU copies of adapter weights in host memory (pinned memory on CUDA).
+"""The host tier: copies of adapter weights in host memory (pinned memory on CUDA).
 
-At most `capacity` copies. Inserting over capacity evicts the least recently used copy
-that is not pinned, preferring copies outside the caller's `keep` set (adapters that
-waiting requests need soon). An adapter evicted from here is read again from disk when a
-request needs it (see loader.py).
+At most `capacity` copies. Each copy has a claim to stay; over capacity the copy with the
+weakest claim goes first, and a newcomer may only displace a copy whose claim is weaker
+than its own (else it is not kept: its adapter stays on disk). Claims, strongest first:
+
+    PIN          pinned adapters: never evicted implicitly
+    NEEDED(p)    adapters waiting requests need and that hold no slot, by the scheduler's
+                 priority p (0 = the adapter it runs next): copied into a slot soon
+    IN_USE       adapters with running requests (their copy only matters for a later
+                 reload, but they are the working set), least recently used first
+    IDLE         everything else, least recently used first
+
+"Used" means a request of it was scheduled, or it was wanted, read or loaded. The
+residency manager (residency.py) sets the NEEDED and IN_USE claims once per step
+(`set_claims`) and touches copies as they are used. A copy evicted here is read again
+from disk when a request needs it (loader.py).
 """
 from __future__ import annotations
 
@@ -12,6 +23,8 @@ from typing import Any
 
 from engine.errors import CapacityError
 
+IDLE, IN_USE, NEEDED, PIN = range(4)
+
 
 class HostCache:
     def __init__(self, capacity: int, pinned: set[int]):
@@ -19,12 +32,38 @@ class HostCache:
         self.capacity = capacity
         self.pinned = pinned  # shared with the slot table
         self._copies: OrderedDict[int, Any] = OrderedDict()  # adapter id -> weights, LRU first
+        self._needed: dict[int, int] = {}  # adapter id -> priority (0 = runs next)
+        self._in_use: set[int] = set()
 
     def __contains__(self, adapter_id: int) -> bool:
         return adapter_id in self._copies
 
     def __len__(self) -> int:
         return len(self._copies)
+
+    def ids(self) -> list[int]:
+        """Adapter ids with a copy, least recently used first."""
+        return list(self._copies)
+
+    def set_claims(self, needed: list[int], in_use: set[int]) -> None:
+        """This step's claims: `needed` (priority order) lack a slot, `in_use` run."""
+        self._needed = {aid: p for p, aid in enumerate(needed)}
+        self._in_use = set(in_use)
+
+    def claim(self, adapter_id: int, age: int | None = None) -> tuple:
+        """How strongly the adapter's copy should stay (comparable, larger stays). `age`:
+        its place in the LRU order (0 = least recently used; default: newest)."""
+        if adapter_id in self.pinned:
+            return (PIN,)
+        if adapter_id in self._needed:
+            return (NEEDED, -self._needed[adapter_id])
+        age = len(self._copies) if age is None else age
+        return (IN_USE if adapter_id in self._in_use else IDLE, age)
+
+    def touch(self, adapter_id: int) -> None:
+        """The adapter was used now (most recently used)."""
+        if adapter_id in self._copies:
+            self._copies.move_to_end(adapter_id)
 
     def get(self, adapter_id: int):
         """The host copy (marked most recently used), or None."""
@@ -33,40 +72,47 @@ class HostCache:
             self._copies.move_to_end(adapter_id)
         return weights
 
-    def _victim(self, keep: set[int]) -> int | None:
-        fallback = None
-        for aid in self._copies:
-            if aid in self.pinned:
-                continue
-            if aid not in keep:
-                return aid
-            if fallback is None:
-                fallback = aid
-        return fallback
+    def _claims(self):
+        return ((aid, self.claim(aid, age)) for age, aid in enumerate(self._copies))
 
-    def room(self, keep: set[int] = frozenset()) -> int:
-        """How many copies could be added without evicting a pinned one or one in `keep`."""
-        evictable = sum(1 for a in self._copies if a not in self.pinned and a not in keep)
-        return self.capacity - len(self._copies) + evictable
+    def victim(self, stronger_than: tuple) -> int | None:
+        """The copy to evict for a newcomer with claim `stronger_than`: the weakest claim
+        below it (least recently used first among equals); None if there is none."""
+        weaker = [(c, aid) for aid, c in self._claims() if c < stronger_than]
+        return min(weaker)[1] if weaker else None
 
-    def put(self, adapter_id: int, weights, keep: set[int] = frozenset()) -> list[int]:
-        """Insert (or refresh) a copy; returns the ids evicted to stay within capacity.
-        Raises CapacityError, nothing changed, when only pinned copies could make room."""
+    def room_for(self, claim: tuple) -> int:
+        """How many newcomers with `claim` could be kept: free places plus copies with a
+        weaker claim."""
+        weaker = sum(1 for _, c in self._claims() if c < claim)
+        return self.capacity - len(self._copies) + weaker
+
+    def put(self, adapter_id: int, weights, claim: tuple | None = None) -> list[int] | None:
+        """Insert (or refresh) a copy as most recently used. Over capacity it displaces
+        the copy with the weakest claim below `claim` (default: the adapter's own claim as
+        the newest copy, so an idle newcomer displaces only an older idle copy). Returns
+        the evicted ids, or None when nothing could make room (the copy is not kept). A
+        pinned newcomer that only pinned copies block raises CapacityError."""
         if adapter_id in self._copies:
             self._copies[adapter_id] = weights
             self._copies.move_to_end(adapter_id)
             return []
-        if len(self._copies) >= self.capacity and self._victim(keep) is None:
-            raise CapacityError(
-                f"host memory holds max_cpu_loras={self.capacity} adapters, all pinned: "
-                f"adapter {adapter_id} would need to evict a pinned one")
+        claim = self.claim(adapter_id) if claim is None else claim
         evicted = []
-        while len(self._copies) >= self.capacity:
-            victim = self._victim(keep)
-            evicted.append(victim)
+        if len(self._copies) >= self.capacity:  # never above: one place is enough
+            victim = self.victim(claim)
+            if victim is None:
+                if claim >= (PIN,):
+                    raise CapacityError(
+                        f"host memory holds max_cpu_loras={self.capacity} adapters, all "
+                        f"pinned: adapter {adapter_id} would need to evict a pinned one")
+                return None
             del self._copies[victim]
+            evicted.append(victim)
         self._copies[adapter_id] = weights
         return evicted
 
     def drop(self, adapter_id: int) -> None:
         self._copies.pop(adapter_id, None)
+        self._needed.pop(adapter_id, None)
+        self._in_use.discard(adapter_id)

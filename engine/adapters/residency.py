@@ -8,10 +8,30 @@ The engine calls, once per step and after the batch is fixed:
 
 - `poll()`: finished disk reads join the host tier; finished copies let go of the host
   copy they read.
-- `prefetch(wanted, busy)`: for the adapters waiting requests need (priority order),
-  start disk reads and host→device copies. Slot eviction never touches `busy` adapters
-  (those with running requests: a superset of the batch just built) nor pinned ones nor
-  adapters with a higher claim, so a copy never overwrites a slot the batch reads.
+- `prefetch(wanted, busy)`: for the adapters waiting requests need (the scheduler's
+  priority order), start disk reads and host→device copies. Slot eviction never touches
+  `busy` adapters (those with running requests: a superset of the batch just built) nor
+  pinned ones nor adapters ahead in the order, so a copy never overwrites a slot the batch
+  reads.
+
+Progress. Call `head` the first adapter of the priority order without a slot: the one
+the scheduler runs next once a slot is free (see "Fairness" in engine/scheduler.py).
+Every step keeps, for the head:
+
+- R1 (read). Without a host copy, its disk read is pending or starts now. Its read is
+  never refused for room: its copy may displace any unpinned copy (host_cache.py claims:
+  NEEDED at priority 0 is the strongest unpinned claim), and pins leave at least one
+  place (pinned <= max_loras - 1 < max_loras <= max_cpu_loras). Other adapters' reads
+  start only where a copy with a weaker claim than theirs (or a free place) is left.
+- R2 (host copy). Once read, its copy is displaced by no read or traffic of any other
+  adapter; only an admin pin (which claims PIN) can, and then R1 reads it again.
+- R3 (slot). With its host copy, it takes a slot in the same step as some slot holds
+  none of: a running adapter, a pinned one, an adapter ahead of it.
+  Adapters behind it get no slot before it does.
+
+So a read the head needs lands within one read's time (the engine steps on meanwhile and
+waits for it only when nothing else can run), and the head is placed as soon as the
+scheduler frees a slot: the scheduler's drain bounds that in steps.
 
 A copy is ordered by events, never by a host sync (engine/adapters/copier.py): on CUDA it
 runs on a side stream after all work queued so far on the compute stream (the previous
@@ -29,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from engine.adapters.copier import copier_for
-from engine.adapters.host_cache import HostCache
+from engine.adapters.host_cache import PIN, HostCache
 from engine.adapters.loader import DiskLoader, LoadResult
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.slots import SlotTable
@@ -47,12 +67,13 @@ class AdapterResidency:
         self.mirror = mirror
         self.copier = copier if copier is not None else copier_for(device)
         self._copies: dict[int, tuple] = {}  # adapter id -> (copy handle, host weights kept alive)
-        self._wanted: set[int] = set()
 
     # ---- tiers ------------------------------------------------------------------
-    def add_host_copy(self, adapter_id: int, weights) -> None:
-        """A freshly read version enters the host tier (may evict an LRU copy)."""
-        self._count_host_evictions(self.host.put(adapter_id, weights, keep=self._wanted))
+    def add_host_copy(self, adapter_id: int, weights, pinned: bool = False) -> None:
+        """A freshly validated version enters the host tier, displacing only an idle copy
+        (or any unpinned one when `pinned`); without room it stays on disk until needed."""
+        claim = (PIN,) if pinned else None
+        self._put(adapter_id, weights, claim)
 
     def ensure_host_copy(self, adapter_id: int) -> None:
         """Read the version back from disk now if its host copy was evicted (pinning)."""
@@ -62,7 +83,20 @@ class AdapterResidency:
         self.loader.cancel(adapter_id)
         weights = self.loader.read_checked(rec.path, rec.fingerprint)
         rec.disk_reads += 1
-        self.add_host_copy(adapter_id, weights)
+        self._put(adapter_id, weights, (PIN,))
+
+    def _put(self, adapter_id: int, weights, claim) -> None:
+        evicted = self.host.put(adapter_id, weights, claim)
+        if evicted is None:  # no weaker copy to displace: it stays on disk
+            if self.mirror is not None:
+                self.mirror.host_dropped(adapter_id)
+            return
+        for aid in evicted:
+            if self.mirror is not None:
+                self.mirror.host_dropped(aid)
+            rec = self.registry.find(aid)
+            if rec is not None:
+                rec.host_evictions += 1
 
     def state(self, adapter_id: int) -> str:
         """'slot' (ready in a device slot), 'host' or 'disk'."""
@@ -77,7 +111,6 @@ class AdapterResidency:
         self.slots.pinned.discard(adapter_id)
         self.host.drop(adapter_id)
         self.loader.cancel(adapter_id)
-        self._wanted.discard(adapter_id)
         if self.mirror is not None:
             self.mirror.retired(adapter_id)
 
@@ -93,7 +126,7 @@ class AdapterResidency:
                 failed.append(res)
                 continue
             rec.disk_reads += 1
-            self.add_host_copy(res.adapter_id, res.weights)
+            self._put(res.adapter_id, res.weights, None)  # claim: NEEDED if still wanted
         for aid, (handle, _weights) in list(self._copies.items()):
             if self.copier.done(handle):
                 del self._copies[aid]
@@ -101,29 +134,40 @@ class AdapterResidency:
 
     def prefetch(self, wanted: list[int], busy: set[int]) -> bool:
         """Bring `wanted` (highest priority first) toward ready slots without evicting
-        `busy` or pinned adapters, or a wanted adapter for a lower-priority one. True if
-        a slot became ready at once (synchronous copies on the CPU)."""
+        `busy` or pinned adapters, or a wanted adapter for a lower-priority one, keeping
+        R1-R3 (module docstring). True if a slot became ready at once (synchronous copies
+        on the CPU)."""
+        needed = [aid for aid in wanted if self.slots.slot_of(aid) is None]
+        self.host.set_claims(needed, busy)
+        for aid in busy:
+            self.host.touch(aid)
         made_ready = False
-        self._wanted = set(wanted)
         protected = set(busy)
-        reads = max(0, self.host.room(keep=self._wanted | protected) - self.loader.num_pending)
         for aid in wanted:
             if self.slots.slot_of(aid) is not None:
                 self.slots.touch(aid)
+                self.host.touch(aid)
                 protected.add(aid)
                 continue
             weights = self.host.get(aid)
             if weights is None:
-                if reads > 0 and not self.loader.is_pending(aid):
-                    rec = self.registry.get(aid)
-                    self.loader.submit(aid, rec.path, rec.fingerprint)
-                    reads -= 1
+                self._start_read(aid, head=aid == needed[0])
                 continue
             if not self._load_slot(aid, weights, protected):
-                break  # no slot for this one: none for lower priorities either
+                break  # no slot for this one: none for lower priorities either (R3)
             protected.add(aid)
             made_ready |= self.slots.ready_slot(aid) is not None
         return made_ready
+
+    def _start_read(self, aid: int, head: bool) -> None:
+        """R1: the head's read always starts; another's only where its copy will fit
+        without displacing a stronger claim (counting the reads already pending)."""
+        if self.loader.is_pending(aid):
+            return
+        if not head and self.host.room_for(self.host.claim(aid)) <= self.loader.num_pending:
+            return
+        rec = self.registry.get(aid)
+        self.loader.submit(aid, rec.path, rec.fingerprint)
 
     def _load_slot(self, aid: int, weights, protected: set[int]) -> bool:
         a = self.slots.assign(aid, protected)
@@ -164,11 +208,3 @@ class AdapterResidency:
             self.loader.wait_any()
             return True
         return False
-
-    def _count_host_evictions(self, evicted: list[int]) -> None:
-        for aid in evicted:
-            if self.mirror is not None:
-                self.mirror.host_dropped(aid)
-            rec = self.registry.find(aid)
-            if rec is not None:
-                rec.host_evictions += 1

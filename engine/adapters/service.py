@@ -39,7 +39,7 @@ class AdapterService:
                                feature="changed_on_disk")
         old = self.registry.current(name)
         aid = self.registry.add(name, str(path), weights.max_rank, before, pinned)
-        self.residency.add_host_copy(aid, weights)
+        self.residency.add_host_copy(aid, weights, pinned)
         if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
             self.set_pin(old.adapter_id, False)
         self.set_pin(aid, pinned)

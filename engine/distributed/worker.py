@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import torch
 
@@ -65,8 +64,7 @@ def _device(config: EngineConfig, rank: int, size: int) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
-    # share the cores with rank 0 rather than oversubscribe them
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(config.cpu_threads)  # this rank's share (engine/resolve.py)
     return device
 
 

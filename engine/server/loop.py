@@ -1,9 +1,15 @@
 """EngineServer: the engine's step loop behind a PULL (input) and a PUB (output) socket.
 
-One thread does everything, in this order, forever: drain the input socket (bounded),
-apply adapter commands, admit and abort requests, run one engine step, publish one
-StepBatch for the whole step, and publish heartbeats/events when due. Heartbeats come
-from this same loop on purpose: a hung loop stops them, so peers detect it."""
+The step thread does everything, in this order, forever: drain the input socket
+(bounded), apply adapter commands, admit and abort requests, run one engine step, publish
+one StepBatch for the whole step, and publish events when due.
+
+Heartbeats come from a thread of their own, so that busy is not mistaken for dead: a
+step of a minute (a long prefill on the CPU) never silences them. Death still silences
+them: the process gone, the sockets closed, or the step thread making no progress for
+`stall_timeout_s` (a hang, not a long step), after which the heartbeat thread stays
+quiet until the step thread moves again. The PUB socket is shared by both threads under
+a lock (a ZMQ socket may change threads with a memory barrier between uses)."""
 from __future__ import annotations
 
 import threading
@@ -27,6 +33,9 @@ class ServerConfig:
     output_address: str            # bound PUB socket
     heartbeat_interval_s: float = 0.2
     event_interval_s: float = 0.5
+    # no heartbeat while one step-loop iteration has run this long: the loop is hung
+    stall_timeout_s: float = 600.0
+    debug_step_sleep_s: float = 0.0  # test hook: each engine step first sleeps this long
 
 
 class EngineServer:
@@ -47,17 +56,24 @@ class EngineServer:
         self._live: set[str] = set()
         self._stopping = False
         self._step = 0
-        self._hb_seq = 0
-        self._next_heartbeat = 0.0
         self._next_event = 0.0
+        self._pub_lock = threading.Lock()
+        self._progress = time.monotonic()  # the step thread's last completed iteration
+        self._limits = (max_model_len(engine), engine.model_config.vocab_size)
 
     def serve_forever(self, stop: threading.Event, drain_s: float = 0.0) -> None:
         """Serve until `stop` is set, then drain for up to `drain_s` seconds."""
+        done = threading.Event()
+        beat = threading.Thread(target=self._heartbeats, args=(done,), daemon=True,
+                                name="engine-heartbeat")
+        beat.start()
         try:
             while not stop.is_set():
                 self._iterate()
             self._drain_requests(drain_s)
         finally:
+            done.set()
+            beat.join()
             self._pull.close(0)
             self._pub.close(0)
 
@@ -72,15 +88,29 @@ class EngineServer:
         while time.monotonic() < tail:
             self._iterate()
 
+    def _heartbeats(self, done: threading.Event) -> None:
+        seq = 0
+        while True:
+            if time.monotonic() - self._progress <= self.cfg.stall_timeout_s:
+                seq += 1
+                self._publish(heartbeat=engine_pb2.Heartbeat(
+                    instance_id=self.instance_id, seq=seq, max_model_len=self._limits[0],
+                    vocab_size=self._limits[1], in_flight_requests=len(self._live),
+                    unix_time=time.time()))
+            if done.wait(self.cfg.heartbeat_interval_s):
+                return
+
     def _iterate(self) -> None:
         busy = self.engine.has_unfinished()
-        wait_ms = 0 if busy else max(0, int((self._next_heartbeat - time.monotonic()) * 1000))
+        wait_ms = 0 if busy else max(0, int((self._next_event - time.monotonic()) * 1000))
         batch = engine_pb2.StepBatch()
         if self._pull.poll(wait_ms):
             self._drain(batch)
         if self.engine.has_unfinished():
             self._step += 1
             batch.step = self._step
+            if self.cfg.debug_step_sleep_s:
+                time.sleep(self.cfg.debug_step_sleep_s)
             for out in self.engine.step():
                 batch.deltas.append(delta_to_proto(out))
                 if out.finished:
@@ -88,6 +118,7 @@ class EngineServer:
         if batch.deltas or batch.errors:
             self._publish(step_batch=batch)
         self._periodic()
+        self._progress = time.monotonic()
 
     def _drain(self, batch: engine_pb2.StepBatch) -> None:
         for _ in range(_MAX_INPUTS_PER_ITERATION):
@@ -132,18 +163,11 @@ class EngineServer:
 
     def _periodic(self) -> None:
         now = time.monotonic()
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.cfg.heartbeat_interval_s
-            self._hb_seq += 1
-            mc = self.engine.model_config
-            self._publish(heartbeat=engine_pb2.Heartbeat(
-                instance_id=self.instance_id, seq=self._hb_seq,
-                max_model_len=max_model_len(self.engine), vocab_size=mc.vocab_size,
-                in_flight_requests=len(self._live), unix_time=time.time()))
         if now >= self._next_event:
             self._next_event = now + self.cfg.event_interval_s
             self._publish(event=engine_event(self.engine.stats(), self.adapters.loaded))
 
     def _publish(self, **kind) -> None:
-        out = engine_pb2.EngineOutput(instance_id=self.instance_id, **kind)
-        self._pub.send(out.SerializeToString())
+        data = engine_pb2.EngineOutput(instance_id=self.instance_id, **kind).SerializeToString()
+        with self._pub_lock:
+            self._pub.send(data)

@@ -2,84 +2,61 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
 import sys
 import threading
 
+from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
+                                   config_error_message, given, non_negative_float,
+                                   positive_float)
+
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m engine.server",
-                                description="Run the loramux engine behind ZMQ sockets.")
+    p = OneLineErrors(prog="python -m engine.server",
+                      description="Run the loramux engine behind ZMQ sockets.")
     p.add_argument("--model", default=env("LORAMUX_MODEL"), help="HF model directory")
     p.add_argument("--input", default=env("LORAMUX_ENGINE_INPUT"),
                    help="address to bind the PULL socket for requests and commands")
     p.add_argument("--output", default=env("LORAMUX_ENGINE_OUTPUT"),
                    help="address to bind the PUB socket for tokens, acks, events, heartbeats")
-    p.add_argument("--device", default=env("LORAMUX_DEVICE", "auto"),
-                   help="auto (CUDA when a GPU is present, else cpu), cuda, cuda:N or cpu")
-    p.add_argument("--dtype", default=env("LORAMUX_DTYPE", "auto"),
-                   help="auto (bfloat16 on GPUs that support it, else float16; float32 on "
-                        "the CPU), bfloat16, float16 or float32")
-    p.add_argument("--max-loras", type=_auto_int, default=env("LORAMUX_MAX_LORAS", "auto"),
-                   help="adapter slots on the device (auto: as many rank-max_lora_rank "
-                        "adapters as a third of the GPU memory left after weights holds; 4 on "
-                        "the CPU)")
-    p.add_argument("--max-cpu-loras", type=_auto_int, default=env("LORAMUX_MAX_CPU_LORAS", "auto"),
-                   help="adapter copies in host memory (auto: half the available host "
-                        "memory; 4 x max_loras on the CPU)")
-    p.add_argument("--max-lora-rank", type=int, default=int(env("LORAMUX_MAX_LORA_RANK", "64")))
-    p.add_argument("--max-num-seqs", type=_auto_int, default="auto",
-                   help="running requests at most (auto: 256 on a GPU, 64 on the CPU)")
-    p.add_argument("--max-num-batched-tokens", type=_auto_int, default="auto",
-                   help="tokens per step (auto: 8192 on a GPU, 512 on the CPU)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of the GPU's memory this engine may use; the KV cache gets "
-                        "what weights, adapter slots and activations leave")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="fixed KV block count (default: sized from the memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--tensor-parallel-size", type=int, default=int(env("LORAMUX_TP_SIZE", "1")))
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", choices=("auto", "on", "off"),
-                   default=env("LORAMUX_ASYNC_SCHEDULING", "auto"),
-                   help="launch step N+1 before reading step N's tokens; auto: on for one "
-                        "CUDA device, off otherwise")
-    p.add_argument("--shutdown-grace", type=float,
-                   default=float(env("LORAMUX_SHUTDOWN_GRACE", "30")),
+    add_options(p.add_argument_group("engine (each also an environment variable, "
+                                      "see engine/server/options.py)"), ENGINE_OPTIONS)
+    p.add_argument("--shutdown-grace", type=non_negative_float,
+                   default=env("LORAMUX_SHUTDOWN_GRACE", "30"),
                    help="on SIGTERM/SIGINT, running requests have this many seconds to "
                         "finish; new ones are refused (default: 30)")
-    p.add_argument("--heartbeat-interval", type=float, default=0.2)
+    p.add_argument("--heartbeat-interval", type=positive_float, default=0.2,
+                   help="seconds between heartbeats (sent from their own thread: a long "
+                        "step does not delay them)")
+    p.add_argument("--stall-timeout", type=positive_float, default=600.0,
+                   help="heartbeats stop while one step-loop iteration has run this many "
+                        "seconds (a hung engine then looks dead to its peers)")
+    p.add_argument("--debug-step-sleep", type=non_negative_float, default=0.0,
+                   help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
     return p
 
 
-def _auto_int(value):
-    """An int, or None for "auto" (the engine decides: engine/resolve.py)."""
-    if value in (None, "", "auto"):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer or 'auto'") from None
-
-
-def engine_config(args):
+def engine_config(args, environ=None):
+    """The EngineConfig the flags (then the environment variables) ask for; fields given
+    neither way keep EngineConfig's defaults. Raises InvalidRequestError or
+    argparse.ArgumentTypeError (a bad environment value)."""
     from engine.config import EngineConfig
 
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
-        max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size, tp_size=args.tensor_parallel_size,
-        enforce_eager=args.enforce_eager,
-        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+    return EngineConfig(model=args.model, **given(args, ENGINE_OPTIONS, environ))
+
+
+def resolved_config(engine) -> dict:
+    """Every EngineConfig field as the engine resolved it (no "auto", no None but
+    max_model_len/num_kv_blocks given their measured values)."""
+    out = dataclasses.asdict(engine.config)
+    out.update(max_model_len=engine.max_model_len, num_kv_blocks=engine.num_kv_blocks)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,11 +67,17 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     from engine.engine import Engine
+    from engine.errors import LoramuxError
     from engine.server.loop import EngineServer, ServerConfig
 
-    engine = Engine(engine_config(args))
-    server = EngineServer(engine, ServerConfig(args.input, args.output,
-                                               heartbeat_interval_s=args.heartbeat_interval))
+    try:
+        engine = Engine(engine_config(args, os.environ))
+    except (LoramuxError, argparse.ArgumentTypeError) as err:
+        print(f"error: {config_error_message(str(err))}", file=sys.stderr)
+        return 2
+    server = EngineServer(engine, ServerConfig(
+        args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
+        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -102,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.ready_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"instance_id": server.instance_id, "input": args.input,
-                       "output": args.output, "pid": os.getpid()}, f)
+                       "output": args.output, "pid": os.getpid(),
+                       "config": resolved_config(engine)}, f)
         os.replace(tmp, args.ready_file)
     print(f"engine serving: input={args.input} output={args.output} "
           f"instance={server.instance_id} {engine.describe()}", file=sys.stderr, flush=True)

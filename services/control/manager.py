@@ -13,6 +13,7 @@ import structlog
 from loramux.v1 import adapter_admin_pb2 as pb
 from loramux.v1 import engine_pb2
 
+from services.common.messages import bounded
 from services.control.engine_link import EngineLink, EngineUnavailable
 from services.control.paths import AdapterRoots, PathRefused, check_name
 from services.control.registry import AdapterRecord, Registry
@@ -26,8 +27,11 @@ Validator = Callable[[str], tuple[int, tuple[str, ...]]]
 
 
 class AdminError(Exception):
+    """A refused admin call: the gRPC status (see the table in adapter_admin.proto) and a
+    bounded message."""
+
     def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
+        super().__init__(bounded(message))
         self.code = code
 
 
@@ -36,6 +40,8 @@ def _ack_error(ack: engine_pb2.AdapterAck, what: str) -> AdminError:
     for c in grpc.StatusCode:
         if c.value[0] == ack.code:
             code = c
+    if code == grpc.StatusCode.NOT_FOUND:  # the name is registered: the engine lacks it
+        code = grpc.StatusCode.FAILED_PRECONDITION
     return AdminError(code, f"{what}: {ack.message}")
 
 
@@ -86,21 +92,33 @@ class AdapterManager:
         self._log.info("registered", adapter=name, path=real, rank=rank)
         return self._save(AdapterRecord(name, real, rank=rank, target_modules=targets))
 
-    async def load(self, name: str, path: str | None, pinned: bool) -> AdapterRecord:
+    async def load(self, name: str, path: str | None, pinned: bool | None) -> AdapterRecord:
+        """Register (when `path` is given) and load. `pinned` None keeps the record's pin.
+        A refused load changes nothing: a name registered by this call is forgotten."""
         async with self._lock:
+            new = bool(path) and self.registry.get(name) is None
             rec = await self._register(name, path) if path else self.require(name)
-            if rec.state == UNLOADING:
-                raise AdminError(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"adapter {name!r} is still unloading; retry when it is REGISTERED")
-            if rec.state == LOADED and rec.pinned == pinned:
-                return rec
-            ack = await self._command(_K.ADAPTER_COMMAND_KIND_LOAD, rec.name, rec.path, pinned)
-            if not ack.ok:
-                raise _ack_error(ack, f"loading adapter {name!r} failed")
-            loads = rec.loads + (rec.state != LOADED)
-            self._log.info("loaded", adapter=name, adapter_id=ack.adapter_id, pinned=pinned)
-            return self._save(rec.evolve(state=LOADED, pinned=pinned, adapter_id=ack.adapter_id,
-                                         loads=loads))
+            try:
+                return await self._load(rec, rec.pinned if pinned is None else pinned)
+            except AdminError:
+                if new:
+                    self.registry.delete(name)
+                    self.table.publish(self.registry.all())
+                raise
+
+    async def _load(self, rec: AdapterRecord, pinned: bool) -> AdapterRecord:
+        if rec.state == UNLOADING:
+            raise AdminError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"adapter {rec.name!r} is still unloading; retry when it is REGISTERED")
+        if rec.state == LOADED and rec.pinned == pinned:
+            return rec
+        ack = await self._command(_K.ADAPTER_COMMAND_KIND_LOAD, rec.name, rec.path, pinned)
+        if not ack.ok:
+            raise _ack_error(ack, f"loading adapter {rec.name!r} failed")
+        loads = rec.loads + (rec.state != LOADED)
+        self._log.info("loaded", adapter=rec.name, adapter_id=ack.adapter_id, pinned=pinned)
+        return self._save(rec.evolve(state=LOADED, pinned=pinned, adapter_id=ack.adapter_id,
+                                     loads=loads))
 
     async def unload(self, name: str) -> AdapterRecord:
         async with self._lock:

@@ -67,8 +67,9 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
     @_admin_call
     async def LoadAdapter(self, request, context):
         path = request.path if request.HasField("path") else None
+        pinned = request.pinned if request.HasField("pinned") else None
         return pb.LoadAdapterResponse(adapter=self.to_proto(
-            await self.m.load(request.name, path, request.pinned)))
+            await self.m.load(request.name, path, pinned)))
 
     @_admin_call
     async def UnloadAdapter(self, request, context):

@@ -3,15 +3,21 @@ from __future__ import annotations
 
 import grpc
 
+from services.common.messages import bounded
+
 
 class Rejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
+        super().__init__(bounded(message))
         self.code = code
 
     @classmethod
     def from_wire(cls, code: int, message: str) -> "Rejected":
-        """From an ErrorCode carried in an engine message (the gRPC code numbers)."""
+        """From an ErrorCode carried in an engine message (the gRPC code numbers). The
+        gateway sends only adapters its table has LOADED, so an engine that does not
+        hold one (NOT_FOUND there) means a known name in the wrong state here."""
+        if code == grpc.StatusCode.NOT_FOUND.value[0]:
+            return cls(grpc.StatusCode.FAILED_PRECONDITION, message)
         for c in grpc.StatusCode:
             if c.value[0] == code:
                 return cls(c, message)

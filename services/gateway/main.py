@@ -8,16 +8,34 @@ import sys
 
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
+from engine.server.options import (OneLineErrors, Option, add_options, given,
+                                   non_negative_float, positive_float, positive_int)
 from services.common import grpc_server
 from services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
+# The gateway's tunables; `loramux serve` takes the same flags (engine/server/options.py).
+GATEWAY_OPTIONS = (
+    Option("max_inflight", "--max-inflight", positive_int,
+           "admission limit: calls beyond it get RESOURCE_EXHAUSTED (default: 256)",
+           env="LORAMUX_MAX_INFLIGHT", default=256),
+    Option("max_message_bytes", "--max-message-bytes", positive_int,
+           "largest request accepted, gRPC message and HTTP body, in bytes; bigger ones are "
+           f"refused (default: {grpc_server.DEFAULT_MAX_MESSAGE_BYTES})",
+           env="LORAMUX_MAX_MESSAGE_BYTES", default=grpc_server.DEFAULT_MAX_MESSAGE_BYTES),
+    Option("heartbeat_timeout", "--heartbeat-timeout", positive_float,
+           "seconds without an engine heartbeat before the engine counts as gone and its "
+           "streams end with UNAVAILABLE (default: 1.5)", env="LORAMUX_HEARTBEAT_TIMEOUT",
+           default=1.5),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m services.gateway",
-                                description="loramux gateway (GenerateService)")
+    p = OneLineErrors(prog="python -m services.gateway",
+                      description="loramux gateway (GenerateService)")
     p.add_argument("--listen", default=env("LORAMUX_GATEWAY_LISTEN", "127.0.0.1:50051"),
                    help="gRPC host:port (port 0 picks a free one)")
     p.add_argument("--model", default=env("LORAMUX_MODEL"),
@@ -26,16 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
                    help="the control plane's adapter-table PUB address")
-    p.add_argument("--max-inflight", type=int, default=int(env("LORAMUX_MAX_INFLIGHT", "256")),
-                   help="admission limit: calls beyond it get RESOURCE_EXHAUSTED")
-    p.add_argument("--max-message-bytes", type=int,
-                   default=int(env("LORAMUX_MAX_MESSAGE_BYTES", str(grpc_server.DEFAULT_MAX_MESSAGE_BYTES))))
+    add_options(p, GATEWAY_OPTIONS)
+    p.add_argument("--http-port", type=int, default=int(env("LORAMUX_HTTP_PORT", "0")),
+                   help="OpenAI-compatible HTTP API port, on the --listen host (0: off)")
+    p.add_argument("--served-model-name", default=env("LORAMUX_SERVED_MODEL_NAME"),
+                   help="the base model's name in the HTTP API (default: --model as given)")
+    p.add_argument("--auth-token", default=env("LORAMUX_AUTH_TOKEN"),
+                   help="bearer token the HTTP API requires (default: none)")
     p.add_argument("--metrics-port", type=int, default=int(env("LORAMUX_METRICS_PORT", "9090")),
                    help="Prometheus /metrics HTTP port (0 picks one, -1 disables)")
     p.add_argument("--metrics-host", default=env("LORAMUX_METRICS_HOST", "127.0.0.1"))
-    p.add_argument("--heartbeat-timeout", type=float, default=1.5)
-    p.add_argument("--shutdown-grace", "--grace", dest="shutdown_grace", type=float,
-                   default=float(env("LORAMUX_SHUTDOWN_GRACE", "30")),
+    p.add_argument("--shutdown-grace", "--grace", dest="shutdown_grace", type=non_negative_float,
+                   default=env("LORAMUX_SHUTDOWN_GRACE", "30"),
                    help="on SIGTERM/SIGINT: new calls get UNAVAILABLE, health goes "
                         "NOT_SERVING, and in-flight calls have this many seconds to finish "
                         "(default: 30)")
@@ -52,6 +72,17 @@ async def _track_health(health, engine) -> None:
             serving = engine.up
             await grpc_server.set_serving(health, [SERVICE], serving)
         await asyncio.sleep(0.2)
+
+
+def _http_server(args, servicer, table):
+    from services.gateway.http_api import OpenAIFront, build_app
+    from services.gateway.http_server import HttpServer
+
+    front = OpenAIFront(servicer, table, model_name=args.served_model_name or args.model,
+                        model_root=args.model)
+    host = args.listen.rsplit(":", 1)[0].strip("[]")
+    return HttpServer(build_app(front), host, args.http_port, token=args.auth_token,
+                      max_body_bytes=args.max_message_bytes)
 
 
 async def _drain(grace_s: float, engine, health, health_task, log) -> None:
@@ -85,22 +116,26 @@ async def serve(args) -> int:
                           heartbeat_timeout_s=args.heartbeat_timeout)
     table = AdapterTable(args.table_address)
     server = grpc_server.make_server(args.max_message_bytes)
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(
-        GenerateServicer(engine, table, prompts, metrics, max_len), server)
+    servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
     address = grpc_server.bind(server, args.listen)
+    http = _http_server(args, servicer, table) if args.http_port > 0 else None
     await engine.start()
     await table.start()
     await server.start()
+    if http is not None:
+        await http.start()
     health_task = asyncio.create_task(_track_health(health, engine))
+    http_address = http.address if http is not None else None
     grpc_server.write_ready_file(args.ready_file, {"address": address, "metrics_port": metrics_port,
-                                                   "pid": os.getpid()})
-    log.info("serving", address=address, metrics_port=metrics_port)
+                                                   "http_address": http_address, "pid": os.getpid()})
+    log.info("serving", address=address, http_address=http_address, metrics_port=metrics_port)
     stop = asyncio.Event()
     grpc_server.install_stop_signals(stop)
     await stop.wait()
     await _drain(args.shutdown_grace, engine, health, health_task, log)
-    await server.stop(1.0)
+    await asyncio.gather(server.stop(1.0), *([http.stop(1.0)] if http is not None else []))
     await table.close()
     await engine.close()
     prompts.close()
@@ -109,6 +144,11 @@ async def serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        vars(args).update(given(args, GATEWAY_OPTIONS, os.environ))
+    except argparse.ArgumentTypeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     missing = [n for n in ("model", "engine_input", "engine_output", "table_address")
                if not getattr(args, n)]
     if missing:

@@ -42,16 +42,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.default_max_model_len = default_max_model_len
         self._log = structlog.get_logger()
 
-    async def _admit(self, req: generate_pb2.GenerateRequest) -> tuple[str, asyncio.Queue, int]:
+    async def _admit(self, req: generate_pb2.GenerateRequest,
+                     fill_context: bool) -> tuple[str, asyncio.Queue, int]:
         hb = self.engine.conn.heartbeat
         vocab = hb.vocab_size or self.prompts.tokenizer.vocab_size
         max_len = hb.max_model_len or self.default_max_model_len
         check_sampling(req.sampling, vocab)
         entry = self.table.resolve(req.adapter) if req.adapter else None
         ids = await self.prompts.token_ids(req, entry, max_len, vocab)
+        sampling = req.sampling
+        if fill_context and not sampling.HasField("max_tokens") and max_len:
+            sampling = generate_pb2.SamplingParams()
+            sampling.CopyFrom(req.sampling)
+            sampling.max_tokens = max_len - len(ids)
         rid, queue = self.engine.open()
         try:
-            self.engine.submit(rid, ids, req.adapter, req.sampling)
+            self.engine.submit(rid, ids, req.adapter, sampling)
         except Rejected:
             self.engine.release(rid, abort=False)
             raise
@@ -65,14 +71,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except Rejected as err:
             await context.abort(err.code, str(err))
 
-    async def stream(self, request: generate_pb2.GenerateRequest):
+    async def stream(self, request: generate_pb2.GenerateRequest, *, fill_context: bool = False):
         """The responses of one request (what Generate streams, and what the HTTP API
-        serves); raises Rejected with the status the call ends with."""
+        serves); raises Rejected with the status the call ends with. With fill_context, an
+        unset max_tokens means the rest of the model's context (OpenAI's chat default)."""
         st = _Stream(request.adapter)
         log = self._log.bind(request_id=request.request_id, adapter=request.adapter or "<base>")
         status, finished, rid = "OK", False, None
         try:
-            rid, queue, st.prompt_tokens = await self._admit(request)
+            rid, queue, st.prompt_tokens = await self._admit(request, fill_context)
             log = log.bind(engine_request_id=rid)
             self.metrics.inflight.inc()
             while not finished:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from loramux.v1 import generate_pb2
+from loramux.v1 import adapter_admin_pb2, generate_pb2
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                     "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
@@ -56,3 +56,14 @@ def _set_sampling(req: generate_pb2.GenerateRequest, sampling: dict) -> None:
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """gRPC metadata carrying the admin bearer token (none when token is empty)."""
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def load_request(name: str, path: str | None = None,
+                 pinned: bool | None = None) -> adapter_admin_pb2.LoadAdapterRequest:
+    """A LoadAdapterRequest; `pinned` None leaves the adapter's pin as it is."""
+    req = adapter_admin_pb2.LoadAdapterRequest(name=name)
+    if path is not None:
+        req.path = path
+    if pinned is not None:
+        req.pinned = pinned
+    return req

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 
-from loramux._request import auth_metadata, chat_request, generate_request
+from loramux._request import auth_metadata, chat_request, generate_request, load_request
 from loramux.client import Completion, LoramuxError
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
@@ -96,11 +96,9 @@ class AsyncAdminClient:
                                  admin_pb2.RegisterAdapterRequest(name=name, path=path))).adapter
 
     async def load(self, name: str, path: str | None = None, *,
-                   pinned: bool = False) -> admin_pb2.Adapter:
-        req = admin_pb2.LoadAdapterRequest(name=name, pinned=pinned)
-        if path is not None:
-            req.path = path
-        return (await self._call("LoadAdapter", req)).adapter
+                   pinned: bool | None = None) -> admin_pb2.Adapter:
+        """Load `name` (registering it from `path` first); `pinned` None keeps its pin."""
+        return (await self._call("LoadAdapter", load_request(name, path, pinned))).adapter
 
     async def unload(self, name: str) -> admin_pb2.Adapter:
         return (await self._call("UnloadAdapter", admin_pb2.UnloadAdapterRequest(name=name))).adapter

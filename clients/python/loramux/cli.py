@@ -13,23 +13,58 @@ from google.protobuf.json_format import MessageToDict
 
 DEFAULT_GATEWAY = "localhost:50051"
 DEFAULT_CONTROL = "localhost:50052"
+_INT32 = 2**31
+
+
+def _int_in(lo: int, hi: int, what: str):
+    """An argparse type: an integer in [lo, hi) (argparse names the flag on error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= value < hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: {what}")
+        return value
+    return parse
+
+
+def _float_in(lo: float, hi: float, what: str, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ((lo < value) if lo_open else (lo <= value)) or not value <= hi:
+            raise argparse.ArgumentTypeError(f"{value:g} is out of range: {what}")
+        return value
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line naming the flag (no usage block); --help shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loramux", description="loramux client and launcher")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="loramux", description="loramux client and launcher")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="stream a generation from the gateway")
     g.add_argument("prompt")
     g.add_argument("--gateway", default=os.environ.get("LORAMUX_GATEWAY", DEFAULT_GATEWAY))
     g.add_argument("--adapter", default="", help="adapter name (default: the base model)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--max-tokens", type=_int_in(1, _INT32, "must be >= 1"), default=64)
+    g.add_argument("--temperature", type=_float_in(0.0, 100.0, "must be in [0, 100]"),
+                   default=0.0)
+    g.add_argument("--top-p", type=_float_in(0.0, 1.0, "must be in (0, 1]", lo_open=True))
+    g.add_argument("--top-k", type=_int_in(0, _INT32, "must be >= 0 (0 disables it)"))
+    g.add_argument("--seed", type=_int_in(0, 2**63, "must be in [0, 2**63)"))
     g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    g.add_argument("--timeout", type=_float_in(0.0, float("inf"), "must be > 0", lo_open=True),
+                   default=None, help="deadline in seconds")
 
     a = sub.add_parser("adapters", help="manage adapters on the control plane")
     a.add_argument("--control", default=os.environ.get("LORAMUX_CONTROL", DEFAULT_CONTROL))
@@ -42,11 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     load = asub.add_parser("load")
     load.add_argument("name")
     load.add_argument("--path", default=None, help="register from this path first")
-    load.add_argument("--pinned", action="store_true")
+    load.add_argument("--pinned", action=argparse.BooleanOptionalAction, default=None,
+                      help="pin (--pinned) or unpin (--no-pinned); default: keep the pin")
     for action in ("unload", "unregister", "pin", "unpin", "get"):
         asub.add_parser(action).add_argument("name")
     lst = asub.add_parser("list")
-    lst.add_argument("--page-size", type=int, default=0)
+    lst.add_argument("--page-size", type=_int_in(0, _INT32, "must be >= 0"), default=0)
 
     s = sub.add_parser("serve", help="run control plane, engine and gateway on this machine",
                        add_help=False)
@@ -125,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     except LoramuxError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

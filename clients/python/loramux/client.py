@@ -5,7 +5,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 
-from loramux._request import auth_metadata, chat_request, generate_request
+from loramux._request import auth_metadata, chat_request, generate_request, load_request
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
 from loramux.v1 import generate_pb2, generate_pb2_grpc
@@ -130,11 +130,10 @@ class AdminClient:
         return self._call("RegisterAdapter",
                           admin_pb2.RegisterAdapterRequest(name=name, path=path)).adapter
 
-    def load(self, name: str, path: str | None = None, *, pinned: bool = False) -> admin_pb2.Adapter:
-        req = admin_pb2.LoadAdapterRequest(name=name, pinned=pinned)
-        if path is not None:
-            req.path = path
-        return self._call("LoadAdapter", req).adapter
+    def load(self, name: str, path: str | None = None, *,
+             pinned: bool | None = None) -> admin_pb2.Adapter:
+        """Load `name` (registering it from `path` first); `pinned` None keeps its pin."""
+        return self._call("LoadAdapter", load_request(name, path, pinned)).adapter
 
     def unload(self, name: str) -> admin_pb2.Adapter:
         return self._call("UnloadAdapter", admin_pb2.UnloadAdapterRequest(name=name)).adapter

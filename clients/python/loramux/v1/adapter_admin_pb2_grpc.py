@@ -26,7 +26,19 @@ if _version_not_supported:
 
 
 class AdapterAdminServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Status codes, the same for a condition whatever the RPC:
+    NOT_FOUND            the name is not registered
+    FAILED_PRECONDITION  the name is registered but in the wrong state for the call
+    (e.g. Unload of a REGISTERED adapter, Unregister of a LOADED one,
+    Load while UNLOADING), or an engine does not hold it
+    INVALID_ARGUMENT     a malformed name or page token, an adapter that does not fit the
+    base model
+    ALREADY_EXISTS       Register of a name registered from another path
+    PERMISSION_DENIED    a path outside the adapter roots
+    RESOURCE_EXHAUSTED   a pin would take the engine's last dynamic device slot
+    UNAVAILABLE          no engine is connected to carry out a Load, Pin or Unpin
+    Error messages are at most 1024 characters; user strings in them are shortened.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -77,7 +89,19 @@ class AdapterAdminServiceStub:
 
 
 class AdapterAdminServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Status codes, the same for a condition whatever the RPC:
+    NOT_FOUND            the name is not registered
+    FAILED_PRECONDITION  the name is registered but in the wrong state for the call
+    (e.g. Unload of a REGISTERED adapter, Unregister of a LOADED one,
+    Load while UNLOADING), or an engine does not hold it
+    INVALID_ARGUMENT     a malformed name or page token, an adapter that does not fit the
+    base model
+    ALREADY_EXISTS       Register of a name registered from another path
+    PERMISSION_DENIED    a path outside the adapter roots
+    RESOURCE_EXHAUSTED   a pin would take the engine's last dynamic device slot
+    UNAVAILABLE          no engine is connected to carry out a Load, Pin or Unpin
+    Error messages are at most 1024 characters; user strings in them are shortened.
+    """
 
     def RegisterAdapter(self, request, context):
         """RegisterAdapter validates the adapter directory against the base model and records it.
@@ -88,6 +112,8 @@ class AdapterAdminServiceServicer:
 
     def LoadAdapter(self, request, context):
         """LoadAdapter makes a registered adapter servable (registers it first when path is set).
+        A refused load leaves the registry as it was: a name this call registered is
+        forgotten again, a REGISTERED one stays REGISTERED, a LOADED one keeps its pin.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,13 +134,16 @@ class AdapterAdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PinAdapter(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """PinAdapter: never evicted implicitly from a device slot or host memory. On a
+        REGISTERED adapter it records the pin, applied when it is loaded.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnpinAdapter(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """UnpinAdapter: evictable again (least recently used first).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -183,7 +212,19 @@ def add_AdapterAdminServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class AdapterAdminService:
-    """Missing associated documentation comment in .proto file."""
+    """Status codes, the same for a condition whatever the RPC:
+    NOT_FOUND            the name is not registered
+    FAILED_PRECONDITION  the name is registered but in the wrong state for the call
+    (e.g. Unload of a REGISTERED adapter, Unregister of a LOADED one,
+    Load while UNLOADING), or an engine does not hold it
+    INVALID_ARGUMENT     a malformed name or page token, an adapter that does not fit the
+    base model
+    ALREADY_EXISTS       Register of a name registered from another path
+    PERMISSION_DENIED    a path outside the adapter roots
+    RESOURCE_EXHAUSTED   a pin would take the engine's last dynamic device slot
+    UNAVAILABLE          no engine is connected to carry out a Load, Pin or Unpin
+    Error messages are at most 1024 characters; user strings in them are shortened.
+    """
 
     @staticmethod
     def RegisterAdapter(request,

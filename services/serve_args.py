@@ -1,0 +1,138 @@
+"""The command line of `loramux serve`: the engine's and the gateway's option tables (the
+same flags their own processes take), the launcher's addresses and files, `--config FILE`.
+
+`plan(args)` turns parsed arguments into a ClusterConfig, forwarding only what the user
+set (the processes' own defaults, "auto" mostly, decide the rest)."""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
+                                   config_error_message, given, non_negative_float, to_argv)
+from services.config_file import ConfigFileError, defaults_from_file
+from services.gateway.main import GATEWAY_OPTIONS
+
+DESCRIPTION = "Run control plane, engine and gateway on this machine."
+
+
+def _port(allow_off: bool):
+    lo = -1 if allow_off else 0
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+        if not lo <= value <= 65535:
+            raise argparse.ArgumentTypeError(
+                f"{value} is not a port in [{lo}, 65535]{' (-1: off)' if allow_off else ''}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrors(prog="loramux serve", description=DESCRIPTION)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML or TOML file of these options by name (max_loras: 8); flags "
+                        "given here override it")
+    p.add_argument("--model", help="HF model directory (default: the demo model)")
+    p.add_argument("--adapter-root", action="append", default=None,
+                   help="directory adapters may be registered from (repeatable; default: "
+                        "the model directory)")
+    add_options(p.add_argument_group("engine"), ENGINE_OPTIONS)
+    add_options(p.add_argument_group("gateway"), GATEWAY_OPTIONS)
+    s = p.add_argument_group("addresses, files, stopping")
+    s.add_argument("--host", default="127.0.0.1", help="address the services listen on "
+                   "(default: 127.0.0.1)")
+    s.add_argument("--gateway-port", type=_port(False), default=50051,
+                   help="gRPC Generate port (default: 50051; 0 picks a free one)")
+    s.add_argument("--control-port", type=_port(False), default=50052,
+                   help="gRPC AdapterAdmin port (default: 50052; 0 picks a free one)")
+    s.add_argument("--metrics-port", type=_port(True), default=9090,
+                   help="Prometheus /metrics port (default: 9090; -1: off)")
+    s.add_argument("--http-port", type=_port(False), default=8000,
+                   help="OpenAI-compatible HTTP API port (default: 8000; 0: off)")
+    s.add_argument("--auth-token", default=None,
+                   help="bearer token for admin calls and the HTTP API")
+    s.add_argument("--workdir", default=None, help="registry and logs (default: a temp dir "
+                   "for the demo, <cache>/serve otherwise)")
+    s.add_argument("--cache-dir", default=None, help="where the demo model is made")
+    s.add_argument("--shutdown-grace", type=non_negative_float, default=30.0,
+                   help="seconds in-flight streams may take to finish on stop (default: 30)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parsed arguments, `--config FILE` applied under the flags; bad values exit with one
+    line naming the flag (or the file's key)."""
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        try:
+            parser.set_defaults(**defaults_from_file(parser, known.config))
+        except ConfigFileError as err:
+            parser.error(str(err))
+    args = parser.parse_args(argv)
+    args.engine = given(args, ENGINE_OPTIONS, with_defaults=False)
+    args.gateway = given(args, GATEWAY_OPTIONS, with_defaults=False)
+    _check_engine(parser, args)
+    return args
+
+
+def _check_engine(parser, args) -> None:
+    """What EngineConfig refuses across fields (max_cpu_loras < max_loras, ...), said
+    before any process starts."""
+    from engine.config import EngineConfig
+    from engine.errors import InvalidRequestError
+
+    try:
+        EngineConfig(model=args.model or "", **args.engine)
+    except InvalidRequestError as err:
+        parser.error(config_error_message(str(err)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    adapter_roots: tuple[str, ...]
+    workdir: str
+    demo: bool
+
+
+def files(args) -> Plan:
+    """Model, adapter roots and work dir (the demo model is made here, once)."""
+    from services.demo_model import default_cache_dir, ensure_demo
+
+    demo = args.model is None
+    roots = list(args.adapter_root or [])
+    if demo:
+        model = str(ensure_demo(args.cache_dir))
+        roots = [str(Path(model) / "adapters"), *roots]
+    else:
+        model, roots = args.model, roots or [args.model]
+    workdir = args.workdir or (tempfile.mkdtemp(prefix="loramux-serve-") if demo
+                               else str(default_cache_dir() / "serve"))
+    return Plan(model, tuple(roots), workdir, demo)
+
+
+def cluster_config(args, plan: Plan):
+    from services.launcher import ClusterConfig
+
+    engine = dict(args.engine)
+    tp = engine.pop("tp_size", 1)
+    shared = {k: engine[k] for k in ("max_lora_rank",) if k in engine}  # control checks it too
+    heartbeat = {k: args.gateway[k] for k in ("heartbeat_timeout",) if k in args.gateway}
+    return ClusterConfig(
+        model=plan.model, adapter_roots=plan.adapter_roots, workdir=plan.workdir,
+        host=args.host, gateway_port=args.gateway_port, control_port=args.control_port,
+        metrics_port=args.metrics_port, http_port=args.http_port or -1,
+        auth_token=args.auth_token, tensor_parallel_size=tp,
+        shutdown_grace_s=args.shutdown_grace,
+        engine_args=tuple(to_argv(engine, ENGINE_OPTIONS)),
+        gateway_args=tuple(to_argv(args.gateway, GATEWAY_OPTIONS)),
+        control_args=tuple(to_argv(shared, ENGINE_OPTIONS) + to_argv(heartbeat, GATEWAY_OPTIONS)))

@@ -1,0 +1,165 @@
+"""Busy is not dead: engine steps far longer than the peers' heartbeat timeout never end
+a stream, while a killed or hung engine is still seen as gone within about two seconds.
+
+Real processes (engine, control plane, gateway) on loopback; the peers' heartbeat
+timeout is lowered to 0.5 s so that a step of a few seconds is many timeouts long. Steps
+are made long for real: a test hook that sleeps inside every step, and a long prompt
+prefilled in one step on a model big enough to take seconds on the CPU."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+import zmq
+from loramux import GenerateClient, LoramuxError
+from loramux.v1 import engine_pb2
+
+from engine import Engine, EngineConfig
+from engine.server.loop import EngineServer, ServerConfig
+from engine.server.probe import wait_heartbeat
+from services.launcher import Cluster, ClusterConfig, free_port, wait_serving
+from tests.support.tiny import TinySpec, make_model
+
+TIMEOUT = 0.5  # the gateway's and control plane's heartbeat timeout here
+pytestmark = pytest.mark.timeout(300)
+
+
+def start_cluster(root, model, engine_args):
+    peers = ("--heartbeat-timeout", str(TIMEOUT))
+    c = Cluster(ClusterConfig(model=str(model), adapter_roots=(str(root),),
+                              workdir=str(root / "run"), gateway_args=peers, control_args=peers,
+                              engine_args=("--heartbeat-interval", "0.1", *engine_args)))
+    c.start()
+    try:
+        c.wait_ready()
+        wait_serving(c.gateway_address)
+    except BaseException:
+        c.kill_all()
+        raise
+    return c
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("liveness") / "model", TinySpec())
+
+
+@pytest.fixture(scope="module")
+def slow_steps(tmp_path_factory, tiny_model):
+    """Every engine step sleeps 2 s first (four heartbeat timeouts)."""
+    c = start_cluster(tmp_path_factory.mktemp("slow"), tiny_model, ("--debug-step-sleep", "2"))
+    yield c
+    c.kill_all()
+
+
+def test_steps_of_four_timeouts_each_do_not_end_a_stream(slow_steps, tiny_model):
+    with Engine(EngineConfig(model=str(tiny_model))) as offline:
+        want = offline.generate([[5, 6, 7]], _greedy(3))[0].token_ids
+    t0 = time.monotonic()
+    with GenerateClient(slow_steps.gateway_address) as gen:
+        out = gen.generate([5, 6, 7], None, temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert out.token_ids == want and out.finish_reason == "length"
+    assert time.monotonic() - t0 >= 3 * 2.0  # three steps, each 4x the timeout
+
+
+def test_engine_killed_in_a_long_step_is_unavailable_within_two_seconds(slow_steps):
+    errors: list = []
+    first = threading.Event()
+
+    def stream():
+        with GenerateClient(slow_steps.gateway_address) as gen:
+            try:
+                for _ in gen.stream([5, 6, 7], None, max_tokens=50, ignore_eos=True):
+                    first.set()
+            except LoramuxError as err:
+                errors.append((err, time.monotonic()))
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(30)
+    time.sleep(0.5)  # inside the next (sleeping) step
+    t_kill = time.monotonic()
+    slow_steps.kill("engine")
+    t.join(10)
+    assert errors, "the stream did not end"
+    err, t_end = errors[0]
+    assert err.code == grpc.StatusCode.UNAVAILABLE, err
+    assert t_end - t_kill < 2.0, t_end - t_kill
+    with GenerateClient(slow_steps.gateway_address) as gen:
+        with pytest.raises(LoramuxError) as info:
+            gen.generate([5, 6], None, max_tokens=2)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_long_cpu_prefill_does_not_end_the_stream(tmp_path):
+    """A 4,000-token prompt prefilled in one step by a 30 M-parameter model."""
+    model = make_model(tmp_path / "model", TinySpec(
+        hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8, num_kv_heads=4,
+        max_position_embeddings=4096))
+    c = start_cluster(tmp_path, model, ("--max-num-batched-tokens", "4096"))
+    try:
+        prompt = torch.randint(3, 300, (4000,), generator=torch.Generator().manual_seed(0))
+        t0 = time.monotonic()
+        resps, first = [], None
+        with GenerateClient(c.gateway_address) as gen:
+            for r in gen.stream(prompt.tolist(), None, temperature=0.0, max_tokens=2,
+                                ignore_eos=True):
+                first = first or time.monotonic() - t0
+                resps.append(r)
+        assert sum(len(r.token_ids) for r in resps) == 2
+        assert resps[-1].finish_reason, resps[-1]
+        # the prefill step itself outlasted several heartbeat timeouts
+        assert first > 3 * TIMEOUT, f"prefill took only {first:.2f} s: not a long step"
+    finally:
+        c.kill_all()
+
+
+def test_a_hung_step_loop_stops_heartbeats_and_they_resume_after(tiny_model):
+    """In-process server: heartbeats flow through a 2 s step while the stall limit is
+    longer, stop once a step outlasts the limit, and come back when the loop moves."""
+    with Engine(EngineConfig(model=str(tiny_model))) as eng:
+        gaps_busy = _heartbeat_gaps(eng, stall_timeout_s=600.0)
+        gaps_hung = _heartbeat_gaps(eng, stall_timeout_s=0.5)
+    assert max(gaps_busy) < 0.5, gaps_busy
+    assert max(gaps_hung) > 1.2, gaps_hung  # silent from 0.5 s into the 2 s step to its end
+    assert gaps_hung[-1] < 0.5, gaps_hung   # beating again after it
+
+
+def _heartbeat_gaps(eng, stall_timeout_s: float) -> list[float]:
+    """Gaps between heartbeats around one request whose single step sleeps 2 s."""
+    inp, out = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    server = EngineServer(eng, ServerConfig(inp, out, heartbeat_interval_s=0.1,
+                                            stall_timeout_s=stall_timeout_s,
+                                            debug_step_sleep_s=2.0))
+    stop = threading.Event()
+    loop = threading.Thread(target=server.serve_forever, args=(stop,))
+    loop.start()
+    ctx = zmq.Context.instance()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(out)
+        push.connect(inp)
+        assert wait_heartbeat(out, 10) is not None
+        req = engine_pb2.EngineGenerate(request_id="r", prompt_token_ids=[5, 6])
+        req.sampling.max_tokens = 1
+        push.send(engine_pb2.EngineInput(generate=req).SerializeToString())
+        beats, done_at = [], time.monotonic() + 4.0
+        while time.monotonic() < done_at:
+            if sub.poll(100):
+                msg = engine_pb2.EngineOutput.FromString(sub.recv())
+                if msg.WhichOneof("kind") == "heartbeat":
+                    beats.append(time.monotonic())
+        return [b - a for a, b in zip(beats, beats[1:])]
+    finally:
+        stop.set()
+        loop.join(10)
+        sub.close(0)
+        push.close(0)
+
+
+def _greedy(n: int):
+    from engine import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
