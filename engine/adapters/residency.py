@@ -46,6 +46,8 @@ the only places residency writes into the slot pool or lets go of a host copy.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.adapters.copier import copier_for
@@ -53,6 +55,7 @@ from engine.adapters.host_cache import PIN, HostCache
 from engine.adapters.loader import DiskLoader, LoadResult
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.slots import SlotTable
+from engine.telemetry import LOAD_SECONDS, Histogram
 
 
 class AdapterResidency:
@@ -66,7 +69,12 @@ class AdapterResidency:
         self.lora_pool = lora_pool
         self.mirror = mirror
         self.copier = copier if copier is not None else copier_for(device)
-        self._copies: dict[int, tuple] = {}  # adapter id -> (copy handle, host weights kept alive)
+        # adapter id -> (copy handle, host weights kept alive, time queued)
+        self._copies: dict[int, tuple] = {}
+        self._reads_started: dict[int, float] = {}
+        # disk -> host reads and host -> slot loads (a swap when it evicts), start to landed
+        self.disk_read_seconds = Histogram("adapter_disk_read_seconds", LOAD_SECONDS)
+        self.slot_load_seconds = Histogram("adapter_slot_load_seconds", LOAD_SECONDS)
 
     # ---- tiers ------------------------------------------------------------------
     def add_host_copy(self, adapter_id: int, weights, pinned: bool = False) -> None:
@@ -81,7 +89,9 @@ class AdapterResidency:
             return
         rec = self.registry.get(adapter_id)
         self.loader.cancel(adapter_id)
+        t0 = time.perf_counter()
         weights = self.loader.read_checked(rec.path, rec.fingerprint)
+        self.disk_read_seconds.observe(time.perf_counter() - t0)
         rec.disk_reads += 1
         self._put(adapter_id, weights, (PIN,))
 
@@ -111,6 +121,7 @@ class AdapterResidency:
         self.slots.pinned.discard(adapter_id)
         self.host.drop(adapter_id)
         self.loader.cancel(adapter_id)
+        self._reads_started.pop(adapter_id, None)
         if self.mirror is not None:
             self.mirror.retired(adapter_id)
 
@@ -119,17 +130,21 @@ class AdapterResidency:
         """Move finished work along the tiers; returns failed disk reads."""
         failed = []
         for res in self.loader.collect():
+            t0 = self._reads_started.pop(res.adapter_id, None)
             rec = self.registry.find(res.adapter_id)
             if rec is None:
                 continue  # retired while being read
             if res.error is not None:
                 failed.append(res)
                 continue
+            if t0 is not None:
+                self.disk_read_seconds.observe(time.perf_counter() - t0)
             rec.disk_reads += 1
             self._put(res.adapter_id, res.weights, None)  # claim: NEEDED if still wanted
-        for aid, (handle, _weights) in list(self._copies.items()):
+        for aid, (handle, _weights, t0) in list(self._copies.items()):
             if self.copier.done(handle):
                 del self._copies[aid]
+                self.slot_load_seconds.observe(time.perf_counter() - t0)
         return failed
 
     def prefetch(self, wanted: list[int], busy: set[int]) -> bool:
@@ -168,6 +183,7 @@ class AdapterResidency:
             return
         rec = self.registry.get(aid)
         self.loader.submit(aid, rec.path, rec.fingerprint)
+        self._reads_started[aid] = time.perf_counter()
 
     def _load_slot(self, aid: int, weights, protected: set[int]) -> bool:
         a = self.slots.assign(aid, protected)
@@ -178,9 +194,12 @@ class AdapterResidency:
             if rec is not None:
                 rec.evictions += 1
         self.registry.get(aid).loads += 1
+        t0 = time.perf_counter()
         handle = self.copier.queue(a.slot, aid, lambda: self._write_slot(a.slot, aid, weights))
         if handle is not None:
-            self._copies[aid] = (handle, weights)
+            self._copies[aid] = (handle, weights, t0)
+        else:
+            self.slot_load_seconds.observe(time.perf_counter() - t0)
         self.slots.mark_ready(aid)  # readable by a step ordered after the copy
         return True
 

@@ -136,7 +136,7 @@ class AdapterAck(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., adapter_id: _Optional[int] = ...) -> None: ...
 
 class AdapterStatus(_message.Message):
-    __slots__ = ("name", "id", "path", "residency", "slot", "pinned", "unloading", "in_flight_requests", "loads", "evictions", "rank")
+    __slots__ = ("name", "id", "path", "residency", "slot", "pinned", "unloading", "in_flight_requests", "loads", "evictions", "rank", "running_requests", "waiting_requests")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,8 @@ class AdapterStatus(_message.Message):
     LOADS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     id: int
     path: str
@@ -159,10 +161,24 @@ class AdapterStatus(_message.Message):
     loads: int
     evictions: int
     rank: int
-    def __init__(self, name: _Optional[str] = ..., id: _Optional[int] = ..., path: _Optional[str] = ..., residency: _Optional[_Union[_adapter_admin_pb2.Residency, str]] = ..., slot: _Optional[int] = ..., pinned: _Optional[bool] = ..., unloading: _Optional[bool] = ..., in_flight_requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    running_requests: int
+    waiting_requests: int
+    def __init__(self, name: _Optional[str] = ..., id: _Optional[int] = ..., path: _Optional[str] = ..., residency: _Optional[_Union[_adapter_admin_pb2.Residency, str]] = ..., slot: _Optional[int] = ..., pinned: _Optional[bool] = ..., unloading: _Optional[bool] = ..., in_flight_requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., rank: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+
+class HistogramSnapshot(_message.Message):
+    __slots__ = ("name", "bounds", "bucket_counts", "sum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    bounds: _containers.RepeatedScalarFieldContainer[float]
+    bucket_counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    def __init__(self, name: _Optional[str] = ..., bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class EngineEvent(_message.Message):
-    __slots__ = ("adapters", "running_requests", "waiting_requests", "stats")
+    __slots__ = ("adapters", "running_requests", "waiting_requests", "stats", "histograms")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -174,11 +190,13 @@ class EngineEvent(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAMS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterStatus]
     running_requests: int
     waiting_requests: int
     stats: _containers.ScalarMap[str, float]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterStatus, _Mapping]]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    histograms: _containers.RepeatedCompositeFieldContainer[HistogramSnapshot]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterStatus, _Mapping]]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Iterable[_Union[HistogramSnapshot, _Mapping]]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("instance_id", "seq", "max_model_len", "vocab_size", "in_flight_requests", "unix_time")
