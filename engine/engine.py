@@ -245,6 +245,9 @@ class Engine:
         self.batch_sizes.observe(len(out.scheduled))
         for req, hits in out.cache_hits:
             self.adapter_service.count_cache_hits(req.adapter_id, hits)
+        # slots loaded for this batch may still be copying: the step waits on the device
+        self.adapters.order_before_step({s.request.adapter_id for s in out.scheduled
+                                         if s.slot >= 0})
         prev = self._inflight  # always None in sync mode
         pending = prev[1] if prev else None
         launched = (self._tp.launch(out, self.runner, pending) if self._tp
