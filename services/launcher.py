@@ -70,15 +70,15 @@ class Cluster:
         c = self.cfg
         common = ["--model", c.model, *(["--zmq-keys", self.zmq_keys.directory]
                                         if self.zmq_keys else ["--insecure-zmq"])]
+        roots = [a for r in c.adapter_roots for a in ("--adapter-root", r)]
         if name == "engine":
-            return [sys.executable, "-m", "engine.server", *common, "--input", self.engine_input,
+            return [sys.executable, "-m", "engine.server", *common, *roots, "--input", self.engine_input,
                     "--output", self.engine_output, "--tensor-parallel-size",
                     str(c.tensor_parallel_size), "--ready-file", self._ready(name),
                     "--shutdown-grace", str(c.shutdown_grace_s), *c.engine_args]
         links = ["--engine-input", self.engine_input, "--engine-output", self.engine_output,
                  "--table-address", self.table_address, "--ready-file", self._ready(name)]
         if name == "control":
-            roots = [a for r in c.adapter_roots for a in ("--adapter-root", r)]
             token = ["--auth-token", c.auth_token] if c.auth_token else []
             return [sys.executable, "-m", "services.control", *common, *links, *roots, *token,
                     "--listen", self.control_address, "--db", self.db, *c.control_args]
@@ -180,14 +180,15 @@ class Cluster:
         self.close()
 
 
-def wait_serving(address: str, timeout_s: float = 60.0) -> None:
+def wait_serving(address: str, timeout_s: float = 60.0, tls=None) -> None:
     """Wait until the gRPC server at `address` reports overall health SERVING (for the
-    gateway that means: an engine is connected)."""
+    gateway that means: an engine is connected); `tls`: a loramux.TLS for a TLS port."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from loramux.tls import channel
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:

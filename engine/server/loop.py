@@ -1,8 +1,9 @@
 """EngineServer: the engine's step loop behind a PULL (input) and a PUB (output) socket.
 
 The step thread does everything, in this order, forever: drain the input socket
-(bounded), apply adapter commands, admit and abort requests, run one engine step, publish
-one StepBatch for the whole step, and publish events when due.
+(bounded), apply adapter commands, admit and abort requests, register adapters whose
+files were read (on reader threads: engine/server/adapter_commands.py), run one engine
+step, publish one StepBatch for the whole step, and publish events when due.
 
 Heartbeats come from a thread of their own, so that busy is not mistaken for dead: a
 step of a minute (a long prefill on the CPU) never silences them. Death still silences
@@ -26,6 +27,7 @@ from engine.server.convert import delta_to_proto, error_code, sampling_from_prot
 from engine.server.events import engine_event, max_model_len
 
 _MAX_INPUTS_PER_ITERATION = 512
+_READ_POLL_MS = 5  # idle: how often to look for a finished adapter read
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class EngineServer:
         finally:
             done.set()
             beat.join()
+            self.adapters.close()
             self._pull.close(0)
             self._pub.close(0)
             if self._auth:
@@ -110,9 +113,12 @@ class EngineServer:
     def _iterate(self) -> None:
         busy = self.engine.has_unfinished()
         wait_ms = 0 if busy else max(0, int((self._next_event - time.monotonic()) * 1000))
+        if self.adapters.num_reading:
+            wait_ms = min(wait_ms, _READ_POLL_MS)
         batch = engine_pb2.StepBatch()
         if self._pull.poll(wait_ms):
             self._drain(batch)
+        self._publish_acks(self.adapters.poll())  # adapter reads that finished
         if self.engine.has_unfinished():
             self._step += 1
             batch.step = self._step
@@ -150,8 +156,7 @@ class EngineServer:
                     self._live.discard(rid)
                     self.engine.abort(rid)
         elif kind == "adapter_command":
-            self._publish(adapter_ack=self.adapters.apply(msg.adapter_command))
-            self._next_event = 0.0  # residency changed: tell the control plane soon
+            self._publish_acks(self.adapters.submit(msg.adapter_command))
 
     def _add_request(self, req: engine_pb2.EngineGenerate, batch: engine_pb2.StepBatch) -> None:
         if self._stopping:
@@ -167,6 +172,11 @@ class EngineServer:
                              message=str(exc) or type(exc).__name__)
             return
         self._live.add(req.request_id)
+
+    def _publish_acks(self, acks) -> None:
+        for ack in acks:
+            self._publish(adapter_ack=ack)
+            self._next_event = 0.0  # residency changed: tell the control plane soon
 
     def _periodic(self) -> None:
         now = time.monotonic()

@@ -10,7 +10,7 @@ from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
 from engine.server import curve
 from engine.server.options import OneLineErrors, positive_float, positive_int
-from services.common import grpc_server
+from services.common import grpc_server, tls
 from services.common.logs import configure_logging
 
 SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].full_name
@@ -40,21 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without an engine heartbeat before the engine counts as gone "
                         "(default: 1.5)")
     p.add_argument("--ready-file", default=None)
+    tls.add_arguments(p)
     curve.add_arguments(p)
     p.add_argument("--log-level", default=env("LORAMUX_LOG_LEVEL", "info"))
     return p
 
 
-def make_validator(model_dir: str, max_lora_rank: int):
-    """The engine's own adapter validator, bound to the base model."""
+def make_validator(model_dir: str, max_lora_rank: int, roots):
+    """The engine's own adapter validator, bound to the base model and the adapter roots:
+    path -> (rank, target modules, sha256 version)."""
     from engine.lora import validate_lora
     from engine.model.hf_config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(model_dir)
 
-    def validate(path: str) -> tuple[int, tuple[str, ...]]:
-        plan = validate_lora(path, model_cfg, max_lora_rank)
-        return int(plan.max_rank), tuple(sorted(plan.target_modules))
+    def validate(path: str) -> tuple[int, tuple[str, ...], str]:
+        plan = validate_lora(path, model_cfg, max_lora_rank, roots)
+        return int(plan.max_rank), tuple(sorted(plan.target_modules)), plan.version
     return validate
 
 
@@ -80,15 +82,17 @@ async def serve(args) -> int:
                       on_connect=lambda inst: manager_box[0].replay(inst),
                       on_event=lambda ev: manager_box[0].on_event(ev),
                       heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
-    manager = AdapterManager(registry, AdapterRoots(roots),
-                             make_validator(args.model, args.max_lora_rank), link, table)
+    adapter_roots = AdapterRoots(roots)
+    manager = AdapterManager(registry, adapter_roots,
+                             make_validator(args.model, args.max_lora_rank, adapter_roots),
+                             link, table)
     manager_box.append(manager)
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = grpc_server.make_server(interceptors=interceptors)
     adapter_admin_pb2_grpc.add_AdapterAdminServiceServicer_to_server(
         AdapterAdminServicer(manager), server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
-    address = grpc_server.bind(server, args.listen)
+    address = grpc_server.bind(server, args.listen, args.tls)
     await server.start()
     table.start()
     table.publish(registry.all())
@@ -122,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args.keys = curve.keys_from_args(args)
-    except curve.ZmqKeyError as err:
+        args.tls = tls.from_args(args)
+        tls.check_token_transport(args.listen, args.auth_token, args.tls,
+                                  args.allow_plaintext_token)
+    except (curve.ZmqKeyError, tls.TLSConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return asyncio.run(serve(args))

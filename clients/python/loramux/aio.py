@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 
+from loramux import tls as _tls
 from loramux._request import auth_metadata, chat_request, generate_request, load_request
 from loramux.client import Completion, LoramuxError
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
@@ -15,8 +16,9 @@ from loramux.v1 import generate_pb2, generate_pb2_grpc
 class AsyncGenerateClient:
     """asyncio twin of loramux.client.GenerateClient."""
 
-    def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None):
-        self._channel = channel or grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, *, tls: _tls.TLS | None = None,
+                 channel: grpc.aio.Channel | None = None):
+        self._channel = channel or _tls.aio_channel(target, tls)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
     async def stream(self, prompt: str | Sequence[int], adapter: str | None = None, *,
@@ -77,9 +79,9 @@ class AsyncGenerateClient:
 class AsyncAdminClient:
     """asyncio twin of loramux.client.AdminClient."""
 
-    def __init__(self, target: str, *, token: str | None = None,
+    def __init__(self, target: str, *, token: str | None = None, tls: _tls.TLS | None = None,
                  channel: grpc.aio.Channel | None = None, timeout: float | None = 60.0):
-        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._channel = channel or _tls.aio_channel(target, tls)
         self._stub = admin_grpc.AdapterAdminServiceStub(self._channel)
         self._metadata = auth_metadata(token)
         self._timeout = timeout

@@ -5,6 +5,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 
+from loramux import tls as _tls
 from loramux._request import auth_metadata, chat_request, generate_request, load_request
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
@@ -25,10 +26,12 @@ class LoramuxError(Exception):
 
 
 class GenerateClient:
-    """Streams generations from a loramux gateway (`target` is "host:port")."""
+    """Streams generations from a loramux gateway (`target` is "host:port"; `tls` for a
+    gateway started with --tls-cert)."""
 
-    def __init__(self, target: str, *, channel: grpc.Channel | None = None):
-        self._channel = channel or grpc.insecure_channel(target)
+    def __init__(self, target: str, *, tls: _tls.TLS | None = None,
+                 channel: grpc.Channel | None = None):
+        self._channel = channel or _tls.channel(target, tls)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
     def stream(self, prompt: str | Sequence[int], adapter: str | None = None, *,
@@ -110,11 +113,12 @@ class Completion:
 
 
 class AdminClient:
-    """Manages adapters on a loramux control plane (`target` is "host:port")."""
+    """Manages adapters on a loramux control plane (`target` is "host:port"; `tls` for a
+    control plane started with --tls-cert)."""
 
-    def __init__(self, target: str, *, token: str | None = None,
+    def __init__(self, target: str, *, token: str | None = None, tls: _tls.TLS | None = None,
                  channel: grpc.Channel | None = None, timeout: float | None = 60.0):
-        self._channel = channel or grpc.insecure_channel(target)
+        self._channel = channel or _tls.channel(target, tls)
         self._stub = admin_grpc.AdapterAdminServiceStub(self._channel)
         self._metadata = auth_metadata(token)
         self._timeout = timeout
