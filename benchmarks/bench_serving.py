@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true", help="the demo model on the CPU, small load")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="closed loop: streams in flight (default 64; 4 with --tiny)")
+    p.add_argument("--concurrency", default=None,
+                   help="closed loop: streams in flight, or a comma list (one run each; "
+                        "default 64, 4 with --tiny)")
     p.add_argument("--sweep", default=None, help="comma list of rates: one run per rate")
     p.add_argument("--adapters", default=None,
                    help="adapter count, or a comma list (one run per count); default 64 (2 tiny)")
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distinct-weights", type=int, default=4,
                    help="distinct adapter weight sets the N adapter dirs link to")
     p.add_argument("--num-requests", type=int, default=None,
-                   help="per run (default: 4 x concurrency, or 60 s of arrivals; 16 tiny)")
+                   help="per run (default: 4 x concurrency, or 30 s of arrivals; 16 tiny)")
     p.add_argument("--input-len", default=None, help="N or LO-HI (default 128-512; 8-32 tiny)")
     p.add_argument("--output-len", default=None, help="N or LO-HI (default 128-256; 8-16 tiny)")
     p.add_argument("--seed", type=int, default=0)
@@ -72,40 +73,42 @@ def build_parser() -> argparse.ArgumentParser:
 def _defaults(args) -> None:
     tiny = args.tiny
     if args.rate is None and args.sweep is None and args.concurrency is None:
-        args.concurrency = 4 if tiny else 64
+        args.concurrency = "4" if tiny else "64"
     args.adapter_counts = [int(x) for x in (args.adapters or ("2" if tiny else "64")).split(",")]
-    args.rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.rate]
+    rates = [float(x) for x in args.sweep.split(",")] if args.sweep else \
+        [args.rate] if args.rate is not None else []
+    # (rate, None): Poisson arrivals; (None, C): a closed loop of C streams
+    args.loads = [(r, None) for r in rates] + [
+        (None, int(c)) for c in (args.concurrency.split(",") if args.concurrency else [])]
     args.input_len = parse_lengths(args.input_len or ("8-32" if tiny else "128-512"))
     args.output_len = parse_lengths(args.output_len or ("8-16" if tiny else "128-256"))
     args.alpha = parse_popularity(args.popularity)
 
 
-def _num_requests(args, rate: float | None) -> int:
+def _num_requests(args, rate: float | None, concurrency: int | None) -> int:
     if args.num_requests:
         return args.num_requests
     if args.tiny:
         return 16
-    return 4 * args.concurrency if rate is None else max(32, int(rate * 60))
+    return 4 * concurrency if rate is None else max(32, int(rate * 30))
 
 
 def _points(args, names: tuple[str, ...], vocab: range) -> list[dict]:
     """One workload per (adapter count, rate), each from the same seed."""
     points = []
     for n in args.adapter_counts:
-        for rate in args.rates:
-            wl = make_workload(_num_requests(args, rate), list(names[:n]), args.alpha,
-                               args.input_len, args.output_len, vocab, rate, args.seed)
-            points.append({"adapters": n, "rate": rate,
-                           "concurrency": args.concurrency if rate is None else None,
+        for rate, concurrency in args.loads:
+            wl = make_workload(_num_requests(args, rate, concurrency), list(names[:n]),
+                               args.alpha, args.input_len, args.output_len, vocab, rate,
+                               args.seed)
+            points.append({"adapters": n, "rate": rate, "concurrency": concurrency,
                            "workload": wl})
     return points
 
 
 def _engine_totals(cluster) -> dict | None:
     """Adapter movement counters from the engine's next event (None if none comes)."""
-    from engine.server.probe import wait_output
-
-    msg = wait_output(cluster.engine_output, lambda m: m.WhichOneof("kind") == "event", 5)
+    msg = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
     if msg is None:
         return None
     return {k: int(v) for k, v in msg.event.stats.items() if k.startswith("adapter_")}
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report.table(points)
     (args.out / "table.md").write_text(text + "\n")
     plots = []
-    if len(args.rates) > 1 and report.plot_rate_sweep(points, args.out / "latency_vs_throughput.png"):
+    if sum(r is not None for r, _ in args.loads) > 1 and report.plot_rate_sweep(points, args.out / "latency_vs_throughput.png"):
         plots.append("latency_vs_throughput.png")
     if len(args.adapter_counts) > 1 and report.plot_adapter_sweep(points, args.out / "adapters.png"):
         plots.append("adapters.png")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from engine.adapters.service import ReadAdapter
 from engine.adapters.slots import SlotTable
 from engine.admission import (AdmissionLimits, check_length, check_request, prompt_token_ids,
                               sequence_ids)
@@ -110,6 +111,17 @@ class Engine:
         copied into a device slot when a request (or a pin) needs it. Raises AdapterError
         (nothing registered) or CapacityError (a pin would take the last dynamic slot)."""
         return self.adapter_service.add(name, path, pinned)
+
+    def read_adapter(self, name: str, path: str | Path) -> ReadAdapter:
+        """The disk half of add_adapter: read and validate `path` for `name`, changing
+        nothing in the engine, so it may run on any thread while steps go on (the engine
+        server reads admin loads this way). Raises AdapterError."""
+        return self.adapter_service.read(name, path)
+
+    def register_adapter(self, read: ReadAdapter, pinned: bool = False) -> int:
+        """The other half, on the step thread: register what read_adapter returned under
+        its name as a new version (see add_adapter). Raises CapacityError for a pin."""
+        return self.adapter_service.register(read, pinned)
 
     def set_adapter_pinned(self, name: str, pinned: bool) -> int:
         """Pin (never evicted implicitly from a slot or host memory; brought into a slot at

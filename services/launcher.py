@@ -1,6 +1,7 @@
 """Runs control plane, engine and gateway as separate local processes (`loramux serve`,
 and the end-to-end tests). Each process can be stopped, killed and restarted alone on
-the same addresses."""
+the same addresses. Each Cluster makes fresh CURVE keys for the ZMQ sockets in
+`<workdir>/zmq-keys` (0700), so only its own processes can use them."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine.server.curve import ZmqKeys, generate_keys
 
 SERVICES = ("engine", "control", "gateway")
 
@@ -42,6 +45,7 @@ class ClusterConfig:
     gateway_args: tuple[str, ...] = ()
     control_args: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
+    insecure_zmq: bool = False       # True: no CURVE keys, any local process may connect
 
 
 class Cluster:
@@ -58,11 +62,14 @@ class Cluster:
         self.http_port = cfg.http_port if cfg.http_port != 0 else free_port(h)
         self.http_address = f"{h}:{self.http_port}" if self.http_port > 0 else None
         self.db = str(self.workdir / "registry.sqlite")
+        self.zmq_keys: ZmqKeys | None = (
+            None if cfg.insecure_zmq else generate_keys(self.workdir / "zmq-keys"))
         self.procs: dict[str, subprocess.Popen] = {}
 
     def command(self, name: str) -> list[str]:
         c = self.cfg
-        common = ["--model", c.model]
+        common = ["--model", c.model, *(["--zmq-keys", self.zmq_keys.directory]
+                                        if self.zmq_keys else ["--insecure-zmq"])]
         if name == "engine":
             return [sys.executable, "-m", "engine.server", *common, "--input", self.engine_input,
                     "--output", self.engine_output, "--tensor-parallel-size",
@@ -112,6 +119,13 @@ class Cluster:
                 time.sleep(0.05)
             out[name] = json.loads(ready.read_text())
         return out
+
+    def wait_output(self, predicate, timeout_s: float = 5.0, last: list | None = None):
+        """The first message on the engine's output socket with predicate(msg) true, read
+        with this run's keys (engine.server.probe.wait_output); None after `timeout_s`."""
+        from engine.server.probe import wait_output
+
+        return wait_output(self.engine_output, predicate, timeout_s, last=last, keys=self.zmq_keys)
 
     def log_tail(self, name: str, n: int = 4000) -> str:
         path = self.workdir / f"{name}.log"

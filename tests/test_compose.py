@@ -34,8 +34,8 @@ def interpolate(value: str) -> str:
 
 def test_compose_file_is_valid(compose):
     services = compose["services"]
-    assert {"setup", "engine", "engine-cpu", "control", "gateway"} <= set(services)
-    assert set(compose["volumes"]) >= {"models", "adapters", "state"}
+    assert {"keys", "setup", "engine", "engine-cpu", "control", "gateway"} <= set(services)
+    assert set(compose["volumes"]) >= {"models", "adapters", "state", "zmq-keys"}
     gpu = services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["engine"]["profiles"] == ["gpu"] and services["engine-cpu"]["profiles"] == ["cpu"]
@@ -50,6 +50,12 @@ def test_compose_file_is_valid(compose):
     assert deps["control"]["condition"] == "service_healthy"
     assert deps["engine"]["condition"] == deps["engine-cpu"]["condition"] == "service_healthy"
     assert services["engine-cpu"]["depends_on"]["setup"]["condition"] == "service_completed_successfully"
+    for name in ("engine", "engine-cpu", "control", "gateway"):  # ZMQ keys, read-only
+        svc = services[name]
+        assert svc["depends_on"]["keys"]["condition"] == "service_completed_successfully", name
+        assert "zmq-keys:/keys:ro" in svc["volumes"] and svc["environment"]["LORAMUX_ZMQ_KEYS"] == "/keys"
+        assert "LORAMUX_INSECURE_ZMQ" not in svc["environment"], name
+    assert services["keys"]["volumes"] == ["zmq-keys:/keys"]
     text = (REPO / "docker-compose.yml").read_text()
     for m in _VAR.finditer(text):
         assert m.group(2) is not None, f"{m.group(0)} has no default"
@@ -62,7 +68,7 @@ class LocalCompose:
     def __init__(self, compose: dict, root: Path):
         self.compose = compose
         self.ports: dict[str, str] = {}
-        self.paths = {p: str(root / p.strip("/")) for p in ("/models", "/adapters", "/state")}
+        self.paths = {p: str(root / p.strip("/")) for p in ("/models", "/adapters", "/state", "/keys")}
         for p in self.paths.values():
             os.makedirs(p, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
@@ -115,8 +121,8 @@ class LocalCompose:
 def test_compose_services_serve_together(compose, tmp_path):
     local = LocalCompose(compose, tmp_path)
     try:
-        setup = local.start("setup")
-        assert setup.wait(120) == 0, (tmp_path / "setup.log").read_text()
+        for name in ("keys", "setup"):
+            assert local.start(name).wait(120) == 0, (tmp_path / f"{name}.log").read_text()
         for name in ("engine-cpu", "control", "gateway"):  # as compose would, all at once
             local.start(name)
         for name in ("engine-cpu", "control", "gateway"):

@@ -156,8 +156,8 @@ def test_bad_values_are_one_line_naming_the_flag(tmp_path, capsys):
 def test_engine_server_bad_environment_is_one_line(model):
     proc = subprocess.run(
         [sys.executable, "-m", "engine.server", "--model", model, "--input", "tcp://127.0.0.1:1",
-         "--output", "tcp://127.0.0.1:2"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "LORAMUX_MAX_LORAS": "lots"})
+         "--output", "tcp://127.0.0.1:2", "--insecure-zmq"], cwd=ROOT, capture_output=True,
+        text=True, timeout=120, env={**os.environ, "LORAMUX_MAX_LORAS": "lots"})
     _one_line_error(proc, "LORAMUX_MAX_LORAS", "--max-loras")
 
 

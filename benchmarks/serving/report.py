@@ -46,23 +46,29 @@ def _pyplot():
 
 
 def plot_rate_sweep(points: list[dict], path: Path) -> bool:
-    """TTFT and ITL (p50, p99) against output tokens/s, one point per offered rate."""
+    """TTFT and ITL (p50, p99) against output tokens/s, one point per offered rate, one
+    line per system (and adapter count, when there are several)."""
     plt = _pyplot()
     if plt is None:
         return False
+    points = sorted((p for p in points if p["rate"] is not None), key=lambda p: p["rate"])
+    counts = sorted({p["adapters"] for p in points})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "itl_s", "ITL (s)")):
-        for system in ("service", "offline"):
-            pts = [p for p in points if p.get(system)]
-            x = [p[system]["output_tok_per_s"] for p in pts]
-            for q, style in (("p50", "o-"), ("p99", "s--")):
-                ax.plot(x, [p[system][key][q] for p in pts], style, label=f"{system} {q}")
+        for n in counts:
+            for system in ("service", "offline"):
+                pts = [p for p in points if p.get(system) and p["adapters"] == n]
+                x = [p[system]["output_tok_per_s"] for p in pts]
+                name = system + (f", {n} adapters" if len(counts) > 1 else "")
+                for q, style in (("p50", "o-"), ("p99", "s--")):
+                    ax.plot(x, [p[system][key][q] for p in pts], style, label=f"{name} {q}")
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("latency vs throughput (offered rates: "
-                 + ", ".join(f"{p['rate']:g}" for p in points if p["rate"] is not None) + ")")
+        ax.legend(fontsize=7)
+    rates = sorted({p["rate"] for p in points})
+    fig.suptitle("latency vs throughput, offered rates " + ", ".join(f"{r:g}" for r in rates)
+                 + " req/s")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -70,26 +76,29 @@ def plot_rate_sweep(points: list[dict], path: Path) -> bool:
 
 
 def plot_adapter_sweep(points: list[dict], path: Path) -> bool:
-    """Output tokens/s and TTFT p99 against the number of adapters."""
+    """Output tokens/s and TTFT p99 against the number of adapters, one line per load."""
     plt = _pyplot()
     if plt is None:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    n = [p["adapters"] for p in points]
-    for system in ("service", "offline"):
-        pts = [p for p in points if p.get(system)]
-        if pts:
-            a.plot([p["adapters"] for p in pts], [p[system]["output_tok_per_s"] for p in pts],
-                   "o-", label=system)
-            b.plot([p["adapters"] for p in pts], [p[system]["ttft_s"]["p99"] for p in pts],
-                   "o-", label=system)
+    n = sorted({p["adapters"] for p in points})
+    loads = {(p["rate"], p["concurrency"]) for p in points}
+    for rate, conc in sorted(loads, key=str):
+        name = f"{rate:g} req/s" if rate is not None else f"{conc} streams"
+        for system in ("service", "offline"):
+            pts = [p for p in points if p.get(system) and (p["rate"], p["concurrency"]) == (rate, conc)]
+            if pts:
+                x = [p["adapters"] for p in pts]
+                a.plot(x, [p[system]["output_tok_per_s"] for p in pts], "o-", label=f"{system}, {name}")
+                b.plot(x, [p[system]["ttft_s"]["p99"] for p in pts], "o-", label=f"{system}, {name}")
     for ax, label in ((a, "output tokens/s"), (b, "TTFT p99 (s)")):
         ax.set_xscale("log")
+        ax.minorticks_off()
         ax.set_xticks(n, [str(x) for x in n])
         ax.set_xlabel("adapters")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from engine.adapters.loader import fingerprint
 from engine.adapters.registry import BASE_ID, AdapterRegistry
@@ -16,6 +17,14 @@ from engine.adapters.residency import AdapterResidency
 from engine.adapters.slots import SlotTable
 from engine.errors import AdapterError, CapacityError
 from engine.kv.kv_cache_manager import KVCacheManager
+
+
+class ReadAdapter(NamedTuple):
+    """An adapter read from disk and validated, not registered yet."""
+    name: str
+    path: str
+    weights: Any          # LoRAWeights
+    fingerprint: tuple    # of its files before the read (engine/adapters/loader.py)
 
 
 class AdapterService:
@@ -32,7 +41,12 @@ class AdapterService:
         """See Engine.add_adapter."""
         self.registry.check_name(name)
         if pinned:
-            self._check_can_pin(name)
+            self._check_can_pin(name)  # before the read: fail fast
+        return self.register(self.read(name, path), pinned)
+
+    def read(self, name: str, path: str | Path) -> "ReadAdapter":
+        """See Engine.read_adapter: reads and validates, changes nothing (any thread)."""
+        self.registry.check_name(name)
         before = fingerprint(path)
         t0 = time.perf_counter()
         weights = self.residency.loader.read(path)
@@ -40,9 +54,16 @@ class AdapterService:
         if fingerprint(path) != before:
             raise AdapterError(f"adapter files at {path} changed while being read",
                                feature="changed_on_disk")
-        old = self.registry.current(name)
-        aid = self.registry.add(name, str(path), weights.max_rank, before, pinned)
-        self.residency.add_host_copy(aid, weights, pinned)
+        return ReadAdapter(name, str(path), weights, before)
+
+    def register(self, read: "ReadAdapter", pinned: bool = False) -> int:
+        """See Engine.register_adapter."""
+        if pinned:
+            self._check_can_pin(read.name)
+        old = self.registry.current(read.name)
+        aid = self.registry.add(read.name, read.path, read.weights.max_rank, read.fingerprint,
+                                pinned)
+        self.residency.add_host_copy(aid, read.weights, pinned)
         if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
             self.set_pin(old.adapter_id, False)
         self.set_pin(aid, pinned)

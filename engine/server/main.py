@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 
+from engine.server import curve
 from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
                                    config_error_message, given, non_negative_float,
                                    positive_float)
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
+    curve.add_arguments(p)
     return p
 
 
@@ -66,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --{name} is required (or set LORAMUX_{'MODEL' if name == 'model' else 'ENGINE_' + name.upper()})",
                   file=sys.stderr)
             return 2
+    try:
+        keys = curve.keys_from_args(args)
+    except curve.ZmqKeyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     from engine.engine import Engine
     from engine.errors import LoramuxError
     from engine.server.loop import EngineServer, ServerConfig
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server = EngineServer(engine, ServerConfig(
         args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
-        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep))
+        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep, keys=keys))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -89,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                        "config": resolved_config(engine)}, f)
         os.replace(tmp, args.ready_file)
     print(f"engine serving: input={args.input} output={args.output} "
-          f"instance={server.instance_id} {engine.describe()}", file=sys.stderr, flush=True)
+          f"instance={server.instance_id} zmq={'curve' if keys else 'INSECURE'} "
+          f"{engine.describe()}", file=sys.stderr, flush=True)
     try:
         server.serve_forever(stop, args.shutdown_grace)
     finally:

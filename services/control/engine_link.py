@@ -19,7 +19,7 @@ class EngineLink:
     def __init__(self, input_address: str, output_address: str, *,
                  on_connect: Callable[[str], Awaitable[None]],
                  on_event: Callable[[engine_pb2.EngineEvent], None],
-                 heartbeat_timeout_s: float = 1.5):
+                 heartbeat_timeout_s: float = 1.5, keys=None):
         self._on_connect = on_connect
         self._on_event = on_event
         self._pending: dict[str, asyncio.Future] = {}
@@ -28,7 +28,7 @@ class EngineLink:
         self._connected = asyncio.Event()
         self.conn = EngineConnection(input_address, output_address, on_output=self._output,
                                      on_up=self._up, on_down=self._down,
-                                     heartbeat_timeout_s=heartbeat_timeout_s)
+                                     heartbeat_timeout_s=heartbeat_timeout_s, keys=keys)
 
     @property
     def up(self) -> bool:

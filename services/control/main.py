@@ -8,6 +8,7 @@ import sys
 
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
+from engine.server import curve
 from services.common import grpc_server
 from services.common.logs import configure_logging
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bearer token required on admin calls ($LORAMUX_ADMIN_TOKEN)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.5)
     p.add_argument("--ready-file", default=None)
+    curve.add_arguments(p)
     p.add_argument("--log-level", default=env("LORAMUX_LOG_LEVEL", "info"))
     return p
 
@@ -67,12 +69,12 @@ async def serve(args) -> int:
     binding = await asyncio.to_thread(binding_for, args.model, roots)
     prepare_registry(args.db, binding, log)
     registry = Registry(args.db, binding.to_json())
-    table = TablePublisher(args.table_address)
+    table = TablePublisher(args.table_address, keys=args.keys)
     manager_box: list[AdapterManager] = []
     link = EngineLink(args.engine_input, args.engine_output,
                       on_connect=lambda inst: manager_box[0].replay(inst),
                       on_event=lambda ev: manager_box[0].on_event(ev),
-                      heartbeat_timeout_s=args.heartbeat_timeout)
+                      heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
     manager = AdapterManager(registry, AdapterRoots(roots),
                              make_validator(args.model, args.max_lora_rank), link, table)
     manager_box.append(manager)
@@ -112,5 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not (args.adapter_root or os.environ.get("LORAMUX_ADAPTER_ROOTS")):
         print("error: at least one --adapter-root is required", file=sys.stderr)
+        return 2
+    try:
+        args.keys = curve.keys_from_args(args)
+    except curve.ZmqKeyError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     return asyncio.run(serve(args))

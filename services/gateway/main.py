@@ -8,6 +8,7 @@ import sys
 
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
+from engine.server import curve
 from engine.server.options import (OneLineErrors, Option, add_options, given,
                                    non_negative_float, positive_float, positive_int)
 from services.common import grpc_server
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "NOT_SERVING, and in-flight calls have this many seconds to finish "
                         "(default: 30)")
     p.add_argument("--ready-file", default=None)
+    curve.add_arguments(p)
     p.add_argument("--log-level", default=env("LORAMUX_LOG_LEVEL", "info"))
     return p
 
@@ -117,8 +119,8 @@ async def serve(args) -> int:
     metrics = GatewayMetrics(args.metrics_max_adapters)
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
     engine = EngineClient(args.engine_input, args.engine_output, max_inflight=args.max_inflight,
-                          heartbeat_timeout_s=args.heartbeat_timeout)
-    table = AdapterTable(args.table_address)
+                          heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
+    table = AdapterTable(args.table_address, keys=args.keys)
     metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
@@ -159,5 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
               file=sys.stderr)
+        return 2
+    try:
+        args.keys = curve.keys_from_args(args)
+    except curve.ZmqKeyError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     return asyncio.run(serve(args))
