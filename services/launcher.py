@@ -180,14 +180,15 @@ class Cluster:
         self.close()
 
 
-def wait_serving(address: str, timeout_s: float = 60.0) -> None:
+def wait_serving(address: str, timeout_s: float = 60.0, tls=None) -> None:
     """Wait until the gRPC server at `address` reports overall health SERVING (for the
-    gateway that means: an engine is connected)."""
+    gateway that means: an engine is connected); `tls`: a loramux.TLS for a TLS port."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from loramux.tls import channel
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:

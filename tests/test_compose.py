@@ -3,6 +3,7 @@ local process with the compose environment (container hostnames, ports and volum
 to loopback, free ports and temporary directories), checked to serve together."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -17,7 +18,9 @@ from loramux import AdminClient, GenerateClient
 from services.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-_VAR = re.compile(r"\$\{([A-Z0-9_]+)(:-([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Z0-9_]+)(:-([^}]*)|:\?([^}]*))?\}")
+# the only variables compose requires (`${NAME:?why}`), and what the local run uses
+REQUIRED = {"LORAMUX_ADMIN_TOKEN": "compose-test-token"}
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,8 @@ def compose():
 
 def interpolate(value: str) -> str:
     def sub(m):
+        if m.group(4) is not None:
+            return REQUIRED[m.group(1)]
         assert m.group(2) is not None, f"${{{m.group(1)}}} has no default"
         return m.group(3)  # the compose defaults, whatever this machine's environment says
     return _VAR.sub(sub, value)
@@ -59,6 +64,40 @@ def test_compose_file_is_valid(compose):
     text = (REPO / "docker-compose.yml").read_text()
     for m in _VAR.finditer(text):
         assert m.group(2) is not None, f"{m.group(0)} has no default"
+        assert m.group(4) is None or m.group(1) in REQUIRED, m.group(0)
+    control = services["control"]
+    assert control["environment"]["LORAMUX_ADMIN_TOKEN"].startswith("${LORAMUX_ADMIN_TOKEN:?")
+    assert [interpolate(p) for p in control["ports"]] == ["127.0.0.1:50052:50052"]
+    for name in ("control", "gateway"):  # TLS off unless the operator sets the files
+        env = services[name]["environment"]
+        assert interpolate(env["LORAMUX_TLS_CERT"]) == "" and "tls:/tls:ro" in services[name]["volumes"]
+
+
+def _docker_compose() -> list[str] | None:
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        try:
+            if subprocess.run([*cmd, "version"], capture_output=True, timeout=30).returncode == 0:
+                return cmd
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
+
+
+def test_docker_compose_config():
+    """The real `docker compose config`: it refuses to render without the admin token and
+    publishes the admin port on the loopback only."""
+    cmd = _docker_compose()
+    if cmd is None:
+        pytest.skip("docker compose is not installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAMUX_")}
+    out = subprocess.run([*cmd, "--profile", "cpu", "config", "--format", "json"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "LORAMUX_ADMIN_TOKEN" in out.stderr, out.stderr
+    out = subprocess.run([*cmd, "--profile", "cpu", "config", "--format", "json"], cwd=REPO,
+                         env={**env, **REQUIRED}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ports = json.loads(out.stdout)["services"]["control"]["ports"]
+    assert [(p["host_ip"], p["target"]) for p in ports] == [("127.0.0.1", 50052)]
 
 
 class LocalCompose:
@@ -130,7 +169,7 @@ def test_compose_services_serve_together(compose, tmp_path):
         env = local.env("gateway")
         gateway = env["LORAMUX_GATEWAY_LISTEN"]
         control = local.env("control")["LORAMUX_CONTROL_LISTEN"]
-        with AdminClient(control) as admin:
+        with AdminClient(control, token=REQUIRED["LORAMUX_ADMIN_TOKEN"]) as admin:
             a = admin.load("demo-a", local.map("/models/demo/adapters/demo-a"))
             assert a.path.startswith(local.paths["/models"]) and a.rank == 8
         with GenerateClient(gateway) as gen:

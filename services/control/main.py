@@ -9,7 +9,7 @@ import sys
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
 from engine.server import curve
-from services.common import grpc_server
+from services.common import grpc_server, tls
 from services.common.logs import configure_logging
 
 SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].full_name
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bearer token required on admin calls ($LORAMUX_ADMIN_TOKEN)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.5)
     p.add_argument("--ready-file", default=None)
+    tls.add_arguments(p)
     curve.add_arguments(p)
     p.add_argument("--log-level", default=env("LORAMUX_LOG_LEVEL", "info"))
     return p
@@ -83,7 +84,7 @@ async def serve(args) -> int:
     adapter_admin_pb2_grpc.add_AdapterAdminServiceServicer_to_server(
         AdapterAdminServicer(manager), server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
-    address = grpc_server.bind(server, args.listen)
+    address = grpc_server.bind(server, args.listen, args.tls)
     await server.start()
     table.start()
     table.publish(registry.all())
@@ -117,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args.keys = curve.keys_from_args(args)
-    except curve.ZmqKeyError as err:
+        args.tls = tls.from_args(args)
+        tls.check_token_transport(args.listen, args.auth_token, args.tls,
+                                  args.allow_plaintext_token)
+    except (curve.ZmqKeyError, tls.TLSConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return asyncio.run(serve(args))

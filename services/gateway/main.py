@@ -11,7 +11,7 @@ from loramux.v1 import generate_pb2, generate_pb2_grpc
 from engine.server import curve
 from engine.server.options import (OneLineErrors, Option, add_options, given,
                                    non_negative_float, positive_float, positive_int)
-from services.common import grpc_server
+from services.common import grpc_server, tls
 from services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "NOT_SERVING, and in-flight calls have this many seconds to finish "
                         "(default: 30)")
     p.add_argument("--ready-file", default=None)
+    tls.add_arguments(p)
     curve.add_arguments(p)
     p.add_argument("--log-level", default=env("LORAMUX_LOG_LEVEL", "info"))
     return p
@@ -87,7 +88,7 @@ def _http_server(args, servicer, table):
                         model_root=args.model)
     host = args.listen.rsplit(":", 1)[0].strip("[]")
     return HttpServer(build_app(front), host, args.http_port, token=args.auth_token,
-                      max_body_bytes=args.max_message_bytes)
+                      max_body_bytes=args.max_message_bytes, tls=args.tls)
 
 
 async def _drain(grace_s: float, engine, health, health_task, log) -> None:
@@ -126,7 +127,7 @@ async def serve(args) -> int:
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
-    address = grpc_server.bind(server, args.listen)
+    address = grpc_server.bind(server, args.listen, args.tls)
     http = _http_server(args, servicer, table) if args.http_port > 0 else None
     await engine.start()
     await table.start()
@@ -164,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args.keys = curve.keys_from_args(args)
-    except curve.ZmqKeyError as err:
+        args.tls = tls.from_args(args)
+        if args.http_port > 0:  # the HTTP API's bearer token, on the --listen host
+            tls.check_token_transport(args.listen, args.auth_token, args.tls,
+                                      args.allow_plaintext_token)
+    except (curve.ZmqKeyError, tls.TLSConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return asyncio.run(serve(args))

@@ -29,12 +29,19 @@ def channel_options(retry: bool) -> list[tuple[str, object]]:
     return [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(SERVICE_CONFIG))]
 
 
-def insecure_channel(target: str, retry: bool = True) -> grpc.Channel:
-    return grpc.insecure_channel(target, options=channel_options(retry))
+def channel(target: str, tls=None, retry: bool = True) -> grpc.Channel:
+    """A channel to `target` with the retry policy; TLS when `tls` (loramux.TLS) is given."""
+    options = channel_options(retry)
+    if tls is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, tls.credentials(), options=tls.options() + options)
 
 
-def insecure_aio_channel(target: str, retry: bool = True) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=channel_options(retry))
+def aio_channel(target: str, tls=None, retry: bool = True) -> grpc.aio.Channel:
+    options = channel_options(retry)
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, tls.credentials(), options=tls.options() + options)
 
 
 def status_details(err: grpc.RpcError) -> tuple[list[tuple[str, str]], float | None]:

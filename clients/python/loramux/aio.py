@@ -5,7 +5,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 
-from loramux._channel import insecure_aio_channel
+from loramux import tls as _tls
+from loramux._channel import aio_channel
 from loramux._request import auth_metadata, chat_request, generate_request, load_request
 from loramux.client import Completion, LoramuxError
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
@@ -16,9 +17,9 @@ from loramux.v1 import generate_pb2, generate_pb2_grpc
 class AsyncGenerateClient:
     """asyncio twin of loramux.client.GenerateClient."""
 
-    def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None,
-                 retry: bool = True):
-        self._channel = channel or insecure_aio_channel(target, retry)
+    def __init__(self, target: str, *, tls: _tls.TLS | None = None,
+                 channel: grpc.aio.Channel | None = None, retry: bool = True):
+        self._channel = channel or aio_channel(target, tls, retry)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
     async def stream(self, prompt: str | Sequence[int], adapter: str | None = None, *,
@@ -79,10 +80,10 @@ class AsyncGenerateClient:
 class AsyncAdminClient:
     """asyncio twin of loramux.client.AdminClient."""
 
-    def __init__(self, target: str, *, token: str | None = None,
+    def __init__(self, target: str, *, token: str | None = None, tls: _tls.TLS | None = None,
                  channel: grpc.aio.Channel | None = None, timeout: float | None = 60.0,
                  retry: bool = True):
-        self._channel = channel or insecure_aio_channel(target, retry)
+        self._channel = channel or aio_channel(target, tls, retry)
         self._stub = admin_grpc.AdapterAdminServiceStub(self._channel)
         self._metadata = auth_metadata(token)
         self._timeout = timeout

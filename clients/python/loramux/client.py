@@ -5,7 +5,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 
-from loramux._channel import insecure_channel, status_details
+from loramux import tls as _tls
+from loramux._channel import channel as open_channel
+from loramux._channel import status_details
 from loramux._request import auth_metadata, chat_request, generate_request, load_request
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
@@ -34,12 +36,13 @@ class LoramuxError(Exception):
 
 
 class GenerateClient:
-    """Streams generations from a loramux gateway (`target` is "host:port"). Calls the
-    gateway refuses for overload or unavailability are retried (loramux._channel);
-    retry=False turns that off."""
+    """Streams generations from a loramux gateway (`target` is "host:port"; `tls` for a
+    gateway started with --tls-cert). Calls the gateway refuses for overload or
+    unavailability are retried (loramux._channel); retry=False turns that off."""
 
-    def __init__(self, target: str, *, channel: grpc.Channel | None = None, retry: bool = True):
-        self._channel = channel or insecure_channel(target, retry)
+    def __init__(self, target: str, *, tls: _tls.TLS | None = None,
+                 channel: grpc.Channel | None = None, retry: bool = True):
+        self._channel = channel or open_channel(target, tls, retry)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
     def stream(self, prompt: str | Sequence[int], adapter: str | None = None, *,
@@ -121,13 +124,14 @@ class Completion:
 
 
 class AdminClient:
-    """Manages adapters on a loramux control plane (`target` is "host:port"); reads are
-    retried while the control plane is unavailable (retry=False: never)."""
+    """Manages adapters on a loramux control plane (`target` is "host:port"; `tls` for a
+    control plane started with --tls-cert); reads are retried while the control plane is
+    unavailable (retry=False: never)."""
 
-    def __init__(self, target: str, *, token: str | None = None,
+    def __init__(self, target: str, *, token: str | None = None, tls: _tls.TLS | None = None,
                  channel: grpc.Channel | None = None, timeout: float | None = 60.0,
                  retry: bool = True):
-        self._channel = channel or insecure_channel(target, retry)
+        self._channel = channel or open_channel(target, tls, retry)
         self._stub = admin_grpc.AdapterAdminServiceStub(self._channel)
         self._metadata = auth_metadata(token)
         self._timeout = timeout
