@@ -14,6 +14,7 @@ import torch
 
 from engine.adapters.host_cache import HostCache
 from engine.adapters.loader import DiskLoader
+from engine.adapters.safe_files import AdapterRoots
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.service import AdapterService
@@ -64,6 +65,18 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
                       runner)
 
 
+def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
+                   buffers: HostBufferPool):
+    """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
+    read inside the adapter roots."""
+    roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
+
+    def read(path: str, version: str | None):
+        return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
+                         roots=roots, expected_version=version, buffers=buffers)
+    return read
+
+
 def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.device,
                         tp: TPGroup, executor, slots: SlotTable, pinned: set[int],
                         lora_pool: LoRASlotPool, kv: KVCacheManager
@@ -75,8 +88,7 @@ def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.dev
     # load and host-copy drop on the other ranks (by adapter id)
     adapters = AdapterResidency(
         registry, slots, HostCache(config.max_cpu_loras, pinned),
-        DiskLoader(lambda path: load_lora(path, mc, config.max_lora_rank, tp=tp,
-                                          dtype=config.torch_dtype, buffers=buffers)),
+        DiskLoader(adapter_reader(config, mc, tp, buffers)),
         lora_pool, device,
         mirror=AdapterMirror(executor, registry) if executor is not None else None)
     return registry, adapters, AdapterService(registry, slots, adapters, kv, config.max_loras)

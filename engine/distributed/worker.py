@@ -18,11 +18,12 @@ from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.mirror import RequestMirror
+from engine.assembly import adapter_reader
 from engine.distributed.adapters import ShardCache
 from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
-from engine.lora import LoRASlotPool, load_lora
+from engine.lora import LoRASlotPool
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.hf_config import ModelConfig
@@ -95,6 +96,7 @@ class Worker:
         self.mirror = RequestMirror()
         self._prev = None   # the last launched step: its picked tokens stay on the device
         self._buffers = HostBufferPool(pin=self.device.type == "cuda")
+        self._reader = adapter_reader(self.config, self.model_config, self.tp, self._buffers)
         self.adapters = ShardCache(self._read_adapter)
         self.channel = PlanChannel(self.control, self.tp.rank)
 
@@ -116,10 +118,10 @@ class Worker:
             else:
                 raise RuntimeError(f"rank {self.tp.rank}: unknown plan op {op}")
 
-    def _read_adapter(self, path: str):
-        """This rank's shard of a version rank 0 has read and validated already."""
-        return load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
-                         dtype=self.config.torch_dtype, buffers=self._buffers)
+    def _read_adapter(self, path: str, version: str):
+        """This rank's shard of a version rank 0 has read and validated already (the same
+        bytes: their hash must be `version`)."""
+        return self._reader(path, version)
 
     def _step(self, payload: torch.Tensor) -> None:
         plan = decode_step(payload)

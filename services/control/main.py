@@ -9,6 +9,7 @@ import sys
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
 from engine.server import curve
+from engine.server.options import OneLineErrors, positive_float, positive_int
 from services.common import grpc_server, tls
 from services.common.logs import configure_logging
 
@@ -17,8 +18,8 @@ SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].f
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m services.control",
-                                description="loramux control plane (AdapterAdminService)")
+    p = OneLineErrors(prog="python -m services.control",
+                      description="loramux control plane (AdapterAdminService)")
     p.add_argument("--listen", default=env("LORAMUX_CONTROL_LISTEN", "127.0.0.1:50052"),
                    help="gRPC host:port (port 0 picks a free one)")
     p.add_argument("--model", default=env("LORAMUX_MODEL"), help="base model directory")
@@ -30,10 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
                    help="ZMQ address to bind for publishing the adapter table to gateways")
-    p.add_argument("--max-lora-rank", type=int, default=int(env("LORAMUX_MAX_LORA_RANK", "64")))
+    p.add_argument("--max-lora-rank", type=positive_int, default=env("LORAMUX_MAX_LORA_RANK", "64"),
+                   help="largest adapter rank accepted; the engine's --max-lora-rank (default: 64)")
     p.add_argument("--auth-token", default=env("LORAMUX_ADMIN_TOKEN"),
                    help="bearer token required on admin calls ($LORAMUX_ADMIN_TOKEN)")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.5)
+    p.add_argument("--heartbeat-timeout", type=positive_float,
+                   default=env("LORAMUX_HEARTBEAT_TIMEOUT", "1.5"),
+                   help="seconds without an engine heartbeat before the engine counts as gone "
+                        "(default: 1.5)")
     p.add_argument("--ready-file", default=None)
     tls.add_arguments(p)
     curve.add_arguments(p)
@@ -41,16 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_validator(model_dir: str, max_lora_rank: int):
-    """The engine's own adapter validator, bound to the base model."""
+def make_validator(model_dir: str, max_lora_rank: int, roots):
+    """The engine's own adapter validator, bound to the base model and the adapter roots:
+    path -> (rank, target modules, sha256 version)."""
     from engine.lora import validate_lora
     from engine.model.hf_config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(model_dir)
 
-    def validate(path: str) -> tuple[int, tuple[str, ...]]:
-        plan = validate_lora(path, model_cfg, max_lora_rank)
-        return int(plan.max_rank), tuple(sorted(plan.target_modules))
+    def validate(path: str) -> tuple[int, tuple[str, ...], str]:
+        plan = validate_lora(path, model_cfg, max_lora_rank, roots)
+        return int(plan.max_rank), tuple(sorted(plan.target_modules)), plan.version
     return validate
 
 
@@ -76,8 +82,10 @@ async def serve(args) -> int:
                       on_connect=lambda inst: manager_box[0].replay(inst),
                       on_event=lambda ev: manager_box[0].on_event(ev),
                       heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
-    manager = AdapterManager(registry, AdapterRoots(roots),
-                             make_validator(args.model, args.max_lora_rank), link, table)
+    adapter_roots = AdapterRoots(roots)
+    manager = AdapterManager(registry, adapter_roots,
+                             make_validator(args.model, args.max_lora_rank, adapter_roots),
+                             link, table)
     manager_box.append(manager)
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = grpc_server.make_server(interceptors=interceptors)
