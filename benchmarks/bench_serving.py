@@ -164,11 +164,14 @@ def run_service_points(args, files, points, warmup, serve_argv: list[str], work:
             print(f"service: {len(used)} adapters loaded in {args.adapter_load_s:.1f} s; "
                   f"engine: {ready['engine'].get('config')}", flush=True)
             args.warmup_s = {"service": _timed(run_service, cluster.gateway_address, *warmup)}
+            pids = {"client": None, **{n: ready[n].get("pid") for n in ("gateway", "engine")}}
             for p in points:
                 before = _event_counters(cluster)
-                records, wall = run_service(cluster.gateway_address, p["workload"], p["concurrency"])
+                (records, wall), cpu = counters.busy_share(pids, lambda: run_service(
+                    cluster.gateway_address, p["workload"], p["concurrency"]))
                 p["service"] = summarize(records, wall, args.slo_ttft, args.slo_itl)
                 p["service"]["engine"] = counters.during(_event_counters(cluster), before)
+                p["service"]["cpu_busy"] = cpu  # per process: CPU s / wall s
                 _say("service", p)
     finally:
         _keep_logs(serve_dir, args.out)

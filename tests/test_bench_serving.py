@@ -87,6 +87,7 @@ def test_tiny_run_writes_the_report(tmp_path):
             assert set(eng) >= {"adapter_disk_reads", "adapter_slot_loads", "steps",
                                 "mean_step_ms", "mean_batch"}, eng
             assert eng["steps"] > 0 and eng["mean_batch"] >= 1
+        assert all(p["service"]["cpu_busy"][k] > 0 for k in ("client", "gateway", "engine"))
     assert meta["adapter_load_s"] > 0 and set(meta["warmup_s"]) == {"service", "offline"}
     assert {"engine.log", "gateway.log", "control.log"} <= {f.name for f in (out / "logs").iterdir()}
     table = (out / "table.md").read_text()

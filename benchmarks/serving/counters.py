@@ -4,6 +4,8 @@ adapter movement (slot loads and evictions, disk reads, host evictions) and the 
 loop (steps, time in steps, sequences per forward pass)."""
 from __future__ import annotations
 
+import os
+
 from engine.server.events import adapter_totals
 
 _HISTOGRAMS = {"step_seconds": ("steps", "step_s"), "batch_size": ("forward_passes", "sequences"),
@@ -47,3 +49,33 @@ def during(after: dict | None, before: dict | None) -> dict | None:
     if d.get("forward_passes"):
         out["mean_batch"] = d["sequences"] / d["forward_passes"]
     return out
+
+
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """User + system CPU seconds used so far by process `pid` (this one when None): how
+    busy the gateway, the engine and the benchmark's own client were during a run."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def busy_share(pids: dict[str, int | None], run) -> tuple[object, dict[str, float | None]]:
+    """run(); and, for each named process, its CPU seconds over the run's wall seconds
+    (1.0 = one core kept busy the whole time)."""
+    import time
+
+    before = {k: cpu_seconds(p) for k, p in pids.items()}
+    t = time.perf_counter()
+    result = run()
+    wall = time.perf_counter() - t
+    share = {}
+    for k, p in pids.items():
+        after = cpu_seconds(p)
+        share[k] = None if after is None or before[k] is None else (after - before[k]) / wall
+    return result, share

@@ -7,7 +7,8 @@ from pathlib import Path
 
 _HEAD = ("| adapters | load | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
          "| e2e p50 / p99 s | SLO | disk reads | slot loads | mean batch | offline tok/s "
-         "| offline batch | service/offline | errors |\n" + "|---" * 15 + "|")
+         "| offline batch | service/offline | CPU client / gateway / engine | errors |\n"
+         + "|---" * 16 + "|")
 
 
 def _f(x, scale=1.0, digits=1) -> str:
@@ -16,6 +17,13 @@ def _f(x, scale=1.0, digits=1) -> str:
 
 def _pair(dist: dict, scale: float, digits: int) -> str:
     return f"{_f(dist['p50'], scale, digits)} / {_f(dist['p99'], scale, digits)}"
+
+
+def _cpu(busy: dict | None) -> str:
+    """Cores kept busy (CPU s / wall s) by the client, the gateway and the engine."""
+    if not busy:
+        return "-"
+    return " / ".join(_f(busy.get(k), digits=2) for k in ("client", "gateway", "engine"))
 
 
 def table(points: list[dict], meta: dict) -> str:
@@ -38,7 +46,7 @@ def table(points: list[dict], meta: dict) -> str:
             f"| {_f(s['slo']['attainment'], digits=3)} | {eng.get('adapter_disk_reads', '-')} "
             f"| {eng.get('adapter_slot_loads', '-')} | {_f(eng.get('mean_batch'))} "
             f"| {_f(off['output_tok_per_s']) if off else '-'} | {_f(off_eng.get('mean_batch'))} "
-            f"| {_f(p.get('service_over_offline'), digits=3)} "
+            f"| {_f(p.get('service_over_offline'), digits=3)} | {_cpu(s.get('cpu_busy'))} "
             f"| {sum(s['errors'].values()) if s['errors'] else 0} |")
     return "\n".join(lines)
 
