@@ -114,6 +114,8 @@ async def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.server import open_audit
+    open_audit.install_from_env("control")
     args = build_parser().parse_args(argv)
     missing = [n for n in ("model", "db", "engine_input", "engine_output", "table_address")
                if not getattr(args, n)]
