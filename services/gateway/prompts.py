@@ -22,6 +22,10 @@ from services.gateway.errors import Rejected
 from services.gateway.validation import check_prompt_ids, encode_text
 
 MAX_CHAT_MESSAGES = 4096
+# A token covers at most as many characters of text as its vocabulary entry has (byte-level
+# BPE: one character per byte; SentencePiece: one per character); normalizers that merge
+# characters (NFC) shrink text by less than this factor.
+SHRINK = 4
 
 
 def _bad(message: str, field: str) -> Rejected:
@@ -42,6 +46,9 @@ class PromptBuilder:
         self._adapter_templates: dict[str, tuple[int, str, ChatTemplate | None]] = {}
         self._pool = ThreadPoolExecutor(workers or min(4, os.cpu_count() or 1),
                                         thread_name_prefix="tokenize")
+        self._max_token_chars = max(
+            (len(t) for t in map(tokenizer.id_to_token, range(tokenizer.vocab_size)) if t),
+            default=1)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -51,10 +58,28 @@ class PromptBuilder:
                         vocab_size: int) -> list[int]:
         """The prompt's ids; Rejected(INVALID_ARGUMENT) when it is empty, malformed, has ids
         outside the vocabulary or leaves no room for one generated token."""
+        self._check_size(req, max_model_len)
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._pool, self._encode, req, adapter, vocab_size)
         check_prompt_ids(ids, max_model_len)
         return ids
+
+    def _check_size(self, req: generate_pb2.GenerateRequest, max_model_len: int) -> None:
+        """Refuse, without tokenizing, a prompt too long for the model whatever its tokens:
+        one of n characters has at least n / (SHRINK * longest vocabulary entry) tokens."""
+        which = req.WhichOneof("prompt")
+        if which == "token_ids":
+            n, field = len(req.token_ids.ids), "token_ids.ids"
+        elif which == "text":
+            n, field = len(req.text) // (SHRINK * self._max_token_chars), "text"
+        elif which == "messages":
+            chars = sum(len(m.content) for m in req.messages.messages)
+            n, field = chars // (SHRINK * self._max_token_chars), "messages.messages"
+        else:
+            return
+        if max_model_len and n >= max_model_len:
+            raise _bad(f"the prompt has at least {n} tokens; the model's limit is "
+                       f"{max_model_len} tokens for prompt and output together", field)
 
     def _encode(self, req, adapter, vocab_size: int) -> list[int]:
         which = req.WhichOneof("prompt")
