@@ -1,5 +1,7 @@
 """Prompts to token ids, off the event loop: text, token ids, or chat messages rendered by
 the chat template of the adapter (when its directory has one) or of the base model.
+An adapter's files are read inside the adapter roots, without following links, like the
+control plane and the engine read them (engine/adapters/safe_files.py).
 
 Tokenizing a prompt of megabytes takes seconds; done on the event loop it would stall every
 other stream, so it runs in a small thread pool (the tokenizer releases the GIL while it
@@ -14,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from loramux.v1 import engine_pb2, generate_pb2
 
-from services.common.chat_template import ChatTemplate, ChatTemplateError, special_tokens_of
+from services.common.chat_template import (MAX_TEMPLATE_BYTES, ChatTemplate, ChatTemplateError,
+                                           special_tokens_of, text_of)
 from services.gateway.errors import Rejected
 from services.gateway.validation import check_prompt_ids, encode_text
 
@@ -30,8 +33,13 @@ def _bad(message: str, field: str) -> Rejected:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, model_dir: str, *, workers: int | None = None):
+    def __init__(self, tokenizer, model_dir: str, *, workers: int | None = None,
+                 adapter_roots=None):
+        """`adapter_roots`: an engine.adapters.safe_files.AdapterRoots; None: an adapter's
+        directory is trusted as named by the control plane (its files are still never
+        read through a link)."""
         self.tokenizer = tokenizer
+        self._roots = adapter_roots
         self._special = special_tokens_of(model_dir)
         self.base_template = ChatTemplate.from_dir(model_dir, self._special)
         # adapter name -> (adapter id, path, its own template or None)
@@ -121,6 +129,20 @@ class PromptBuilder:
                            "chat_template in tokenizer_config.json); send a text prompt")
         return template
 
+    def _read_template(self, path: str) -> ChatTemplate | None:
+        if self._roots is None:
+            return ChatTemplate.from_dir(path, self._special)
+        from engine.errors import AdapterError
+        try:
+            with self._roots.open_dir(path) as d:
+                def read(name: str) -> str | None:
+                    if d.kind(name) is None:
+                        return None
+                    return text_of(d.read(name, MAX_TEMPLATE_BYTES + 1).data, name)
+                return ChatTemplate.from_files(read, self._special)
+        except AdapterError as err:
+            raise ChatTemplateError(str(err)) from None
+
     def _adapter_template(self, entry: engine_pb2.AdapterTableEntry) -> ChatTemplate | None:
         cached = self._adapter_templates.get(entry.name)
         if cached is not None and cached[:2] == (entry.id, entry.path):
@@ -128,7 +150,7 @@ class PromptBuilder:
         template = None
         if entry.path:
             try:
-                template = ChatTemplate.from_dir(entry.path, self._special)
+                template = self._read_template(entry.path)
             except ChatTemplateError as err:
                 raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                                f"adapter {entry.name!r} has an unusable chat template: {err}") from None
