@@ -147,6 +147,17 @@ def test_bad_values_are_one_line_naming_the_flag(tmp_path, capsys):
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and flag in err, (argv, err)
+    from services.control import main as control_main
+    for parser, argv, flag in [
+        (engine_main.build_parser(), ["--block-size", "0"], "--block-size"),
+        (engine_main.build_parser(), ["--shutdown-grace", "-1"], "--shutdown-grace"),
+        (gateway_main.build_parser(), ["--heartbeat-timeout", "nan"], "--heartbeat-timeout"),
+        (control_main.build_parser(), ["--max-lora-rank", "0"], "--max-lora-rank"),
+    ]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and flag in err, (argv, err)
     # end to end through the `loramux` command, and the client commands too
     for argv, flag in [(["serve", "--max-loras", "0"], "--max-loras"),
                        (["generate", "--seed", "-1", "hi"], "--seed"),

@@ -18,6 +18,7 @@ root), never what lies beyond a link, so a refusal reveals nothing outside the r
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -225,6 +226,9 @@ def _enter(parent: int, part: str, shown: str, so_far: str) -> int:
         raise AdapterError(f"adapter path {shown!r}: {so_far!r} does not exist",
                            feature="adapter_dir") from None
     except OSError as e:  # a link or a non-directory swapped in after the stat
+        if e.errno == errno.ENAMETOOLONG:
+            raise AdapterError(f"adapter path {shown!r}: a component is too long",
+                               feature="adapter_dir") from None
         raise PathRefused(f"adapter path {shown!r}: {so_far!r} cannot be opened as a "
                           f"directory ({os.strerror(e.errno)})") from None
     finally:

@@ -23,6 +23,7 @@ from engine.distributed.adapters import ShardCache
 from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
+from engine.server import open_audit
 from engine.lora import LoRASlotPool
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
@@ -47,6 +48,7 @@ def worker_main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     config = EngineConfig(**spec["config"])
     rank, size = spec["rank"], spec["size"]
+    open_audit.install_from_env(f"engine-rank{rank}")
     exit_with_parent()
     device = _device(config, rank, size)
     store = pg.join_store(spec["port"])

@@ -10,6 +10,7 @@ import sys
 import threading
 
 from engine.server import curve
+from engine.server import open_audit
 from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
                                    config_error_message, given, non_negative_float,
                                    positive_float)
@@ -75,6 +76,7 @@ def resolved_config(engine) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    open_audit.install_from_env("engine")
     args = build_parser().parse_args(argv)
     for name in ("model", "input", "output"):
         if not getattr(args, name):

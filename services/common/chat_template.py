@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -55,15 +56,18 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 def _read_bounded(path: Path) -> str | None:
-    """Text of a regular file (never through a symlink), None when absent; at most
-    MAX_TEMPLATE_BYTES."""
+    """Text of a regular file (never through a symlink; a FIFO or device is refused
+    without blocking on it), None when absent; at most MAX_TEMPLATE_BYTES."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, flags)
     except FileNotFoundError:
         return None
     except OSError as err:
-        raise ChatTemplateError(f"{path.name}: cannot open: {err}") from None
+        raise ChatTemplateError(f"{path.name}: cannot open: {err.strerror}") from None
     with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ChatTemplateError(f"{path.name} is not a regular file")
         data = f.read(MAX_TEMPLATE_BYTES + 1)
     if len(data) > MAX_TEMPLATE_BYTES:
         raise ChatTemplateError(f"{path.name} is larger than {MAX_TEMPLATE_BYTES} bytes")
@@ -93,8 +97,9 @@ def _read_config(directory: Path) -> dict:
         return {}
     try:
         config = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ChatTemplateError(f"tokenizer_config.json: {err}") from None
+    except (ValueError, RecursionError) as err:
+        raise ChatTemplateError(f"tokenizer_config.json: {type(err).__name__}: "
+                                f"{str(err)[:200]}") from None
     return config if isinstance(config, dict) else {}
 
 

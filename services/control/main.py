@@ -9,6 +9,7 @@ import sys
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
 from engine.server import curve
+from engine.server.options import OneLineErrors, positive_float, positive_int
 from services.common import grpc_server, tls
 from services.common.logs import configure_logging
 
@@ -17,8 +18,8 @@ SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].f
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m services.control",
-                                description="loramux control plane (AdapterAdminService)")
+    p = OneLineErrors(prog="python -m services.control",
+                      description="loramux control plane (AdapterAdminService)")
     p.add_argument("--listen", default=env("LORAMUX_CONTROL_LISTEN", "127.0.0.1:50052"),
                    help="gRPC host:port (port 0 picks a free one)")
     p.add_argument("--model", default=env("LORAMUX_MODEL"), help="base model directory")
@@ -30,10 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
                    help="ZMQ address to bind for publishing the adapter table to gateways")
-    p.add_argument("--max-lora-rank", type=int, default=int(env("LORAMUX_MAX_LORA_RANK", "64")))
+    p.add_argument("--max-lora-rank", type=positive_int, default=env("LORAMUX_MAX_LORA_RANK", "64"),
+                   help="largest adapter rank accepted; the engine's --max-lora-rank (default: 64)")
     p.add_argument("--auth-token", default=env("LORAMUX_ADMIN_TOKEN"),
                    help="bearer token required on admin calls ($LORAMUX_ADMIN_TOKEN)")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.5)
+    p.add_argument("--heartbeat-timeout", type=positive_float,
+                   default=env("LORAMUX_HEARTBEAT_TIMEOUT", "1.5"),
+                   help="seconds without an engine heartbeat before the engine counts as gone "
+                        "(default: 1.5)")
     p.add_argument("--ready-file", default=None)
     tls.add_arguments(p)
     curve.add_arguments(p)
@@ -109,6 +114,8 @@ async def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.server import open_audit
+    open_audit.install_from_env("control")
     args = build_parser().parse_args(argv)
     missing = [n for n in ("model", "db", "engine_input", "engine_output", "table_address")
                if not getattr(args, n)]

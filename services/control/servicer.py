@@ -10,6 +10,7 @@ from loramux.v1 import adapter_admin_pb2 as pb
 from loramux.v1 import adapter_admin_pb2_grpc as pb_grpc
 from loramux.v1 import engine_pb2
 
+from services.common import rich_status
 from services.control.manager import AdapterManager, AdminError
 from services.control.registry import AdapterRecord
 
@@ -23,7 +24,7 @@ def _admin_call(method):
         try:
             return await method(self, request, context)
         except AdminError as err:
-            await context.abort(err.code, str(err))
+            await rich_status.abort(context, err.code, str(err))
     return wrapper
 
 

@@ -151,6 +151,8 @@ async def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.server import open_audit
+    open_audit.install_from_env("gateway")
     args = build_parser().parse_args(argv)
     try:
         vars(args).update(given(args, GATEWAY_OPTIONS, os.environ))

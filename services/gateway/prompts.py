@@ -21,8 +21,8 @@ from services.gateway.validation import check_prompt_ids, encode_text
 MAX_CHAT_MESSAGES = 4096
 
 
-def _bad(message: str) -> Rejected:
-    return Rejected(grpc.StatusCode.INVALID_ARGUMENT, message)
+def _bad(message: str, field: str) -> Rejected:
+    return Rejected(grpc.StatusCode.INVALID_ARGUMENT, message, field)
 
 
 class PromptBuilder:
@@ -52,29 +52,31 @@ class PromptBuilder:
         which = req.WhichOneof("prompt")
         if which == "text":
             if not req.text:
-                raise _bad("prompt text is empty")
+                raise _bad("prompt text is empty", "text")
             return encode_text(self.tokenizer, req.text)
         if which == "token_ids":
             ids = list(req.token_ids.ids)
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise _bad(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+                raise _bad(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                           "token_ids.ids")
             return ids
         if which == "messages":
             text = self.render_chat(req.messages, adapter)
             return self.tokenizer.encode(text, add_special_tokens=False)
-        raise _bad("the request has no prompt (set text, token_ids or messages)")
+        raise _bad("the request has no prompt (set text, token_ids or messages)", "prompt")
 
     def render_chat(self, chat: generate_pb2.ChatMessages,
                     adapter: engine_pb2.AdapterTableEntry | None) -> str:
         """The chat's prompt text under the adapter's template, else the base model's."""
         if not chat.messages:
-            raise _bad("messages is empty")
+            raise _bad("messages is empty", "messages.messages")
         if len(chat.messages) > MAX_CHAT_MESSAGES:
-            raise _bad(f"messages has {len(chat.messages)} entries; at most {MAX_CHAT_MESSAGES}")
+            raise _bad(f"messages has {len(chat.messages)} entries; at most {MAX_CHAT_MESSAGES}",
+                       "messages.messages")
         for i, m in enumerate(chat.messages):
             if not m.role:
-                raise _bad(f"messages[{i}].role is empty")
+                raise _bad(f"messages[{i}].role is empty", f"messages.messages[{i}].role")
         template = self._template(adapter)
         messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
                     for m in chat.messages]
@@ -83,7 +85,7 @@ class PromptBuilder:
             return template.render(messages, add_generation_prompt=add and not chat.continue_final_message,
                                    continue_final_message=chat.continue_final_message)
         except ChatTemplateError as err:
-            raise _bad(str(err)) from None
+            raise _bad(str(err), "messages") from None
 
     def _template(self, adapter: engine_pb2.AdapterTableEntry | None) -> ChatTemplate:
         own = self._adapter_template(adapter) if adapter is not None else None
