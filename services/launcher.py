@@ -84,7 +84,7 @@ class Cluster:
                     "--listen", self.control_address, "--db", self.db, *c.control_args]
         http = ["--http-port", str(self.http_port)] if self.http_port > 0 else []
         token = ["--auth-token", c.auth_token] if c.auth_token else []
-        return [sys.executable, "-m", "services.gateway", *common, *links,
+        return [sys.executable, "-m", "services.gateway", *common, *links, *roots,
                 "--listen", self.gateway_address, "--metrics-port", str(c.metrics_port),
                 "--shutdown-grace", str(c.shutdown_grace_s), *http, *token, *c.gateway_args]
 

@@ -35,6 +35,14 @@ def files(tmp_path_factory):
     adapters, outside = root / "adapters", root / "outside"
     good = make_adapter(adapters / "good", model, AdapterSpec(seed=21))
     shutil.copytree(good, outside / CANARY)  # a valid adapter: following a link would work
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (outside / CANARY / "chat_template.jinja").write_text("stolen " + template)
+    for name in ("tmpl-ok", "tmpl-link", "tmpl-fifo", "tmpl-swap"):
+        shutil.copytree(good, adapters / name)
+    for name in ("tmpl-ok", "tmpl-swap"):
+        (adapters / name / "chat_template.jinja").write_text(template)
+    os.symlink(outside / CANARY / "chat_template.jinja", adapters / "tmpl-link" / "chat_template.jinja")
+    os.mkfifo(adapters / "tmpl-fifo" / "chat_template.jinja")
     corpus = write_corpus(adapters, good, outside)
     attacks = path_attacks(adapters, outside, "good")
     return {"root": root, "model": str(model), "adapters": adapters, "outside": outside,
@@ -209,6 +217,52 @@ def test_malformed_generate_requests(cluster, gen, baseline):
                 or took > MAX_CASE_S:
             wrong.append(f"{what}: {got} in {took:.2f} s, expected {code or 'a precise code'}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_adapter_chat_templates_are_read_inside_the_roots(files, cluster, admin, baseline):
+    """The gateway reads an adapter's chat template like the engine reads its weights: a
+    link or a FIFO in place of the file, or the adapter's directory swapped for a link
+    after it was loaded, is FAILED_PRECONDITION at once, never a read outside the roots."""
+    for name in ("tmpl-ok", "tmpl-link", "tmpl-fifo", "tmpl-swap"):
+        admin.load(name, name)
+    swapped = files["adapters"] / "tmpl-swap"
+    shutil.rmtree(swapped)
+    os.symlink(files["outside"] / CANARY, swapped)
+    chat = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content="hi")])
+    got = {}
+    try:
+        for name in ("tmpl-ok", "tmpl-link", "tmpl-fifo", "tmpl-swap"):
+            t0 = time.monotonic()
+            try:
+                _raw_generate(cluster, generate_pb2.GenerateRequest(
+                    messages=chat, adapter=name, sampling=_sp(max_tokens=2)))
+                got[name] = ("OK", "")
+            except grpc.RpcError as err:
+                got[name] = (err.code().name, err.details())
+            assert time.monotonic() - t0 < MAX_CASE_S, name
+    finally:
+        for name in ("tmpl-ok", "tmpl-link", "tmpl-fifo", "tmpl-swap"):
+            admin.unload(name)
+        for name in ("tmpl-ok", "tmpl-link", "tmpl-fifo", "tmpl-swap"):
+            _unregister_when_unloaded(admin, name)
+    assert got["tmpl-ok"][0] == "OK", got
+    for name, why in (("tmpl-link", "symbolic link"), ("tmpl-fifo", "special file"),
+                      ("tmpl-swap", "symbolic link")):
+        code, details = got[name]
+        assert code == "FAILED_PRECONDITION" and why in details, (name, got[name])
+        assert str(files["outside"]) not in details and "stolen" not in details
+
+
+def _unregister_when_unloaded(admin, name: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            admin.unregister(name)
+            return
+        except LoramuxError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def test_still_serves_identical_greedy_outputs(gen, baseline, admin):
