@@ -18,8 +18,8 @@ COPY clients/python clients/python
 RUN pip install --no-cache-dir . ./clients/python
 
 # Non-root; the registry and the model cache live on volumes.
-RUN useradd --create-home loramux && mkdir -p /models /adapters /state \
-    && chown loramux /models /adapters /state
+RUN useradd --create-home loramux && mkdir -p /models /adapters /state /keys \
+    && chown loramux /models /adapters /state /keys && chmod 700 /keys
 USER loramux
 EXPOSE 50051 50052 9090
 CMD ["loramux", "--help"]

@@ -26,10 +26,13 @@ work queued on the compute stream, in order (adapter copies wait for it).
 from __future__ import annotations
 
 import itertools
+import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
+from engine.adapters.service import ReadAdapter
 from engine.adapters.slots import SlotTable
 from engine.admission import (AdmissionLimits, check_length, check_request, prompt_token_ids,
                               sequence_ids)
@@ -47,6 +50,7 @@ from engine.resolve import MachineFacts, describe, resolve_config
 from engine.sampling import RequestSeeds, SamplingState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
 from engine.tokenizer import Tokenizer
 
 
@@ -97,14 +101,32 @@ class Engine:
         self._generate_batches = itertools.count()
         self._forks: dict[str, list[str]] = {}  # request id (n > 1) -> its sequence ids
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
+        self.step_seconds = Histogram("step_seconds", STEP_SECONDS)
+        self.batch_sizes = Histogram("batch_size", BATCH_SIZES)  # sequences per forward pass
 
     # ---- adapters ---------------------------------------------------------------
-    def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:
+    def add_adapter(self, name: str, path: str | Path, pinned: bool = False,
+                    version: str | None = None) -> int:
         """Validate and read a PEFT adapter into host memory; returns its new id (a new
         one on every call, also for a name already loaded: see AdapterRegistry). It is
-        copied into a device slot when a request (or a pin) needs it. Raises AdapterError
-        (nothing registered) or CapacityError (a pin would take the last dynamic slot)."""
-        return self.adapter_service.add(name, path, pinned)
+        copied into a device slot when a request (or a pin) needs it. `path` must lie in
+        the configured adapter roots; `version`, when given, is the sha256 version the
+        files must have. Raises AdapterError (nothing registered; AdapterPathError,
+        AdapterChangedError) or CapacityError (a pin would take the last dynamic slot)."""
+        return self.adapter_service.add(name, path, pinned, version)
+
+    def read_adapter(self, name: str, path: str | Path,
+                     version: str | None = None) -> ReadAdapter:
+        """The disk half of add_adapter: read and validate `path` for `name` (of
+        `version`, when given), changing nothing in the engine, so it may run on any
+        thread while steps go on (the engine server reads admin loads this way). Raises
+        AdapterError."""
+        return self.adapter_service.read(name, path, version)
+
+    def register_adapter(self, read: ReadAdapter, pinned: bool = False) -> int:
+        """The other half, on the step thread: register what read_adapter returned under
+        its name as a new version (see add_adapter). Raises CapacityError for a pin."""
+        return self.adapter_service.register(read, pinned)
 
     def set_adapter_pinned(self, name: str, pinned: bool) -> int:
         """Pin (never evicted implicitly from a slot or host memory; brought into a slot at
@@ -205,6 +227,12 @@ class Engine:
         """Schedule and launch one forward pass; returns the outputs (one StepOutput per
         request that got a token or finished) of the step completed in this call: the
         one just launched (sync), or the one launched by the previous call (async)."""
+        t0 = time.perf_counter()
+        results = self._step()
+        self.step_seconds.observe(time.perf_counter() - t0)
+        return results
+
+    def _step(self) -> list[StepOutput]:
         results, self._carry = self._carry, []
         if self._inflight is not None and self._must_complete(self._inflight[1]):
             results += self._complete()  # sync fallback: see the module docstring
@@ -214,8 +242,12 @@ class Engine:
                 results += self._complete()
             self.adapter_service.free_retired()
             return results
+        self.batch_sizes.observe(len(out.scheduled))
         for req, hits in out.cache_hits:
             self.adapter_service.count_cache_hits(req.adapter_id, hits)
+        # slots loaded for this batch may still be copying: the step waits on the device
+        self.adapters.order_before_step({s.request.adapter_id for s in out.scheduled
+                                         if s.slot >= 0})
         prev = self._inflight  # always None in sync mode
         pending = prev[1] if prev else None
         launched = (self._tp.launch(out, self.runner, pending) if self._tp
@@ -335,14 +367,29 @@ class Engine:
     def stats(self) -> dict:
         """Counters for the control plane and metrics. Per engine: KV blocks (total,
         free), queue lengths, slots used, host copies, pending evictions (retired versions
-        still draining). Per adapter version (keyed by id): name, path, rank, state
-        ("slot" ready in a device slot, "host", or "disk"), slot, pinned, unloading,
-        in-flight requests, slot loads and evictions, disk reads, host evictions and
-        cached-token hits."""
+        still draining). Per adapter version (keyed by id): name, path, rank, sha256
+        version, state ("slot" ready in a device slot, "host", or "disk"), slot, pinned,
+        unloading, in-flight requests, slot loads and evictions, disk reads, host
+        evictions and cached-token hits."""
         return {
             "num_kv_blocks": self.num_kv_blocks, "free_kv_blocks": self.kv.num_free_blocks,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "slots_used": self.slots.num_used, "host_copies": len(self.adapters.host),
             "pending_evictions": self.registry.num_retiring,
             "base_cached_token_hits": self.adapter_service.base_cache_hits,
-            "adapters": self.adapter_service.stats()}
+            "max_loras": self.config.max_loras,
+            "adapters": self._adapter_stats()}
+
+    def _adapter_stats(self) -> dict[int, dict]:
+        """AdapterService.stats with each version's running and waiting request counts."""
+        running = Counter(r.adapter_id for r in self.scheduler.running)
+        waiting = Counter(r.adapter_id for r in self.scheduler.waiting)
+        adapters = self.adapter_service.stats()
+        for aid, entry in adapters.items():
+            entry["running"], entry["waiting"] = running[aid], waiting[aid]
+        return adapters
+
+    def histograms(self) -> list[Histogram]:
+        """Step time, batch size, disk reads and slot loads since the engine started."""
+        return [self.step_seconds, self.batch_sizes, self.adapters.disk_read_seconds,
+                self.adapters.slot_load_seconds]

@@ -1,6 +1,7 @@
 """Runs control plane, engine and gateway as separate local processes (`loramux serve`,
 and the end-to-end tests). Each process can be stopped, killed and restarted alone on
-the same addresses."""
+the same addresses. Each Cluster makes fresh CURVE keys for the ZMQ sockets in
+`<workdir>/zmq-keys` (0700), so only its own processes can use them."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine.server.curve import ZmqKeys, generate_keys
 
 SERVICES = ("engine", "control", "gateway")
 
@@ -42,6 +45,7 @@ class ClusterConfig:
     gateway_args: tuple[str, ...] = ()
     control_args: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
+    insecure_zmq: bool = False       # True: no CURVE keys, any local process may connect
 
 
 class Cluster:
@@ -58,26 +62,29 @@ class Cluster:
         self.http_port = cfg.http_port if cfg.http_port != 0 else free_port(h)
         self.http_address = f"{h}:{self.http_port}" if self.http_port > 0 else None
         self.db = str(self.workdir / "registry.sqlite")
+        self.zmq_keys: ZmqKeys | None = (
+            None if cfg.insecure_zmq else generate_keys(self.workdir / "zmq-keys"))
         self.procs: dict[str, subprocess.Popen] = {}
 
     def command(self, name: str) -> list[str]:
         c = self.cfg
-        common = ["--model", c.model]
+        common = ["--model", c.model, *(["--zmq-keys", self.zmq_keys.directory]
+                                        if self.zmq_keys else ["--insecure-zmq"])]
+        roots = [a for r in c.adapter_roots for a in ("--adapter-root", r)]
         if name == "engine":
-            return [sys.executable, "-m", "engine.server", *common, "--input", self.engine_input,
+            return [sys.executable, "-m", "engine.server", *common, *roots, "--input", self.engine_input,
                     "--output", self.engine_output, "--tensor-parallel-size",
                     str(c.tensor_parallel_size), "--ready-file", self._ready(name),
                     "--shutdown-grace", str(c.shutdown_grace_s), *c.engine_args]
         links = ["--engine-input", self.engine_input, "--engine-output", self.engine_output,
                  "--table-address", self.table_address, "--ready-file", self._ready(name)]
         if name == "control":
-            roots = [a for r in c.adapter_roots for a in ("--adapter-root", r)]
             token = ["--auth-token", c.auth_token] if c.auth_token else []
             return [sys.executable, "-m", "services.control", *common, *links, *roots, *token,
                     "--listen", self.control_address, "--db", self.db, *c.control_args]
         http = ["--http-port", str(self.http_port)] if self.http_port > 0 else []
         token = ["--auth-token", c.auth_token] if c.auth_token else []
-        return [sys.executable, "-m", "services.gateway", *common, *links,
+        return [sys.executable, "-m", "services.gateway", *common, *links, *roots,
                 "--listen", self.gateway_address, "--metrics-port", str(c.metrics_port),
                 "--shutdown-grace", str(c.shutdown_grace_s), *http, *token, *c.gateway_args]
 
@@ -112,6 +119,13 @@ class Cluster:
                 time.sleep(0.05)
             out[name] = json.loads(ready.read_text())
         return out
+
+    def wait_output(self, predicate, timeout_s: float = 5.0, last: list | None = None):
+        """The first message on the engine's output socket with predicate(msg) true, read
+        with this run's keys (engine.server.probe.wait_output); None after `timeout_s`."""
+        from engine.server.probe import wait_output
+
+        return wait_output(self.engine_output, predicate, timeout_s, last=last, keys=self.zmq_keys)
 
     def log_tail(self, name: str, n: int = 4000) -> str:
         path = self.workdir / f"{name}.log"
@@ -166,14 +180,15 @@ class Cluster:
         self.close()
 
 
-def wait_serving(address: str, timeout_s: float = 60.0) -> None:
+def wait_serving(address: str, timeout_s: float = 60.0, tls=None) -> None:
     """Wait until the gRPC server at `address` reports overall health SERVING (for the
-    gateway that means: an engine is connected)."""
+    gateway that means: an engine is connected); `tls`: a loramux.TLS for a TLS port."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from loramux.tls import channel
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:

@@ -12,12 +12,12 @@ import threading
 import time
 
 
-def _load_demo_adapters(cluster, token: str | None) -> None:
+def _load_demo_adapters(cluster, token: str | None, tls) -> None:
     from loramux.client import AdminClient
 
     from services.demo_model import DEMO_ADAPTERS
 
-    with AdminClient(cluster.control_address, token=token) as admin:
+    with AdminClient(cluster.control_address, token=token, tls=tls) as admin:
         for name in DEMO_ADAPTERS:
             admin.load(name, name)
 
@@ -51,14 +51,14 @@ def _drain(cluster, grace_s: float) -> None:
         cluster.kill_all()
 
 
-def _started(cluster, workdir: str) -> str | None:
+def _started(cluster, workdir: str, tls) -> str | None:
     """None once every service is ready and the gateway is SERVING, else why not (the
     failing service's last error line)."""
     from services.launcher import wait_serving
 
     try:
         ready = cluster.wait_ready(timeout_s=600)
-        wait_serving(cluster.gateway_address, timeout_s=600)
+        wait_serving(cluster.gateway_address, timeout_s=600, tls=tls)
     except (RuntimeError, TimeoutError) as err:
         lines = [ln for ln in str(err).splitlines() if ln.strip()]
         errors = [ln for ln in lines if "error" in ln.lower()]
@@ -71,21 +71,22 @@ def _started(cluster, workdir: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     from services.launcher import Cluster
-    from services.serve_args import cluster_config, files, parse_args
+    from services.serve_args import client_tls, cluster_config, files, parse_args
 
     args = parse_args(argv)
     if args.model is None:
         print("loramux: preparing the demo model (once) ...", file=sys.stderr, flush=True)
     plan = files(args)
     cluster = Cluster(cluster_config(args, plan))
+    tls = client_tls(args)
     stop = _StopSignals()
     try:
         cluster.start()
-        if (why := _started(cluster, plan.workdir)) is not None:
+        if (why := _started(cluster, plan.workdir, tls)) is not None:
             print(f"loramux: {why}", file=sys.stderr)
             return 1
         if plan.demo:
-            _load_demo_adapters(cluster, args.auth_token)
+            _load_demo_adapters(cluster, args.auth_token, tls)
         print(f"loramux serving {plan.model}\n  gateway  {cluster.gateway_address}\n"
               f"  http     {cluster.http_address or 'off'}\n"
               f"  control  {cluster.control_address}\n  logs     {plan.workdir}\n"

@@ -62,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", default=None, help="where the demo model is made")
     s.add_argument("--shutdown-grace", type=non_negative_float, default=30.0,
                    help="seconds in-flight streams may take to finish on stop (default: 30)")
+    t = p.add_argument_group("TLS on the gateway (gRPC and HTTP) and control plane ports")
+    t.add_argument("--tls-cert", help="PEM certificate (chain) the ports serve")
+    t.add_argument("--tls-key", help="its PEM private key")
+    t.add_argument("--tls-client-ca", help="require client certificates this PEM CA signed (mTLS)")
+    t.add_argument("--tls-ca", help="CA that signed --tls-cert, for this launcher's own checks "
+                   "(default: --tls-cert itself, i.e. a self-signed certificate)")
+    t.add_argument("--tls-server-name", help="name in --tls-cert to check, when not --host")
+    t.add_argument("--tls-client-cert", help="this launcher's client certificate (needed "
+                   "with --tls-client-ca)")
+    t.add_argument("--tls-client-key", help="its PEM private key")
+    t.add_argument("--allow-plaintext-token", action="store_true",
+                   help="accept --auth-token on a non-loopback --host without TLS")
     return p
 
 
@@ -81,7 +93,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.engine = given(args, ENGINE_OPTIONS, with_defaults=False)
     args.gateway = given(args, GATEWAY_OPTIONS, with_defaults=False)
     _check_engine(parser, args)
+    _check_tls(parser, args)
     return args
+
+
+def _check_tls(parser, args) -> None:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not (args.tls_cert and args.tls_client_cert and args.tls_client_key):
+        parser.error("--tls-client-ca needs --tls-cert/--tls-key, and --tls-client-cert/"
+                     "--tls-client-key for this launcher's own health checks")
+
+
+def tls_flags(args) -> tuple[str, ...]:
+    """The TLS flags the gateway and the control plane both get."""
+    flags = ["--allow-plaintext-token"] if args.allow_plaintext_token else []
+    if args.tls_cert:
+        flags += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+    if args.tls_client_ca:
+        flags += ["--tls-client-ca", args.tls_client_ca]
+    return tuple(flags)
+
+
+def client_tls(args):
+    """How this launcher reaches its own TLS ports (a loramux.TLS), or None."""
+    if not args.tls_cert:
+        return None
+    from loramux.tls import TLS
+
+    return TLS(args.tls_ca or args.tls_cert, args.tls_client_cert, args.tls_client_key,
+               args.tls_server_name)
 
 
 def _check_engine(parser, args) -> None:
@@ -134,5 +175,6 @@ def cluster_config(args, plan: Plan):
         auth_token=args.auth_token, tensor_parallel_size=tp,
         shutdown_grace_s=args.shutdown_grace,
         engine_args=tuple(to_argv(engine, ENGINE_OPTIONS)),
-        gateway_args=tuple(to_argv(args.gateway, GATEWAY_OPTIONS)),
-        control_args=tuple(to_argv(shared, ENGINE_OPTIONS) + to_argv(heartbeat, GATEWAY_OPTIONS)))
+        gateway_args=tuple(to_argv(args.gateway, GATEWAY_OPTIONS)) + tls_flags(args),
+        control_args=tuple(to_argv(shared, ENGINE_OPTIONS) + to_argv(heartbeat, GATEWAY_OPTIONS))
+        + tls_flags(args))

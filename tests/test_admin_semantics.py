@@ -9,7 +9,6 @@ import pytest
 from loramux import AdminClient, LoramuxError
 from loramux.v1 import adapter_admin_pb2 as pb
 
-from engine.server.probe import wait_output
 from services.launcher import Cluster, ClusterConfig
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
@@ -53,7 +52,7 @@ def refused(fn) -> LoramuxError:
 
 def engine_adapters(cluster) -> dict[str, tuple[int, bool]]:
     """name -> (id, pinned) as the engine reports them in its next event."""
-    ev = wait_output(cluster.engine_output, lambda m: m.WhichOneof("kind") == "event", 5)
+    ev = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
     assert ev is not None, "no engine event"
     return {a.name: (a.id, a.pinned) for a in ev.event.adapters if not a.unloading}
 

@@ -3,6 +3,7 @@ local process with the compose environment (container hostnames, ports and volum
 to loopback, free ports and temporary directories), checked to serve together."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -17,7 +18,9 @@ from loramux import AdminClient, GenerateClient
 from services.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-_VAR = re.compile(r"\$\{([A-Z0-9_]+)(:-([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Z0-9_]+)(:-([^}]*)|:\?([^}]*))?\}")
+# the only variables compose requires (`${NAME:?why}`), and what the local run uses
+REQUIRED = {"LORAMUX_ADMIN_TOKEN": "compose-test-token"}
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,8 @@ def compose():
 
 def interpolate(value: str) -> str:
     def sub(m):
+        if m.group(4) is not None:
+            return REQUIRED[m.group(1)]
         assert m.group(2) is not None, f"${{{m.group(1)}}} has no default"
         return m.group(3)  # the compose defaults, whatever this machine's environment says
     return _VAR.sub(sub, value)
@@ -34,8 +39,8 @@ def interpolate(value: str) -> str:
 
 def test_compose_file_is_valid(compose):
     services = compose["services"]
-    assert {"setup", "engine", "engine-cpu", "control", "gateway"} <= set(services)
-    assert set(compose["volumes"]) >= {"models", "adapters", "state"}
+    assert {"keys", "setup", "engine", "engine-cpu", "control", "gateway"} <= set(services)
+    assert set(compose["volumes"]) >= {"models", "adapters", "state", "zmq-keys"}
     gpu = services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["engine"]["profiles"] == ["gpu"] and services["engine-cpu"]["profiles"] == ["cpu"]
@@ -50,9 +55,49 @@ def test_compose_file_is_valid(compose):
     assert deps["control"]["condition"] == "service_healthy"
     assert deps["engine"]["condition"] == deps["engine-cpu"]["condition"] == "service_healthy"
     assert services["engine-cpu"]["depends_on"]["setup"]["condition"] == "service_completed_successfully"
+    for name in ("engine", "engine-cpu", "control", "gateway"):  # ZMQ keys, read-only
+        svc = services[name]
+        assert svc["depends_on"]["keys"]["condition"] == "service_completed_successfully", name
+        assert "zmq-keys:/keys:ro" in svc["volumes"] and svc["environment"]["LORAMUX_ZMQ_KEYS"] == "/keys"
+        assert "LORAMUX_INSECURE_ZMQ" not in svc["environment"], name
+    assert services["keys"]["volumes"] == ["zmq-keys:/keys"]
     text = (REPO / "docker-compose.yml").read_text()
     for m in _VAR.finditer(text):
         assert m.group(2) is not None, f"{m.group(0)} has no default"
+        assert m.group(4) is None or m.group(1) in REQUIRED, m.group(0)
+    control = services["control"]
+    assert control["environment"]["LORAMUX_ADMIN_TOKEN"].startswith("${LORAMUX_ADMIN_TOKEN:?")
+    assert [interpolate(p) for p in control["ports"]] == ["127.0.0.1:50052:50052"]
+    for name in ("control", "gateway"):  # TLS off unless the operator sets the files
+        env = services[name]["environment"]
+        assert interpolate(env["LORAMUX_TLS_CERT"]) == "" and "tls:/tls:ro" in services[name]["volumes"]
+
+
+def _docker_compose() -> list[str] | None:
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        try:
+            if subprocess.run([*cmd, "version"], capture_output=True, timeout=30).returncode == 0:
+                return cmd
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
+
+
+def test_docker_compose_config():
+    """The real `docker compose config`: it refuses to render without the admin token and
+    publishes the admin port on the loopback only."""
+    cmd = _docker_compose()
+    if cmd is None:
+        pytest.skip("docker compose is not installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAMUX_")}
+    out = subprocess.run([*cmd, "--profile", "cpu", "config", "--format", "json"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "LORAMUX_ADMIN_TOKEN" in out.stderr, out.stderr
+    out = subprocess.run([*cmd, "--profile", "cpu", "config", "--format", "json"], cwd=REPO,
+                         env={**env, **REQUIRED}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ports = json.loads(out.stdout)["services"]["control"]["ports"]
+    assert [(p["host_ip"], p["target"]) for p in ports] == [("127.0.0.1", 50052)]
 
 
 class LocalCompose:
@@ -62,7 +107,7 @@ class LocalCompose:
     def __init__(self, compose: dict, root: Path):
         self.compose = compose
         self.ports: dict[str, str] = {}
-        self.paths = {p: str(root / p.strip("/")) for p in ("/models", "/adapters", "/state")}
+        self.paths = {p: str(root / p.strip("/")) for p in ("/models", "/adapters", "/state", "/keys")}
         for p in self.paths.values():
             os.makedirs(p, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
@@ -115,8 +160,8 @@ class LocalCompose:
 def test_compose_services_serve_together(compose, tmp_path):
     local = LocalCompose(compose, tmp_path)
     try:
-        setup = local.start("setup")
-        assert setup.wait(120) == 0, (tmp_path / "setup.log").read_text()
+        for name in ("keys", "setup"):
+            assert local.start(name).wait(120) == 0, (tmp_path / f"{name}.log").read_text()
         for name in ("engine-cpu", "control", "gateway"):  # as compose would, all at once
             local.start(name)
         for name in ("engine-cpu", "control", "gateway"):
@@ -124,7 +169,7 @@ def test_compose_services_serve_together(compose, tmp_path):
         env = local.env("gateway")
         gateway = env["LORAMUX_GATEWAY_LISTEN"]
         control = local.env("control")["LORAMUX_CONTROL_LISTEN"]
-        with AdminClient(control) as admin:
+        with AdminClient(control, token=REQUIRED["LORAMUX_ADMIN_TOKEN"]) as admin:
             a = admin.load("demo-a", local.map("/models/demo/adapters/demo-a"))
             assert a.path.startswith(local.paths["/models"]) and a.rank == 8
         with GenerateClient(gateway) as gen:

@@ -64,6 +64,8 @@ def _alive(pid: int) -> bool:
 
 
 async def _stream(client, prompt, adapter, started: asyncio.Event, counter: list):
+    """(tokens, finish reason, end time) of one stream; `started` is set once STREAMS
+    streams have their first token."""
     tokens, last = [], None
     async for resp in client.stream(prompt, adapter, temperature=0.0, max_tokens=MAX_TOKENS,
                                     ignore_eos=True):
@@ -91,7 +93,7 @@ def test_sigterm_drains_in_flight_streams(files):
         adapters = ["a1" if i % 2 else None for i in range(STREAMS)]
 
         async def scenario():
-            async with AsyncGenerateClient(gateway) as client:
+            async with AsyncGenerateClient(gateway, retry=False) as client:
                 started, counter = asyncio.Event(), []
                 tasks = [asyncio.create_task(_stream(client, p, a, started, counter))
                          for p, a in zip(prompts, adapters)]
@@ -129,3 +131,37 @@ def test_sigterm_drains_in_flight_streams(files):
         for pid in pids:  # the services run in their own sessions: never leave one behind
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_on_the_engine_alone_drains(files, tmp_path):
+    """As compose stops one container: the engine refuses new requests and finishes the
+    running ones before it exits."""
+    from services.launcher import Cluster, ClusterConfig
+
+    cfg = ClusterConfig(model=str(files / "model"), adapter_roots=(str(files / "adapters"),),
+                        workdir=str(tmp_path / "run"), env={"OMP_NUM_THREADS": "1"})
+    with Cluster(cfg) as c:
+        c.start()
+        c.wait_ready()
+        wait_serving(c.gateway_address)
+        n = 6
+
+        async def scenario():
+            async with AsyncGenerateClient(c.gateway_address, retry=False) as client:
+                started, counter = asyncio.Event(), []
+                tasks = [asyncio.create_task(_stream(client, PROMPTS[i % 4], None, started, counter))
+                         for i in range(n)]
+                while len(counter) < n:
+                    await asyncio.sleep(0.01)
+                stopping = asyncio.create_task(asyncio.to_thread(c.stop, "engine", signal.SIGTERM))
+                await asyncio.sleep(0.3)
+                with pytest.raises(LoramuxError) as refused:
+                    await client.generate("hi", None, max_tokens=2)
+                t_refused = time.monotonic()
+                return refused.value, t_refused, await asyncio.gather(*tasks), await stopping
+        refused, t_refused, results, code = asyncio.run(scenario())
+    assert refused.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in str(refused)
+    assert code == 0
+    for tokens, reason, t_end in results:
+        assert reason == generate_pb2.FINISH_REASON_LENGTH and len(tokens) == MAX_TOKENS
+        assert t_end > t_refused  # still streaming while new requests were refused

@@ -13,14 +13,11 @@ import time
 import grpc
 import pytest
 import torch
-import zmq
 from loramux import GenerateClient, LoramuxError
-from loramux.v1 import engine_pb2
 
 from engine import Engine, EngineConfig
-from engine.server.loop import EngineServer, ServerConfig
-from engine.server.probe import wait_heartbeat
-from services.launcher import Cluster, ClusterConfig, free_port, wait_serving
+from services.launcher import Cluster, ClusterConfig, wait_serving
+from tests.support.served import ServedEngine
 from tests.support.tiny import TinySpec, make_model
 
 TIMEOUT = 0.5  # the gateway's and control plane's heartbeat timeout here
@@ -63,6 +60,9 @@ def test_steps_of_four_timeouts_each_do_not_end_a_stream(slow_steps, tiny_model)
         out = gen.generate([5, 6, 7], None, temperature=0.0, max_tokens=3, ignore_eos=True)
     assert out.token_ids == want and out.finish_reason == "length"
     assert time.monotonic() - t0 >= 3 * 2.0  # three steps, each 4x the timeout
+    # the start-up line shows the configuration the engine resolved for itself
+    assert "device=cpu dtype=float32" in slow_steps.log_tail("engine", 100_000)
+    assert "max_loras=4 max_cpu_loras=16" in slow_steps.log_tail("engine", 100_000)
 
 
 def test_engine_killed_in_a_long_step_is_unavailable_within_two_seconds(slow_steps):
@@ -87,7 +87,7 @@ def test_engine_killed_in_a_long_step_is_unavailable_within_two_seconds(slow_ste
     err, t_end = errors[0]
     assert err.code == grpc.StatusCode.UNAVAILABLE, err
     assert t_end - t_kill < 2.0, t_end - t_kill
-    with GenerateClient(slow_steps.gateway_address) as gen:
+    with GenerateClient(slow_steps.gateway_address, retry=False) as gen:
         with pytest.raises(LoramuxError) as info:
             gen.generate([5, 6], None, max_tokens=2)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
@@ -129,35 +129,13 @@ def test_a_hung_step_loop_stops_heartbeats_and_they_resume_after(tiny_model):
 
 def _heartbeat_gaps(eng, stall_timeout_s: float) -> list[float]:
     """Gaps between heartbeats around one request whose single step sleeps 2 s."""
-    inp, out = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    server = EngineServer(eng, ServerConfig(inp, out, heartbeat_interval_s=0.1,
-                                            stall_timeout_s=stall_timeout_s,
-                                            debug_step_sleep_s=2.0))
-    stop = threading.Event()
-    loop = threading.Thread(target=server.serve_forever, args=(stop,))
-    loop.start()
-    ctx = zmq.Context.instance()
-    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
-    try:
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(out)
-        push.connect(inp)
-        assert wait_heartbeat(out, 10) is not None
-        req = engine_pb2.EngineGenerate(request_id="r", prompt_token_ids=[5, 6])
-        req.sampling.max_tokens = 1
-        push.send(engine_pb2.EngineInput(generate=req).SerializeToString())
-        beats, done_at = [], time.monotonic() + 4.0
-        while time.monotonic() < done_at:
-            if sub.poll(100):
-                msg = engine_pb2.EngineOutput.FromString(sub.recv())
-                if msg.WhichOneof("kind") == "heartbeat":
-                    beats.append(time.monotonic())
-        return [b - a for a, b in zip(beats, beats[1:])]
-    finally:
-        stop.set()
-        loop.join(10)
-        sub.close(0)
-        push.close(0)
+    with ServedEngine(eng, heartbeat_interval_s=0.1, stall_timeout_s=stall_timeout_s,
+                      debug_step_sleep_s=2.0) as served:
+        served.generate("r", [5, 6], max_tokens=1)
+        t_end = time.monotonic() + 4.0
+        msgs = served.collect(lambda m: time.monotonic() > t_end, timeout_s=10)
+    beats = [t for t, m in msgs if m.WhichOneof("kind") == "heartbeat"]
+    return [b - a for a, b in zip(beats, beats[1:])]
 
 
 def _greedy(n: int):

@@ -11,7 +11,6 @@ import pytest
 from loramux import AdminClient
 from loramux.v1 import adapter_admin_pb2 as pb
 
-from engine.server.probe import wait_output
 from services.control.binding import binding_for, model_fingerprint, prepare
 from services.control.registry import AdapterRecord, Registry
 from services.launcher import Cluster, ClusterConfig, wait_serving
@@ -109,7 +108,7 @@ def _replayed(c: Cluster, timeout_s: float = 30.0) -> set[str]:
     while '"replayed"' not in c.log_tail("control", 100_000):
         assert time.monotonic() < deadline, c.log_tail("control")
         time.sleep(0.1)
-    ev = wait_output(c.engine_output, lambda m: m.WhichOneof("kind") == "event", 5)
+    ev = c.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
     return {a.name for a in ev.event.adapters}
 
 

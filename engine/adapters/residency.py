@@ -6,7 +6,8 @@
 
 The engine calls, once per step and after the batch is fixed:
 
-- `poll()`: finished disk reads join the host tier; finished copies make slots ready.
+- `poll()`: finished disk reads join the host tier; finished copies let go of the host
+  copy they read.
 - `prefetch(wanted, busy)`: for the adapters waiting requests need (the scheduler's
   priority order), start disk reads and host→device copies. Slot eviction never touches
   `busy` adapters (those with running requests: a superset of the batch just built) nor
@@ -25,17 +26,19 @@ Every step keeps, for the head:
 - R2 (host copy). Once read, its copy is displaced by no read or traffic of any other
   adapter; only an admin pin (which claims PIN) can, and then R1 reads it again.
 - R3 (slot). With its host copy, it takes a slot in the same step as some slot holds
-  none of: a running adapter, a pinned one, a copy in flight, an adapter ahead of it.
+  none of: a running adapter, a pinned one, an adapter ahead of it.
   Adapters behind it get no slot before it does.
 
 So a read the head needs lands within one read's time (the engine steps on meanwhile and
 waits for it only when nothing else can run), and the head is placed as soon as the
 scheduler frees a slot: the scheduler's drain bounds that in steps.
 
-On CUDA a copy runs on a side stream, ordered after all work queued so far on the compute
-stream (the previous reader of the slot), and its event tells when the slot is ready; the
-scheduler only admits requests whose adapter's slot is ready, so no step waits for a copy
-of another request. On the CPU copies are synchronous.
+A copy is ordered by events, never by a host sync (engine/adapters/copier.py): on CUDA it
+runs on a side stream after all work queued so far on the compute stream (the previous
+readers of the slot), and the slot is usable at once: the scheduler may admit requests
+of the adapter in the very next schedule, and `order_before_step` makes the compute
+stream wait for the copy's event before the step that reads the slot. On the CPU copies
+are synchronous.
 
 With tensor parallelism, `mirror` (engine/distributed/adapters.py) hears of every slot
 load, host-copy drop and retirement, by adapter id, so the other ranks follow; these are
@@ -43,25 +46,35 @@ the only places residency writes into the slot pool or lets go of a host copy.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
+from engine.adapters.copier import copier_for
 from engine.adapters.host_cache import PIN, HostCache
 from engine.adapters.loader import DiskLoader, LoadResult
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.slots import SlotTable
+from engine.telemetry import LOAD_SECONDS, Histogram
 
 
 class AdapterResidency:
     def __init__(self, registry: AdapterRegistry, slots: SlotTable, host: HostCache,
-                 loader: DiskLoader, lora_pool, device: torch.device, mirror=None):
+                 loader: DiskLoader, lora_pool, device: torch.device, mirror=None,
+                 copier=None):
         self.registry = registry
         self.slots = slots
         self.host = host
         self.loader = loader
         self.lora_pool = lora_pool
         self.mirror = mirror
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._copies: dict[int, tuple] = {}  # adapter id -> (event, host weights kept alive)
+        self.copier = copier if copier is not None else copier_for(device)
+        # adapter id -> (copy handle, host weights kept alive, time queued)
+        self._copies: dict[int, tuple] = {}
+        self._reads_started: dict[int, float] = {}
+        # disk -> host reads and host -> slot loads (a swap when it evicts), start to landed
+        self.disk_read_seconds = Histogram("adapter_disk_read_seconds", LOAD_SECONDS)
+        self.slot_load_seconds = Histogram("adapter_slot_load_seconds", LOAD_SECONDS)
 
     # ---- tiers ------------------------------------------------------------------
     def add_host_copy(self, adapter_id: int, weights, pinned: bool = False) -> None:
@@ -76,7 +89,9 @@ class AdapterResidency:
             return
         rec = self.registry.get(adapter_id)
         self.loader.cancel(adapter_id)
-        weights = self.loader.read_checked(rec.path, rec.fingerprint)
+        t0 = time.perf_counter()
+        weights = self.loader.read(rec.path, rec.version)
+        self.disk_read_seconds.observe(time.perf_counter() - t0)
         rec.disk_reads += 1
         self._put(adapter_id, weights, (PIN,))
 
@@ -106,6 +121,7 @@ class AdapterResidency:
         self.slots.pinned.discard(adapter_id)
         self.host.drop(adapter_id)
         self.loader.cancel(adapter_id)
+        self._reads_started.pop(adapter_id, None)
         if self.mirror is not None:
             self.mirror.retired(adapter_id)
 
@@ -114,18 +130,21 @@ class AdapterResidency:
         """Move finished work along the tiers; returns failed disk reads."""
         failed = []
         for res in self.loader.collect():
+            t0 = self._reads_started.pop(res.adapter_id, None)
             rec = self.registry.find(res.adapter_id)
             if rec is None:
                 continue  # retired while being read
             if res.error is not None:
                 failed.append(res)
                 continue
+            if t0 is not None:
+                self.disk_read_seconds.observe(time.perf_counter() - t0)
             rec.disk_reads += 1
             self._put(res.adapter_id, res.weights, None)  # claim: NEEDED if still wanted
-        for aid, (event, _weights) in list(self._copies.items()):
-            if event.query():
+        for aid, (handle, _weights, t0) in list(self._copies.items()):
+            if self.copier.done(handle):
                 del self._copies[aid]
-                self.slots.mark_ready(aid)
+                self.slot_load_seconds.observe(time.perf_counter() - t0)
         return failed
 
     def prefetch(self, wanted: list[int], busy: set[int]) -> bool:
@@ -163,7 +182,8 @@ class AdapterResidency:
         if not head and self.host.room_for(self.host.claim(aid)) <= self.loader.num_pending:
             return
         rec = self.registry.get(aid)
-        self.loader.submit(aid, rec.path, rec.fingerprint)
+        self.loader.submit(aid, rec.path, rec.version)
+        self._reads_started[aid] = time.perf_counter()
 
     def _load_slot(self, aid: int, weights, protected: set[int]) -> bool:
         a = self.slots.assign(aid, protected)
@@ -174,21 +194,25 @@ class AdapterResidency:
             if rec is not None:
                 rec.evictions += 1
         self.registry.get(aid).loads += 1
-        if self._stream is None:
-            self._write_slot(a.slot, aid, weights)
-            self.slots.mark_ready(aid)
-            return True
-        # ordered after everything already queued on the compute stream, i.e. after the
-        # last batch that may have read this slot's previous occupant
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        self._write_slot(a.slot, aid, weights, stream=self._stream)
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        self._copies[aid] = (event, weights)
+        t0 = time.perf_counter()
+        handle = self.copier.queue(a.slot, aid, lambda: self._write_slot(a.slot, aid, weights))
+        if handle is not None:
+            self._copies[aid] = (handle, weights, t0)
+        else:
+            self.slot_load_seconds.observe(time.perf_counter() - t0)
+        self.slots.mark_ready(aid)  # readable by a step ordered after the copy
         return True
 
-    def _write_slot(self, slot: int, aid: int, weights, stream=None) -> None:
-        self.lora_pool.load(slot, weights, stream=stream)
+    def order_before_step(self, adapter_ids) -> None:
+        """The step about to be launched reads the slots of `adapter_ids`: it runs after
+        every copy into them that may still be in flight (an event wait, not a sync)."""
+        for aid in adapter_ids:
+            entry = self._copies.get(aid)
+            if entry is not None:
+                self.copier.order_compute_after(entry[0])
+
+    def _write_slot(self, slot: int, aid: int, weights) -> None:
+        self.lora_pool.load(slot, weights)
         if self.mirror is not None:
             self.mirror.slot_loaded(slot, aid)
 
@@ -196,11 +220,9 @@ class AdapterResidency:
         return bool(self._copies) or self.loader.num_pending > 0
 
     def wait_pending(self) -> bool:
-        """Block until some pending read or copy finishes; only called when nothing else
-        can run, so no request waits for another one's adapter. False if none pending."""
-        if self._copies:
-            next(iter(self._copies.values()))[0].synchronize()
-            return True
+        """Block until some pending read finishes; only called when nothing else can run,
+        so no request waits for another one's adapter. False if none pending (copies in
+        flight never block: a step is ordered after them)."""
         if self.loader.num_pending:
             self.loader.wait_any()
             return True

@@ -2,13 +2,14 @@
 
 Pure bookkeeping; copying weights is the residency manager's job. A slot is
 
-    free ──assign──▶ loading (copy in flight) ──mark_ready──▶ ready ──release / evict──▶ free
+    free ──assign──▶ loading ──mark_ready (copy queued)──▶ ready ──release / evict──▶ free
 
-Only a ready slot may be read by a batch. Eviction takes the least recently used ready
-slot whose adapter is neither pinned nor in the caller's `protected` set (the running
-adapters, which include every adapter of the batch being built, and adapters with a
-higher claim on a slot); a loading slot is never taken back, so a copy is never raced
-by another copy into the same slot.
+Only a ready slot may be read by a batch: its copy is queued, and a step that reads it
+is ordered after the copy on the device (engine/adapters/copier.py; the copy may still
+be in flight). Eviction takes the least recently used ready slot whose adapter is
+neither pinned nor in the caller's `protected` set (the running adapters, which include
+every adapter of the batch being built, and adapters with a higher claim on a slot);
+copies into one slot run in the order they were queued, on one stream.
 """
 from __future__ import annotations
 

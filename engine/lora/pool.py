@@ -7,9 +7,11 @@ Per (layer, group), in the layout kernels/lora_ref.py documents:
     ranks: [max_loras] int32                  largest slice rank of the slot's adapter, 0 = empty
 
 The buffers are allocated once and never reallocated or resized: captured CUDA graphs
-hold their addresses. Loading a slot overwrites every element of that slot (zeros where
-the adapter is smaller or absent), so nothing of a previous occupant can leak into the
-next. The pool does not know which adapter is in which slot; the engine's residency
+hold their addresses. After a load, every element of the slot holds the new adapter's
+value or zero, so nothing of a previous occupant can leak into the next; the pool
+remembers, per slot and (layer, group), how many rank columns may be nonzero and zeroes
+only those the new adapter does not cover. A load is thus about two copies per
+(layer, group) plus one for all the ranks: few launches, no kernel per rank entry. The pool does not know which adapter is in which slot; the engine's residency
 manager does, and it never loads or clears a slot a running batch may read.
 """
 from __future__ import annotations
@@ -39,15 +41,19 @@ class LoRASlotPool:
         self.shapes = lora_group_shapes(model_cfg, tp_size)
         self._offsets = {g: _offsets(s.out_features) for g, s in self.shapes.items()}
         self._a, self._b, self._ranks = {}, {}, {}
-        for layer in range(self.num_layers):
-            for group in GROUPS:
-                shape = self.shapes[group]
-                key = (layer, group)
-                self._a[key] = torch.zeros(max_loras, len(shape.out_features), max_lora_rank,
-                                           shape.in_features, dtype=dtype, device=self.device)
-                self._b[key] = torch.zeros(max_loras, sum(shape.out_features), max_lora_rank,
-                                           dtype=dtype, device=self.device)
-                self._ranks[key] = torch.zeros(max_loras, dtype=torch.int32, device=self.device)
+        keys = [(layer, group) for layer in range(self.num_layers) for group in GROUPS]
+        # one tensor for every ranks vector: a load writes a slot's column at once
+        self._all_ranks = torch.zeros(len(keys), max_loras, dtype=torch.int32, device=self.device)
+        self._key_index = {key: i for i, key in enumerate(keys)}
+        # per slot: rank columns of each key that may be nonzero (0 = all zero)
+        self._dirty = [dict.fromkeys(keys, 0) for _ in range(max_loras)]
+        for key in keys:
+            shape = self.shapes[key[1]]
+            self._a[key] = torch.zeros(max_loras, len(shape.out_features), max_lora_rank,
+                                       shape.in_features, dtype=dtype, device=self.device)
+            self._b[key] = torch.zeros(max_loras, sum(shape.out_features), max_lora_rank,
+                                       dtype=dtype, device=self.device)
+            self._ranks[key] = self._all_ranks[self._key_index[key]]
 
     def weights(self, layer: int, group: str):
         """(a, b, ranks, slice_offsets) of one (layer, group), for kernels.lora.add_lora."""
@@ -56,7 +62,8 @@ class LoRASlotPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for d in (self._a, self._b, self._ranks) for t in d.values())
+        return (sum(t.nbytes for d in (self._a, self._b) for t in d.values())
+                + self._all_ranks.nbytes)
 
     def load(self, slot: int, weights: LoRAWeights, stream: torch.cuda.Stream | None = None) -> None:
         """Copy an adapter into `slot`, replacing all of the slot's previous contents.
@@ -71,8 +78,8 @@ class LoRASlotPool:
         assert (weights.num_layers, weights.tp_size, dict(weights.shapes)) == \
             (self.num_layers, self.tp_size, self.shapes), "adapter built for another model/TP layout"
         with _on_stream(stream):
-            for key in self._a:
-                self._copy_group(slot, key, weights.groups.get(key))
+            ranks = [self._copy_group(slot, key, weights.groups.get(key)) for key in self._a]
+            self._write_ranks(slot, ranks)
             if weights.buffer is not None and self.device.type == "cuda":
                 # the host buffer is reused only after these copies have read it
                 event = torch.cuda.Event()
@@ -83,25 +90,38 @@ class LoRASlotPool:
         """Zero `slot` everywhere (its tokens would then add nothing)."""
         self._check_slot(slot)
         with _on_stream(stream):
-            for key in self._a:
-                self._copy_group(slot, key, None)
+            self._write_ranks(slot, [self._copy_group(slot, key, None) for key in self._a])
 
-    def _copy_group(self, slot: int, key, gw) -> None:
-        a, b, ranks = self._a[key][slot], self._b[key][slot], self._ranks[key]
+    def mark_dirty(self, slot: int) -> None:
+        """The slot's contents are unknown (written from outside): the next load or clear
+        zeroes every column it does not write."""
+        self._check_slot(slot)
+        self._dirty[slot] = dict.fromkeys(self._dirty[slot], self.max_lora_rank)
+
+    def _write_ranks(self, slot: int, ranks: list[int]) -> None:
+        pin = self.device.type == "cuda"
+        host = torch.tensor(ranks, dtype=torch.int32, pin_memory=pin)
+        self._all_ranks[:, slot].copy_(host, non_blocking=pin)
+
+    def _copy_group(self, slot: int, key, gw) -> int:
+        """Write one (layer, group) of the slot; returns its rank (0: no adapter there)."""
+        a, b = self._a[key][slot], self._b[key][slot]
+        dirty = self._dirty[slot]
         if gw is None:
-            a.zero_()
-            b.zero_()
-            ranks[slot] = 0
-            return
+            if dirty[key]:
+                a[:, :dirty[key]].zero_()
+                b[:, :dirty[key]].zero_()
+                dirty[key] = 0
+            return 0
         r = gw.a.shape[1]
         non_blocking = self.device.type == "cuda" and gw.a.is_pinned()
-        # Zero only the rank columns the adapter does not cover: every element of the
-        # slot is written exactly once.
-        a[:, r:].zero_()
-        b[:, r:].zero_()
+        if dirty[key] > r:  # columns of a larger previous adapter
+            a[:, r:dirty[key]].zero_()
+            b[:, r:dirty[key]].zero_()
         a[:, :r].copy_(gw.a, non_blocking=non_blocking)
         b[:, :r].copy_(gw.b, non_blocking=non_blocking)
-        ranks[slot] = gw.rank
+        dirty[key] = r
+        return gw.rank
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:

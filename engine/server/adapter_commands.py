@@ -1,9 +1,17 @@
 """Applies AdapterCommands from the control plane to the Engine and builds their acks.
 
 Commands are idempotent so that the control plane can replay its desired state at any
-time: loading a name already loaded from the same path only updates its pin."""
+time: loading a name already loaded from the same path (and, when the command names one,
+the same sha256 version) only updates its pin.
+
+A load that must read files (a new name, or new weights under a name) is read and
+validated on a reader thread (Engine.read_adapter) while the step thread keeps stepping;
+`poll`, on the step thread, registers each finished read and acks it. Commands for a name
+whose read is in flight wait behind it, in order; other names are not held up."""
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from loramux.v1 import engine_pb2
@@ -12,6 +20,7 @@ from engine.errors import AdapterNotFoundError
 from engine.server.convert import error_code
 
 _Kind = engine_pb2.AdapterCommandKind
+_Ack = engine_pb2.AdapterAck
 
 
 @dataclass(frozen=True)
@@ -19,48 +28,95 @@ class LoadedAdapter:
     path: str
     adapter_id: int
     pinned: bool
+    version: str = ""
 
 
 class AdapterCommands:
     """Owns the name -> (path, id) view of what this engine was told to load."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, reader_threads: int = 2):
         self._engine = engine
         self.loaded: dict[str, LoadedAdapter] = {}
+        self._reader = ThreadPoolExecutor(reader_threads, thread_name_prefix="adapter-read")
+        self._reads: dict[str, tuple[engine_pb2.AdapterCommand, Future]] = {}
+        self._queued: dict[str, deque] = {}  # name -> commands behind its read in flight
 
-    def apply(self, cmd: engine_pb2.AdapterCommand) -> engine_pb2.AdapterAck:
+    def submit(self, cmd: engine_pb2.AdapterCommand) -> list[_Ack]:
+        """Apply `cmd`, start its read, or queue it behind its name's read in flight;
+        returns the acks ready now (the rest come from `poll`)."""
+        if cmd.name in self._reads:
+            self._queued.setdefault(cmd.name, deque()).append(cmd)
+            return []
+        if self._needs_read(cmd):
+            self._reads[cmd.name] = (cmd, self._reader.submit(
+                self._engine.read_adapter, cmd.name, cmd.path, cmd.version or None))
+            return []
+        return [self._ack(cmd, lambda: self._dispatch(cmd))]
+
+    def poll(self) -> list[_Ack]:
+        """On the step thread: register finished reads, then run what queued behind them."""
+        acks = []
+        for name, (cmd, fut) in list(self._reads.items()):
+            if not fut.done():
+                continue
+            del self._reads[name]
+            acks.append(self._ack(cmd, lambda: self._register(cmd, fut.result())))
+            queued = self._queued.pop(name, deque())
+            while queued and name not in self._reads:
+                acks += self.submit(queued.popleft())
+            if queued:  # a queued load started a new read: the rest wait behind it
+                self._queued.setdefault(name, deque()).extendleft(reversed(queued))
+        return acks
+
+    @property
+    def num_reading(self) -> int:
+        return len(self._reads)
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)
+
+    def _needs_read(self, cmd: engine_pb2.AdapterCommand) -> bool:
+        have = self.loaded.get(cmd.name)
+        return (cmd.kind == _Kind.ADAPTER_COMMAND_KIND_LOAD
+                and (have is None or have.path != cmd.path
+                     or cmd.version not in ("", have.version)))
+
+    @staticmethod
+    def _ack(cmd: engine_pb2.AdapterCommand, run) -> _Ack:
         """Run one command; every failure becomes a not-ok ack with a status code."""
-        ack = engine_pb2.AdapterAck(command_id=cmd.command_id, ok=True)
+        ack = _Ack(command_id=cmd.command_id, ok=True)
         try:
-            ack.adapter_id = self._dispatch(cmd)
+            ack.adapter_id = run()
         except Exception as exc:  # noqa: BLE001 - reported to the caller, engine keeps going
             ack.ok = False
             ack.code = error_code(exc)
             ack.message = str(exc) or type(exc).__name__
         return ack
 
+    def _register(self, cmd: engine_pb2.AdapterCommand, read) -> int:
+        # New weights under the same name get a new id; the engine retires the old one
+        # once its requests end.
+        adapter_id = self._engine.register_adapter(read, pinned=cmd.pinned)
+        self.loaded[cmd.name] = LoadedAdapter(cmd.path, adapter_id, cmd.pinned, read.version)
+        return adapter_id
+
     def _dispatch(self, cmd: engine_pb2.AdapterCommand) -> int:
         if cmd.kind == _Kind.ADAPTER_COMMAND_KIND_LOAD:
-            return self._load(cmd.name, cmd.path, cmd.pinned)
+            return self._set_pin(cmd.name, cmd.pinned)  # same path: no read
         if cmd.kind == _Kind.ADAPTER_COMMAND_KIND_UNLOAD:
             return self._unload(cmd.name)
         if cmd.kind in (_Kind.ADAPTER_COMMAND_KIND_PIN, _Kind.ADAPTER_COMMAND_KIND_UNPIN):
-            return self._pin(cmd.name, cmd.kind == _Kind.ADAPTER_COMMAND_KIND_PIN)
+            return self._set_pin(cmd.name, cmd.kind == _Kind.ADAPTER_COMMAND_KIND_PIN)
         raise ValueError(f"adapter command kind {cmd.kind} is not supported")
 
-    def _load(self, name: str, path: str, pinned: bool) -> int:
+    def _set_pin(self, name: str, pinned: bool) -> int:
         have = self.loaded.get(name)
-        if have is not None and have.path == path and have.pinned == pinned:
-            return have.adapter_id
-        if have is not None and have.path == path and hasattr(self._engine, "set_adapter_pinned"):
+        if have is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is not loaded on this engine")
+        if have.pinned != pinned:
             self._engine.set_adapter_pinned(name, pinned)
-            self.loaded[name] = LoadedAdapter(path, have.adapter_id, pinned)
-            return have.adapter_id
-        # New weights (or a pin change the engine can only take as a reload) under the same
-        # name get a new id; the engine retires the old one once its requests end.
-        adapter_id = self._engine.add_adapter(name, path, pinned=pinned)
-        self.loaded[name] = LoadedAdapter(path, adapter_id, pinned)
-        return adapter_id
+            self.loaded[name] = LoadedAdapter(have.path, have.adapter_id, pinned, have.version)
+        return have.adapter_id
 
     def _unload(self, name: str) -> int:
         have = self.loaded.pop(name, None)
@@ -70,9 +126,3 @@ class AdapterCommands:
             if have is None:
                 raise
         return have.adapter_id if have else 0
-
-    def _pin(self, name: str, pinned: bool) -> int:
-        have = self.loaded.get(name)
-        if have is None:
-            raise AdapterNotFoundError(f"adapter {name!r} is not loaded on this engine")
-        return self._load(name, have.path, pinned)

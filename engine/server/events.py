@@ -20,19 +20,35 @@ def max_model_len(engine) -> int:
                or engine.model_config.max_position_embeddings)
 
 
-def engine_event(stats: dict, loaded: dict) -> engine_pb2.EngineEvent:
+def engine_event(stats: dict, loaded: dict, histograms=()) -> engine_pb2.EngineEvent:
     """The event for one stats() snapshot; `loaded` maps name -> LoadedAdapter (path, id)
     for names the control plane loaded, so the event names each adapter even when the
-    engine's own stats key them by id."""
+    engine's own stats key them by id. `histograms`: engine/telemetry.py Histograms."""
     ev = engine_pb2.EngineEvent(
         running_requests=int(stats.get("num_running", stats.get("running", 0)) or 0),
         waiting_requests=int(stats.get("num_waiting", stats.get("waiting", 0)) or 0))
+    for h in histograms:
+        ev.histograms.add(name=h.name, bounds=h.bounds, bucket_counts=h.counts, sum=h.sum)
     for key, value in stats.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             ev.stats[key] = float(value)
+    for key, value in adapter_totals(stats).items():
+        ev.stats[key] = float(value)
     for entry in _adapter_entries(stats):
         ev.adapters.append(_adapter_status(entry, loaded))
     return ev
+
+
+_TOTALS = {"loads": "adapter_slot_loads", "evictions": "adapter_slot_evictions",
+           "disk_reads": "adapter_disk_reads", "host_evictions": "adapter_host_evictions"}
+
+
+def adapter_totals(stats: dict) -> dict[str, int]:
+    """Engine-wide adapter movement since start, summed over the versions it holds:
+    copies into device slots, slot evictions, reads from disk after the first (implicit
+    reloads), host-copy evictions."""
+    entries = _adapter_entries(stats)
+    return {total: sum(int(e.get(key, 0) or 0) for e in entries) for key, total in _TOTALS.items()}
 
 
 def _adapter_entries(stats: dict) -> list[dict]:
@@ -56,4 +72,5 @@ def _adapter_status(entry: dict, loaded: dict) -> engine_pb2.AdapterStatus:
         unloading=bool(entry.get("unloading", False)),
         in_flight_requests=int(entry.get("in_flight", entry.get("in_flight_requests", 0))),
         loads=int(entry.get("loads", 0)), evictions=int(entry.get("evictions", 0)),
-        rank=int(entry.get("rank", 0)))
+        rank=int(entry.get("rank", 0)), running_requests=int(entry.get("running", 0)),
+        waiting_requests=int(entry.get("waiting", 0)))

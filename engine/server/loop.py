@@ -1,8 +1,9 @@
 """EngineServer: the engine's step loop behind a PULL (input) and a PUB (output) socket.
 
 The step thread does everything, in this order, forever: drain the input socket
-(bounded), apply adapter commands, admit and abort requests, run one engine step, publish
-one StepBatch for the whole step, and publish events when due.
+(bounded), apply adapter commands, admit and abort requests, register adapters whose
+files were read (on reader threads: engine/server/adapter_commands.py), run one engine
+step, publish one StepBatch for the whole step, and publish events when due.
 
 Heartbeats come from a thread of their own, so that busy is not mistaken for dead: a
 step of a minute (a long prefill on the CPU) never silences them. Death still silences
@@ -21,10 +22,12 @@ import zmq
 from loramux.v1 import engine_pb2
 
 from engine.server.adapter_commands import AdapterCommands
+from engine.server.curve import ZmqKeys, start_authenticator
 from engine.server.convert import delta_to_proto, error_code, sampling_from_proto
 from engine.server.events import engine_event, max_model_len
 
 _MAX_INPUTS_PER_ITERATION = 512
+_READ_POLL_MS = 5  # idle: how often to look for a finished adapter read
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class ServerConfig:
     # no heartbeat while one step-loop iteration has run this long: the loop is hung
     stall_timeout_s: float = 600.0
     debug_step_sleep_s: float = 0.0  # test hook: each engine step first sleeps this long
+    keys: ZmqKeys | None = None    # CURVE keys; None: any local process may connect
 
 
 class EngineServer:
@@ -46,10 +50,13 @@ class EngineServer:
         self.cfg = cfg
         self.instance_id = uuid.uuid4().hex
         self._ctx = ctx or zmq.Context.instance()
+        self._auth = start_authenticator(self._ctx, cfg.keys) if cfg.keys else None
         self._pull = self._ctx.socket(zmq.PULL)
         self._pub = self._ctx.socket(zmq.PUB)
         for sock in (self._pull, self._pub):
             sock.setsockopt(zmq.LINGER, 0)
+            if cfg.keys:
+                cfg.keys.serve(sock)
         self._pull.bind(cfg.input_address)
         self._pub.bind(cfg.output_address)
         self.adapters = AdapterCommands(engine)
@@ -74,8 +81,11 @@ class EngineServer:
         finally:
             done.set()
             beat.join()
+            self.adapters.close()
             self._pull.close(0)
             self._pub.close(0)
+            if self._auth:
+                self._auth.stop()
 
     def _drain_requests(self, grace_s: float) -> None:
         """Stopping: new requests are refused (UNAVAILABLE), running ones go on for up to
@@ -103,9 +113,12 @@ class EngineServer:
     def _iterate(self) -> None:
         busy = self.engine.has_unfinished()
         wait_ms = 0 if busy else max(0, int((self._next_event - time.monotonic()) * 1000))
+        if self.adapters.num_reading:
+            wait_ms = min(wait_ms, _READ_POLL_MS)
         batch = engine_pb2.StepBatch()
         if self._pull.poll(wait_ms):
             self._drain(batch)
+        self._publish_acks(self.adapters.poll())  # adapter reads that finished
         if self.engine.has_unfinished():
             self._step += 1
             batch.step = self._step
@@ -143,8 +156,7 @@ class EngineServer:
                     self._live.discard(rid)
                     self.engine.abort(rid)
         elif kind == "adapter_command":
-            self._publish(adapter_ack=self.adapters.apply(msg.adapter_command))
-            self._next_event = 0.0  # residency changed: tell the control plane soon
+            self._publish_acks(self.adapters.submit(msg.adapter_command))
 
     def _add_request(self, req: engine_pb2.EngineGenerate, batch: engine_pb2.StepBatch) -> None:
         if self._stopping:
@@ -161,11 +173,17 @@ class EngineServer:
             return
         self._live.add(req.request_id)
 
+    def _publish_acks(self, acks) -> None:
+        for ack in acks:
+            self._publish(adapter_ack=ack)
+            self._next_event = 0.0  # residency changed: tell the control plane soon
+
     def _periodic(self) -> None:
         now = time.monotonic()
         if now >= self._next_event:
             self._next_event = now + self.cfg.event_interval_s
-            self._publish(event=engine_event(self.engine.stats(), self.adapters.loaded))
+            self._publish(event=engine_event(self.engine.stats(), self.adapters.loaded,
+                                             self.engine.histograms()))
 
     def _publish(self, **kind) -> None:
         data = engine_pb2.EngineOutput(instance_id=self.instance_id, **kind).SerializeToString()

@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 
+from engine.server import curve
+from engine.server import open_audit
 from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
                                    config_error_message, given, non_negative_float,
                                    positive_float)
@@ -23,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to bind the PULL socket for requests and commands")
     p.add_argument("--output", default=env("LORAMUX_ENGINE_OUTPUT"),
                    help="address to bind the PUB socket for tokens, acks, events, heartbeats")
+    # a deployment setting shared with the control plane, not an EngineConfig option of
+    # the engine table: `loramux serve` gives both processes the same roots
+    p.add_argument("--adapter-root", action="append", default=None,
+                   help="directory adapters may be read from (repeatable; "
+                        "$LORAMUX_ADAPTER_ROOTS, ':'-separated); none: every adapter "
+                        "directory the control plane names is its own root")
     add_options(p.add_argument_group("engine (each also an environment variable, "
                                       "see engine/server/options.py)"), ENGINE_OPTIONS)
     p.add_argument("--shutdown-grace", type=non_negative_float,
@@ -39,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
+    curve.add_arguments(p)
     return p
 
 
@@ -48,7 +57,14 @@ def engine_config(args, environ=None):
     argparse.ArgumentTypeError (a bad environment value)."""
     from engine.config import EngineConfig
 
-    return EngineConfig(model=args.model, **given(args, ENGINE_OPTIONS, environ))
+    return EngineConfig(model=args.model, adapter_roots=adapter_roots(args, environ),
+                        **given(args, ENGINE_OPTIONS, environ))
+
+
+def adapter_roots(args, environ=None) -> tuple[str, ...]:
+    if args.adapter_root:
+        return tuple(args.adapter_root)
+    return tuple(r for r in (environ or {}).get("LORAMUX_ADAPTER_ROOTS", "").split(":") if r)
 
 
 def resolved_config(engine) -> dict:
@@ -60,12 +76,18 @@ def resolved_config(engine) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    open_audit.install_from_env("engine")
     args = build_parser().parse_args(argv)
     for name in ("model", "input", "output"):
         if not getattr(args, name):
             print(f"error: --{name} is required (or set LORAMUX_{'MODEL' if name == 'model' else 'ENGINE_' + name.upper()})",
                   file=sys.stderr)
             return 2
+    try:
+        keys = curve.keys_from_args(args)
+    except curve.ZmqKeyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     from engine.engine import Engine
     from engine.errors import LoramuxError
     from engine.server.loop import EngineServer, ServerConfig
@@ -77,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server = EngineServer(engine, ServerConfig(
         args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
-        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep))
+        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep, keys=keys))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -89,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                        "config": resolved_config(engine)}, f)
         os.replace(tmp, args.ready_file)
     print(f"engine serving: input={args.input} output={args.output} "
-          f"instance={server.instance_id} {engine.describe()}", file=sys.stderr, flush=True)
+          f"instance={server.instance_id} zmq={'curve' if keys else 'INSECURE'} "
+          f"{engine.describe()}", file=sys.stderr, flush=True)
     try:
         server.serve_forever(stop, args.shutdown_grace)
     finally:

@@ -1,35 +1,58 @@
 """Waits for an engine heartbeat on its output socket: the engine's health check.
 
-`python -m engine.server.probe tcp://host:port [--timeout S]` exits 0 once a heartbeat
-arrives, 1 when none does in time."""
+`python -m engine.server.probe tcp://host:port [--timeout S] [--zmq-keys DIR]` exits 0
+once a heartbeat arrives, 1 when none does in time. The keys default to $LORAMUX_ZMQ_KEYS
+(the engine admits no subscriber without them)."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import zmq
 from loramux.v1 import engine_pb2
 
+from engine.server.curve import KEYS_ENV, ZmqKeyError, ZmqKeys
 
-def wait_heartbeat(output_address: str, timeout_s: float = 5.0) -> engine_pb2.Heartbeat | None:
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def wait_heartbeat(output_address: str, timeout_s: float = 5.0,
+                   keys: ZmqKeys | None = None) -> engine_pb2.Heartbeat | None:
     """The first heartbeat published on `output_address`, or None after `timeout_s`."""
-    out = wait_output(output_address, lambda m: m.WhichOneof("kind") == "heartbeat", timeout_s)
+    out = wait_output(output_address, lambda m: m.WhichOneof("kind") == "heartbeat", timeout_s,
+                      keys=keys)
     return None if out is None else out.heartbeat
 
 
 def wait_output(output_address: str, predicate, timeout_s: float = 5.0,
-                last: list | None = None) -> engine_pb2.EngineOutput | None:
+                last: list | None = None, keys: ZmqKeys | None = None
+                ) -> engine_pb2.EngineOutput | None:
     """The first EngineOutput on `output_address` with predicate(msg) true, or None after
-    `timeout_s`. If `last` is given, every message seen is appended to it."""
+    `timeout_s`. If `last` is given, every message seen is appended to it. `keys`: the
+    run's CURVE keys (services.launcher.Cluster.zmq_keys); an engine that refuses the
+    handshake (keys missing or not the run's) raises ZmqKeyError at once."""
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.connect(sub)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sub.get_monitor_socket(_HANDSHAKE_FAILED)
     sub.connect(output_address)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     deadline = time.monotonic() + timeout_s
     try:
         while (left := deadline - time.monotonic()) > 0:
-            if not sub.poll(int(left * 1000)):
+            ready = dict(poller.poll(int(left * 1000)))
+            if monitor in ready:
+                why = "keys not the run's" if keys else "no CURVE keys given"
+                raise ZmqKeyError(f"{output_address} refused the handshake ({why}); pass the "
+                                  "run's keys (keys=cluster.zmq_keys)")
+            if sub not in ready:
                 break
             msg = engine_pb2.EngineOutput.FromString(sub.recv())
             if last is not None:
@@ -38,13 +61,17 @@ def wait_output(output_address: str, predicate, timeout_s: float = 5.0,
                 return msg
         return None
     finally:
+        sub.disable_monitor()
+        monitor.close(0)
         sub.close(0)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     timeout = float(argv[argv.index("--timeout") + 1]) if "--timeout" in argv else 5.0
-    return 0 if wait_heartbeat(argv[0], timeout) is not None else 1
+    key_dir = argv[argv.index("--zmq-keys") + 1] if "--zmq-keys" in argv else os.environ.get(KEYS_ENV)
+    keys = ZmqKeys.load(key_dir) if key_dir else None
+    return 0 if wait_heartbeat(argv[0], timeout, keys) is not None else 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import zmq
 import zmq.asyncio
 from loramux.v1 import engine_pb2
 
+from engine.server.curve import ZmqKeys
+
 _WATCHDOG_PERIOD_S = 0.05
 
 
@@ -21,7 +23,7 @@ class EngineConnection:
                  on_output: Callable[[engine_pb2.EngineOutput], None],
                  on_up: Callable[[str], None] = lambda instance: None,
                  on_down: Callable[[str], None] = lambda reason: None,
-                 heartbeat_timeout_s: float = 1.5):
+                 heartbeat_timeout_s: float = 1.5, keys: ZmqKeys | None = None):
         self.input_address = input_address
         self.output_address = output_address
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -36,6 +38,9 @@ class EngineConnection:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if keys is not None:  # the engine admits only the run's client key
+            keys.connect(self._push)
+            keys.connect(self._sub)
         self.up = False
         self.instance_id = ""
         self.heartbeat = engine_pb2.Heartbeat()

@@ -41,10 +41,12 @@ async def set_serving(servicer, service_names: list[str], serving: bool) -> None
         await servicer.set(name, status)
 
 
-def bind(server: grpc.aio.Server, address: str) -> str:
-    """Bind `address` ("host:port"; port 0 picks a free one); returns the bound address."""
+def bind(server: grpc.aio.Server, address: str, tls=None) -> str:
+    """Bind `address` ("host:port"; port 0 picks a free one), with TLS when `tls` (a
+    services.common.tls.ServerTLS) is given; returns the bound address."""
     host = address.rsplit(":", 1)[0]
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, tls.credentials()) if tls is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"cannot bind gRPC address {address}")
     return f"{host}:{port}"

@@ -8,14 +8,19 @@ import asyncio
 import zmq
 from loramux.v1 import engine_pb2
 
+from engine.server.curve import ZmqKeys, start_authenticator
+
 from services.control.registry import AdapterRecord
 
 
 class TablePublisher:
-    def __init__(self, address: str, interval_s: float = 0.5):
+    def __init__(self, address: str, interval_s: float = 0.5, keys: ZmqKeys | None = None):
         self._ctx = zmq.Context()
+        self._auth = start_authenticator(self._ctx, keys) if keys else None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        if keys:
+            keys.serve(self._pub)
         self._pub.bind(address)
         self.address = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._interval_s = interval_s
@@ -47,4 +52,6 @@ class TablePublisher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._pub.close(0)
+        if self._auth:
+            self._auth.stop()
         self._ctx.term()

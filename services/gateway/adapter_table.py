@@ -12,16 +12,20 @@ import zmq.asyncio
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from loramux.v1 import engine_pb2
 
+from engine.server.curve import ZmqKeys
+
 from services.gateway.errors import Rejected
 
 
 class AdapterTable:
-    def __init__(self, address: str):
+    def __init__(self, address: str, keys: ZmqKeys | None = None):
         self.address = address
         self._ctx = zmq.asyncio.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if keys is not None:
+            keys.connect(self._sub)
         self._entries: dict[str, engine_pb2.AdapterTableEntry] | None = None
         self._task: asyncio.Task | None = None
 
@@ -66,6 +70,10 @@ class AdapterTable:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                            f"adapter {name!r} is being unloaded")
         return entry
+
+    def entries(self) -> list[engine_pb2.AdapterTableEntry]:
+        """Every adapter the control plane published, whatever its state."""
+        return list((self._entries or {}).values())
 
     def loaded(self) -> list[engine_pb2.AdapterTableEntry]:
         """Every adapter that takes requests now (LOADED), by name."""

@@ -17,14 +17,16 @@ from services.gateway.errors import Rejected
 
 class EngineClient:
     def __init__(self, input_address: str, output_address: str, *, max_inflight: int,
-                 heartbeat_timeout_s: float = 1.5):
+                 heartbeat_timeout_s: float = 1.5, keys=None):
         self.max_inflight = max_inflight
         self.prefix = f"gw-{uuid.uuid4().hex[:12]}-"  # request ids unique across gateways
         self._streams: dict[str, asyncio.Queue] = {}
         self._counter = 0
         self.draining = False  # set on shutdown: new requests are refused, live ones go on
+        self.last_event: engine_pb2.EngineEvent | None = None  # the engine's latest snapshot
         self.conn = EngineConnection(input_address, output_address, on_output=self._output,
-                                     on_down=self._down, heartbeat_timeout_s=heartbeat_timeout_s)
+                                     on_down=self._down, heartbeat_timeout_s=heartbeat_timeout_s,
+                                     keys=keys)
 
     @property
     def inflight(self) -> int:
@@ -79,7 +81,10 @@ class EngineClient:
             self.conn.send(engine_pb2.EngineInput(abort=engine_pb2.EngineAbort(request_ids=[rid])))
 
     def _output(self, msg: engine_pb2.EngineOutput) -> None:
-        if msg.WhichOneof("kind") != "step_batch":
+        kind = msg.WhichOneof("kind")
+        if kind == "event":
+            self.last_event = msg.event
+        if kind != "step_batch":
             return
         orphans = []
         for d in msg.step_batch.deltas:

@@ -76,14 +76,16 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, *, token: str | None, max_body_bytes: int):
+    def __init__(self, app, host: str, port: int, *, token: str | None, max_body_bytes: int,
+                 tls=None):
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         config = uvicorn.Config(Guard(app, token=token, max_body_bytes=max_body_bytes),
                                 log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=None)
+                                timeout_graceful_shutdown=None,
+                                **(tls.uvicorn_options() if tls is not None else {}))
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 

@@ -8,9 +8,10 @@ import sys
 
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
+from engine.server import curve
 from engine.server.options import (OneLineErrors, Option, add_options, given,
                                    non_negative_float, positive_float, positive_int)
-from services.common import grpc_server
+from services.common import grpc_server, tls
 from services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -29,6 +30,9 @@ GATEWAY_OPTIONS = (
            "seconds without an engine heartbeat before the engine counts as gone and its "
            "streams end with UNAVAILABLE (default: 1.5)", env="LORAMUX_HEARTBEAT_TIMEOUT",
            default=1.5),
+    Option("metrics_max_adapters", "--metrics-max-adapters", positive_int,
+           "distinct adapter label values in the gateway's metrics; later adapters count "
+           "as 'other' (default: 64)", env="LORAMUX_METRICS_MAX_ADAPTERS", default=64),
 )
 
 
@@ -40,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gRPC host:port (port 0 picks a free one)")
     p.add_argument("--model", default=env("LORAMUX_MODEL"),
                    help="base model directory (its tokenizer and context length)")
+    p.add_argument("--adapter-root", action="append", default=None,
+                   help="directory adapters may be read from (their chat templates; "
+                        "repeatable; $LORAMUX_ADAPTER_ROOTS, ':'-separated): the control "
+                        "plane's roots")
     p.add_argument("--engine-input", default=env("LORAMUX_ENGINE_INPUT"))
     p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
@@ -60,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "NOT_SERVING, and in-flight calls have this many seconds to finish "
                         "(default: 30)")
     p.add_argument("--ready-file", default=None)
+    tls.add_arguments(p)
+    curve.add_arguments(p)
     p.add_argument("--log-level", default=env("LORAMUX_LOG_LEVEL", "info"))
     return p
 
@@ -82,7 +92,7 @@ def _http_server(args, servicer, table):
                         model_root=args.model)
     host = args.listen.rsplit(":", 1)[0].strip("[]")
     return HttpServer(build_app(front), host, args.http_port, token=args.auth_token,
-                      max_body_bytes=args.max_message_bytes)
+                      max_body_bytes=args.max_message_bytes, tls=args.tls)
 
 
 async def _drain(grace_s: float, engine, health, health_task, log) -> None:
@@ -103,23 +113,29 @@ async def serve(args) -> int:
     from engine.tokenizer import Tokenizer
     from services.gateway.adapter_table import AdapterTable
     from services.gateway.engine_client import EngineClient
+    from services.gateway.engine_metrics import EngineCollector
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.prompts import PromptBuilder
     from services.gateway.servicer import GenerateServicer
 
     log = configure_logging("gateway", args.log_level)
-    prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model)
+    from engine.adapters.safe_files import AdapterRoots
+    roots = args.adapter_root or [r for r in os.environ.get("LORAMUX_ADAPTER_ROOTS", "").split(":")
+                                  if r]
+    prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model,
+                            adapter_roots=AdapterRoots(roots) if roots else None)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(args.metrics_max_adapters)
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
     engine = EngineClient(args.engine_input, args.engine_output, max_inflight=args.max_inflight,
-                          heartbeat_timeout_s=args.heartbeat_timeout)
-    table = AdapterTable(args.table_address)
+                          heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
+    table = AdapterTable(args.table_address, keys=args.keys)
+    metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
-    address = grpc_server.bind(server, args.listen)
+    address = grpc_server.bind(server, args.listen, args.tls)
     http = _http_server(args, servicer, table) if args.http_port > 0 else None
     await engine.start()
     await table.start()
@@ -143,6 +159,8 @@ async def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.server import open_audit
+    open_audit.install_from_env("gateway")
     args = build_parser().parse_args(argv)
     try:
         vars(args).update(given(args, GATEWAY_OPTIONS, os.environ))
@@ -154,5 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
               file=sys.stderr)
+        return 2
+    try:
+        args.keys = curve.keys_from_args(args)
+        args.tls = tls.from_args(args)
+        if args.http_port > 0:  # the HTTP API's bearer token, on the --listen host
+            tls.check_token_transport(args.listen, args.auth_token, args.tls,
+                                      args.allow_plaintext_token)
+    except (curve.ZmqKeyError, tls.TLSConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     return asyncio.run(serve(args))

@@ -14,6 +14,7 @@ import grpc
 import structlog
 from loramux.v1 import engine_pb2, generate_pb2, generate_pb2_grpc
 
+from services.common import rich_status
 from services.gateway.adapter_table import AdapterTable
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import Rejected
@@ -25,8 +26,9 @@ from services.gateway.validation import check_sampling
 class _Stream:
     """Timing and counting for one call."""
 
-    def __init__(self, adapter: str):
+    def __init__(self, adapter: str, label: str):
         self.adapter = adapter
+        self.label = label  # the adapter's metrics label (bounded, see GatewayMetrics)
         self.t0 = time.monotonic()
         self.first: float | None = None
         self.last = self.t0
@@ -69,17 +71,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 async for resp in responses:
                     yield resp
         except Rejected as err:
-            await context.abort(err.code, str(err))
+            await rich_status.abort(context, err.code, str(err), field=err.field)
 
     async def stream(self, request: generate_pb2.GenerateRequest, *, fill_context: bool = False):
         """The responses of one request (what Generate streams, and what the HTTP API
         serves); raises Rejected with the status the call ends with. With fill_context, an
         unset max_tokens means the rest of the model's context (OpenAI's chat default)."""
-        st = _Stream(request.adapter)
+        # names that do not resolve never take one of the bounded adapter label values
+        st = _Stream(request.adapter, "unresolved" if request.adapter else "")
         log = self._log.bind(request_id=request.request_id, adapter=request.adapter or "<base>")
         status, finished, rid = "OK", False, None
         try:
             rid, queue, st.prompt_tokens = await self._admit(request, fill_context)
+            st.label = self.metrics.adapter_label(request.adapter)
             log = log.bind(engine_request_id=rid)
             self.metrics.inflight.inc()
             while not finished:
@@ -98,7 +102,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             if rid is not None:
                 self.engine.release(rid, abort=not finished)
                 self.metrics.inflight.dec()
-            self.metrics.requests.labels(request.adapter, status).inc()
+            self.metrics.requests.labels(st.label, status).inc()
             log.info("generate", status=status, completion_tokens=st.tokens,
                      ttft_s=None if st.first is None else round(st.first - st.t0, 4),
                      total_s=round(time.monotonic() - st.t0, 4))
@@ -109,18 +113,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if n:
             if st.first is None:
                 st.first = now
-                self.metrics.ttft.labels(st.adapter).observe(now - st.t0)
-                self.metrics.prompt_tokens.labels(st.adapter).inc(st.prompt_tokens)
+                self.metrics.ttft.observe(now - st.t0)
+                self.metrics.prompt_tokens.labels(st.label).inc(st.prompt_tokens)
             else:
                 per_token = (now - st.last) / n
                 for _ in range(n):
-                    self.metrics.itl.labels(st.adapter).observe(per_token)
+                    self.metrics.itl.observe(per_token)
             st.last = now
             st.tokens += n
-            self.metrics.generated_tokens.labels(st.adapter).inc(n)
+            self.metrics.generated_tokens.labels(st.label).inc(n)
         resp = generate_pb2.GenerateResponse(request_id=req.request_id, token_ids=d.token_ids,
                                              text=d.text, logprobs=d.logprobs)
         if d.finished:
+            self.metrics.prefix_cache_queries.inc(d.prompt_tokens or st.prompt_tokens)
+            self.metrics.prefix_cache_hits.inc(d.cached_tokens)
             resp.finish_reason = d.finish_reason
             resp.usage.prompt_tokens = d.prompt_tokens or st.prompt_tokens
             resp.usage.completion_tokens = st.tokens

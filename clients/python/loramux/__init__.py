@@ -2,5 +2,6 @@
 
 Needs only grpcio and protobuf. The generated messages live in `loramux.v1`."""
 from loramux.client import AdminClient, GenerateClient, LoramuxError
+from loramux.tls import TLS
 
-__all__ = ["GenerateClient", "AdminClient", "LoramuxError"]
+__all__ = ["GenerateClient", "AdminClient", "LoramuxError", "TLS"]

@@ -11,6 +11,8 @@ import sys
 
 from google.protobuf.json_format import MessageToDict
 
+from loramux import tls
+
 DEFAULT_GATEWAY = "localhost:50051"
 DEFAULT_CONTROL = "localhost:50052"
 _INT32 = 2**31
@@ -65,11 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--timeout", type=_float_in(0.0, float("inf"), "must be > 0", lo_open=True),
                    default=None, help="deadline in seconds")
+    tls.add_arguments(g)
 
     a = sub.add_parser("adapters", help="manage adapters on the control plane")
     a.add_argument("--control", default=os.environ.get("LORAMUX_CONTROL", DEFAULT_CONTROL))
     a.add_argument("--token", default=os.environ.get("LORAMUX_ADMIN_TOKEN"),
                    help="bearer token (default: $LORAMUX_ADMIN_TOKEN)")
+    tls.add_arguments(a)
     asub = a.add_subparsers(dest="action", required=True)
     reg = asub.add_parser("register")
     reg.add_argument("name")
@@ -100,7 +104,7 @@ def run_generate(args) -> int:
 
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature,
                     top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
-    with GenerateClient(args.gateway) as client:
+    with GenerateClient(args.gateway, tls=tls.from_args(args)) as client:
         finish = None
         for resp in client.stream(args.prompt, args.adapter or None, timeout=args.timeout,
                                   **sampling):
@@ -121,7 +125,7 @@ def run_generate(args) -> int:
 def run_adapters(args) -> int:
     from loramux.client import AdminClient
 
-    with AdminClient(args.control, token=args.token) as admin:
+    with AdminClient(args.control, token=args.token, tls=tls.from_args(args)) as admin:
         act = args.action
         if act == "register":
             out = _adapter_json(admin.register(args.name, args.path))
@@ -163,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except (OSError, ValueError) as err:  # TLS files missing or incomplete
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
     ERROR_CODE_INVALID_ARGUMENT: _ClassVar[ErrorCode]
     ERROR_CODE_NOT_FOUND: _ClassVar[ErrorCode]
+    ERROR_CODE_PERMISSION_DENIED: _ClassVar[ErrorCode]
     ERROR_CODE_RESOURCE_EXHAUSTED: _ClassVar[ErrorCode]
     ERROR_CODE_FAILED_PRECONDITION: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
@@ -34,6 +35,7 @@ ADAPTER_COMMAND_KIND_UNPIN: AdapterCommandKind
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 ERROR_CODE_NOT_FOUND: ErrorCode
+ERROR_CODE_PERMISSION_DENIED: ErrorCode
 ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
 ERROR_CODE_FAILED_PRECONDITION: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
@@ -58,18 +60,20 @@ class EngineAbort(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdapterCommand(_message.Message):
-    __slots__ = ("command_id", "kind", "name", "path", "pinned")
+    __slots__ = ("command_id", "kind", "name", "path", "pinned", "version")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     kind: AdapterCommandKind
     name: str
     path: str
     pinned: bool
-    def __init__(self, command_id: _Optional[str] = ..., kind: _Optional[_Union[AdapterCommandKind, str]] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    version: str
+    def __init__(self, command_id: _Optional[str] = ..., kind: _Optional[_Union[AdapterCommandKind, str]] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ..., version: _Optional[str] = ...) -> None: ...
 
 class EngineInput(_message.Message):
     __slots__ = ("generate", "abort", "adapter_command")
@@ -136,7 +140,7 @@ class AdapterAck(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., adapter_id: _Optional[int] = ...) -> None: ...
 
 class AdapterStatus(_message.Message):
-    __slots__ = ("name", "id", "path", "residency", "slot", "pinned", "unloading", "in_flight_requests", "loads", "evictions", "rank")
+    __slots__ = ("name", "id", "path", "residency", "slot", "pinned", "unloading", "in_flight_requests", "loads", "evictions", "rank", "running_requests", "waiting_requests")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +152,8 @@ class AdapterStatus(_message.Message):
     LOADS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     id: int
     path: str
@@ -159,10 +165,24 @@ class AdapterStatus(_message.Message):
     loads: int
     evictions: int
     rank: int
-    def __init__(self, name: _Optional[str] = ..., id: _Optional[int] = ..., path: _Optional[str] = ..., residency: _Optional[_Union[_adapter_admin_pb2.Residency, str]] = ..., slot: _Optional[int] = ..., pinned: _Optional[bool] = ..., unloading: _Optional[bool] = ..., in_flight_requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    running_requests: int
+    waiting_requests: int
+    def __init__(self, name: _Optional[str] = ..., id: _Optional[int] = ..., path: _Optional[str] = ..., residency: _Optional[_Union[_adapter_admin_pb2.Residency, str]] = ..., slot: _Optional[int] = ..., pinned: _Optional[bool] = ..., unloading: _Optional[bool] = ..., in_flight_requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., rank: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+
+class HistogramSnapshot(_message.Message):
+    __slots__ = ("name", "bounds", "bucket_counts", "sum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    bounds: _containers.RepeatedScalarFieldContainer[float]
+    bucket_counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    def __init__(self, name: _Optional[str] = ..., bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class EngineEvent(_message.Message):
-    __slots__ = ("adapters", "running_requests", "waiting_requests", "stats")
+    __slots__ = ("adapters", "running_requests", "waiting_requests", "stats", "histograms")
     class StatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -174,11 +194,13 @@ class EngineEvent(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAMS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterStatus]
     running_requests: int
     waiting_requests: int
     stats: _containers.ScalarMap[str, float]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterStatus, _Mapping]]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    histograms: _containers.RepeatedCompositeFieldContainer[HistogramSnapshot]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterStatus, _Mapping]]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Iterable[_Union[HistogramSnapshot, _Mapping]]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("instance_id", "seq", "max_model_len", "vocab_size", "in_flight_requests", "unix_time")

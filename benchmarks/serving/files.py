@@ -1,0 +1,74 @@
+"""The model and adapter directories a serving benchmark runs on.
+
+Synthetic: a Llama-3-8B-shaped model directory without weights (the engine runs it with
+random weights, `--load-format dummy`) and a few distinct rank-16 adapters with random
+weights (benchmarks/llama8b.py). Tiny: the demo model and its adapters (real files, CPU).
+Either way the N adapter directories the service registers are hard links of those few
+distinct weight sets, so 2,000 adapters cost no more disk than 4; each is still read,
+validated, hashed and placed on its own."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Files:
+    model: Path
+    adapter_root: Path
+    names: tuple[str, ...]       # every adapter name, "a0000" ..., in registration order
+    vocab: range                 # token ids prompts are drawn from (no special ids)
+    dummy_weights: bool          # the engine must run with --load-format dummy
+
+
+def _vocab(model: Path) -> range:
+    """Ids 3 .. below the first special id past the small ones (Llama 3's specials start
+    at 128000; the tiny models' are 0-2)."""
+    cfg = json.loads((model / "config.json").read_text())
+    ids = [cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
+    high = [i for i in ids if isinstance(i, int) and i > 16]
+    return range(3, min([cfg["vocab_size"], *high]))
+
+
+def distinct_weights(work: Path, tiny: bool, layers: int | None, rank: int,
+                     distinct: int) -> tuple[Path, list[Path], bool]:
+    """(model dir, the distinct adapter dirs, whether the weights are dummy)."""
+    if tiny:
+        from services.demo_model import DEMO_ADAPTERS, ensure_demo
+
+        model = ensure_demo(work / "demo")
+        return model, [model / "adapters" / n for n in DEMO_ADAPTERS][:max(1, distinct)], False
+    from benchmarks.llama8b import write_adapter, write_model_dir
+
+    model = work / "model"
+    if not (model / "config.json").exists():
+        write_model_dir(model, num_layers=layers)
+    weights = []
+    for k in range(distinct):
+        path = work / "weights" / f"w{k}"
+        if not (path / "adapter_config.json").exists():
+            write_adapter(path, model, rank=rank, seed=k)
+        weights.append(path)
+    return model, weights, True
+
+
+def link_adapters(root: Path, weights: list[Path], n: int) -> tuple[str, ...]:
+    """Adapter dirs root/a0000 .. root/a{n-1}: hard links of weights[i % len(weights)]."""
+    names = tuple(f"a{i:04d}" for i in range(n))
+    for i, name in enumerate(names):
+        src, dst = weights[i % len(weights)], root / name
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file() and not (dst / f.name).exists():
+                os.link(f, dst / f.name)
+    return names
+
+
+def prepare(work: Path, *, tiny: bool, num_adapters: int, distinct: int, layers: int | None,
+            rank: int = 16) -> Files:
+    model, weights, dummy = distinct_weights(work, tiny, layers, rank, distinct)
+    root = work / "adapters"
+    names = link_adapters(root, weights, num_adapters)
+    return Files(model, root, names, _vocab(model), dummy)

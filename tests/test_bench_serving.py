@@ -1,0 +1,109 @@
+"""benchmarks/bench_serving.py: the workload it generates, and a tiny CPU run of the whole
+script (real service processes and the offline engine) checked for its report's fields,
+not its speed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.serving.workload import (Record, make_workload, parse_lengths,  # noqa: E402
+                                         parse_popularity, percentile, summarize)
+
+
+def _workload(n=4000, names=("a", "b", "c", "d"), alpha=None, rate=None, seed=0):
+    return make_workload(n, list(names), alpha, (4, 9), (2, 3), range(3, 50), rate, seed)
+
+
+def test_workload_is_seeded_and_shaped():
+    assert _workload(seed=1) == _workload(seed=1) != _workload(seed=2)
+    wl = _workload(rate=50.0)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(wl, wl[1:])]
+    assert all(g >= 0 for g in gaps) and abs(len(wl) / wl[-1].arrival_s - 50.0) < 5.0
+    assert all(4 <= len(r.prompt) <= 9 and 2 <= r.max_tokens <= 3 for r in wl)
+    assert all(3 <= t < 50 for r in wl for t in r.prompt)
+    assert all(r.arrival_s == 0.0 for r in _workload(rate=None))
+
+
+def test_zipf_popularity():
+    names = [f"n{i}" for i in range(20)]
+    uniform = Counter(r.adapter for r in _workload(20000, names))
+    assert max(uniform.values()) / min(uniform.values()) < 1.3
+    zipf = Counter(r.adapter for r in _workload(20000, names, alpha=1.0)).most_common()
+    top, second, last = zipf[0][1], zipf[1][1], zipf[-1][1]
+    assert 1.6 < top / second < 2.4 and 12 < top / last < 30  # ~2 and ~20 for alpha 1
+
+
+def test_parsers_and_summary():
+    assert parse_lengths("7") == (7, 7) and parse_lengths("3-9") == (3, 9)
+    assert parse_popularity("uniform") is None and parse_popularity("zipf:1.5") == 1.5
+    for bad in ("0", "9-3", "x"):
+        with pytest.raises(ValueError):
+            parse_lengths(bad)
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 50) is None
+    ok = Record(0, "a", 4, sent_s=0.0, first_s=0.5, end_s=1.0, tokens=3, gaps=[0.05, 0.05])
+    slow = Record(1, "a", 4, sent_s=0.0, first_s=2.0, end_s=2.5, tokens=2, gaps=[0.5])
+    failed = Record(2, None, 4, sent_s=0.0, error="UNAVAILABLE")
+    s = summarize([ok, slow, failed], wall_s=2.0, slo_ttft_s=1.0, slo_itl_s=0.1)
+    assert (s["completed"], s["errors"], s["output_tokens"]) == (2, {"UNAVAILABLE": 1}, 5)
+    assert s["slo"]["attainment"] == pytest.approx(1 / 3)
+    assert s["req_per_s"] == 1.0 and s["ttft_s"]["p50"] == pytest.approx(1.25)
+
+
+@pytest.mark.timeout(600)
+def test_tiny_run_writes_the_report(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--tiny", "--out", str(out),
+         "--sweep", "20,40", "--adapters", "1,3", "--num-requests", "6",
+         "--popularity", "zipf:1", "--", "--max-loras", "2", "--max-cpu-loras", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "serving.json").read_text())
+    meta, points = result["meta"], result["points"]
+    assert meta["device"] == "cpu" and meta["engine_config"]["max_loras"] == 2
+    assert [(p["adapters"], p["rate"]) for p in points] == [(1, 20.0), (1, 40.0), (3, 20.0), (3, 40.0)]
+    for p in points:
+        for system in ("service", "offline"):
+            s = p[system]
+            assert s["requests"] == s["completed"] == 6 and not s["errors"], (system, s)
+            assert s["req_per_s"] > 0 and s["output_tok_per_s"] > 0
+            for key in ("ttft_s", "itl_s", "e2e_s"):
+                assert set(s[key]) == {"p50", "p90", "p99", "mean"}
+                assert 0 <= s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
+            assert 0.0 <= s["slo"]["attainment"] <= 1.0
+        assert p["service_over_offline"] > 0
+        for system in ("service", "offline"):
+            eng = p[system]["engine"]
+            assert set(eng) >= {"adapter_disk_reads", "adapter_slot_loads", "steps",
+                                "mean_step_ms", "mean_batch"}, eng
+            assert eng["steps"] > 0 and eng["mean_batch"] >= 1
+        assert all(p["service"]["cpu_busy"][k] > 0 for k in ("client", "gateway", "engine"))
+    assert meta["adapter_load_s"] > 0 and set(meta["warmup_s"]) == {"service", "offline"}
+    assert {"engine.log", "gateway.log", "control.log"} <= {f.name for f in (out / "logs").iterdir()}
+    table = (out / "table.md").read_text()
+    assert "| adapters | load |" in table and "3 adapters loaded through AdminClient" in table
+    has_plots = importlib.util.find_spec("matplotlib") is not None
+    assert (out / "latency_vs_throughput.png").exists() == has_plots
+    assert (out / "adapters.png").exists() == has_plots
+
+
+def test_synthetic_files_are_hard_links_of_a_few_weight_sets(tmp_path):
+    from benchmarks.serving.files import prepare
+
+    files = prepare(tmp_path, tiny=False, num_adapters=5, distinct=2, layers=1)
+    assert files.dummy_weights and files.names == ("a0000", "a0001", "a0002", "a0003", "a0004")
+    assert files.vocab == range(3, 128000)  # Llama 3's special ids start at 128000
+    inodes = [(files.adapter_root / n / "adapter_model.safetensors").stat().st_ino
+              for n in files.names]
+    assert inodes[0] == inodes[2] == inodes[4] != inodes[1] == inodes[3]
+    assert not (files.adapter_root / "a0000").is_symlink()

@@ -1,0 +1,170 @@
+"""The gateway's Prometheus endpoint under load, with real engine, control plane and gateway
+processes: queue, KV and adapter state move as the engine saturates and drains, the
+router's info gauge lists running and waiting adapters, histograms count steps, swaps and
+disk reads, and per-adapter series stay bounded."""
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import pytest
+from loramux import AdminClient, GenerateClient, LoramuxError
+from loramux.aio import AsyncGenerateClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.launcher import Cluster, ClusterConfig, wait_serving
+from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
+
+pytestmark = pytest.mark.timeout(300)
+ADAPTERS = ("a1", "a2", "a3")
+PROMPT = "once upon a time there was a tiny model that could. " * 4  # a few full KV blocks
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("metrics")
+    model = make_model(root / "model", TinySpec())
+    for i, name in enumerate(ADAPTERS, start=1):
+        make_adapter(root / "adapters" / name, model, AdapterSpec(seed=50 + i))
+    # two sequences per batch and two GPU slots / host copies for three adapters: the
+    # engine saturates, swaps adapters between slots and reads evicted ones back from disk
+    cfg = ClusterConfig(model=str(model), adapter_roots=(str(root / "adapters"),),
+                        workdir=str(root / "run"), metrics_port=0,
+                        engine_args=("--max-num-seqs", "2", "--max-loras", "2",
+                                     "--max-cpu-loras", "2"),
+                        gateway_args=("--metrics-max-adapters", "2"),
+                        control_args=("--metrics-port", "0"),
+                        env={"OMP_NUM_THREADS": "1"})
+    c = Cluster(cfg)
+    c.start()
+    try:
+        ready = c.wait_ready()
+        wait_serving(c.gateway_address)
+        c.metrics_url = f"http://127.0.0.1:{ready['gateway']['metrics_port']}/metrics"
+        c.control_metrics_url = f"http://127.0.0.1:{ready['control']['metrics_port']}/metrics"
+        yield c
+    finally:
+        c.close()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value}"""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples, name, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def info_labels(samples) -> dict:
+    return next(dict(labels) for (name, labels) in samples if name == "loramux:lora_requests_info")
+
+
+def wait_for(url, predicate, timeout_s=30.0, what=""):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(url)
+        if predicate(samples):
+            return samples
+        assert time.monotonic() < deadline, f"metrics never showed {what}"
+        time.sleep(0.05)
+
+
+def test_metrics_follow_load(cluster):
+    url = cluster.metrics_url
+    with AdminClient(cluster.control_address) as admin:
+        for name in ADAPTERS:
+            admin.load(name, name)
+    idle = wait_for(url, lambda s: value(s, "loramux:registry_adapters", state="loaded") == 3
+                    and ("loramux:num_requests_waiting", ()) in s
+                    and value(s, "loramux:adapter_disk_read_seconds_count") >= 3,  # three loads
+                    what="the three adapters loaded")
+    assert value(idle, "loramux:engine_up") == 1
+    assert value(idle, "loramux:num_requests_running") == 0
+    assert value(idle, "loramux:kv_cache_blocks_total") > 0
+    assert value(idle, "loramux:max_loras") == 2
+    assert info_labels(idle) == {"running_lora_adapters": "", "waiting_lora_adapters": "",
+                                 "max_lora": "2"}
+    with GenerateClient(cluster.gateway_address) as gen:  # a1, a2 take the two adapter labels
+        for name in ("a1", "a2"):
+            gen.generate("the quick brown fox", name, max_tokens=2, temperature=0.0)
+
+    seen = {"waiting": 0.0, "running": 0.0, "kv_used": 0.0, "usage": 0.0,
+            "running_adapters": set(), "waiting_adapters": set()}
+
+    async def load():
+        async with AsyncGenerateClient(cluster.gateway_address) as client:
+            names = [*ADAPTERS, None] * 2
+            return await asyncio.gather(*(
+                client.generate(PROMPT, name, max_tokens=60, temperature=0.0,
+                                ignore_eos=True) for name in names))
+
+    async def watch(task):
+        while not task.done():
+            s = await asyncio.to_thread(scrape, url)
+            if ("loramux:num_requests_waiting", ()) in s:
+                seen["waiting"] = max(seen["waiting"], value(s, "loramux:num_requests_waiting"))
+                seen["running"] = max(seen["running"], value(s, "loramux:num_requests_running"))
+                seen["kv_used"] = max(seen["kv_used"], value(s, "loramux:kv_cache_blocks_used"))
+                seen["usage"] = max(seen["usage"], value(s, "loramux:kv_cache_usage_perc"))
+                info = info_labels(s)
+                seen["running_adapters"] |= set(filter(None, info["running_lora_adapters"].split(",")))
+                seen["waiting_adapters"] |= set(filter(None, info["waiting_lora_adapters"].split(",")))
+            await asyncio.sleep(0.05)
+
+    async def main():
+        task = asyncio.ensure_future(load())
+        await watch(task)
+        return await task
+
+    outs = asyncio.run(main())
+    assert all(len(o.token_ids) == 60 for o in outs)
+    assert seen["waiting"] > 0 and seen["running"] == 2  # saturated at max_num_seqs
+    assert 0 < seen["kv_used"] and 0 < seen["usage"] <= 1
+    assert seen["running_adapters"] and seen["running_adapters"] <= set(ADAPTERS)
+    assert seen["waiting_adapters"] and seen["waiting_adapters"] <= set(ADAPTERS)
+
+    after = wait_for(url, lambda s: value(s, "loramux:num_requests_running") == 0
+                     and value(s, "loramux:kv_cache_blocks_used") == 0, what="the drained engine")
+    assert value(after, "loramux:num_requests_waiting") == 0
+    assert info_labels(after)["running_lora_adapters"] == ""
+    assert value(after, "loramux:step_seconds_count") > 60
+    assert value(after, "loramux:batch_size_count") > 60
+    assert value(after, "loramux:batch_size_sum") >= value(after, "loramux:batch_size_count")
+    # three adapters through two slots: each was loaded into one (a3 by evicting a1 or a2)
+    assert value(after, "loramux:adapter_slot_load_seconds_count") >= 3
+    assert value(after, "loramux:adapter_slot_load_seconds_sum") > 0
+    assert sum(value(after, "loramux:adapters", tier=t) for t in ("slot", "host", "disk")) == 3
+    assert value(after, "loramux:adapter_slots_used") <= 2
+    prompt_tokens = sum(o.usage.prompt_tokens for o in outs)
+    assert value(after, "loramux:prefix_cache_queries_total") >= prompt_tokens
+    assert value(after, "loramux:prefix_cache_hits_total") > 0  # the same prompt, repeated
+    # bounded per-adapter series: a3 came third with a cap of two adapter labels
+    assert value(after, "loramux_requests_total", adapter="a1", status="OK") == 3
+    assert value(after, "loramux_requests_total", adapter="other", status="OK") == 2
+    assert value(after, "loramux_requests_total", adapter="", status="OK") == 2
+    assert not any(dict(labels).get("adapter") == "a3" for _, labels in after)
+
+
+def test_control_plane_metrics(cluster):
+    """Admin calls by method and status, with latency, on the control plane's endpoint."""
+    before = scrape(cluster.control_metrics_url)
+    with AdminClient(cluster.control_address) as admin:
+        admin.load("a1", "a1")  # already loaded by the test above, or loaded now
+        admin.get("a2")
+        with pytest.raises(LoramuxError):
+            admin.get("nope")
+    after = scrape(cluster.control_metrics_url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("loramux_admin_calls_total", method="LoadAdapter", code="OK") == 1
+    assert delta("loramux_admin_calls_total", method="GetAdapter", code="OK") == 1
+    assert delta("loramux_admin_calls_total", method="GetAdapter", code="NOT_FOUND") == 1
+    assert delta("loramux_admin_call_seconds_count", method="GetAdapter") == 2
+    assert value(after, "loramux_engine_replays_total") >= 1  # the engine's first connect
