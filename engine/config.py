@@ -49,8 +49,12 @@ class EngineConfig:
     # with tp_size > 1 (opt-in: not yet measured on GPUs; only steps after all-greedy
     # steps overlap, others fall back to sync).
     async_scheduling: bool | None = None
+    # directories adapters may be read from (engine/adapters/safe_files.py); empty: each
+    # adapter directory named to add_adapter is trusted as its own root
+    adapter_roots: tuple[str, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "adapter_roots", tuple(self.adapter_roots))
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(
                 f"dtype={self.dtype!r}: must be 'auto' or one of {sorted(_DTYPES)}")

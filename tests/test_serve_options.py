@@ -48,9 +48,10 @@ def model(tmp_path_factory):
 
 
 def test_every_engine_config_field_is_a_flag():
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert {o.dest for o in ENGINE_OPTIONS} == fields - {"model"}
-    assert set(NON_DEFAULT) == fields - {"model"}
+    # model and adapter roots are shared with the control plane: their own flags
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "adapter_roots"}
+    assert {o.dest for o in ENGINE_OPTIONS} == fields
+    assert set(NON_DEFAULT) == fields
     for o in ENGINE_OPTIONS:
         assert "default" in o.help, o.flag  # --help says what happens when it is not given
 
@@ -84,7 +85,9 @@ def test_nothing_given_forwards_nothing(model, tmp_path):
     """The processes' own defaults ("auto") decide what the user did not set."""
     c = _planned(["--model", model], tmp_path)
     args = engine_main.build_parser().parse_args(_sub_args(c.command("engine")))
-    assert engine_main.engine_config(args, {}) == EngineConfig(model=model)
+    # only the adapter roots, which the engine shares with the control plane
+    assert engine_main.engine_config(args, {}) == EngineConfig(
+        model=model, adapter_roots=c.cfg.adapter_roots)
     assert c.cfg.gateway_args == () and c.cfg.control_args == ()
 
 
@@ -142,6 +145,17 @@ def test_bad_values_are_one_line_naming_the_flag(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             parse_args(argv)
         assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and flag in err, (argv, err)
+    from services.control import main as control_main
+    for parser, argv, flag in [
+        (engine_main.build_parser(), ["--block-size", "0"], "--block-size"),
+        (engine_main.build_parser(), ["--shutdown-grace", "-1"], "--shutdown-grace"),
+        (gateway_main.build_parser(), ["--heartbeat-timeout", "nan"], "--heartbeat-timeout"),
+        (control_main.build_parser(), ["--max-lora-rank", "0"], "--max-lora-rank"),
+    ]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and flag in err, (argv, err)
     # end to end through the `loramux` command, and the client commands too

@@ -76,20 +76,6 @@ def run_service(gateway: str, workload: list[Request], concurrency: int | None,
     return asyncio.run(_drive(gateway, workload, concurrency, channels))
 
 
-def warm_service(gateway: str, adapters: list[str | None], prompt_len: int = 8) -> None:
-    """One short request per adapter name (a bounded few), so first-use costs (CUDA graph
-    capture, first slot copies) stay out of the measured run."""
-    run_service(gateway, _warm_workload(adapters, prompt_len), concurrency=8, channels=1)
-
-
-def warm_offline(engine, adapters: list[str | None], prompt_len: int = 8) -> None:
-    run_offline(engine, _warm_workload(adapters, prompt_len), concurrency=8)
-
-
-def _warm_workload(adapters: list[str | None], prompt_len: int) -> list[Request]:
-    return [Request(i, 0.0, a, tuple(range(3, 3 + prompt_len)), 2) for i, a in enumerate(adapters)]
-
-
 # ---- the offline engine ----------------------------------------------------------------
 
 def run_offline(engine, workload: list[Request], concurrency: int | None) -> tuple[list[Record], float]:
