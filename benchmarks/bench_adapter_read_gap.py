@@ -28,6 +28,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama8b  # noqa: E402  (model dir and adapter writers)
+from common import report  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
              num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000)
@@ -120,15 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (adapter / "adapter_model.safetensors").exists():
         llama8b.write_adapter(adapter, model, rank=args.rank)
     r = run(model, adapter, args.rank, args.baseline_s)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "adapter_read_gap.json").write_text(json.dumps(r, indent=2))
-    print("\n| adapter (MB) | load until ack (s) | step p50 / max without load (ms) "
-          "| steps during load | longest step gap during load (ms) |")
-    print("|---|---|---|---|---|")
-    print(f"| {r['adapter_mb']:.0f} | {r['load_s']:.2f} | {r['baseline_step_p50_s'] * 1e3:.0f}"
-          f" / {r['baseline_step_max_s'] * 1e3:.0f} | {r['steps_during_load']} "
-          f"| {r['max_gap_during_load_s'] * 1e3:.0f} |")
+    report(args.out, "adapter_read_gap.json", r, {
+        "adapter (MB)": f"{r['adapter_mb']:.0f}", "load until ack (s)": f"{r['load_s']:.2f}",
+        "step p50 / max without load (ms)":
+            f"{r['baseline_step_p50_s'] * 1e3:.0f} / {r['baseline_step_max_s'] * 1e3:.0f}",
+        "steps during load": str(r["steps_during_load"]),
+        "longest step gap during load (ms)": f"{r['max_gap_during_load_s'] * 1e3:.0f}"})
     return 0
 
 

@@ -15,11 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import report  # noqa: E402
 
 
 def time_engine(model: str, ids: list[int], reps: int) -> tuple[float, str]:
@@ -72,14 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     theirs = time_hf(model, ids, args.reps)
     result = {"tokens": args.tokens, "engine_s": ours, "hf_s": theirs, "ratio": ours / theirs,
               "torch_threads": threads, "engine_config": desc, "model": model}
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "cpu_prefill.json").write_text(json.dumps(result, indent=2))
     print(f"engine: {desc}")
-    print(f"\n| prefill tokens | torch threads | engine (ms) | transformers (ms) | engine / HF |")
-    print(f"|---|---|---|---|---|")
-    print(f"| {args.tokens} | {threads} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | "
-          f"{ours / theirs:.2f}x |")
+    report(args.out, "cpu_prefill.json", result, {
+        "prefill tokens": str(args.tokens), "torch threads": str(threads),
+        "engine (ms)": f"{ours * 1e3:.1f}", "transformers (ms)": f"{theirs * 1e3:.1f}",
+        "engine / HF": f"{ours / theirs:.2f}x"})
     return 0
 
 

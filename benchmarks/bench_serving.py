@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,9 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "clients" / "python")]
 
-from benchmarks.serving import report  # noqa: E402
-from benchmarks.serving.drivers import (run_offline, run_service, warm_offline,  # noqa: E402
-                                        warm_service)
+from benchmarks.serving import counters, report  # noqa: E402
+from benchmarks.serving.drivers import run_offline, run_service  # noqa: E402
 from benchmarks.serving.files import prepare  # noqa: E402
 from benchmarks.serving.workload import (make_workload, parse_lengths,  # noqa: E402
                                          parse_popularity, summarize)
@@ -106,75 +106,98 @@ def _points(args, names: tuple[str, ...], vocab: range) -> list[dict]:
     return points
 
 
-def _engine_totals(cluster) -> dict | None:
-    """Adapter movement counters from the engine's next event (None if none comes)."""
+def _warmup(args, points, names, vocab) -> list:
+    """One round both paths run untimed before their first point: a closed loop as wide as
+    the widest load (32 streams for rate runs), prompts from the runs' length range,
+    outputs of 4-32 tokens so the batch ramps down through every size, over every adapter
+    the runs use. Compiles, autotuning and first slot copies happen here, not in a run."""
+    width = max([p["concurrency"] or 32 for p in points])
+    used = list(names[:max(p["adapters"] for p in points)])
+    return make_workload(2 * width, [None, *used], None, args.input_len, (4, 32), vocab,
+                         None, args.seed + 1), width
+
+
+def _event_counters(cluster) -> dict | None:
+    """The engine's counters from its next event (None if none comes)."""
     msg = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
-    if msg is None:
-        return None
-    return {k: int(v) for k, v in msg.event.stats.items() if k.startswith("adapter_")}
+    return None if msg is None else counters.from_event(msg.event)
 
 
-def _diff(after: dict | None, before: dict | None) -> dict | None:
-    if after is None or before is None:
-        return None
-    return {k: after[k] - before.get(k, 0) for k in after}
+def _keep_logs(workdir: str, out: Path) -> None:
+    """The services' logs next to the results (the engine's resolved config, errors)."""
+    (out / "logs").mkdir(exist_ok=True)
+    for log in Path(workdir).glob("*.log"):
+        shutil.copyfile(log, out / "logs" / log.name)
 
 
-def run_service_points(args, files, points, serve_argv: list[str], work: Path) -> dict:
-    """Start the service, load the adapters, run every point; the engine's resolved config."""
+def run_service_points(args, files, points, warmup, serve_argv: list[str], work: Path) -> dict:
+    """Start the service, load the adapters, warm up, run every point; the engine's
+    resolved config."""
     from loramux import AdminClient
 
     from services.launcher import Cluster, wait_serving
     from services.serve_args import Plan, cluster_config, parse_args
 
+    serve_dir = tempfile.mkdtemp(prefix="serve-", dir=work)  # a fresh registry each run
     flags = ["--model", str(files.model), "--adapter-root", str(files.adapter_root),
              "--gateway-port", "0", "--control-port", "0", "--metrics-port", "-1",
-             "--http-port", "0", "--workdir", str(work / "serve"), *serve_argv]
+             "--http-port", "0", "--workdir", serve_dir, *serve_argv]
     if files.dummy_weights and "--load-format" not in serve_argv:
         flags += ["--load-format", "dummy"]
-    serve_args = parse_args(flags)
-    plan = Plan(str(files.model), (str(files.adapter_root),), str(work / "serve"), False)
-    cfg = cluster_config(serve_args, plan)
+    plan = Plan(str(files.model), (str(files.adapter_root),), serve_dir, False)
+    cfg = cluster_config(parse_args(flags), plan)
     path = os.pathsep.join(p for p in (*sys.path[:2], os.environ.get("PYTHONPATH")) if p)
     cfg.env["PYTHONPATH"] = path  # the services run this checkout, wherever we are called from
-    with Cluster(cfg) as cluster:
-        cluster.start()
-        ready = cluster.wait_ready(timeout_s=900)
-        wait_serving(cluster.gateway_address, timeout_s=900)
-        used = files.names[:max(p["adapters"] for p in points)]
-        t = time.perf_counter()
-        with AdminClient(cluster.control_address) as admin:
-            for i, name in enumerate(used):
-                admin.load(name, name)
-                if (i + 1) % 100 == 0:
-                    print(f"  loaded {i + 1}/{len(used)} adapters", flush=True)
-        print(f"service: {len(used)} adapters loaded in {time.perf_counter() - t:.1f} s; "
-              f"engine: {ready['engine'].get('config')}", flush=True)
-        warm_service(cluster.gateway_address, [None, *used[:8]])
-        for p in points:
-            before = _engine_totals(cluster)
-            records, wall = run_service(cluster.gateway_address, p["workload"], p["concurrency"])
-            p["service"] = summarize(records, wall, args.slo_ttft, args.slo_itl)
-            p["engine_stats"] = _diff(_engine_totals(cluster), before)
-            _say("service", p)
+    try:
+        with Cluster(cfg) as cluster:
+            cluster.start()
+            ready = cluster.wait_ready(timeout_s=900)
+            wait_serving(cluster.gateway_address, timeout_s=900)
+            used = files.names[:max(p["adapters"] for p in points)]
+            t = time.perf_counter()
+            with AdminClient(cluster.control_address) as admin:
+                for i, name in enumerate(used):
+                    admin.load(name, name)
+                    if (i + 1) % 100 == 0:
+                        print(f"  loaded {i + 1}/{len(used)} adapters", flush=True)
+            args.adapter_load_s = time.perf_counter() - t
+            print(f"service: {len(used)} adapters loaded in {args.adapter_load_s:.1f} s; "
+                  f"engine: {ready['engine'].get('config')}", flush=True)
+            args.warmup_s = {"service": _timed(run_service, cluster.gateway_address, *warmup)}
+            pids = {"client": None, **{n: ready[n].get("pid") for n in ("gateway", "engine")}}
+            for p in points:
+                before = _event_counters(cluster)
+                (records, wall), cpu = counters.busy_share(pids, lambda: run_service(
+                    cluster.gateway_address, p["workload"], p["concurrency"]))
+                p["service"] = summarize(records, wall, args.slo_ttft, args.slo_itl)
+                p["service"]["engine"] = counters.during(_event_counters(cluster), before)
+                p["service"]["cpu_busy"] = cpu  # per process: CPU s / wall s
+                _say("service", p)
+    finally:
+        _keep_logs(serve_dir, args.out)
     return ready["engine"]["config"]
 
 
-def run_offline_points(args, files, points, config: dict) -> None:
-    """The same workloads through an in-process Engine with the service's resolved config."""
+def _timed(fn, *a) -> float:
+    t = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t
+
+
+def run_offline_points(args, files, points, warmup, config: dict) -> None:
+    """The same workloads through an in-process Engine with the service's resolved config,
+    after the same warm-up round."""
     from engine import Engine, EngineConfig
-    from engine.server.events import adapter_totals
 
     with Engine(EngineConfig(**config)) as engine:
-        used = files.names[:max(p["adapters"] for p in points)]
-        for name in used:
+        for name in files.names[:max(p["adapters"] for p in points)]:
             engine.add_adapter(name, str(files.adapter_root / name))
-        warm_offline(engine, [None, *used[:8]])
+        args.warmup_s["offline"] = _timed(run_offline, engine, *warmup)
         for p in points:
-            before = adapter_totals(engine.stats())
+            before = counters.from_engine(engine)
             records, wall = run_offline(engine, p["workload"], p["concurrency"])
             p["offline"] = summarize(records, wall, args.slo_ttft, args.slo_itl)
-            p["offline_engine_stats"] = _diff(adapter_totals(engine.stats()), before)
+            p["offline"]["engine"] = counters.during(counters.from_engine(engine), before)
             s, o = p["service"]["output_tok_per_s"], p["offline"]["output_tok_per_s"]
             p["service_over_offline"] = s / o if s and o else None
             _say("offline", p)
@@ -194,13 +217,19 @@ def _meta(args, argv: list[str], config: dict) -> dict:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001 - metadata only
         device = "unknown"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    commit = os.environ.get("LORAMUX_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                    capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
     return {"device": device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": commit, "argv": argv, "engine_config": config,
+            "adapter_load_s": getattr(args, "adapter_load_s", None),
+            "adapters_loaded": max(args.adapter_counts),
+            "order": "service, then offline (each after the same untimed warm-up round)",
+            "warmup_s": getattr(args, "warmup_s", None),
             "popularity": args.popularity, "input_len": args.input_len,
             "output_len": args.output_len, "seed": args.seed,
             "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl}}
@@ -217,14 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     files = prepare(work, tiny=args.tiny, num_adapters=max(args.adapter_counts),
                     distinct=args.distinct_weights, layers=args.layers)
     points = _points(args, files.names, files.vocab)
-    config = run_service_points(args, files, points, serve_argv, work)
+    warmup = _warmup(args, points, files.names, files.vocab)
+    config = run_service_points(args, files, points, warmup, serve_argv, work)
     if not args.no_offline:
-        run_offline_points(args, files, points, config)
+        run_offline_points(args, files, points, warmup, config)
     for p in points:
         p["requests"] = len(p.pop("workload"))
     result = {"meta": _meta(args, argv, config), "points": points}
     (args.out / "serving.json").write_text(json.dumps(result, indent=2, default=_jsonable))
-    text = report.table(points)
+    text = report.table(points, result["meta"])
     (args.out / "table.md").write_text(text + "\n")
     plots = []
     if sum(r is not None for r, _ in args.loads) > 1 and report.plot_rate_sweep(points, args.out / "latency_vs_throughput.png"):

@@ -88,3 +88,17 @@ def rotating_sets(bytes_per_set: int, l2_bytes: int = 50 << 20, most: int = 8) -
 def floor_seconds(nbytes: int, bandwidth: float, launches: int) -> float:
     """Memory floor plus the graph launch floor."""
     return nbytes / bandwidth + launches * LAUNCH_FLOOR_S
+
+
+def report(out: str | None, name: str, result: dict, row: dict[str, str]) -> None:
+    """Write `result` as JSON to OUT/name when `out` is given, and print `row` (column
+    header -> cell) as a one-row markdown table."""
+    import json
+    from pathlib import Path
+
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(json.dumps(result, indent=2))
+    print("\n| " + " | ".join(row) + " |")
+    print("|" + "---|" * len(row))
+    print("| " + " | ".join(row.values()) + " |")

@@ -14,6 +14,7 @@ import torch
 
 from engine.adapters.host_cache import HostCache
 from engine.adapters.loader import DiskLoader
+from engine.adapters.safe_files import AdapterRoots
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.service import AdapterService
@@ -24,8 +25,8 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
+from engine.model.archs import build_model
 from engine.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
 from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
@@ -33,7 +34,7 @@ from engine.runner import ModelRunner
 
 @dataclass(frozen=True)
 class ModelParts:
-    model: LlamaForCausalLM
+    model: torch.nn.Module  # the architecture's model (engine/model/archs)
     lora_pool: LoRASlotPool
     num_kv_blocks: int
     kv: KVCacheManager
@@ -44,7 +45,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
                       device: torch.device, tp: TPGroup, executor=None) -> ModelParts:
     """`executor`: rank 0's TPExecutor at TP > 1 (agrees the KV block count), else None."""
     dtype = config.torch_dtype
-    model = LlamaForCausalLM(mc, dtype, device, tp)
+    model = build_model(mc, dtype, device, tp, max_model_len)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed + tp.rank)
     else:
@@ -64,6 +65,18 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
                       runner)
 
 
+def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
+                   buffers: HostBufferPool):
+    """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
+    read inside the adapter roots."""
+    roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
+
+    def read(path: str, version: str | None):
+        return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
+                         roots=roots, expected_version=version, buffers=buffers)
+    return read
+
+
 def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.device,
                         tp: TPGroup, executor, slots: SlotTable, pinned: set[int],
                         lora_pool: LoRASlotPool, kv: KVCacheManager
@@ -75,8 +88,7 @@ def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.dev
     # load and host-copy drop on the other ranks (by adapter id)
     adapters = AdapterResidency(
         registry, slots, HostCache(config.max_cpu_loras, pinned),
-        DiskLoader(lambda path: load_lora(path, mc, config.max_lora_rank, tp=tp,
-                                          dtype=config.torch_dtype, buffers=buffers)),
+        DiskLoader(adapter_reader(config, mc, tp, buffers)),
         lora_pool, device,
         mirror=AdapterMirror(executor, registry) if executor is not None else None)
     return registry, adapters, AdapterService(registry, slots, adapters, kv, config.max_loras)

@@ -24,7 +24,7 @@ class EngineConfig:
     # None below = sized from the model and the memory (engine/resolve.py)
     max_loras: int | None = None    # device slots; also the cap on distinct adapters per batch
     max_cpu_loras: int | None = None  # host copies (>= max_loras)
-    max_lora_rank: int = 64
+    max_lora_rank: int = 16         # largest adapter rank accepted; sizes slots and copies
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = what gpu_memory_utilization leaves (CPU: 1024)
     # share of the GPU's total memory this engine may use: weights, adapter slots,
@@ -49,8 +49,12 @@ class EngineConfig:
     # with tp_size > 1 (opt-in: not yet measured on GPUs; only steps after all-greedy
     # steps overlap, others fall back to sync).
     async_scheduling: bool | None = None
+    # directories adapters may be read from (engine/adapters/safe_files.py); empty: each
+    # adapter directory named to add_adapter is trusted as its own root
+    adapter_roots: tuple[str, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "adapter_roots", tuple(self.adapter_roots))
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(
                 f"dtype={self.dtype!r}: must be 'auto' or one of {sorted(_DTYPES)}")

@@ -106,18 +106,23 @@ class Engine:
         self.batch_sizes = Histogram("batch_size", BATCH_SIZES)  # sequences per forward pass
 
     # ---- adapters ---------------------------------------------------------------
-    def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> int:
+    def add_adapter(self, name: str, path: str | Path, pinned: bool = False,
+                    version: str | None = None) -> int:
         """Validate and read a PEFT adapter into host memory; returns its new id (a new
         one on every call, also for a name already loaded: see AdapterRegistry). It is
-        copied into a device slot when a request (or a pin) needs it. Raises AdapterError
-        (nothing registered) or CapacityError (a pin would take the last dynamic slot)."""
-        return self.adapter_service.add(name, path, pinned)
+        copied into a device slot when a request (or a pin) needs it. `path` must lie in
+        the configured adapter roots; `version`, when given, is the sha256 version the
+        files must have. Raises AdapterError (nothing registered; AdapterPathError,
+        AdapterChangedError) or CapacityError (a pin would take the last dynamic slot)."""
+        return self.adapter_service.add(name, path, pinned, version)
 
-    def read_adapter(self, name: str, path: str | Path) -> ReadAdapter:
-        """The disk half of add_adapter: read and validate `path` for `name`, changing
-        nothing in the engine, so it may run on any thread while steps go on (the engine
-        server reads admin loads this way). Raises AdapterError."""
-        return self.adapter_service.read(name, path)
+    def read_adapter(self, name: str, path: str | Path,
+                     version: str | None = None) -> ReadAdapter:
+        """The disk half of add_adapter: read and validate `path` for `name` (of
+        `version`, when given), changing nothing in the engine, so it may run on any
+        thread while steps go on (the engine server reads admin loads this way). Raises
+        AdapterError."""
+        return self.adapter_service.read(name, path, version)
 
     def register_adapter(self, read: ReadAdapter, pinned: bool = False) -> int:
         """The other half, on the step thread: register what read_adapter returned under
@@ -375,10 +380,10 @@ class Engine:
     def stats(self) -> dict:
         """Counters for the control plane and metrics. Per engine: KV blocks (total,
         free), queue lengths, slots used, host copies, pending evictions (retired versions
-        still draining). Per adapter version (keyed by id): name, path, rank, state
-        ("slot" ready in a device slot, "host", or "disk"), slot, pinned, unloading,
-        in-flight requests, slot loads and evictions, disk reads, host evictions and
-        cached-token hits."""
+        still draining). Per adapter version (keyed by id): name, path, rank, sha256
+        version, state ("slot" ready in a device slot, "host", or "disk"), slot, pinned,
+        unloading, in-flight requests, slot loads and evictions, disk reads, host
+        evictions and cached-token hits."""
         return {
             "num_kv_blocks": self.num_kv_blocks, "free_kv_blocks": self.kv.num_free_blocks,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

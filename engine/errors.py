@@ -30,6 +30,22 @@ class AdapterError(LoramuxError):
         self.file = file
 
 
+class AdapterPathError(AdapterError):
+    """The adapter path leaves the adapter roots or crosses a symbolic link (gRPC
+    PERMISSION_DENIED). The message names the path only as given."""
+
+    def __init__(self, message: str):
+        super().__init__(message, feature="path")
+
+
+class AdapterChangedError(AdapterError):
+    """The adapter's files are not the version that was validated (registered) or loaded
+    under this id (gRPC FAILED_PRECONDITION: load or register the name again)."""
+
+    def __init__(self, message: str, file: str = ""):
+        super().__init__(message, feature="changed_on_disk", file=file)
+
+
 class AdapterNotFoundError(LoramuxError, KeyError):
     """No adapter of that name is known to the engine (gRPC NOT_FOUND)."""
 

@@ -10,4 +10,4 @@ pip install -q --upgrade pip
 # Pinned first so the server package's "torch>=2.4" is already met: on a CPU-only machine
 # this is the CPU build; a CUDA machine gets its CUDA build.
 pip install -q "torch==${LORAMUX_TORCH_VERSION:-2.13.0}"
-pip install -q -e ".[test]" -e clients/python
+pip install -q -e ".[test,dev]" -e clients/python

@@ -70,21 +70,21 @@ class Cluster:
         c = self.cfg
         common = ["--model", c.model, *(["--zmq-keys", self.zmq_keys.directory]
                                         if self.zmq_keys else ["--insecure-zmq"])]
+        roots = [a for r in c.adapter_roots for a in ("--adapter-root", r)]
         if name == "engine":
-            return [sys.executable, "-m", "engine.server", *common, "--input", self.engine_input,
+            return [sys.executable, "-m", "engine.server", *common, *roots, "--input", self.engine_input,
                     "--output", self.engine_output, "--tensor-parallel-size",
                     str(c.tensor_parallel_size), "--ready-file", self._ready(name),
                     "--shutdown-grace", str(c.shutdown_grace_s), *c.engine_args]
         links = ["--engine-input", self.engine_input, "--engine-output", self.engine_output,
                  "--table-address", self.table_address, "--ready-file", self._ready(name)]
         if name == "control":
-            roots = [a for r in c.adapter_roots for a in ("--adapter-root", r)]
             token = ["--auth-token", c.auth_token] if c.auth_token else []
             return [sys.executable, "-m", "services.control", *common, *links, *roots, *token,
                     "--listen", self.control_address, "--db", self.db, *c.control_args]
         http = ["--http-port", str(self.http_port)] if self.http_port > 0 else []
         token = ["--auth-token", c.auth_token] if c.auth_token else []
-        return [sys.executable, "-m", "services.gateway", *common, *links,
+        return [sys.executable, "-m", "services.gateway", *common, *links, *roots,
                 "--listen", self.gateway_address, "--metrics-port", str(c.metrics_port),
                 "--shutdown-grace", str(c.shutdown_grace_s), *http, *token, *c.gateway_args]
 

@@ -82,8 +82,16 @@ def test_tiny_run_writes_the_report(tmp_path):
                 assert 0 <= s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
             assert 0.0 <= s["slo"]["attainment"] <= 1.0
         assert p["service_over_offline"] > 0
-        assert set(p["engine_stats"]) >= {"adapter_disk_reads", "adapter_slot_loads"}
-    assert "| adapters | load |" in (out / "table.md").read_text()
+        for system in ("service", "offline"):
+            eng = p[system]["engine"]
+            assert set(eng) >= {"adapter_disk_reads", "adapter_slot_loads", "steps",
+                                "mean_step_ms", "mean_batch"}, eng
+            assert eng["steps"] > 0 and eng["mean_batch"] >= 1
+        assert all(p["service"]["cpu_busy"][k] > 0 for k in ("client", "gateway", "engine"))
+    assert meta["adapter_load_s"] > 0 and set(meta["warmup_s"]) == {"service", "offline"}
+    assert {"engine.log", "gateway.log", "control.log"} <= {f.name for f in (out / "logs").iterdir()}
+    table = (out / "table.md").read_text()
+    assert "| adapters | load |" in table and "3 adapters loaded through AdminClient" in table
     has_plots = importlib.util.find_spec("matplotlib") is not None
     assert (out / "latency_vs_throughput.png").exists() == has_plots
     assert (out / "adapters.png").exists() == has_plots

@@ -196,3 +196,25 @@ def test_tokenization_runs_off_the_event_loop(model_dir):
 
     ids, loop_thread = asyncio.run(main())
     assert len(ids) > 100 and seen and all(t is not loop_thread for t in seen)
+
+
+def test_prompts_far_over_the_limit_are_refused_without_tokenizing(model_dir):
+    builder = _builder(model_dir)
+    calls = []
+    builder.tokenizer.encode = lambda *a, **kw: calls.append(a) or [1]
+    big = "the quick brown fox " * 20_000  # 400,000 characters for a 1024-token model
+    for req, field in ((generate_pb2.GenerateRequest(text=big), "text"),
+                       (_chat_request([{"role": "user", "content": big}]), "messages.messages"),
+                       (generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5] * 1024)),
+                        "token_ids.ids")):
+        with pytest.raises(Rejected) as info:
+            _ids_with_limit(builder, req, 1024)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.field == field and "limit is 1024" in str(info.value)
+    assert calls == []
+    _ids_with_limit(builder, generate_pb2.GenerateRequest(text="the quick brown fox"), 1024)
+    assert len(calls) == 1  # a prompt that may fit is tokenized
+
+
+def _ids_with_limit(builder, req, max_len) -> list[int]:
+    return asyncio.run(builder.token_ids(req, None, max_len, builder.tokenizer.vocab_size))

@@ -240,7 +240,7 @@ def test_bad_admin_requests(cluster, admin, files):
         (lambda: admin.register("dora", "dora"), grpc.StatusCode.INVALID_ARGUMENT, "use_dora"),
         (lambda: admin.register("x", str(root / "outside" / "x")), grpc.StatusCode.PERMISSION_DENIED, "outside"),
         (lambda: admin.register("x", "../outside/x"), grpc.StatusCode.PERMISSION_DENIED, ".."),
-        (lambda: admin.register("x", "escape"), grpc.StatusCode.PERMISSION_DENIED, "outside"),
+        (lambda: admin.register("x", "escape"), grpc.StatusCode.PERMISSION_DENIED, "symbolic link"),
         (lambda: admin.register("bad name!", "a1"), grpc.StatusCode.INVALID_ARGUMENT, "invalid"),
         (lambda: admin.load("nope"), grpc.StatusCode.NOT_FOUND, "nope"),
         (lambda: admin.register("a1", "a2"), grpc.StatusCode.ALREADY_EXISTS, "a1"),
@@ -279,7 +279,7 @@ def test_admission_limit(cluster, files):
         wait_serving(listen)
 
         async def run():
-            async with AsyncGenerateClient(listen) as g:
+            async with AsyncGenerateClient(listen, retry=False) as g:  # the refusal itself
                 streams = [g.stream("hi", None, temperature=0.0, max_tokens=LONG, ignore_eos=True)
                            for _ in range(2)]
                 for s in streams:

@@ -93,7 +93,7 @@ def test_sigterm_drains_in_flight_streams(files):
         adapters = ["a1" if i % 2 else None for i in range(STREAMS)]
 
         async def scenario():
-            async with AsyncGenerateClient(gateway) as client:
+            async with AsyncGenerateClient(gateway, retry=False) as client:
                 started, counter = asyncio.Event(), []
                 tasks = [asyncio.create_task(_stream(client, p, a, started, counter))
                          for p, a in zip(prompts, adapters)]
@@ -147,7 +147,7 @@ def test_sigterm_on_the_engine_alone_drains(files, tmp_path):
         n = 6
 
         async def scenario():
-            async with AsyncGenerateClient(c.gateway_address) as client:
+            async with AsyncGenerateClient(c.gateway_address, retry=False) as client:
                 started, counter = asyncio.Event(), []
                 tasks = [asyncio.create_task(_stream(client, PROMPTS[i % 4], None, started, counter))
                          for i in range(n)]

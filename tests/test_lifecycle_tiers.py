@@ -12,7 +12,7 @@ from tests.test_engine_parity import prompts_of
 
 
 def make_engine(family, adapters=None, **kw):
-    cfg = dict(model=str(family.model_dir), max_loras=2, block_size=8, num_kv_blocks=64,
+    cfg = dict(model=str(family.model_dir), max_loras=2, max_lora_rank=32, block_size=8, num_kv_blocks=64,
                max_num_batched_tokens=32)
     cfg.update(kw)
     eng = Engine(EngineConfig(**cfg))
@@ -135,7 +135,7 @@ def test_prefetch_never_makes_a_step_wait(llama_family, llama_oracle):
     batches = checked(eng)
     gate = threading.Event()
     read = eng.adapters.loader._load_weights
-    eng.adapters.loader._load_weights = lambda path: (gate.wait(30), read(path))[1]
+    eng.adapters.loader._load_weights = lambda path, version: (gate.wait(30), read(path, version))[1]
     prompt = prompts_of([6], seed=42)[0]
     eng.add_request("base", prompt, greedy(10), None)
     eng.step()

@@ -87,7 +87,7 @@ def test_engine_killed_in_a_long_step_is_unavailable_within_two_seconds(slow_ste
     err, t_end = errors[0]
     assert err.code == grpc.StatusCode.UNAVAILABLE, err
     assert t_end - t_kill < 2.0, t_end - t_kill
-    with GenerateClient(slow_steps.gateway_address) as gen:
+    with GenerateClient(slow_steps.gateway_address, retry=False) as gen:
         with pytest.raises(LoramuxError) as info:
             gen.generate([5, 6], None, max_tokens=2)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE

@@ -2,6 +2,7 @@
 file, from both validate_lora (header only) and load_lora, and nothing is loaded."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -259,3 +260,35 @@ def test_keys_with_adapter_name_load_the_same(base, adapter):
 def test_bias_tensors(base, adapter, suffix, feature):
     edit_tensors(adapter, lambda t: t.update({f"{Q0}.{suffix}": torch.zeros(64)}))
     refused(base[0], adapter, feature, WEIGHTS)
+
+
+def test_version_is_the_hash_of_the_bytes_served(base, adapter):
+    """A same-size, same-mtime change of one weight is a new version: refused under the
+    old one (what the engine does for a registered or loaded id)."""
+    from engine.errors import AdapterChangedError
+    cfg = base[0]
+    version = validate_lora(adapter, cfg, MAX_RANK).version
+    assert load_lora(adapter, cfg, MAX_RANK, expected_version=version).version == version
+    path = adapter / WEIGHTS
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1                                   # last byte of the last tensor
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(AdapterChangedError):
+        load_lora(adapter, cfg, MAX_RANK, expected_version=version)
+    assert validate_lora(adapter, cfg, MAX_RANK).version != version
+
+
+def test_linked_files_inside_a_root_are_refused(base, adapter, tmp_path):
+    from engine.adapters.safe_files import AdapterRoots
+    cfg = base[0]
+    roots = AdapterRoots([str(tmp_path)])
+    assert load_lora("adapter", cfg, MAX_RANK, roots=roots).max_rank == 8
+    real = tmp_path / "elsewhere.safetensors"
+    (adapter / WEIGHTS).rename(real)
+    os.symlink(real, adapter / WEIGHTS)
+    for fn in (load_lora, validate_lora):
+        with pytest.raises(AdapterError, match="symbolic link") as ei:
+            fn("adapter", cfg, MAX_RANK, roots=roots)
+        assert ei.value.feature == "not_a_file"

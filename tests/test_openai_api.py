@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API against a real `loramux serve` (control plane, engine and
 gateway processes on loopback), driven by the official `openai` client, sync and async,
 streamed and not: the same tokens as the gRPC path for the base model and two adapters in
-one run, /v1/models following loads and unloads, errors in OpenAI's shape."""
+one run, /v1/models following loads and unloads, errors in OpenAI's shape. On the same
+server: the gRPC errors' details (field violations, RetryInfo) and the SDK's retries."""
 from __future__ import annotations
 
 import asyncio
@@ -11,13 +12,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
-from loramux import AdminClient, GenerateClient
+from loramux import AdminClient, GenerateClient, LoramuxError
 
 from engine.tokenizer import Tokenizer
 from services.common.chat_template import ChatTemplate
@@ -383,3 +386,47 @@ def test_overload_is_429_and_others_are_undisturbed(client, server):
             assert time.monotonic() < deadline
             time.sleep(0.1)
     assert out.usage.completion_tokens == 2
+
+
+# ---- gRPC error details and SDK retries (the same gateway) ---------------------------
+
+def test_grpc_errors_carry_field_violations(server, grpc_client):
+    cases = [(lambda: grpc_client.generate("x", "a1", temperature=-1.0), "sampling.temperature"),
+             (lambda: grpc_client.generate([10**6], None), "token_ids.ids"),
+             (lambda: grpc_client.chat([{"role": "", "content": "x"}], "a1"),
+              "messages.messages[0].role"),
+             (lambda: grpc_client.generate("x " * 3000, None), "prompt")]
+    for call, field in cases:
+        with pytest.raises(LoramuxError) as info:
+            call()
+        err = info.value
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in err.field_violations] == [field]
+        assert err.field_violations[0][1] == err.details and err.retry_delay is None
+    with pytest.raises(LoramuxError) as info:
+        grpc_client.generate("x", "nope")
+    assert info.value.code == grpc.StatusCode.NOT_FOUND and not info.value.field_violations
+
+
+def test_overload_retry_info_and_sdk_retries(server):
+    """At the admission limit: RESOURCE_EXHAUSTED with RetryInfo; the SDK's retry policy
+    carries a call over the moment a slot frees, a client without retries fails at once."""
+    with GenerateClient(server["gateway"], retry=False) as plain, \
+            GenerateClient(server["gateway"]) as retrying:
+        streams = [plain.stream(PROMPTS[0], "a1", max_tokens=400, ignore_eos=True)
+                   for _ in range(MAX_INFLIGHT)]
+        for s in streams:
+            next(s)
+        try:
+            with pytest.raises(LoramuxError) as info:
+                plain.generate("x", None, max_tokens=2)
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert info.value.retry_delay == 1.0
+            release = threading.Timer(0.2, streams.pop().close)
+            release.start()
+            out = retrying.generate("x", None, max_tokens=2)  # refused, retried, served
+            release.join()
+            assert len(out.token_ids) == 2
+        finally:
+            for s in streams:
+                s.close()

@@ -48,9 +48,10 @@ def model(tmp_path_factory):
 
 
 def test_every_engine_config_field_is_a_flag():
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert {o.dest for o in ENGINE_OPTIONS} == fields - {"model"}
-    assert set(NON_DEFAULT) == fields - {"model"}
+    # model and adapter roots are shared with the control plane: their own flags
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "adapter_roots"}
+    assert {o.dest for o in ENGINE_OPTIONS} == fields
+    assert set(NON_DEFAULT) == fields
     for o in ENGINE_OPTIONS:
         assert "default" in o.help, o.flag  # --help says what happens when it is not given
 
@@ -84,7 +85,9 @@ def test_nothing_given_forwards_nothing(model, tmp_path):
     """The processes' own defaults ("auto") decide what the user did not set."""
     c = _planned(["--model", model], tmp_path)
     args = engine_main.build_parser().parse_args(_sub_args(c.command("engine")))
-    assert engine_main.engine_config(args, {}) == EngineConfig(model=model)
+    # only the adapter roots, which the engine shares with the control plane
+    assert engine_main.engine_config(args, {}) == EngineConfig(
+        model=model, adapter_roots=c.cfg.adapter_roots)
     assert c.cfg.gateway_args == () and c.cfg.control_args == ()
 
 
@@ -111,8 +114,8 @@ def _serve_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProce
                           env={**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
-def _one_line_error(proc, *words):
-    assert proc.returncode == 2, proc
+def _one_line_error(proc, *words, code=2):
+    assert proc.returncode == code, proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     for w in words:
@@ -144,6 +147,17 @@ def test_bad_values_are_one_line_naming_the_flag(tmp_path, capsys):
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and flag in err, (argv, err)
+    from services.control import main as control_main
+    for parser, argv, flag in [
+        (engine_main.build_parser(), ["--block-size", "0"], "--block-size"),
+        (engine_main.build_parser(), ["--shutdown-grace", "-1"], "--shutdown-grace"),
+        (gateway_main.build_parser(), ["--heartbeat-timeout", "nan"], "--heartbeat-timeout"),
+        (control_main.build_parser(), ["--max-lora-rank", "0"], "--max-lora-rank"),
+    ]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and flag in err, (argv, err)
     # end to end through the `loramux` command, and the client commands too
     for argv, flag in [(["serve", "--max-loras", "0"], "--max-loras"),
                        (["generate", "--seed", "-1", "hi"], "--seed"),
@@ -159,6 +173,13 @@ def test_engine_server_bad_environment_is_one_line(model):
          "--output", "tcp://127.0.0.1:2", "--insecure-zmq"], cwd=ROOT, capture_output=True,
         text=True, timeout=120, env={**os.environ, "LORAMUX_MAX_LORAS": "lots"})
     _one_line_error(proc, "LORAMUX_MAX_LORAS", "--max-loras")
+
+
+def test_serve_reports_an_engine_that_cannot_start_in_one_line(model, tmp_path):
+    proc = _serve_cli("serve", "--model", model, "--gateway-port", "0", "--control-port", "0",
+                      "--metrics-port", "-1", "--http-port", "0", "--workdir", str(tmp_path),
+                      env={"LORAMUX_MAX_LORAS": "lots", "OMP_NUM_THREADS": "1"})
+    _one_line_error(proc, "engine exited", "LORAMUX_MAX_LORAS", "--max-loras", code=1)
 
 
 def test_resolved_config_of_a_real_engine(model, tmp_path):

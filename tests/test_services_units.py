@@ -44,18 +44,21 @@ def test_adapter_roots(tmp_path):
     os.symlink(outside / "x", root / "escape")
     os.symlink(root / "ok", root / "alias")
     roots = AdapterRoots([str(root)])
-    assert roots.resolve("ok") == str((root / "ok").resolve())
-    assert roots.resolve(str(root / "ok")) == str((root / "ok").resolve())
-    assert roots.resolve("alias") == str((root / "ok").resolve())  # symlink staying inside
+    assert roots.canonical("ok") == str((root / "ok").resolve())
+    assert roots.canonical(str(root / "ok")) == str((root / "ok").resolve())
+    roots.open_dir("ok").close()
     for bad, why in (("../outside/x", "'..'"), ("ok/../ok", "'..'"), (str(outside / "x"), "outside"),
-                     ("escape", "outside"), ("", "empty")):
+                     ("", "empty")):
         with pytest.raises(PathRefused, match=why):
-            roots.resolve(bad)
+            roots.canonical(bad)
+    for link in ("escape", "alias"):  # no link is followed, even one staying inside
+        with pytest.raises(PathRefused, match="symbolic link"):
+            roots.open_dir(link)
 
 
 def test_adapter_names():
     assert check_name("my-adapter_1.v2") is None
-    for bad in ("", "-x", "a b", "a/b", "x" * 129, "é"):
+    for bad in ("", "-x", "a b", "a/b", "x" * 129, "é", "a\n"):
         assert "invalid" in check_name(bad)
 
 

@@ -30,7 +30,7 @@ def test_step_plan_round_trip():
 
 def test_add_adapter_round_trip_keeps_unicode_paths():
     path = "/adapters/café 你好/v2"
-    assert decode_add_adapter(encode_add_adapter(12, path)) == (12, path)
+    assert decode_add_adapter(encode_add_adapter(12, path, "ab12")) == (12, path, "ab12")
 
 
 def _entry(req, start, n, blocks, slot=-1):

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 _HEAD = ("| adapters | load | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-         "| e2e p50 / p99 s | SLO | disk reads | slot loads | offline tok/s | service/offline "
-         "| errors |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+         "| e2e p50 / p99 s | SLO | disk reads | slot loads | mean batch | offline tok/s "
+         "| offline batch | service/offline | CPU client / gateway / engine | errors |\n"
+         + "|---" * 16 + "|")
 
 
 def _f(x, scale=1.0, digits=1) -> str:
@@ -18,19 +19,34 @@ def _pair(dist: dict, scale: float, digits: int) -> str:
     return f"{_f(dist['p50'], scale, digits)} / {_f(dist['p99'], scale, digits)}"
 
 
-def table(points: list[dict]) -> str:
-    lines = [_HEAD]
+def _cpu(busy: dict | None) -> str:
+    """Cores kept busy (CPU s / wall s) by the client, the gateway and the engine."""
+    if not busy:
+        return "-"
+    return " / ".join(_f(busy.get(k), digits=2) for k in ("client", "gateway", "engine"))
+
+
+def table(points: list[dict], meta: dict) -> str:
+    """The runs, one row each, under a line on the set-up (adapter loads, warm-up)."""
+    warm = meta.get("warmup_s") or {}
+    load_s, n = meta.get("adapter_load_s"), meta.get("adapters_loaded")
+    lines = [f"{n} adapters loaded through AdminClient in {_f(load_s, digits=1)} s "
+             f"({_f(load_s / n if load_s and n else None, 1e3, 0)} ms each); "
+             f"order: {meta.get('order')}; warm-up s: "
+             + ", ".join(f"{k} {v:.1f}" for k, v in warm.items()), "", _HEAD]
     for p in points:
-        s, off, eng = p["service"], p.get("offline"), p.get("engine_stats") or {}
+        s, off = p["service"], p.get("offline")
+        eng = s.get("engine") or {}
+        off_eng = (off or {}).get("engine") or {}
         load = f"{p['rate']:g} req/s" if p["rate"] is not None else f"{p['concurrency']} streams"
         lines.append(
             f"| {p['adapters']} | {load} | {_f(s['req_per_s'], digits=2)} "
             f"| {_f(s['output_tok_per_s'])} | {_pair(s['ttft_s'], 1e3, 0)} "
             f"| {_pair(s['itl_s'], 1e3, 1)} | {_pair(s['e2e_s'], 1, 2)} "
             f"| {_f(s['slo']['attainment'], digits=3)} | {eng.get('adapter_disk_reads', '-')} "
-            f"| {eng.get('adapter_slot_loads', '-')} "
-            f"| {_f(off['output_tok_per_s']) if off else '-'} "
-            f"| {_f(p.get('service_over_offline'), digits=3)} "
+            f"| {eng.get('adapter_slot_loads', '-')} | {_f(eng.get('mean_batch'))} "
+            f"| {_f(off['output_tok_per_s']) if off else '-'} | {_f(off_eng.get('mean_batch'))} "
+            f"| {_f(p.get('service_over_offline'), digits=3)} | {_cpu(s.get('cpu_busy'))} "
             f"| {sum(s['errors'].values()) if s['errors'] else 0} |")
     return "\n".join(lines)
 

@@ -90,7 +90,7 @@ class AdapterResidency:
         rec = self.registry.get(adapter_id)
         self.loader.cancel(adapter_id)
         t0 = time.perf_counter()
-        weights = self.loader.read_checked(rec.path, rec.fingerprint)
+        weights = self.loader.read(rec.path, rec.version)
         self.disk_read_seconds.observe(time.perf_counter() - t0)
         rec.disk_reads += 1
         self._put(adapter_id, weights, (PIN,))
@@ -182,7 +182,7 @@ class AdapterResidency:
         if not head and self.host.room_for(self.host.claim(aid)) <= self.loader.num_pending:
             return
         rec = self.registry.get(aid)
-        self.loader.submit(aid, rec.path, rec.fingerprint)
+        self.loader.submit(aid, rec.path, rec.version)
         self._reads_started[aid] = time.perf_counter()
 
     def _load_slot(self, aid: int, weights, protected: set[int]) -> bool:

@@ -18,24 +18,19 @@ root), never what lies beyond a link, so a refusal reveals nothing outside the r
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
 from pathlib import PurePosixPath
 from typing import NamedTuple
 
-from engine.errors import AdapterError
+from engine.errors import AdapterChangedError, AdapterError
+from engine.errors import AdapterPathError as PathRefused
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _CHUNK = 8 << 20
-
-
-class PathRefused(AdapterError):
-    """The adapter path is outside the roots or crosses a link (gRPC PERMISSION_DENIED)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, feature="path")
 
 
 class FileRead(NamedTuple):
@@ -64,7 +59,11 @@ class AdapterDir:
 
     def names(self) -> list[str]:
         """The entries of the directory (no link is followed)."""
-        return sorted(os.listdir(self._fd))
+        try:
+            return sorted(os.listdir(self._fd))
+        except OSError as e:
+            raise AdapterError(f"the directory cannot be listed ({os.strerror(e.errno)})",
+                               feature="adapter_dir", file=self.shown) from None
 
     def kind(self, name: str) -> str | None:
         """'file', 'dir', 'link', 'other' for the entry `name`, or None if it is absent."""
@@ -73,6 +72,9 @@ class AdapterDir:
             st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise AdapterError(f"{name} cannot be examined ({os.strerror(e.errno)})",
+                               feature="not_a_file", file=f"{self.shown}/{name}") from None
         return _kind(st.st_mode)
 
     def read(self, name: str, max_bytes: int) -> FileRead:
@@ -85,6 +87,9 @@ class AdapterDir:
             st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
         except FileNotFoundError:
             raise AdapterError(f"{name} is missing", feature="missing_file", file=where) from None
+        except OSError as e:
+            raise AdapterError(f"{name} cannot be examined ({os.strerror(e.errno)})",
+                               feature="not_a_file", file=where) from None
         if not stat.S_ISREG(st.st_mode):
             raise AdapterError(f"{name} is a {_kind(st.st_mode)}, not a regular file (links "
                                "are not followed)", feature="not_a_file", file=where)
@@ -98,6 +103,9 @@ class AdapterDir:
                                feature="not_a_file", file=where) from None
         try:
             return _read_whole(fd, st, name, where)
+        except OSError as e:  # e.g. EIO, or a directory swapped in (EISDIR)
+            raise AdapterError(f"{name} cannot be read ({os.strerror(e.errno)})",
+                               feature="not_a_file", file=where) from None
         finally:
             os.close(fd)
 
@@ -105,8 +113,7 @@ class AdapterDir:
 def _read_whole(fd: int, before: os.stat_result, name: str, where: str) -> FileRead:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-        raise AdapterError(f"{name} was replaced while being opened", feature="changed_on_disk",
-                           file=where)
+        raise AdapterChangedError(f"{name} was replaced while being opened", file=where)
     buf = bytearray(st.st_size)
     view = memoryview(buf)
     h = hashlib.sha256()
@@ -119,8 +126,7 @@ def _read_whole(fd: int, before: os.stat_result, name: str, where: str) -> FileR
         got += n
     after = os.fstat(fd)
     if got != st.st_size or os.read(fd, 1) or _moved(st, after):
-        raise AdapterError(f"{name} changed while being read", feature="changed_on_disk",
-                           file=where)
+        raise AdapterChangedError(f"{name} changed while being read", file=where)
     return FileRead(bytes(buf), h.hexdigest())
 
 
@@ -220,6 +226,9 @@ def _enter(parent: int, part: str, shown: str, so_far: str) -> int:
         raise AdapterError(f"adapter path {shown!r}: {so_far!r} does not exist",
                            feature="adapter_dir") from None
     except OSError as e:  # a link or a non-directory swapped in after the stat
+        if e.errno == errno.ENAMETOOLONG:
+            raise AdapterError(f"adapter path {shown!r}: a component is too long",
+                               feature="adapter_dir") from None
         raise PathRefused(f"adapter path {shown!r}: {so_far!r} cannot be opened as a "
                           f"directory ({os.strerror(e.errno)})") from None
     finally:

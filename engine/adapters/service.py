@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from engine.adapters.loader import fingerprint
 from engine.adapters.registry import BASE_ID, AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.slots import SlotTable
-from engine.errors import AdapterError, CapacityError
+from engine.errors import CapacityError
 from engine.kv.kv_cache_manager import KVCacheManager
 
 
@@ -24,7 +23,7 @@ class ReadAdapter(NamedTuple):
     name: str
     path: str
     weights: Any          # LoRAWeights
-    fingerprint: tuple    # of its files before the read (engine/adapters/loader.py)
+    version: str          # sha256 of the bytes it was built from (safe_files)
 
 
 class AdapterService:
@@ -37,31 +36,28 @@ class AdapterService:
         self.max_loras = max_loras
         self.base_cache_hits = 0  # prefix-cache hits of base-model requests
 
-    def add(self, name: str, path: str | Path, pinned: bool = False) -> int:
+    def add(self, name: str, path: str | Path, pinned: bool = False,
+            version: str | None = None) -> int:
         """See Engine.add_adapter."""
         self.registry.check_name(name)
         if pinned:
             self._check_can_pin(name)  # before the read: fail fast
-        return self.register(self.read(name, path), pinned)
+        return self.register(self.read(name, path, version), pinned)
 
-    def read(self, name: str, path: str | Path) -> "ReadAdapter":
+    def read(self, name: str, path: str | Path, version: str | None = None) -> "ReadAdapter":
         """See Engine.read_adapter: reads and validates, changes nothing (any thread)."""
         self.registry.check_name(name)
-        before = fingerprint(path)
         t0 = time.perf_counter()
-        weights = self.residency.loader.read(path)
+        weights = self.residency.loader.read(path, version)
         self.residency.disk_read_seconds.observe(time.perf_counter() - t0)
-        if fingerprint(path) != before:
-            raise AdapterError(f"adapter files at {path} changed while being read",
-                               feature="changed_on_disk")
-        return ReadAdapter(name, str(path), weights, before)
+        return ReadAdapter(name, str(path), weights, weights.version)
 
     def register(self, read: "ReadAdapter", pinned: bool = False) -> int:
         """See Engine.register_adapter."""
         if pinned:
             self._check_can_pin(read.name)
         old = self.registry.current(read.name)
-        aid = self.registry.add(read.name, read.path, read.weights.max_rank, read.fingerprint,
+        aid = self.registry.add(read.name, read.path, read.weights.max_rank, read.version,
                                 pinned)
         self.residency.add_host_copy(aid, read.weights, pinned)
         if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
@@ -129,6 +125,7 @@ class AdapterService:
             aid = rec.adapter_id
             adapters[aid] = {
                 "name": rec.name, "id": aid, "path": rec.path, "rank": rec.rank,
+                "version": rec.version,
                 "state": self.residency.state(aid), "slot": self.slots.slot_of(aid),
                 "pinned": rec.pinned, "unloading": rec.retiring, "in_flight": rec.in_flight,
                 "loads": rec.loads, "evictions": rec.evictions, "disk_reads": rec.disk_reads,

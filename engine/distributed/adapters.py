@@ -1,7 +1,7 @@
 """Adapter residency at TP > 1: rank 0 decides, every other rank follows by adapter id.
 
 Rank 0's AdapterResidency (engine/adapters/residency.py) makes every residency decision
-(slots, LRU, pins, host copies, disk reads with file fingerprints) and validates every
+(slots, LRU, pins, host copies, disk reads checked against each version's sha256) and validates every
 adapter on its own shard before the workers are involved. Its `AdapterMirror` turns the
 outcome into ops for the workers' next step plan, applied before that step's forward pass:
 
@@ -9,11 +9,12 @@ outcome into ops for the workers' next step plan, applied before that step's for
     HOST_DROP(id)         rank 0 let go of its host copy (LRU): drop this rank's copy too
     RETIRE(id)            the version is gone for good: drop its copy and its path
 
-plus, before the first load of a version, ADD_ADAPTER(id, path): where its files are.
+plus, before the first load of a version, ADD_ADAPTER(id, path, version): where its files
+are and the sha256 version rank 0 read there.
 A worker's `ShardCache` reads its shard of a version from that path on the first load
 it lacks a copy for, so a host copy rank 0 evicted and read back from disk is simply read
-again. Ids are per loaded weights and never reused, so an id always names the same files
-rank 0 fingerprinted.
+again. Ids are per loaded weights and never reused, and a worker refuses files that hash
+otherwise, so an id always names the bytes rank 0 validated.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class AdapterMirror:
     def slot_loaded(self, slot: int, adapter_id: int) -> None:
         if adapter_id not in self._announced:
             self._announced.add(adapter_id)
-            self._exec.queue_add(adapter_id, self._registry.get(adapter_id).path)
+            rec = self._registry.get(adapter_id)
+            self._exec.queue_add(adapter_id, rec.path, rec.version)
         self._exec.queue_op(SLOT_LOAD, slot, adapter_id)
 
     def host_dropped(self, adapter_id: int) -> None:
@@ -49,27 +51,27 @@ class AdapterMirror:
 class ShardCache:
     """A worker's host copies of its adapter shards, keyed by adapter id.
 
-    `read(path)` reads this rank's shard (load_lora(tp=...)); it holds at most the copies
-    rank 0 holds, since every host eviction on rank 0 reaches it as HOST_DROP."""
+    `read(path, version)` reads this rank's shard (load_lora(tp=...)); it holds at most
+    the copies rank 0 holds, since every host eviction on rank 0 reaches it as HOST_DROP."""
 
-    def __init__(self, read: Callable[[str], object]):
+    def __init__(self, read: Callable[[str, str], object]):
         self._read = read
-        self._paths: dict[int, str] = {}
+        self._paths: dict[int, tuple[str, str]] = {}   # id -> (path, version)
         self._copies: dict[int, object] = {}
 
     def __len__(self) -> int:
         return len(self._copies)
 
-    def add(self, adapter_id: int, path: str) -> None:
-        self._paths[adapter_id] = path
+    def add(self, adapter_id: int, path: str, version: str) -> None:
+        self._paths[adapter_id] = (path, version)
 
     def get(self, adapter_id: int):
         """The copy of `adapter_id`, read from its path first if this rank has none."""
         weights = self._copies.get(adapter_id)
         if weights is None:
-            path = self._paths.get(adapter_id)
-            assert path is not None, f"slot load of adapter {adapter_id} before its path"
-            weights = self._copies[adapter_id] = self._read(path)
+            where = self._paths.get(adapter_id)
+            assert where is not None, f"slot load of adapter {adapter_id} before its path"
+            weights = self._copies[adapter_id] = self._read(*where)
         return weights
 
     def drop(self, adapter_id: int) -> None:

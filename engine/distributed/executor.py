@@ -44,7 +44,7 @@ class TPExecutor:
         self.size = config.tp_size
         self.device = torch.device(config.device)
         self._ops: list[tuple[int, int, int]] = []   # (kind, slot, adapter id)
-        self._adds: list[tuple[int, str]] = []        # (adapter id, path)
+        self._adds: list[tuple[int, str, str]] = []   # (adapter id, path, version)
         self._tracker = PlanTracker()
         self._closed = False
         store = pg.open_store()
@@ -85,9 +85,10 @@ class TPExecutor:
     def agree_min(self, value: int) -> int:
         return self._guard(lambda: pg.agree_min(self._control, value))
 
-    def queue_add(self, adapter_id: int, path: str) -> None:
-        """Where a version's files are, for the workers, before its first slot load."""
-        self._adds.append((adapter_id, path))
+    def queue_add(self, adapter_id: int, path: str, version: str) -> None:
+        """Where a version's files are and what they hash to, for the workers, before its
+        first slot load."""
+        self._adds.append((adapter_id, path, version))
 
     def queue_op(self, kind: int, slot: int, adapter_id: int) -> None:
         """A slot or host-copy change for the workers' next step plan."""
@@ -111,8 +112,8 @@ class TPExecutor:
         # that every rank replays the same CUDA graph or picks eagerly the same way
         greedy = runner.tp_greedy(out.scheduled)
         plan = self._tracker.plan(out, ops, greedy)
-        for adapter_id, path in adds:
-            self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(adapter_id, path))
+        for add in adds:
+            self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(*add))
         self._channel.send(OP_STEP, encode_step(plan))
         if ops:  # workers may read adapter shards from disk first: wait for them on
             pg.agree_min(self._control, 0)  # the control group, not in a timed collective

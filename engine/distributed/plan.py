@@ -99,10 +99,12 @@ def decode_step(payload: torch.Tensor) -> StepPlan:
     return StepPlan(forget, ops, tuple(seqs), bool(step_flags & _GREEDY))
 
 
-def encode_add_adapter(adapter_id: int, path: str) -> torch.Tensor:
-    return torch.tensor([adapter_id, *path.encode("utf-8")], dtype=torch.int64)
+def encode_add_adapter(adapter_id: int, path: str, version: str) -> torch.Tensor:
+    return torch.tensor([adapter_id, *f"{version}\0{path}".encode("utf-8")], dtype=torch.int64)
 
 
-def decode_add_adapter(payload: torch.Tensor) -> tuple[int, str]:
+def decode_add_adapter(payload: torch.Tensor) -> tuple[int, str, str]:
+    """(adapter id, path, version)."""
     v = payload.tolist()
-    return v[0], bytes(v[1:]).decode("utf-8")
+    version, path = bytes(v[1:]).decode("utf-8").split("\0", 1)
+    return v[0], path, version

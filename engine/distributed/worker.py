@@ -18,15 +18,17 @@ from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.mirror import RequestMirror
+from engine.assembly import adapter_reader
 from engine.distributed.adapters import ShardCache
 from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
-from engine.lora import LoRASlotPool, load_lora
+from engine.server import open_audit
+from engine.lora import LoRASlotPool
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
+from engine.model.archs import build_model
 from engine.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
 from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplerOutput
@@ -46,6 +48,7 @@ def worker_main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     config = EngineConfig(**spec["config"])
     rank, size = spec["rank"], spec["size"]
+    open_audit.install_from_env(f"engine-rank{rank}")
     exit_with_parent()
     device = _device(config, rank, size)
     store = pg.join_store(spec["port"])
@@ -76,7 +79,7 @@ class Worker:
         dtype = config.torch_dtype
         max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                             mc.max_position_embeddings)
-        model = LlamaForCausalLM(mc, dtype, device, self.tp)
+        model = build_model(mc, dtype, device, self.tp, max_model_len)
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed + self.tp.rank)
         else:
@@ -95,6 +98,7 @@ class Worker:
         self.mirror = RequestMirror()
         self._prev = None   # the last launched step: its picked tokens stay on the device
         self._buffers = HostBufferPool(pin=self.device.type == "cuda")
+        self._reader = adapter_reader(self.config, self.model_config, self.tp, self._buffers)
         self.adapters = ShardCache(self._read_adapter)
         self.channel = PlanChannel(self.control, self.tp.rank)
 
@@ -116,10 +120,10 @@ class Worker:
             else:
                 raise RuntimeError(f"rank {self.tp.rank}: unknown plan op {op}")
 
-    def _read_adapter(self, path: str):
-        """This rank's shard of a version rank 0 has read and validated already."""
-        return load_lora(path, self.model_config, self.config.max_lora_rank, tp=self.tp,
-                         dtype=self.config.torch_dtype, buffers=self._buffers)
+    def _read_adapter(self, path: str, version: str):
+        """This rank's shard of a version rank 0 has read and validated already (the same
+        bytes: their hash must be `version`)."""
+        return self._reader(path, version)
 
     def _step(self, payload: torch.Tensor) -> None:
         plan = decode_step(payload)

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from engine.errors import AdapterError
+from engine.errors import AdapterChangedError, AdapterError
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.safetensors_buffer import tensor
@@ -103,9 +103,9 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
     not `expected_version`; nothing is kept on error."""
     plan = plan_adapter(path, model_cfg, max_lora_rank, roots)
     if expected_version is not None and plan.version != expected_version:
-        raise AdapterError("adapter files changed since this version was registered or "
-                           "loaded; load the name again to serve them",
-                           feature="changed_on_disk", file=str(path))
+        raise AdapterChangedError("adapter files changed since this version was validated "
+                                  "or loaded; register or load the name again to serve them",
+                                  file=str(path))
     return weights_from_plan(plan, model_cfg, tp, dtype, buffers)
 
 

@@ -1,7 +1,8 @@
 """Applies AdapterCommands from the control plane to the Engine and builds their acks.
 
 Commands are idempotent so that the control plane can replay its desired state at any
-time: loading a name already loaded from the same path only updates its pin.
+time: loading a name already loaded from the same path (and, when the command names one,
+the same sha256 version) only updates its pin.
 
 A load that must read files (a new name, or new weights under a name) is read and
 validated on a reader thread (Engine.read_adapter) while the step thread keeps stepping;
@@ -27,6 +28,7 @@ class LoadedAdapter:
     path: str
     adapter_id: int
     pinned: bool
+    version: str = ""
 
 
 class AdapterCommands:
@@ -47,7 +49,7 @@ class AdapterCommands:
             return []
         if self._needs_read(cmd):
             self._reads[cmd.name] = (cmd, self._reader.submit(
-                self._engine.read_adapter, cmd.name, cmd.path))
+                self._engine.read_adapter, cmd.name, cmd.path, cmd.version or None))
             return []
         return [self._ack(cmd, lambda: self._dispatch(cmd))]
 
@@ -76,7 +78,8 @@ class AdapterCommands:
     def _needs_read(self, cmd: engine_pb2.AdapterCommand) -> bool:
         have = self.loaded.get(cmd.name)
         return (cmd.kind == _Kind.ADAPTER_COMMAND_KIND_LOAD
-                and (have is None or have.path != cmd.path))
+                and (have is None or have.path != cmd.path
+                     or cmd.version not in ("", have.version)))
 
     @staticmethod
     def _ack(cmd: engine_pb2.AdapterCommand, run) -> _Ack:
@@ -94,7 +97,7 @@ class AdapterCommands:
         # New weights under the same name get a new id; the engine retires the old one
         # once its requests end.
         adapter_id = self._engine.register_adapter(read, pinned=cmd.pinned)
-        self.loaded[cmd.name] = LoadedAdapter(cmd.path, adapter_id, cmd.pinned)
+        self.loaded[cmd.name] = LoadedAdapter(cmd.path, adapter_id, cmd.pinned, read.version)
         return adapter_id
 
     def _dispatch(self, cmd: engine_pb2.AdapterCommand) -> int:
@@ -112,7 +115,7 @@ class AdapterCommands:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded on this engine")
         if have.pinned != pinned:
             self._engine.set_adapter_pinned(name, pinned)
-            self.loaded[name] = LoadedAdapter(have.path, have.adapter_id, pinned)
+            self.loaded[name] = LoadedAdapter(have.path, have.adapter_id, pinned, have.version)
         return have.adapter_id
 
     def _unload(self, name: str) -> int:

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from loramux.v1 import engine_pb2, generate_pb2
 
-from engine.errors import (AdapterError, AdapterNotFoundError, AdapterUnavailableError,
-                           CapacityError, EngineDeadError, InvalidRequestError, LoramuxError)
+from engine.errors import (AdapterChangedError, AdapterError, AdapterNotFoundError,
+                           AdapterPathError, AdapterUnavailableError, CapacityError,
+                           EngineDeadError, InvalidRequestError, LoramuxError)
 from engine.outputs import FinishReason, StepOutput
 from engine.sampling_params import SamplingParams
 
@@ -32,6 +33,10 @@ def error_code(exc: BaseException) -> int:
     """The gRPC status number (engine_pb2.ErrorCode) a typed engine error maps to."""
     if isinstance(exc, AdapterNotFoundError):
         return engine_pb2.ERROR_CODE_NOT_FOUND
+    if isinstance(exc, AdapterPathError):
+        return engine_pb2.ERROR_CODE_PERMISSION_DENIED
+    if isinstance(exc, AdapterChangedError):
+        return engine_pb2.ERROR_CODE_FAILED_PRECONDITION
     if isinstance(exc, (InvalidRequestError, AdapterError)):
         return engine_pb2.ERROR_CODE_INVALID_ARGUMENT
     if isinstance(exc, CapacityError):

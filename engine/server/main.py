@@ -10,6 +10,7 @@ import sys
 import threading
 
 from engine.server import curve
+from engine.server import open_audit
 from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
                                    config_error_message, given, non_negative_float,
                                    positive_float)
@@ -24,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to bind the PULL socket for requests and commands")
     p.add_argument("--output", default=env("LORAMUX_ENGINE_OUTPUT"),
                    help="address to bind the PUB socket for tokens, acks, events, heartbeats")
+    # a deployment setting shared with the control plane, not an EngineConfig option of
+    # the engine table: `loramux serve` gives both processes the same roots
+    p.add_argument("--adapter-root", action="append", default=None,
+                   help="directory adapters may be read from (repeatable; "
+                        "$LORAMUX_ADAPTER_ROOTS, ':'-separated); none: every adapter "
+                        "directory the control plane names is its own root")
     add_options(p.add_argument_group("engine (each also an environment variable, "
                                       "see engine/server/options.py)"), ENGINE_OPTIONS)
     p.add_argument("--shutdown-grace", type=non_negative_float,
@@ -50,7 +57,14 @@ def engine_config(args, environ=None):
     argparse.ArgumentTypeError (a bad environment value)."""
     from engine.config import EngineConfig
 
-    return EngineConfig(model=args.model, **given(args, ENGINE_OPTIONS, environ))
+    return EngineConfig(model=args.model, adapter_roots=adapter_roots(args, environ),
+                        **given(args, ENGINE_OPTIONS, environ))
+
+
+def adapter_roots(args, environ=None) -> tuple[str, ...]:
+    if args.adapter_root:
+        return tuple(args.adapter_root)
+    return tuple(r for r in (environ or {}).get("LORAMUX_ADAPTER_ROOTS", "").split(":") if r)
 
 
 def resolved_config(engine) -> dict:
@@ -62,6 +76,7 @@ def resolved_config(engine) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    open_audit.install_from_env("engine")
     args = build_parser().parse_args(argv)
     for name in ("model", "input", "output"):
         if not getattr(args, name):

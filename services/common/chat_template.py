@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -55,22 +57,30 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 def _read_bounded(path: Path) -> str | None:
-    """Text of a regular file (never through a symlink), None when absent; at most
-    MAX_TEMPLATE_BYTES."""
+    """Text of a regular file (never through a symlink; a FIFO or device is refused
+    without blocking on it), None when absent; at most MAX_TEMPLATE_BYTES."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, flags)
     except FileNotFoundError:
         return None
     except OSError as err:
-        raise ChatTemplateError(f"{path.name}: cannot open: {err}") from None
+        raise ChatTemplateError(f"{path.name}: cannot open: {err.strerror}") from None
     with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ChatTemplateError(f"{path.name} is not a regular file")
         data = f.read(MAX_TEMPLATE_BYTES + 1)
+    return text_of(data, path.name)
+
+
+def text_of(data: bytes, name: str) -> str:
+    """The UTF-8 text of a template file's bytes (at most MAX_TEMPLATE_BYTES)."""
     if len(data) > MAX_TEMPLATE_BYTES:
-        raise ChatTemplateError(f"{path.name} is larger than {MAX_TEMPLATE_BYTES} bytes")
+        raise ChatTemplateError(f"{name} is larger than {MAX_TEMPLATE_BYTES} bytes")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ChatTemplateError(f"{path.name}: not UTF-8: {err}") from None
+        raise ChatTemplateError(f"{name}: not UTF-8: {err}") from None
 
 
 def _token_text(value) -> str | None:
@@ -88,20 +98,27 @@ def _config_template(config: dict) -> str | None:
 
 
 def _read_config(directory: Path) -> dict:
-    text = _read_bounded(directory / "tokenizer_config.json")
+    return _parse_config(_read_bounded(directory / "tokenizer_config.json"))
+
+
+def _parse_config(text: str | None) -> dict:
     if text is None:
         return {}
     try:
         config = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ChatTemplateError(f"tokenizer_config.json: {err}") from None
+    except (ValueError, RecursionError) as err:
+        raise ChatTemplateError(f"tokenizer_config.json: {type(err).__name__}: "
+                                f"{str(err)[:200]}") from None
     return config if isinstance(config, dict) else {}
 
 
 def special_tokens_of(directory: str | os.PathLike, fallback: dict | None = None) -> dict:
     """The special tokens' text (bos_token, eos_token, ...) that a directory's
     tokenizer_config.json names, over `fallback`."""
-    config = _read_config(Path(directory))
+    return _special_tokens(_read_config(Path(directory)), fallback)
+
+
+def _special_tokens(config: dict, fallback: dict | None) -> dict:
     tokens = dict(fallback or {})
     for name in SPECIAL_TOKEN_NAMES:
         if (text := _token_text(config.get(name))) is not None:
@@ -128,11 +145,18 @@ class ChatTemplate:
         """The template of a model or adapter directory, None if it has none. Special
         tokens come from its tokenizer_config.json, else from `special_tokens`."""
         directory = Path(directory)
-        config = _read_config(directory)
-        source = _read_bounded(directory / "chat_template.jinja") or _config_template(config)
+        return cls.from_files(lambda name: _read_bounded(directory / name), special_tokens)
+
+    @classmethod
+    def from_files(cls, read: Callable[[str], str | None],
+                   special_tokens: dict | None = None) -> "ChatTemplate | None":
+        """As from_dir, with `read(name)` giving the text of the directory's file `name`
+        (None when absent): e.g. read inside the adapter roots."""
+        config = _parse_config(read("tokenizer_config.json"))
+        source = read("chat_template.jinja") or _config_template(config)
         if source is None:
             return None
-        return cls(source, special_tokens_of(directory, special_tokens))
+        return cls(source, _special_tokens(config, special_tokens))
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False, **kwargs) -> str:

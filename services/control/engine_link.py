@@ -43,7 +43,7 @@ class EngineLink:
         await self.conn.close()
 
     async def command(self, kind: int, name: str, path: str = "", pinned: bool = False,
-                      timeout_s: float = 60.0, connect_wait_s: float = 5.0) -> engine_pb2.AdapterAck:
+                      version: str = "", timeout_s: float = 60.0, connect_wait_s: float = 5.0) -> engine_pb2.AdapterAck:
         """Send one adapter command and wait for its ack (raises EngineUnavailable). An
         engine that is (re)starting gets `connect_wait_s` to send its first heartbeat."""
         if not self.conn.up:
@@ -55,7 +55,7 @@ class EngineLink:
         fut = asyncio.get_running_loop().create_future()
         self._pending[cmd_id] = fut
         msg = engine_pb2.EngineInput(adapter_command=engine_pb2.AdapterCommand(
-            command_id=cmd_id, kind=kind, name=name, path=path, pinned=pinned))
+            command_id=cmd_id, kind=kind, name=name, path=path, pinned=pinned, version=version))
         try:
             if not self.conn.send(msg):
                 raise EngineUnavailable("the engine is not connected")

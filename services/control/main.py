@@ -9,6 +9,7 @@ import sys
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
 from engine.server import curve
+from engine.server.options import OneLineErrors, positive_float, positive_int
 from services.common import grpc_server, tls
 from services.common.logs import configure_logging
 
@@ -17,8 +18,8 @@ SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].f
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m services.control",
-                                description="loramux control plane (AdapterAdminService)")
+    p = OneLineErrors(prog="python -m services.control",
+                      description="loramux control plane (AdapterAdminService)")
     p.add_argument("--listen", default=env("LORAMUX_CONTROL_LISTEN", "127.0.0.1:50052"),
                    help="gRPC host:port (port 0 picks a free one)")
     p.add_argument("--model", default=env("LORAMUX_MODEL"), help="base model directory")
@@ -30,10 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
                    help="ZMQ address to bind for publishing the adapter table to gateways")
-    p.add_argument("--max-lora-rank", type=int, default=int(env("LORAMUX_MAX_LORA_RANK", "64")))
+    p.add_argument("--max-lora-rank", type=positive_int, default=env("LORAMUX_MAX_LORA_RANK", "16"),
+                   help="largest adapter rank accepted; the engine's --max-lora-rank (default: 16)")
     p.add_argument("--auth-token", default=env("LORAMUX_ADMIN_TOKEN"),
                    help="bearer token required on admin calls ($LORAMUX_ADMIN_TOKEN)")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.5)
+    p.add_argument("--heartbeat-timeout", type=positive_float,
+                   default=env("LORAMUX_HEARTBEAT_TIMEOUT", "1.5"),
+                   help="seconds without an engine heartbeat before the engine counts as gone "
+                        "(default: 1.5)")
+    p.add_argument("--metrics-port", type=int, default=int(env("LORAMUX_CONTROL_METRICS_PORT", "-1")),
+                   help="Prometheus /metrics HTTP port for admin-call metrics "
+                        "(0 picks one, -1 disables: the default)")
+    p.add_argument("--metrics-host", default=env("LORAMUX_METRICS_HOST", "127.0.0.1"))
     p.add_argument("--ready-file", default=None)
     tls.add_arguments(p)
     curve.add_arguments(p)
@@ -41,16 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_validator(model_dir: str, max_lora_rank: int):
-    """The engine's own adapter validator, bound to the base model."""
+def make_validator(model_dir: str, max_lora_rank: int, roots):
+    """The engine's own adapter validator, bound to the base model and the adapter roots:
+    path -> (rank, target modules, sha256 version)."""
     from engine.lora import validate_lora
     from engine.model.hf_config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(model_dir)
 
-    def validate(path: str) -> tuple[int, tuple[str, ...]]:
-        plan = validate_lora(path, model_cfg, max_lora_rank)
-        return int(plan.max_rank), tuple(sorted(plan.target_modules))
+    def validate(path: str) -> tuple[int, tuple[str, ...], str]:
+        plan = validate_lora(path, model_cfg, max_lora_rank, roots)
+        return int(plan.max_rank), tuple(sorted(plan.target_modules)), plan.version
     return validate
 
 
@@ -60,6 +70,7 @@ async def serve(args) -> int:
     from services.control.binding import prepare as prepare_registry
     from services.control.engine_link import EngineLink
     from services.control.manager import AdapterManager
+    from services.control.metrics import ControlMetrics
     from services.control.paths import AdapterRoots
     from services.control.registry import Registry
     from services.control.servicer import AdapterAdminServicer
@@ -72,17 +83,25 @@ async def serve(args) -> int:
     registry = Registry(args.db, binding.to_json())
     table = TablePublisher(args.table_address, keys=args.keys)
     manager_box: list[AdapterManager] = []
-    link = EngineLink(args.engine_input, args.engine_output,
-                      on_connect=lambda inst: manager_box[0].replay(inst),
+    metrics = ControlMetrics()
+    metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
+
+    async def replay(instance: str) -> None:
+        metrics.replays.inc()
+        await manager_box[0].replay(instance)
+
+    link = EngineLink(args.engine_input, args.engine_output, on_connect=replay,
                       on_event=lambda ev: manager_box[0].on_event(ev),
                       heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
-    manager = AdapterManager(registry, AdapterRoots(roots),
-                             make_validator(args.model, args.max_lora_rank), link, table)
+    adapter_roots = AdapterRoots(roots)
+    manager = AdapterManager(registry, adapter_roots,
+                             make_validator(args.model, args.max_lora_rank, adapter_roots),
+                             link, table)
     manager_box.append(manager)
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = grpc_server.make_server(interceptors=interceptors)
     adapter_admin_pb2_grpc.add_AdapterAdminServiceServicer_to_server(
-        AdapterAdminServicer(manager), server)
+        AdapterAdminServicer(manager, metrics), server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
     address = grpc_server.bind(server, args.listen, args.tls)
     await server.start()
@@ -91,7 +110,7 @@ async def serve(args) -> int:
     await link.start()
     await grpc_server.set_serving(health, [SERVICE], True)
     grpc_server.write_ready_file(args.ready_file, {"address": address, "table": table.address,
-                                                   "pid": os.getpid()})
+                                                   "metrics_port": metrics_port, "pid": os.getpid()})
     log.info("serving", address=address, table=table.address, adapters=len(registry.all()))
     stop = asyncio.Event()
     grpc_server.install_stop_signals(stop)
@@ -106,6 +125,8 @@ async def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.server import open_audit
+    open_audit.install_from_env("control")
     args = build_parser().parse_args(argv)
     missing = [n for n in ("model", "db", "engine_input", "engine_output", "table_address")
                if not getattr(args, n)]

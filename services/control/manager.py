@@ -22,8 +22,9 @@ from services.control.table_publisher import TablePublisher
 _K = engine_pb2.AdapterCommandKind
 REGISTERED, LOADED, UNLOADING = (pb.ADAPTER_STATE_REGISTERED, pb.ADAPTER_STATE_LOADED,
                                  pb.ADAPTER_STATE_UNLOADING)
-# Validator: realpath -> (rank, target modules); raises engine.errors.AdapterError.
-Validator = Callable[[str], tuple[int, tuple[str, ...]]]
+# Validator: path inside the roots -> (rank, target modules, sha256 version); raises
+# engine.errors.AdapterError (AdapterPathError: outside the roots or through a link).
+Validator = Callable[[str], tuple[int, tuple[str, ...], str]]
 
 
 class AdminError(Exception):
@@ -74,45 +75,61 @@ class AdapterManager:
         if (why := check_name(name)) is not None:
             raise AdminError(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
-            real = self.roots.resolve(path)
+            real = self.roots.canonical(path)
         except PathRefused as err:
             raise AdminError(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
         have = self.registry.get(name)
-        if have is not None:
-            if have.path == real:
-                return have
+        if have is not None and have.path != real:
             raise AdminError(grpc.StatusCode.ALREADY_EXISTS,
                              f"adapter {name!r} is already registered from {have.path!r}")
+        rank, targets, version = await self._validate(name, real)
+        if have is not None:  # registering again: the files as they are now are the version
+            if have.version == version:
+                return have
+            self._log.info("revalidated", adapter=name, version=version)
+            return self._save(have.evolve(rank=rank, target_modules=targets, version=version))
+        self._log.info("registered", adapter=name, path=real, rank=rank, version=version)
+        return self._save(AdapterRecord(name, real, rank=rank, target_modules=targets,
+                                        version=version))
+
+    async def _validate(self, name: str, path: str) -> tuple[int, tuple[str, ...], str]:
+        """The validator, off the event loop; its refusals as AdminErrors."""
         from engine.errors import AdapterError
         try:
-            rank, targets = await asyncio.to_thread(self.validator, real)
-        except (AdapterError, OSError) as err:
+            return await asyncio.to_thread(self.validator, path)
+        except PathRefused as err:
+            raise AdminError(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
+        except AdapterError as err:
             raise AdminError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"adapter {name!r} is not valid for the base model: {err}") from None
-        self._log.info("registered", adapter=name, path=real, rank=rank)
-        return self._save(AdapterRecord(name, real, rank=rank, target_modules=targets))
+        except OSError as err:  # e.g. no permission on a file inside the root
+            raise AdminError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"adapter {name!r} cannot be read: {err.strerror}") from None
 
     async def load(self, name: str, path: str | None, pinned: bool | None) -> AdapterRecord:
         """Register (when `path` is given) and load. `pinned` None keeps the record's pin.
         A refused load changes nothing: a name registered by this call is forgotten."""
         async with self._lock:
-            new = bool(path) and self.registry.get(name) is None
+            before = self.registry.get(name)
             rec = await self._register(name, path) if path else self.require(name)
+            fresh = before is None or before.version != rec.version
             try:
-                return await self._load(rec, rec.pinned if pinned is None else pinned)
+                return await self._load(rec, rec.pinned if pinned is None else pinned, fresh)
             except AdminError:
-                if new:
+                if path and before is None:
                     self.registry.delete(name)
                     self.table.publish(self.registry.all())
                 raise
 
-    async def _load(self, rec: AdapterRecord, pinned: bool) -> AdapterRecord:
+    async def _load(self, rec: AdapterRecord, pinned: bool, fresh: bool) -> AdapterRecord:
+        """`fresh`: the record's version is newer than what the engine may hold."""
         if rec.state == UNLOADING:
             raise AdminError(grpc.StatusCode.FAILED_PRECONDITION,
                              f"adapter {rec.name!r} is still unloading; retry when it is REGISTERED")
-        if rec.state == LOADED and rec.pinned == pinned:
+        if rec.state == LOADED and rec.pinned == pinned and not fresh:
             return rec
-        ack = await self._command(_K.ADAPTER_COMMAND_KIND_LOAD, rec.name, rec.path, pinned)
+        ack = await self._command(_K.ADAPTER_COMMAND_KIND_LOAD, rec.name, rec.path, pinned,
+                                  rec.version)
         if not ack.ok:
             raise _ack_error(ack, f"loading adapter {rec.name!r} failed")
         loads = rec.loads + (rec.state != LOADED)
@@ -157,10 +174,10 @@ class AdapterManager:
                     raise _ack_error(ack, f"{'pinning' if pinned else 'unpinning'} {name!r} failed")
             return self._save(rec.evolve(pinned=pinned))
 
-    async def _command(self, kind: int, name: str, path: str = "",
-                       pinned: bool = False) -> engine_pb2.AdapterAck:
+    async def _command(self, kind: int, name: str, path: str = "", pinned: bool = False,
+                       version: str = "") -> engine_pb2.AdapterAck:
         try:
-            return await self.link.command(kind, name, path, pinned)
+            return await self.link.command(kind, name, path, pinned, version)
         except EngineUnavailable as err:
             raise AdminError(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {err}") from None
 
@@ -178,7 +195,8 @@ class AdapterManager:
 
     async def _replay_load(self, rec: AdapterRecord) -> None:
         try:
-            ack = await self.link.command(_K.ADAPTER_COMMAND_KIND_LOAD, rec.name, rec.path, rec.pinned)
+            ack = await self.link.command(_K.ADAPTER_COMMAND_KIND_LOAD, rec.name, rec.path,
+                                          rec.pinned, rec.version)
         except EngineUnavailable as err:
             self._log.warning("replay_failed", adapter=rec.name, error=str(err))
             return

@@ -21,11 +21,12 @@ CREATE TABLE IF NOT EXISTS adapters (
     rank INTEGER NOT NULL DEFAULT 0,
     target_modules TEXT NOT NULL DEFAULT '[]',
     loads INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    version TEXT NOT NULL DEFAULT ''
 )"""
 _META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 _COLUMNS = ("name", "path", "state", "pinned", "adapter_id", "rank", "target_modules",
-            "loads", "created_at")
+            "loads", "created_at", "version")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class AdapterRecord:
     target_modules: tuple[str, ...] = ()
     loads: int = 0
     created_at: float = 0.0
+    version: str = ""   # sha256 of the files as validated (engine/adapters/safe_files.py)
 
     def evolve(self, **changes) -> "AdapterRecord":
         return replace(self, **changes)
@@ -55,7 +57,7 @@ def _from_row(row: tuple) -> AdapterRecord:
 def _to_row(rec: AdapterRecord) -> tuple:
     return (rec.name, rec.path, int(rec.state), int(rec.pinned), int(rec.adapter_id),
             int(rec.rank), json.dumps(list(rec.target_modules)), int(rec.loads),
-            rec.created_at or time.time())
+            rec.created_at or time.time(), rec.version)
 
 
 class Registry:
@@ -68,6 +70,9 @@ class Registry:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(adapters)")}
+        if "version" not in have:  # a file written before versions were recorded
+            self._db.execute("ALTER TABLE adapters ADD COLUMN version TEXT NOT NULL DEFAULT ''")
         self._db.execute(_META)
         if binding is not None:
             with self._db:

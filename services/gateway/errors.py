@@ -7,9 +7,13 @@ from services.common.messages import bounded
 
 
 class Rejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
+    """`field`: the request field at fault (INVALID_ARGUMENT), as in a BadRequest field
+    violation ("sampling.temperature", "messages.messages[0].role", ...)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None):
         super().__init__(bounded(message))
         self.code = code
+        self.field = field
 
     @classmethod
     def from_wire(cls, code: int, message: str) -> "Rejected":

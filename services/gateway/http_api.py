@@ -43,14 +43,17 @@ class ApiError(Exception):
 
     @classmethod
     def from_rejected(cls, err: Rejected) -> "ApiError":
-        status = _HTTP_STATUS.get(err.code, 500)
-        message = str(err)
-        param = None
-        if message.startswith("sampling."):
-            param = message.split("=", 1)[0].removeprefix("sampling.")
-        elif "prompt" in message:
-            param = "prompt"
-        return cls(status, message, param=param, code=err.code.name.lower())
+        return cls(_HTTP_STATUS.get(err.code, 500), str(err), param=_param(err.field),
+                   code=err.code.name.lower())
+
+
+def _param(field: str | None) -> str | None:
+    """The OpenAI parameter for a field of the gRPC request (Rejected.field)."""
+    if not field:
+        return None
+    if field in ("text", "token_ids.ids"):
+        return "prompt"
+    return field.removeprefix("sampling.").replace("messages.messages", "messages")
 
 
 def error_body(status: int, message: str, param: str | None = None,

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gRPC host:port (port 0 picks a free one)")
     p.add_argument("--model", default=env("LORAMUX_MODEL"),
                    help="base model directory (its tokenizer and context length)")
+    p.add_argument("--adapter-root", action="append", default=None,
+                   help="directory adapters may be read from (their chat templates; "
+                        "repeatable; $LORAMUX_ADAPTER_ROOTS, ':'-separated): the control "
+                        "plane's roots")
     p.add_argument("--engine-input", default=env("LORAMUX_ENGINE_INPUT"))
     p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
@@ -115,7 +119,11 @@ async def serve(args) -> int:
     from services.gateway.servicer import GenerateServicer
 
     log = configure_logging("gateway", args.log_level)
-    prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model)
+    from engine.adapters.safe_files import AdapterRoots
+    roots = args.adapter_root or [r for r in os.environ.get("LORAMUX_ADAPTER_ROOTS", "").split(":")
+                                  if r]
+    prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model,
+                            adapter_roots=AdapterRoots(roots) if roots else None)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
     metrics = GatewayMetrics(args.metrics_max_adapters)
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
@@ -151,6 +159,8 @@ async def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.server import open_audit
+    open_audit.install_from_env("gateway")
     args = build_parser().parse_args(argv)
     try:
         vars(args).update(given(args, GATEWAY_OPTIONS, os.environ))

@@ -14,6 +14,7 @@ import grpc
 import structlog
 from loramux.v1 import engine_pb2, generate_pb2, generate_pb2_grpc
 
+from services.common import rich_status
 from services.gateway.adapter_table import AdapterTable
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import Rejected
@@ -70,7 +71,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 async for resp in responses:
                     yield resp
         except Rejected as err:
-            await context.abort(err.code, str(err))
+            await rich_status.abort(context, err.code, str(err), field=err.field)
 
     async def stream(self, request: generate_pb2.GenerateRequest, *, fill_context: bool = False):
         """The responses of one request (what Generate streams, and what the HTTP API

@@ -11,18 +11,21 @@ from services.gateway.errors import Rejected
 MAX_STOP_STRINGS = 16
 
 
-def _bad(message: str) -> Rejected:
-    return Rejected(grpc.StatusCode.INVALID_ARGUMENT, message)
+def _bad(message: str, field: str) -> Rejected:
+    return Rejected(grpc.StatusCode.INVALID_ARGUMENT, message, field)
 
 
 def check_sampling(pb: generate_pb2.SamplingParams, vocab_size: int) -> None:
     """Raise Rejected(INVALID_ARGUMENT) naming the first sampling field out of range."""
     if len(pb.stop) > MAX_STOP_STRINGS:
-        raise _bad(f"sampling.stop has {len(pb.stop)} strings; at most {MAX_STOP_STRINGS}")
+        raise _bad(f"sampling.stop has {len(pb.stop)} strings; at most {MAX_STOP_STRINGS}",
+                   "sampling.stop")
     try:
         sampling_from_proto(pb).validate(vocab_size or None)
-    except InvalidRequestError as err:
-        raise _bad(str(err)) from None
+    except InvalidRequestError as err:  # "sampling.<field>=<value>: why"
+        message = str(err)
+        field = message.split("=", 1)[0] if message.startswith("sampling.") else "sampling"
+        raise _bad(message, field) from None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -40,7 +43,7 @@ def check_prompt_ids(ids: list[int], max_model_len: int) -> None:
     """Rejected when the prompt has no tokens or leaves no room for one generated token
     within the model's limit."""
     if not ids:
-        raise _bad("the prompt has no tokens")
+        raise _bad("the prompt has no tokens", "prompt")
     if max_model_len and len(ids) >= max_model_len:
         raise _bad(f"the prompt has {len(ids)} tokens; the model's limit is {max_model_len} "
-                   "tokens for prompt and output together")
+                   "tokens for prompt and output together", "prompt")

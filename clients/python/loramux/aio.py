@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 import grpc
 
 from loramux import tls as _tls
+from loramux._channel import aio_channel
 from loramux._request import auth_metadata, chat_request, generate_request, load_request
 from loramux.client import Completion, LoramuxError
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
@@ -17,8 +18,8 @@ class AsyncGenerateClient:
     """asyncio twin of loramux.client.GenerateClient."""
 
     def __init__(self, target: str, *, tls: _tls.TLS | None = None,
-                 channel: grpc.aio.Channel | None = None):
-        self._channel = channel or _tls.aio_channel(target, tls)
+                 channel: grpc.aio.Channel | None = None, retry: bool = True):
+        self._channel = channel or aio_channel(target, tls, retry)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
     async def stream(self, prompt: str | Sequence[int], adapter: str | None = None, *,
@@ -55,7 +56,7 @@ class AsyncGenerateClient:
             async for resp in call:
                 yield resp
         except grpc.RpcError as err:
-            raise LoramuxError(err.code(), err.details() or "") from None
+            raise LoramuxError.from_rpc(err) from None
         finally:
             call.cancel()
 
@@ -80,8 +81,9 @@ class AsyncAdminClient:
     """asyncio twin of loramux.client.AdminClient."""
 
     def __init__(self, target: str, *, token: str | None = None, tls: _tls.TLS | None = None,
-                 channel: grpc.aio.Channel | None = None, timeout: float | None = 60.0):
-        self._channel = channel or _tls.aio_channel(target, tls)
+                 channel: grpc.aio.Channel | None = None, timeout: float | None = 60.0,
+                 retry: bool = True):
+        self._channel = channel or aio_channel(target, tls, retry)
         self._stub = admin_grpc.AdapterAdminServiceStub(self._channel)
         self._metadata = auth_metadata(token)
         self._timeout = timeout
@@ -91,7 +93,7 @@ class AsyncAdminClient:
             return await getattr(self._stub, method)(request, metadata=self._metadata,
                                                      timeout=self._timeout)
         except grpc.RpcError as err:
-            raise LoramuxError(err.code(), err.details() or "") from None
+            raise LoramuxError.from_rpc(err) from None
 
     async def register(self, name: str, path: str) -> admin_pb2.Adapter:
         return (await self._call("RegisterAdapter",

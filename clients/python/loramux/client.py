@@ -6,6 +6,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import grpc
 
 from loramux import tls as _tls
+from loramux._channel import channel as open_channel
+from loramux._channel import status_details
 from loramux._request import auth_metadata, chat_request, generate_request, load_request
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
@@ -13,25 +15,34 @@ from loramux.v1 import generate_pb2, generate_pb2_grpc
 
 
 class LoramuxError(Exception):
-    """A call failed: `code` is the grpc.StatusCode, `details` the server's message."""
+    """A call failed: `code` is the grpc.StatusCode, `details` the server's message;
+    `field_violations` lists (field, description) for an invalid request, `retry_delay`
+    the seconds the server asks to wait before a retry (None if it names none)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, *,
+                 field_violations: list[tuple[str, str]] | None = None,
+                 retry_delay: float | None = None):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.field_violations = field_violations or []
+        self.retry_delay = retry_delay
 
     @classmethod
     def from_rpc(cls, err: grpc.RpcError) -> "LoramuxError":
-        return cls(err.code(), err.details() or "")
+        violations, delay = status_details(err)
+        return cls(err.code(), err.details() or "", field_violations=violations,
+                   retry_delay=delay)
 
 
 class GenerateClient:
     """Streams generations from a loramux gateway (`target` is "host:port"; `tls` for a
-    gateway started with --tls-cert)."""
+    gateway started with --tls-cert). Calls the gateway refuses for overload or
+    unavailability are retried (loramux._channel); retry=False turns that off."""
 
     def __init__(self, target: str, *, tls: _tls.TLS | None = None,
-                 channel: grpc.Channel | None = None):
-        self._channel = channel or _tls.channel(target, tls)
+                 channel: grpc.Channel | None = None, retry: bool = True):
+        self._channel = channel or open_channel(target, tls, retry)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
     def stream(self, prompt: str | Sequence[int], adapter: str | None = None, *,
@@ -114,11 +125,13 @@ class Completion:
 
 class AdminClient:
     """Manages adapters on a loramux control plane (`target` is "host:port"; `tls` for a
-    control plane started with --tls-cert)."""
+    control plane started with --tls-cert); reads are retried while the control plane is
+    unavailable (retry=False: never)."""
 
     def __init__(self, target: str, *, token: str | None = None, tls: _tls.TLS | None = None,
-                 channel: grpc.Channel | None = None, timeout: float | None = 60.0):
-        self._channel = channel or _tls.channel(target, tls)
+                 channel: grpc.Channel | None = None, timeout: float | None = 60.0,
+                 retry: bool = True):
+        self._channel = channel or open_channel(target, tls, retry)
         self._stub = admin_grpc.AdapterAdminServiceStub(self._channel)
         self._metadata = auth_metadata(token)
         self._timeout = timeout

@@ -26,7 +26,7 @@ from loramux.v1 import adapter_admin_pb2 as loramux_dot_v1_dot_adapter__admin__p
 from loramux.v1 import generate_pb2 as loramux_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17loramux/v1/engine.proto\x12\nloramux.v1\x1a\x1eloramux/v1/adapter_admin.proto\x1a\x19loramux/v1/generate.proto\"}\n\x0e\x45ngineGenerate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.loramux.v1.SamplingParams\"\"\n\x0b\x45ngineAbort\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"~\n\x0e\x41\x64\x61pterCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12,\n\x04kind\x18\x02 \x01(\x0e\x32\x1e.loramux.v1.AdapterCommandKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\"\xa6\x01\n\x0b\x45ngineInput\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.loramux.v1.EngineGenerateH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.loramux.v1.EngineAbortH\x00\x12\x35\n\x0f\x61\x64\x61pter_command\x18\x03 \x01(\x0b\x32\x1a.loramux.v1.AdapterCommandH\x00\x42\x06\n\x04kind\"\xe0\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.loramux.v1.TokenLogprob\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.loramux.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\"X\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x15.loramux.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\"m\n\tStepBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12(\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x18.loramux.v1.RequestDelta\x12(\n\x06\x65rrors\x18\x03 \x03(\x0b\x32\x18.loramux.v1.RequestError\"v\n\nAdapterAck\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12#\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x15.loramux.v1.ErrorCode\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x12\n\nadapter_id\x18\x05 \x01(\x03\"\x92\x02\n\rAdapterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\x12(\n\tresidency\x18\x04 \x01(\x0e\x32\x15.loramux.v1.Residency\x12\x0c\n\x04slot\x18\x05 \x01(\x05\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x11\n\tunloading\x18\x07 \x01(\x08\x12\x1a\n\x12in_flight_requests\x18\x08 \x01(\x05\x12\r\n\x05loads\x18\t \x01(\x03\x12\x11\n\tevictions\x18\n \x01(\x03\x12\x0c\n\x04rank\x18\x0b \x01(\x05\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x12\x18\n\x10waiting_requests\x18\r \x01(\x05\"U\n\x11HistogramSnapshot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62ounds\x18\x02 \x03(\x01\x12\x15\n\rbucket_counts\x18\x03 \x03(\x04\x12\x0b\n\x03sum\x18\x04 \x01(\x01\"\x82\x02\n\x0b\x45ngineEvent\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loramux.v1.AdapterStatus\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x03 \x01(\x05\x12\x31\n\x05stats\x18\x04 \x03(\x0b\x32\".loramux.v1.EngineEvent.StatsEntry\x12\x31\n\nhistograms\x18\x05 \x03(\x0b\x32\x1d.loramux.v1.HistogramSnapshot\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x87\x01\n\tHeartbeat\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x1a\n\x12in_flight_requests\x18\x05 \x01(\x05\x12\x11\n\tunix_time\x18\x06 \x01(\x01\"\xdd\x01\n\x0c\x45ngineOutput\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12+\n\nstep_batch\x18\x02 \x01(\x0b\x32\x15.loramux.v1.StepBatchH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.loramux.v1.HeartbeatH\x00\x12-\n\x0b\x61\x64\x61pter_ack\x18\x04 \x01(\x0b\x32\x16.loramux.v1.AdapterAckH\x00\x12(\n\x05\x65vent\x18\x05 \x01(\x0b\x32\x17.loramux.v1.EngineEventH\x00\x42\x06\n\x04kind\"t\n\x11\x41\x64\x61pterTableEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.loramux.v1.AdapterState\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\x12\n\n\x02id\x18\x04 \x01(\x03\x12\x0c\n\x04path\x18\x05 \x01(\t\"O\n\x0c\x41\x64\x61pterTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12.\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x1d.loramux.v1.AdapterTableEntry*\xb8\x01\n\x12\x41\x64\x61pterCommandKind\x12$\n ADAPTER_COMMAND_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x41\x44\x41PTER_COMMAND_KIND_LOAD\x10\x01\x12\x1f\n\x1b\x41\x44\x41PTER_COMMAND_KIND_UNLOAD\x10\x02\x12\x1c\n\x18\x41\x44\x41PTER_COMMAND_KIND_PIN\x10\x03\x12\x1e\n\x1a\x41\x44\x41PTER_COMMAND_KIND_UNPIN\x10\x04*\xde\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x05\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\t\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\r\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0e\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17loramux/v1/engine.proto\x12\nloramux.v1\x1a\x1eloramux/v1/adapter_admin.proto\x1a\x19loramux/v1/generate.proto\"}\n\x0e\x45ngineGenerate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.loramux.v1.SamplingParams\"\"\n\x0b\x45ngineAbort\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x8f\x01\n\x0e\x41\x64\x61pterCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12,\n\x04kind\x18\x02 \x01(\x0e\x32\x1e.loramux.v1.AdapterCommandKind\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x0f\n\x07version\x18\x06 \x01(\t\"\xa6\x01\n\x0b\x45ngineInput\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.loramux.v1.EngineGenerateH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.loramux.v1.EngineAbortH\x00\x12\x35\n\x0f\x61\x64\x61pter_command\x18\x03 \x01(\x0b\x32\x1a.loramux.v1.AdapterCommandH\x00\x42\x06\n\x04kind\"\xe0\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.loramux.v1.TokenLogprob\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.loramux.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\"X\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x15.loramux.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\"m\n\tStepBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12(\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x18.loramux.v1.RequestDelta\x12(\n\x06\x65rrors\x18\x03 \x03(\x0b\x32\x18.loramux.v1.RequestError\"v\n\nAdapterAck\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12#\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x15.loramux.v1.ErrorCode\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x12\n\nadapter_id\x18\x05 \x01(\x03\"\x92\x02\n\rAdapterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x03\x12\x0c\n\x04path\x18\x03 \x01(\t\x12(\n\tresidency\x18\x04 \x01(\x0e\x32\x15.loramux.v1.Residency\x12\x0c\n\x04slot\x18\x05 \x01(\x05\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x11\n\tunloading\x18\x07 \x01(\x08\x12\x1a\n\x12in_flight_requests\x18\x08 \x01(\x05\x12\r\n\x05loads\x18\t \x01(\x03\x12\x11\n\tevictions\x18\n \x01(\x03\x12\x0c\n\x04rank\x18\x0b \x01(\x05\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x12\x18\n\x10waiting_requests\x18\r \x01(\x05\"U\n\x11HistogramSnapshot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62ounds\x18\x02 \x03(\x01\x12\x15\n\rbucket_counts\x18\x03 \x03(\x04\x12\x0b\n\x03sum\x18\x04 \x01(\x01\"\x82\x02\n\x0b\x45ngineEvent\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loramux.v1.AdapterStatus\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x03 \x01(\x05\x12\x31\n\x05stats\x18\x04 \x03(\x0b\x32\".loramux.v1.EngineEvent.StatsEntry\x12\x31\n\nhistograms\x18\x05 \x03(\x0b\x32\x1d.loramux.v1.HistogramSnapshot\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x87\x01\n\tHeartbeat\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x1a\n\x12in_flight_requests\x18\x05 \x01(\x05\x12\x11\n\tunix_time\x18\x06 \x01(\x01\"\xdd\x01\n\x0c\x45ngineOutput\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12+\n\nstep_batch\x18\x02 \x01(\x0b\x32\x15.loramux.v1.StepBatchH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.loramux.v1.HeartbeatH\x00\x12-\n\x0b\x61\x64\x61pter_ack\x18\x04 \x01(\x0b\x32\x16.loramux.v1.AdapterAckH\x00\x12(\n\x05\x65vent\x18\x05 \x01(\x0b\x32\x17.loramux.v1.EngineEventH\x00\x42\x06\n\x04kind\"t\n\x11\x41\x64\x61pterTableEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.loramux.v1.AdapterState\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\x12\n\n\x02id\x18\x04 \x01(\x03\x12\x0c\n\x04path\x18\x05 \x01(\t\"O\n\x0c\x41\x64\x61pterTable\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12.\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x1d.loramux.v1.AdapterTableEntry*\xb8\x01\n\x12\x41\x64\x61pterCommandKind\x12$\n ADAPTER_COMMAND_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x41\x44\x41PTER_COMMAND_KIND_LOAD\x10\x01\x12\x1f\n\x1b\x41\x44\x41PTER_COMMAND_KIND_UNLOAD\x10\x02\x12\x1c\n\x18\x41\x44\x41PTER_COMMAND_KIND_PIN\x10\x03\x12\x1e\n\x1a\x41\x44\x41PTER_COMMAND_KIND_UNPIN\x10\x04*\x80\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x05\x12 \n\x1c\x45RROR_CODE_PERMISSION_DENIED\x10\x07\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\t\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\r\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0e\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,40 +35,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINEEVENT_STATSENTRY']._loaded_options = None
   _globals['_ENGINEEVENT_STATSENTRY']._serialized_options = b'8\001'
-  _globals['_ADAPTERCOMMANDKIND']._serialized_start=2293
-  _globals['_ADAPTERCOMMANDKIND']._serialized_end=2477
-  _globals['_ERRORCODE']._serialized_start=2480
-  _globals['_ERRORCODE']._serialized_end=2702
+  _globals['_ADAPTERCOMMANDKIND']._serialized_start=2311
+  _globals['_ADAPTERCOMMANDKIND']._serialized_end=2495
+  _globals['_ERRORCODE']._serialized_start=2498
+  _globals['_ERRORCODE']._serialized_end=2754
   _globals['_ENGINEGENERATE']._serialized_start=98
   _globals['_ENGINEGENERATE']._serialized_end=223
   _globals['_ENGINEABORT']._serialized_start=225
   _globals['_ENGINEABORT']._serialized_end=259
-  _globals['_ADAPTERCOMMAND']._serialized_start=261
-  _globals['_ADAPTERCOMMAND']._serialized_end=387
-  _globals['_ENGINEINPUT']._serialized_start=390
-  _globals['_ENGINEINPUT']._serialized_end=556
-  _globals['_REQUESTDELTA']._serialized_start=559
-  _globals['_REQUESTDELTA']._serialized_end=783
-  _globals['_REQUESTERROR']._serialized_start=785
-  _globals['_REQUESTERROR']._serialized_end=873
-  _globals['_STEPBATCH']._serialized_start=875
-  _globals['_STEPBATCH']._serialized_end=984
-  _globals['_ADAPTERACK']._serialized_start=986
-  _globals['_ADAPTERACK']._serialized_end=1104
-  _globals['_ADAPTERSTATUS']._serialized_start=1107
-  _globals['_ADAPTERSTATUS']._serialized_end=1381
-  _globals['_HISTOGRAMSNAPSHOT']._serialized_start=1383
-  _globals['_HISTOGRAMSNAPSHOT']._serialized_end=1468
-  _globals['_ENGINEEVENT']._serialized_start=1471
-  _globals['_ENGINEEVENT']._serialized_end=1729
-  _globals['_ENGINEEVENT_STATSENTRY']._serialized_start=1685
-  _globals['_ENGINEEVENT_STATSENTRY']._serialized_end=1729
-  _globals['_HEARTBEAT']._serialized_start=1732
-  _globals['_HEARTBEAT']._serialized_end=1867
-  _globals['_ENGINEOUTPUT']._serialized_start=1870
-  _globals['_ENGINEOUTPUT']._serialized_end=2091
-  _globals['_ADAPTERTABLEENTRY']._serialized_start=2093
-  _globals['_ADAPTERTABLEENTRY']._serialized_end=2209
-  _globals['_ADAPTERTABLE']._serialized_start=2211
-  _globals['_ADAPTERTABLE']._serialized_end=2290
+  _globals['_ADAPTERCOMMAND']._serialized_start=262
+  _globals['_ADAPTERCOMMAND']._serialized_end=405
+  _globals['_ENGINEINPUT']._serialized_start=408
+  _globals['_ENGINEINPUT']._serialized_end=574
+  _globals['_REQUESTDELTA']._serialized_start=577
+  _globals['_REQUESTDELTA']._serialized_end=801
+  _globals['_REQUESTERROR']._serialized_start=803
+  _globals['_REQUESTERROR']._serialized_end=891
+  _globals['_STEPBATCH']._serialized_start=893
+  _globals['_STEPBATCH']._serialized_end=1002
+  _globals['_ADAPTERACK']._serialized_start=1004
+  _globals['_ADAPTERACK']._serialized_end=1122
+  _globals['_ADAPTERSTATUS']._serialized_start=1125
+  _globals['_ADAPTERSTATUS']._serialized_end=1399
+  _globals['_HISTOGRAMSNAPSHOT']._serialized_start=1401
+  _globals['_HISTOGRAMSNAPSHOT']._serialized_end=1486
+  _globals['_ENGINEEVENT']._serialized_start=1489
+  _globals['_ENGINEEVENT']._serialized_end=1747
+  _globals['_ENGINEEVENT_STATSENTRY']._serialized_start=1703
+  _globals['_ENGINEEVENT_STATSENTRY']._serialized_end=1747
+  _globals['_HEARTBEAT']._serialized_start=1750
+  _globals['_HEARTBEAT']._serialized_end=1885
+  _globals['_ENGINEOUTPUT']._serialized_start=1888
+  _globals['_ENGINEOUTPUT']._serialized_end=2109
+  _globals['_ADAPTERTABLEENTRY']._serialized_start=2111
+  _globals['_ADAPTERTABLEENTRY']._serialized_end=2227
+  _globals['_ADAPTERTABLE']._serialized_start=2229
+  _globals['_ADAPTERTABLE']._serialized_end=2308
 # @@protoc_insertion_point(module_scope)

@@ -22,6 +22,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
     ERROR_CODE_INVALID_ARGUMENT: _ClassVar[ErrorCode]
     ERROR_CODE_NOT_FOUND: _ClassVar[ErrorCode]
+    ERROR_CODE_PERMISSION_DENIED: _ClassVar[ErrorCode]
     ERROR_CODE_RESOURCE_EXHAUSTED: _ClassVar[ErrorCode]
     ERROR_CODE_FAILED_PRECONDITION: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
@@ -34,6 +35,7 @@ ADAPTER_COMMAND_KIND_UNPIN: AdapterCommandKind
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 ERROR_CODE_NOT_FOUND: ErrorCode
+ERROR_CODE_PERMISSION_DENIED: ErrorCode
 ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
 ERROR_CODE_FAILED_PRECONDITION: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
@@ -58,18 +60,20 @@ class EngineAbort(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdapterCommand(_message.Message):
-    __slots__ = ("command_id", "kind", "name", "path", "pinned")
+    __slots__ = ("command_id", "kind", "name", "path", "pinned", "version")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     kind: AdapterCommandKind
     name: str
     path: str
     pinned: bool
-    def __init__(self, command_id: _Optional[str] = ..., kind: _Optional[_Union[AdapterCommandKind, str]] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    version: str
+    def __init__(self, command_id: _Optional[str] = ..., kind: _Optional[_Union[AdapterCommandKind, str]] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ..., version: _Optional[str] = ...) -> None: ...
 
 class EngineInput(_message.Message):
     __slots__ = ("generate", "abort", "adapter_command")
