@@ -77,4 +77,6 @@ def force_triton(monkeypatch) -> None:
     monkeypatch.setattr(elementwise, "_gpu", lambda x: True)
     monkeypatch.setattr(lora, "add_lora", lora_triton.add_lora)
     monkeypatch.setattr(lora, "build_meta", lora_triton.build_meta)
-    monkeypatch.setattr(llama, "paged_attention", attention_triton.paged_attention)
+    monkeypatch.setattr(llama, "paged_attention",
+                        lambda q, k, v, attn, scale, window=None:
+                        attention_triton.paged_attention(q, k, v, attn, scale))
