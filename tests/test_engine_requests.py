@@ -16,7 +16,7 @@ def greedy(n=8, **kw):
 
 @pytest.fixture(scope="module")
 def eng(llama_family):
-    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2,
+    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32,
                               max_num_batched_tokens=32, block_size=8, num_kv_blocks=64,
                               max_model_len=200))
     for name, path in llama_family.adapters.items():
@@ -124,7 +124,7 @@ def test_seeded_sampling_same_alone_and_in_batch(eng):
 
 
 def test_reload_gives_new_id_and_remove_is_deferred(llama_family, llama_oracle, tmp_path):
-    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, block_size=8,
+    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32, block_size=8,
                               num_kv_blocks=64, max_num_batched_tokens=32))
     ads = llama_family.adapters
     old_id = eng.add_adapter("x", ads["rs4"])
@@ -167,7 +167,7 @@ def test_bad_adapter_refused_and_nothing_registered(eng, llama_family, tmp_path)
 
 
 def test_pinned_adapter_keeps_its_slot(llama_family):
-    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, block_size=8,
+    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32, block_size=8,
                               num_kv_blocks=64, max_num_batched_tokens=32))
     ads = llama_family.adapters
     pinned = eng.add_adapter("p", ads["rs4"], pinned=True)

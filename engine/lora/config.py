@@ -157,7 +157,8 @@ def parse_adapter_config(data: bytes, max_lora_rank: int, file: str) -> AdapterC
     )
     for name, r in (("r", cfg.r), *((f"rank_pattern[{k!r}]", v) for k, v in cfg.rank_pattern)):
         if r > max_lora_rank:
-            raise AdapterError(f"{name}={r} exceeds max_lora_rank={max_lora_rank}",
+            raise AdapterError(f"{name}={r} exceeds max_lora_rank={max_lora_rank} (the "
+                               "engine's and control plane's --max-lora-rank)",
                                feature="rank", file=file)
     return cfg
 
