@@ -25,8 +25,8 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
+from engine.model.archs import build_model
 from engine.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
 from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
@@ -34,7 +34,7 @@ from engine.runner import ModelRunner
 
 @dataclass(frozen=True)
 class ModelParts:
-    model: LlamaForCausalLM
+    model: torch.nn.Module  # the architecture's model (engine/model/archs)
     lora_pool: LoRASlotPool
     num_kv_blocks: int
     kv: KVCacheManager
@@ -45,7 +45,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
                       device: torch.device, tp: TPGroup, executor=None) -> ModelParts:
     """`executor`: rank 0's TPExecutor at TP > 1 (agrees the KV block count), else None."""
     dtype = config.torch_dtype
-    model = LlamaForCausalLM(mc, dtype, device, tp)
+    model = build_model(mc, dtype, device, tp, max_model_len)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed + tp.rank)
     else:

@@ -22,9 +22,10 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         positions: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, window: int | None = None) -> torch.Tensor:
     """Causal attention of new tokens q [T, H, D] over their sequence's cached context
-    (which already holds the new tokens' K/V). Returns [T, H, D] in q's dtype.
+    (which already holds the new tokens' K/V). Returns [T, H, D] in q's dtype. With
+    `window`, a token at position p sees only context positions > p - window.
 
     One sequence at a time: gather its context [L, KVH, D] through its block table (only
     its first seq_len slots: the tail of the last block may hold anything, NaN included)
@@ -44,7 +45,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         slots = block_tables[b].long()[offs // bs] * bs + offs % bs
         k = _heads_first(k_flat[slots], H // kvh)      # [H, L, D]
         v = _heads_first(v_flat[slots], H // kvh)
-        allowed = offs.view(1, -1) <= positions[lo:hi].view(-1, 1)  # [n, L]
+        pos = positions[lo:hi].view(-1, 1)
+        allowed = offs.view(1, -1) <= pos  # [n, L]
+        if window is not None:
+            allowed &= offs.view(1, -1) > pos - window
         # 4-d inputs: torch's fused CPU kernel (3-d ones take its unfused path)
         o = F.scaled_dot_product_attention(q[lo:hi].float().transpose(0, 1)[None], k[None],
                                            v[None], attn_mask=allowed, scale=scale)

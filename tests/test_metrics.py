@@ -9,7 +9,7 @@ import time
 import urllib.request
 
 import pytest
-from loramux import AdminClient, GenerateClient
+from loramux import AdminClient, GenerateClient, LoramuxError
 from loramux.aio import AsyncGenerateClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +34,7 @@ def cluster(tmp_path_factory):
                         engine_args=("--max-num-seqs", "2", "--max-loras", "2",
                                      "--max-cpu-loras", "2"),
                         gateway_args=("--metrics-max-adapters", "2"),
+                        control_args=("--metrics-port", "0"),
                         env={"OMP_NUM_THREADS": "1"})
     c = Cluster(cfg)
     c.start()
@@ -41,6 +42,7 @@ def cluster(tmp_path_factory):
         ready = c.wait_ready()
         wait_serving(c.gateway_address)
         c.metrics_url = f"http://127.0.0.1:{ready['gateway']['metrics_port']}/metrics"
+        c.control_metrics_url = f"http://127.0.0.1:{ready['control']['metrics_port']}/metrics"
         yield c
     finally:
         c.close()
@@ -145,3 +147,24 @@ def test_metrics_follow_load(cluster):
     assert value(after, "loramux_requests_total", adapter="other", status="OK") == 2
     assert value(after, "loramux_requests_total", adapter="", status="OK") == 2
     assert not any(dict(labels).get("adapter") == "a3" for _, labels in after)
+
+
+def test_control_plane_metrics(cluster):
+    """Admin calls by method and status, with latency, on the control plane's endpoint."""
+    before = scrape(cluster.control_metrics_url)
+    with AdminClient(cluster.control_address) as admin:
+        admin.load("a1", "a1")  # already loaded by the test above, or loaded now
+        admin.get("a2")
+        with pytest.raises(LoramuxError):
+            admin.get("nope")
+    after = scrape(cluster.control_metrics_url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("loramux_admin_calls_total", method="LoadAdapter", code="OK") == 1
+    assert delta("loramux_admin_calls_total", method="GetAdapter", code="OK") == 1
+    assert delta("loramux_admin_calls_total", method="GetAdapter", code="NOT_FOUND") == 1
+    assert delta("loramux_admin_call_seconds_count", method="GetAdapter") == 2
+    assert value(after, "loramux_engine_replays_total") >= 1  # the engine's first connect

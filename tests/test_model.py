@@ -1,7 +1,8 @@
 """Base model vs Hugging Face transformers (float32, CPU): logits and argmax of one-step
 prefill, chunked prefill through a shuffled paged cache, decode, and mixed batches, for
-Llama (GQA), Qwen2 (qkv bias), tied embeddings, llama3 rope scaling, sharded checkpoints
-and Mistral; plus bf16/fp16 runs and the LoRA hook placement."""
+Llama (GQA), Qwen2 (qkv bias), Qwen3 (q/k norms), tied embeddings, llama3 rope scaling,
+sharded checkpoints, Mistral with and without a sliding window shorter than the prompts;
+plus bf16/fp16 runs and the LoRA hook placement."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,8 @@ SPECS = {
     "sharded": TinySpec(shard_size="40KB", seed=4),
     "mistral": TinySpec(seed=5),  # rewritten as MistralForCausalLM below
     "llama_attn_bias": TinySpec(seed=9),  # given q/k/v/o biases below
+    "qwen3": TinySpec(arch="qwen3", seed=10),
+    "mistral_window": TinySpec(arch="mistral", sliding_window=5, seed=11),
 }
 BLOCK = 4
 PROMPT = [0, 17, 33, 99, 200, 7, 250, 9, 120, 11, 312, 45, 61]
@@ -112,6 +115,13 @@ def test_config_parsed(pair, model_dirs):
         assert (model_dirs[name] / "model.safetensors.index.json").is_file()
     if name == "mistral":
         assert cfg.arch == "MistralForCausalLM" and type(hf).__name__ == "MistralForCausalLM"
+    assert cfg.sliding_window == (5 if name == "mistral_window" else None)
+    assert cfg.qk_norm == (name == "qwen3")
+    if name == "qwen3":  # the norms must be loaded and not all ones, or parity would not test them
+        assert type(hf).__name__ == "Qwen3ForCausalLM"
+        norm = ours.layers[0].self_attn.q_norm.weight
+        torch.testing.assert_close(norm, hf.model.layers[0].self_attn.q_norm.weight)
+        assert (norm - 1).abs().max() > 0.05
 
 
 def test_prefill_in_one_step(pair):

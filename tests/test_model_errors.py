@@ -49,7 +49,11 @@ BAD_CONFIGS = [
      "rope_parameters.rope_type='yarn'"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
      "rope_parameters.low_freq_factor"),
-    (dict(architectures=["MistralForCausalLM"], sliding_window=64), "sliding_window=64"),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64),
+     "sliding_window=64"),
+    (dict(architectures=["Qwen3ForCausalLM"], use_sliding_window=True, sliding_window=64),
+     "sliding_window=64"),
+    (dict(architectures=["MistralForCausalLM"], sliding_window=0), "sliding_window=0"),
     (dict(eos_token_id="x"), "eos_token_id"),
 ]
 

@@ -27,8 +27,8 @@ from engine.server import open_audit
 from engine.lora import LoRASlotPool
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
+from engine.model.archs import build_model
 from engine.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
 from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplerOutput
@@ -79,7 +79,7 @@ class Worker:
         dtype = config.torch_dtype
         max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                             mc.max_position_embeddings)
-        model = LlamaForCausalLM(mc, dtype, device, self.tp)
+        model = build_model(mc, dtype, device, self.tp, max_model_len)
         if config.load_format == "dummy":
             init_dummy_weights(model, config.seed + self.tp.rank)
         else:

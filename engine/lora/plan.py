@@ -20,12 +20,12 @@ from engine.errors import AdapterError
 from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
 from engine.lora.patterns import dotted_suffixes
 from engine.lora.safetensors_buffer import TensorInfo, is_float, parse_header
-from engine.model.lora_targets import LORA_TARGETS, full_shape
+from engine.model.archs import architecture
+from engine.model.lora_targets import DECODER_TARGETS, LoraTarget, full_shape
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PARENT = {t.module: t.parent for t in DECODER_TARGETS}
 # PEFT strips the adapter name when saving; older files may keep it (`lora_A.default.weight`).
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\."
                   r"(?P<module>\w+)\.lora_(?P<factor>[AB])(?:\.[\w\-]+)?\.weight$")
@@ -44,6 +44,11 @@ _REFUSED_KEYS = tuple((re.compile(p), f, w) for p, f, w in (
 def module_name(layer: int, module: str) -> str:
     """The module's name in the Hugging Face model, as PEFT matches it."""
     return f"model.layers.{layer}.{_PARENT[module]}.{module}"
+
+
+def _lora_targets(model_cfg) -> dict[str, LoraTarget]:
+    """The model's LoRA targets by HF module name, as its architecture declares them."""
+    return {t.module: t for t in architecture(model_cfg).lora_targets}
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,8 @@ class AdapterPlan:
 def max_weights_bytes(model_cfg, max_lora_rank: int) -> int:
     """The largest adapter_model.safetensors an adapter of this model can need: every
     module of every layer at max_lora_rank in float64, plus room for the header."""
-    per_layer = sum(max_lora_rank * sum(full_shape(model_cfg, m)) * 8 for m in LORA_TARGETS)
+    per_layer = sum(max_lora_rank * sum(full_shape(model_cfg, m)) * 8
+                    for m in _lora_targets(model_cfg))
     return model_cfg.num_layers * per_layer + (1 << 20)
 
 
@@ -97,7 +103,7 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
         targets = _targeted_modules(cfg, model_cfg)
         weights = d.read(WEIGHTS_NAME, max_weights_bytes(model_cfg, max_lora_rank))
     shapes = parse_header(weights.data, weights_file)
-    found = _index_keys(shapes, model_cfg.num_layers, weights_file)
+    found = _index_keys(shapes, model_cfg, weights_file)
     modules = []
     for layer, module in targets:
         modules.append(_module_plan(cfg, model_cfg, layer, module, found, shapes, weights_file))
@@ -133,7 +139,8 @@ def _targeted_modules(cfg: AdapterConfig, model_cfg) -> list[tuple[int, str]]:
         raise AdapterError(f"layers_to_transform={list(cfg.layers_to_transform)} names a layer "
                            f"beyond the model's {n} layers", feature="layers_to_transform",
                            file=cfg.file)
-    all_names = [(i, m, module_name(i, m)) for i in range(n) for m in LORA_TARGETS]
+    supported = _lora_targets(model_cfg)
+    all_names = [(i, m, module_name(i, m)) for i in range(n) for m in supported]
     if not cfg.is_all_linear:
         for name, feature in (("lm_head", "lm_head"), ("model.embed_tokens", "embedding")):
             if cfg.targets(name):
@@ -145,12 +152,12 @@ def _targeted_modules(cfg: AdapterConfig, model_cfg) -> list[tuple[int, str]]:
         for t in cfg.target_modules:
             if t not in known:
                 raise AdapterError(f"target_modules entry {t!r} matches no supported module "
-                                   f"(supported: {', '.join(LORA_TARGETS)})",
+                                   f"(supported: {', '.join(supported)})",
                                    feature="target_modules", file=cfg.file)
     targets = [(i, m) for i, m, name in all_names if cfg.targets(name)]
     if not targets:
         raise AdapterError(f"target_modules={_show(cfg.target_modules)} matches no supported "
-                           f"module (supported: {', '.join(LORA_TARGETS)})",
+                           f"module (supported: {', '.join(supported)})",
                            feature="target_modules", file=cfg.file)
     return targets
 
@@ -159,8 +166,9 @@ def _show(targets) -> str:
     return repr(list(targets) if isinstance(targets, tuple) else targets)
 
 
-def _index_keys(shapes: dict, num_layers: int, file: str) -> dict[tuple[int, str], dict[str, str]]:
+def _index_keys(shapes: dict, model_cfg, file: str) -> dict[tuple[int, str], dict[str, str]]:
     """{(layer, module): {"A": key, "B": key}}; refuses every key we cannot place."""
+    num_layers, supported = model_cfg.num_layers, _lora_targets(model_cfg)
     found: dict[tuple[int, str], dict[str, str]] = {}
     for key in shapes:
         for pattern, feature, what in _REFUSED_KEYS:
@@ -168,8 +176,8 @@ def _index_keys(shapes: dict, num_layers: int, file: str) -> dict[tuple[int, str
                 raise AdapterError(f"tensor {key!r} is {what}, which is not supported",
                                    feature=feature, file=file)
         m = _KEY.match(key)
-        if m is None or LORA_TARGETS.get(m["module"]) is None \
-                or _PARENT[m["module"]] != m["parent"]:
+        if m is None or m["module"] not in supported \
+                or supported[m["module"]].parent != m["parent"]:
             raise AdapterError(f"unexpected tensor {key!r} (not lora_A/lora_B of a supported "
                                f"module)", feature="tensor", file=file)
         layer = int(m["layer"])

@@ -1,6 +1,7 @@
 """The base model's architecture, parsed from a Hugging Face model directory.
 
-Supports LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM (full attention only).
+Supports the architectures of the model registry (engine/model/archs/: Llama, Qwen2,
+Qwen3, Mistral); each decides its own fields (biases, q/k norms, sliding window).
 Reads both the transformers 4 layout (`rope_theta` + `rope_scaling`) and the
 transformers 5 layout (`rope_parameters`). Anything the engine cannot run exactly is
 refused with a ModelLoadError naming the file and the field.
@@ -14,8 +15,9 @@ from types import MappingProxyType
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.model.archs import ARCHITECTURES
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHS = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -36,11 +38,13 @@ class ModelConfig:
     rope_scaling: MappingProxyType | None  # None = plain RoPE; else has "rope_type"
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool                 # q/k/v projections have biases (Qwen2, Llama attention_bias)
-    o_bias: bool                   # o_proj has a bias (Llama attention_bias only)
+    qkv_bias: bool                 # q/k/v projections have biases (Qwen2, attention_bias)
+    o_bias: bool                   # o_proj has a bias (Llama/Qwen3 attention_bias)
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    qk_norm: bool = False          # RMSNorm per query/key head before rotary (Qwen3)
+    sliding_window: int | None = None  # attend to the last N positions only (Mistral)
 
     @property
     def q_size(self) -> int:
@@ -73,7 +77,8 @@ def parse_config(raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Mode
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"config.json: architectures={archs!r} is not supported; "
                              f"expected one of {list(SUPPORTED_ARCHS)}")
-    _check_unsupported_features(raw, arch)
+    _check_unsupported_features(raw)
+    arch_fields = ARCHITECTURES[arch].fields(raw)
     hidden = f.int("hidden_size")
     heads = f.int("num_attention_heads")
     kv_heads = f.int("num_key_value_heads", default=heads)
@@ -88,9 +93,6 @@ def parse_config(raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Mode
         raise ModelLoadError(f"config.json: head_dim={head_dim} must be even for rotary embedding")
     max_pos = f.int("max_position_embeddings")
     theta, scaling = _rope(raw, max_pos)
-    # transformers: Llama's attention_bias covers q, k, v and o; Qwen2 always has q/k/v
-    # biases and never an o bias; Mistral has none.
-    llama_bias = arch == "LlamaForCausalLM" and bool(raw.get("attention_bias", False))
     gen = gen or {}
     eos = gen.get("eos_token_id", raw.get("eos_token_id"))
     return ModelConfig(
@@ -107,8 +109,10 @@ def parse_config(raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Mode
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
-        o_bias=llama_bias,
+        qkv_bias=arch_fields.qkv_bias,
+        o_bias=arch_fields.o_bias,
+        qk_norm=arch_fields.qk_norm,
+        sliding_window=arch_fields.sliding_window,
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         eos_token_ids=_token_ids(eos, "eos_token_id"),
         bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
@@ -132,17 +136,12 @@ class _Fields:
         return value
 
 
-def _check_unsupported_features(raw: dict[str, Any], arch: str) -> None:
+def _check_unsupported_features(raw: dict[str, Any]) -> None:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
     if raw.get("mlp_bias"):
         raise ModelLoadError("config.json: mlp_bias=true is not supported")
-    window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
-    if uses_window and window is not None and window < raw.get("max_position_embeddings", 0):
-        raise ModelLoadError(f"config.json: sliding_window={window} is not supported "
-                             f"(full attention only)")
 
 
 def _rope(raw: dict[str, Any], max_pos: int) -> tuple[float, MappingProxyType | None]:

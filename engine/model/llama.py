@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache, tensor-parallel.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache, tensor-parallel.
+
+The family's variations are ModelConfig flags set by each architecture's declaration
+(engine/model/archs/): q/k/v and o biases, RMSNorm over each query and key head before
+rotary (qk_norm, Qwen3), attention limited to a sliding window (Mistral).
 
 Each rank holds its shard (engine/model/sharding.py): merged column-parallel q|k|v and
 gate|up, row-parallel o and down, vocabulary-parallel embedding and head. The numerics
@@ -49,6 +53,11 @@ class LlamaAttention(nn.Module):
             dtype, device, shards=[q_rows, kv_rows, kv_rows])
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, dtype, device,
                                         in_shard=q_rows)
+        self.sliding_window = cfg.sliding_window
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
                 lora) -> torch.Tensor:
@@ -57,12 +66,16 @@ class LlamaAttention(nn.Module):
         if lora is not None:
             lora.apply(self.layer_idx, "qkv", x, qkv)
         q, k, v = self.qkv_proj.split(self.qkv_proj.add_bias(qkv))
+        if self.q_norm is not None:  # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, D))
+            k = self.k_norm(k.reshape(-1, D))
         k_cache, v_cache = kv_cache
         # rotary on q and k and the KV-cache store in one launch on CUDA
         q, k = self.rotary.rotate_and_store(
             attn.positions, q.reshape(T, self.num_heads, D), k.reshape(T, self.num_kv_heads, D),
             v.reshape(T, self.num_kv_heads, D), k_cache, v_cache, attn.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, attn, self.scale).reshape(T, self.num_heads * D)
+        o = paged_attention(q, k_cache, v_cache, attn, self.scale,
+                            window=self.sliding_window).reshape(T, self.num_heads * D)
         y = self.o_proj.matmul(o)
         if lora is not None:
             lora.apply(self.layer_idx, "o", o, y)
@@ -77,6 +90,9 @@ class LlamaAttention(nn.Module):
         out[f"{prefix}.o_proj.weight"] = self.o_proj.load_weight
         if self.o_proj.bias is not None:
             out[f"{prefix}.o_proj.bias"] = self.o_proj.load_bias
+        if self.q_norm is not None:
+            out[f"{prefix}.q_norm.weight"] = self.q_norm.load
+            out[f"{prefix}.k_norm.weight"] = self.k_norm.load
         return out
 
 

@@ -31,16 +31,53 @@ from engine.model.sharding import Shard
 GROUPS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
 ROW_PARALLEL_GROUPS = frozenset({"o", "down"})
 
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One Hugging Face module LoRA may wrap, as an architecture declares it.
+
+    `parent` is its parent module inside a decoder layer (`model.layers.{i}.{parent}.
+    {module}`), `group`/`slice` where its output sits in the merged projection the model
+    runs, `parallel` how the base weight is split under tensor parallelism ("column": by
+    output rows; "row": by input columns). `dims` names the (in, out) widths as config
+    quantities: "hidden", "q" (all query heads), "kv" (all KV heads), "inter"."""
+    module: str
+    parent: str
+    group: str
+    slice: int
+    parallel: str
+    dims: tuple[str, str]
+
+
+# The seven projections of a Llama-family decoder layer, in group and slice order.
+DECODER_TARGETS: tuple[LoraTarget, ...] = (
+    LoraTarget("q_proj", "self_attn", "qkv", 0, "column", ("hidden", "q")),
+    LoraTarget("k_proj", "self_attn", "qkv", 1, "column", ("hidden", "kv")),
+    LoraTarget("v_proj", "self_attn", "qkv", 2, "column", ("hidden", "kv")),
+    LoraTarget("o_proj", "self_attn", "o", 0, "row", ("q", "hidden")),
+    LoraTarget("gate_proj", "mlp", "gate_up", 0, "column", ("hidden", "inter")),
+    LoraTarget("up_proj", "mlp", "gate_up", 1, "column", ("hidden", "inter")),
+    LoraTarget("down_proj", "mlp", "down", 0, "row", ("inter", "hidden")),
+)
+_BY_MODULE = MappingProxyType({t.module: t for t in DECODER_TARGETS})
+
 # HF module name -> (group, slice index inside the group's merged output)
-LORA_TARGETS = MappingProxyType({
-    "q_proj": ("qkv", 0),
-    "k_proj": ("qkv", 1),
-    "v_proj": ("qkv", 2),
-    "o_proj": ("o", 0),
-    "gate_proj": ("gate_up", 0),
-    "up_proj": ("gate_up", 1),
-    "down_proj": ("down", 0),
-})
+LORA_TARGETS = MappingProxyType({t.module: (t.group, t.slice) for t in DECODER_TARGETS})
+
+
+def _width(cfg, dim: str) -> int:
+    return {"hidden": cfg.hidden_size, "q": cfg.num_heads * cfg.head_dim,
+            "kv": cfg.num_kv_heads * cfg.head_dim, "inter": cfg.intermediate_size}[dim]
+
+
+def _shard_of(cfg, dim: str, rank: int, size: int) -> Shard:
+    """This rank's part of a sharded dimension (never "hidden": it is not split)."""
+    if dim == "q":
+        return sharding.rows(sharding.q_heads(cfg, rank, size), cfg.head_dim)
+    if dim == "kv":
+        return sharding.rows(sharding.kv_heads(cfg, rank, size), cfg.head_dim)
+    assert dim == "inter", dim
+    return sharding.even_shard(cfg.intermediate_size, rank, size)
 
 
 class GroupShape(NamedTuple):
@@ -63,43 +100,29 @@ class LoraShard:
 
 def full_shape(cfg, module: str) -> tuple[int, int]:
     """(in_features, out_features) of the unsharded HF module."""
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    shapes = {
-        "q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv),
-        "v_proj": (cfg.hidden_size, kv), "o_proj": (q, cfg.hidden_size),
-        "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
-        "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-        "down_proj": (cfg.intermediate_size, cfg.hidden_size),
-    }
-    return shapes[module]
+    k_in, n_out = _BY_MODULE[module].dims
+    return _width(cfg, k_in), _width(cfg, n_out)
 
 
 def lora_shard(cfg, module: str, rank: int, size: int) -> LoraShard:
     """The part of `module`'s LoRA weights that rank `rank` of `size` holds."""
-    d = cfg.head_dim
-    if module == "q_proj":
-        return LoraShard("B", sharding.rows(sharding.q_heads(cfg, rank, size), d))
-    if module in ("k_proj", "v_proj"):
-        return LoraShard("B", sharding.rows(sharding.kv_heads(cfg, rank, size), d))
-    if module in ("gate_proj", "up_proj"):
-        return LoraShard("B", sharding.even_shard(cfg.intermediate_size, rank, size))
-    if module == "o_proj":
-        return LoraShard("A", sharding.rows(sharding.q_heads(cfg, rank, size), d))
-    if module == "down_proj":
-        return LoraShard("A", sharding.even_shard(cfg.intermediate_size, rank, size))
-    raise KeyError(f"not a LoRA target module: {module!r}")
+    target = _BY_MODULE.get(module)
+    if target is None:
+        raise KeyError(f"not a LoRA target module: {module!r}")
+    if target.parallel == "column":
+        return LoraShard("B", _shard_of(cfg, target.dims[1], rank, size))
+    return LoraShard("A", _shard_of(cfg, target.dims[0], rank, size))
 
 
 def lora_group_shapes(cfg, tp_size: int = 1) -> dict[str, GroupShape]:
     """Per-rank in/out widths of every group (identical on every rank)."""
-    q = sharding.q_heads(cfg, 0, tp_size).length * cfg.head_dim
-    kv = sharding.kv_heads(cfg, 0, tp_size).length * cfg.head_dim
-    inter = cfg.intermediate_size // tp_size
-    h = cfg.hidden_size
-    return {
-        "qkv": GroupShape(h, (q, kv, kv)),
-        "o": GroupShape(q, (h,)),
-        "gate_up": GroupShape(h, (inter, inter)),
-        "down": GroupShape(inter, (h,)),
-    }
+    def width(dim: str, split: bool) -> int:
+        return _shard_of(cfg, dim, 0, tp_size).length if split else _width(cfg, dim)
+
+    out: dict[str, list] = {}
+    for t in DECODER_TARGETS:
+        k_in, n_out = t.dims
+        k = width(k_in, t.parallel == "row")
+        entry = out.setdefault(t.group, [k, []])
+        entry[1].append(width(n_out, t.parallel == "column"))
+    return {g: GroupShape(k, tuple(ns)) for g, (k, ns) in out.items()}

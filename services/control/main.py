@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=env("LORAMUX_HEARTBEAT_TIMEOUT", "1.5"),
                    help="seconds without an engine heartbeat before the engine counts as gone "
                         "(default: 1.5)")
+    p.add_argument("--metrics-port", type=int, default=int(env("LORAMUX_CONTROL_METRICS_PORT", "-1")),
+                   help="Prometheus /metrics HTTP port for admin-call metrics "
+                        "(0 picks one, -1 disables: the default)")
+    p.add_argument("--metrics-host", default=env("LORAMUX_METRICS_HOST", "127.0.0.1"))
     p.add_argument("--ready-file", default=None)
     tls.add_arguments(p)
     curve.add_arguments(p)
@@ -66,6 +70,7 @@ async def serve(args) -> int:
     from services.control.binding import prepare as prepare_registry
     from services.control.engine_link import EngineLink
     from services.control.manager import AdapterManager
+    from services.control.metrics import ControlMetrics
     from services.control.paths import AdapterRoots
     from services.control.registry import Registry
     from services.control.servicer import AdapterAdminServicer
@@ -78,8 +83,14 @@ async def serve(args) -> int:
     registry = Registry(args.db, binding.to_json())
     table = TablePublisher(args.table_address, keys=args.keys)
     manager_box: list[AdapterManager] = []
-    link = EngineLink(args.engine_input, args.engine_output,
-                      on_connect=lambda inst: manager_box[0].replay(inst),
+    metrics = ControlMetrics()
+    metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
+
+    async def replay(instance: str) -> None:
+        metrics.replays.inc()
+        await manager_box[0].replay(instance)
+
+    link = EngineLink(args.engine_input, args.engine_output, on_connect=replay,
                       on_event=lambda ev: manager_box[0].on_event(ev),
                       heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
     adapter_roots = AdapterRoots(roots)
@@ -90,7 +101,7 @@ async def serve(args) -> int:
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = grpc_server.make_server(interceptors=interceptors)
     adapter_admin_pb2_grpc.add_AdapterAdminServiceServicer_to_server(
-        AdapterAdminServicer(manager), server)
+        AdapterAdminServicer(manager, metrics), server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
     address = grpc_server.bind(server, args.listen, args.tls)
     await server.start()
@@ -99,7 +110,7 @@ async def serve(args) -> int:
     await link.start()
     await grpc_server.set_serving(health, [SERVICE], True)
     grpc_server.write_ready_file(args.ready_file, {"address": address, "table": table.address,
-                                                   "pid": os.getpid()})
+                                                   "metrics_port": metrics_port, "pid": os.getpid()})
     log.info("serving", address=address, table=table.address, adapters=len(registry.all()))
     stop = asyncio.Event()
     grpc_server.install_stop_signals(stop)

@@ -2,8 +2,10 @@
 AdapterManager."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
+import time
 
 import grpc
 from loramux.v1 import adapter_admin_pb2 as pb
@@ -18,13 +20,24 @@ _DEFAULT_PAGE, _MAX_PAGE = 100, 1000
 
 
 def _admin_call(method):
-    """Turn AdminError into the gRPC status it names."""
+    """Turn AdminError into the gRPC status it names; count the call and its latency."""
     @functools.wraps(method)
     async def wrapper(self, request, context):
+        t0, code = time.monotonic(), "OK"
         try:
             return await method(self, request, context)
         except AdminError as err:
+            code = err.code.name
             await rich_status.abort(context, err.code, str(err))
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "UNKNOWN"
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_call(method.__name__, code, time.monotonic() - t0)
     return wrapper
 
 
@@ -40,8 +53,9 @@ def _after(token: str) -> str:
 
 
 class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
-    def __init__(self, manager: AdapterManager):
+    def __init__(self, manager: AdapterManager, metrics=None):
         self.m = manager
+        self.metrics = metrics  # services/control/metrics.py ControlMetrics, or None
 
     def to_proto(self, rec: AdapterRecord) -> pb.Adapter:
         """Registry record + what the engine last reported about this name."""

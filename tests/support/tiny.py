@@ -34,7 +34,7 @@ def build_tokenizer(vocab_size: int = 384):
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama" or "qwen2"
+    arch: str = "llama"  # "llama", "qwen2", "qwen3" or "mistral"
     hidden_size: int = 64
     intermediate_size: int = 128
     num_layers: int = 2
@@ -48,10 +48,11 @@ class TinySpec:
     seed: int = 0
     dtype: str = "float32"
     shard_size: str | None = None  # e.g. "40KB" writes several *.safetensors + index
+    sliding_window: int | None = None  # mistral only
 
 
 def _hf_config(spec: TinySpec, vocab_size: int):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -75,6 +76,11 @@ def _hf_config(spec: TinySpec, vocab_size: int):
         return LlamaConfig(**common)
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
+    if spec.arch == "qwen3":
+        return Qwen3Config(**common, head_dim=spec.hidden_size // spec.num_heads,
+                           use_sliding_window=False)
+    if spec.arch == "mistral":
+        return MistralConfig(**common, sliding_window=spec.sliding_window)
     raise ValueError(f"unknown arch {spec.arch!r}")
 
 

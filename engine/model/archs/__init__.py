@@ -1,0 +1,37 @@
+"""The model registry: one module per architecture, looked up by Hugging Face class name.
+
+Adding an architecture is one file here declaring an `Architecture` (engine/model/archs/
+base.py) and one line below.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from engine.errors import ModelLoadError
+from engine.model.archs import llama, mistral, qwen2, qwen3
+from engine.model.archs.base import Architecture, ArchFields
+
+ARCHITECTURES = MappingProxyType({a.hf_name: a for a in (
+    llama.ARCH, qwen2.ARCH, qwen3.ARCH, mistral.ARCH)})
+
+
+def architecture(cfg) -> Architecture:
+    """The registered architecture of a ModelConfig."""
+    return ARCHITECTURES[cfg.arch]
+
+
+def build_model(cfg, dtype, device, tp, max_model_len: int | None = None):
+    """This rank's model for `cfg`, weights not loaded yet. Refuses (ModelLoadError) a
+    sliding window on CUDA when sequences may be longer than it: the CUDA attention
+    kernels do not mask to a window (the CPU path does)."""
+    window = cfg.sliding_window
+    if getattr(device, "type", str(device)).startswith("cuda") and window is not None \
+            and (max_model_len or cfg.max_position_embeddings) > window:
+        raise ModelLoadError(
+            f"config.json: sliding_window={window}: the CUDA attention kernels do not mask "
+            f"to a sliding window; serve with max_model_len <= {window} (now "
+            f"{max_model_len or cfg.max_position_embeddings}) or on the CPU")
+    return architecture(cfg).build(cfg, dtype, device, tp)
+
+
+__all__ = ["ARCHITECTURES", "Architecture", "ArchFields", "architecture", "build_model"]

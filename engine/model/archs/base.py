@@ -1,0 +1,53 @@
+"""What an architecture module declares: its Hugging Face class name, the ModelConfig
+fields that differ between architectures (read from config.json), and its LoRA targets.
+
+Declarations only: nothing here imports torch, so a process that only parses a model's
+config (the control plane, the gateway) can use the registry.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import ModelLoadError
+from engine.model.lora_targets import DECODER_TARGETS, LoraTarget
+
+
+@dataclass(frozen=True)
+class ArchFields:
+    """The ModelConfig fields an architecture decides from its config.json."""
+    qkv_bias: bool = False             # q/k/v projections have biases
+    o_bias: bool = False               # o_proj has a bias
+    qk_norm: bool = False              # RMSNorm over each query/key head before rotary
+    sliding_window: int | None = None  # each token attends to the last `sliding_window` positions
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model family the engine serves, registered by its Hugging Face class name.
+
+    `fields(raw)` reads the family's own config.json fields (raising ModelLoadError for
+    values it cannot run exactly); `lora_targets` are the modules LoRA may wrap, with their
+    geometry (engine/model/lora_targets.py). The decoder's weight names follow the
+    `model.layers.{i}.{parent}.{module}` layout of the targets' parents; the extra tensors
+    a flag adds (qk_norm: `self_attn.q_norm`, `self_attn.k_norm`) are loaded by the model."""
+    hf_name: str
+    fields: Callable[[dict[str, Any]], ArchFields]
+    lora_targets: tuple[LoraTarget, ...] = DECODER_TARGETS
+
+    def build(self, cfg, dtype, device, tp):
+        """This rank's model, weights not loaded yet."""
+        from engine.model.llama import LlamaForCausalLM  # torch only where a model is built
+
+        return LlamaForCausalLM(cfg, dtype, device, tp)
+
+
+def refuse_sliding_window(raw: dict[str, Any]) -> None:
+    """For families whose window applies to some layers only (Qwen2, Qwen3): served only
+    when it is off or covers every position."""
+    window = raw.get("sliding_window")
+    if raw.get("use_sliding_window") and window is not None \
+            and window < raw.get("max_position_embeddings", 0):
+        raise ModelLoadError(f"config.json: use_sliding_window=true with sliding_window={window} "
+                             f"is not supported for {raw['architectures'][0]} (full attention only)")

@@ -1,0 +1,10 @@
+"""Qwen2 (Qwen2ForCausalLM): q/k/v biases always, no o bias; full attention only."""
+from engine.model.archs.base import Architecture, ArchFields, refuse_sliding_window
+
+
+def _fields(raw: dict) -> ArchFields:
+    refuse_sliding_window(raw)
+    return ArchFields(qkv_bias=True)
+
+
+ARCH = Architecture("Qwen2ForCausalLM", _fields)

@@ -1,0 +1,13 @@
+"""Qwen3 (Qwen3ForCausalLM): RMSNorm over each query and key head (q_norm, k_norm)
+between the projection and rotary; `attention_bias` gives q, k, v and o biases; full
+attention only."""
+from engine.model.archs.base import Architecture, ArchFields, refuse_sliding_window
+
+
+def _fields(raw: dict) -> ArchFields:
+    refuse_sliding_window(raw)
+    bias = bool(raw.get("attention_bias", False))
+    return ArchFields(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+ARCH = Architecture("Qwen3ForCausalLM", _fields)
