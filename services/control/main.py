@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
                    help="ZMQ address to bind for publishing the adapter table to gateways")
-    p.add_argument("--max-lora-rank", type=positive_int, default=env("LORAMUX_MAX_LORA_RANK", "64"),
-                   help="largest adapter rank accepted; the engine's --max-lora-rank (default: 64)")
+    p.add_argument("--max-lora-rank", type=positive_int, default=env("LORAMUX_MAX_LORA_RANK", "16"),
+                   help="largest adapter rank accepted; the engine's --max-lora-rank (default: 16)")
     p.add_argument("--auth-token", default=env("LORAMUX_ADMIN_TOKEN"),
                    help="bearer token required on admin calls ($LORAMUX_ADMIN_TOKEN)")
     p.add_argument("--heartbeat-timeout", type=positive_float,
