@@ -41,8 +41,8 @@ class _StopSignals:
         self.requested.set()
 
 
-def _drain(cluster, grace_s: float) -> None:
-    if cluster.procs:
+def _drain(cluster, grace_s: float, serving: bool) -> None:
+    if cluster.procs and serving:
         print(f"loramux: draining (in-flight streams have up to {grace_s:g} s; "
               "Ctrl-C again stops at once)", file=sys.stderr, flush=True)
     try:
@@ -105,4 +105,4 @@ def main(argv: list[str] | None = None) -> int:
         cluster.kill_all()
         return 130
     finally:
-        _drain(cluster, args.shutdown_grace)
+        _drain(cluster, args.shutdown_grace, stop.serving)

@@ -124,6 +124,9 @@ class LocalCompose:
 
     def env(self, name: str) -> dict:
         env = {k: self.map(v) for k, v in self.compose["services"][name].get("environment", {}).items()}
+        for key, value in env.items():  # a bare port number (the metrics port): a free one too
+            if key.endswith("_PORT") and value.isdigit():
+                env[key] = self.ports.setdefault(value, str(free_port()))
         return {**os.environ, **env, "OMP_NUM_THREADS": "1"}
 
     def argv(self, cmd: list[str]) -> list[str]:

@@ -114,8 +114,8 @@ def _serve_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProce
                           env={**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
-def _one_line_error(proc, *words):
-    assert proc.returncode == 2, proc
+def _one_line_error(proc, *words, code=2):
+    assert proc.returncode == code, proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     for w in words:
@@ -173,6 +173,13 @@ def test_engine_server_bad_environment_is_one_line(model):
          "--output", "tcp://127.0.0.1:2", "--insecure-zmq"], cwd=ROOT, capture_output=True,
         text=True, timeout=120, env={**os.environ, "LORAMUX_MAX_LORAS": "lots"})
     _one_line_error(proc, "LORAMUX_MAX_LORAS", "--max-loras")
+
+
+def test_serve_reports_an_engine_that_cannot_start_in_one_line(model, tmp_path):
+    proc = _serve_cli("serve", "--model", model, "--gateway-port", "0", "--control-port", "0",
+                      "--metrics-port", "-1", "--http-port", "0", "--workdir", str(tmp_path),
+                      env={"LORAMUX_MAX_LORAS": "lots", "OMP_NUM_THREADS": "1"})
+    _one_line_error(proc, "engine exited", "LORAMUX_MAX_LORAS", "--max-loras", code=1)
 
 
 def test_resolved_config_of_a_real_engine(model, tmp_path):

@@ -120,9 +120,8 @@ async def serve(args) -> int:
     from services.gateway.servicer import GenerateServicer
 
     log = configure_logging("gateway", args.log_level)
-    from engine.adapters.safe_files import AdapterRoots
-    roots = args.adapter_root or [r for r in os.environ.get("LORAMUX_ADAPTER_ROOTS", "").split(":")
-                                  if r]
+    from engine.adapters.safe_files import AdapterRoots, roots_from
+    roots = roots_from(args.adapter_root, os.environ)
     prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model,
                             adapter_roots=AdapterRoots(roots) if roots else None)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
@@ -173,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
               file=sys.stderr)
+        return 2
+    from engine.adapters.safe_files import roots_from, roots_problem
+    if (why := roots_problem(roots_from(args.adapter_root, os.environ))) is not None:
+        print(f"error: {why}", file=sys.stderr)
         return 2
     try:
         args.keys = curve.keys_from_args(args)
