@@ -57,14 +57,10 @@ def engine_config(args, environ=None):
     argparse.ArgumentTypeError (a bad environment value)."""
     from engine.config import EngineConfig
 
-    return EngineConfig(model=args.model, adapter_roots=adapter_roots(args, environ),
+    from engine.adapters.safe_files import roots_from
+
+    return EngineConfig(model=args.model, adapter_roots=roots_from(args.adapter_root, environ),
                         **given(args, ENGINE_OPTIONS, environ))
-
-
-def adapter_roots(args, environ=None) -> tuple[str, ...]:
-    if args.adapter_root:
-        return tuple(args.adapter_root)
-    return tuple(r for r in (environ or {}).get("LORAMUX_ADAPTER_ROOTS", "").split(":") if r)
 
 
 def resolved_config(engine) -> dict:
