@@ -55,6 +55,9 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "adapter_roots", tuple(self.adapter_roots))
+        from engine.adapters.safe_files import roots_problem
+        if (why := roots_problem(self.adapter_roots)) is not None:
+            raise InvalidRequestError(why)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(
                 f"dtype={self.dtype!r}: must be 'auto' or one of {sorted(_DTYPES)}")

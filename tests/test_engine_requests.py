@@ -153,17 +153,17 @@ def test_reload_gives_new_id_and_remove_is_deferred(llama_family, llama_oracle, 
 
 
 def test_bad_adapter_refused_and_nothing_registered(eng, llama_family, tmp_path):
-    dora = make_adapter(tmp_path / "dora", llama_family.model_dir, AdapterSpec(r=4),
-                        use_dora=True)
+    biased = make_adapter(tmp_path / "lora_bias", llama_family.model_dir, AdapterSpec(r=4),
+                          lora_bias=True)
     before = eng.stats()["adapters"]
-    with pytest.raises(AdapterError, match="use_dora") as exc:
-        eng.add_adapter("dora", dora)
-    assert exc.value.feature == "use_dora"
+    with pytest.raises(AdapterError, match="lora_bias") as exc:
+        eng.add_adapter("biased", biased)
+    assert exc.value.feature == "lora_bias"
     with pytest.raises(AdapterError):
         eng.add_adapter("missing", tmp_path / "does-not-exist")
     assert eng.stats()["adapters"] == before
     with pytest.raises(AdapterNotFoundError):
-        eng.add_request("d", [5], greedy(), "dora")
+        eng.add_request("d", [5], greedy(), "biased")
 
 
 def test_pinned_adapter_keeps_its_slot(llama_family):
