@@ -18,8 +18,11 @@ COPY clients/python clients/python
 RUN pip install --no-cache-dir . ./clients/python
 
 # Non-root; the registry and the model cache live on volumes.
-RUN useradd --create-home loramux && mkdir -p /models /adapters /state /keys \
-    && chown loramux /models /adapters /state /keys && chmod 700 /keys
+# Compiled Triton kernels go to /triton-cache (compose mounts a volume there), so the
+# engine's start-up warm-up compiles once and later starts load them.
+ENV TRITON_CACHE_DIR=/triton-cache
+RUN useradd --create-home loramux && mkdir -p /models /adapters /state /keys /triton-cache \
+    && chown loramux /models /adapters /state /keys /triton-cache && chmod 700 /keys
 USER loramux
 EXPOSE 50051 50052 9090
 CMD ["loramux", "--help"]

@@ -91,7 +91,7 @@ def bench_burst(engine, ids: list[int], log) -> float:
     t = time.perf_counter()
     for aid in ids:
         rec = engine.registry.get(aid)
-        res.loader.submit(aid, rec.path, rec.fingerprint)
+        res.loader.submit(aid, rec.path, rec.version)
     done = 0
     while done < len(ids):
         res.loader.wait_any()

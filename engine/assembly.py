@@ -51,7 +51,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
     else:
         model.load_weights(config.model)
     lora_pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
-                             tp_size=tp.size)
+                             tp_size=tp.size, base_weight=model.lora_base_weight)
     blocks = kv_blocks(config, mc, model.num_kv_heads_per_rank, device, max_model_len)
     if executor is not None:  # every rank's cache holds the same blocks
         blocks = executor.agree_min(blocks)
@@ -70,10 +70,13 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
     read inside the adapter roots."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
+    # DoRA's per-row factors are applied on the CPU reference path (engine/lora/batch.py)
+    dora = torch.device(config.device).type == "cpu" and tp.size == 1
 
     def read(path: str, version: str | None):
         return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
-                         roots=roots, expected_version=version, buffers=buffers)
+                         roots=roots, expected_version=version, buffers=buffers,
+                         serve_dora=dora)
     return read
 
 

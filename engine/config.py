@@ -24,7 +24,7 @@ class EngineConfig:
     # None below = sized from the model and the memory (engine/resolve.py)
     max_loras: int | None = None    # device slots; also the cap on distinct adapters per batch
     max_cpu_loras: int | None = None  # host copies (>= max_loras)
-    max_lora_rank: int = 64
+    max_lora_rank: int = 16         # largest adapter rank accepted; sizes slots and copies
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = what gpu_memory_utilization leaves (CPU: 1024)
     # share of the GPU's total memory this engine may use: weights, adapter slots,
@@ -55,6 +55,9 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "adapter_roots", tuple(self.adapter_roots))
+        from engine.adapters.safe_files import roots_problem
+        if (why := roots_problem(self.adapter_roots)) is not None:
+            raise InvalidRequestError(why)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidRequestError(
                 f"dtype={self.dtype!r}: must be 'auto' or one of {sorted(_DTYPES)}")

@@ -16,8 +16,8 @@ max_seq_len = max_model_len, which fixes its split-KV count per graph (empty spl
 merged away). Batches without any adapter replay a graph without the LoRA launches;
 batches whose rows all use one adapter replay a "uniform" graph, whose LoRA kernels were
 captured with launch parameters tuned for one adapter (kernels/lora_token_triton.py; any
-mapping would still be computed right). Graphs are captured lazily, the first time a
-(bucket, lora, greedy, uniform) key is needed.
+mapping would still be computed right). Graphs are captured at start-up (`capture_all`,
+engine/warmup.py), or else the first time a (bucket, lora, greedy, uniform) key is needed.
 
 A "greedy" graph also runs lm_head and picks every row's token inside the graph (argmax
 of the float32 logits and its raw log-softmax logprob: the Sampler's own ops for a greedy
@@ -45,6 +45,15 @@ def decode_buckets(max_batch: int) -> tuple[int, ...]:
 def bucket_for(buckets: tuple[int, ...], n: int) -> int | None:
     """Smallest bucket holding n rows, None when n exceeds them all."""
     return next((b for b in buckets if b >= n), None)
+
+
+def graph_key(buckets: tuple[int, ...], scheduled: list[ScheduledRequest],
+              greedy: bool) -> tuple[int, bool, bool, bool]:
+    """(bucket, lora, greedy, uniform) of the graph a decode step of `scheduled` replays:
+    lora when any row uses an adapter, uniform when every row uses the same one."""
+    slots = {s.slot for s in scheduled}
+    use_lora = max(slots) >= 0
+    return bucket_for(buckets, len(scheduled)), use_lora, greedy, use_lora and len(slots) == 1
 
 
 def is_decode_step(scheduled: list[ScheduledRequest]) -> bool:
@@ -171,6 +180,18 @@ class CudaGraphRunner:
     def captured(self) -> list[tuple[int, bool]]:
         """(bucket, lora) pairs with a captured graph (greedy or not)."""
         return sorted({key[:2] for key in self._graphs})
+
+    def capture_all(self, keys) -> int:
+        """Capture every (bucket, lora, greedy, uniform) of `keys` not captured yet (the
+        start-up warm-up: engine/warmup.py); returns how many were captured."""
+        todo = [k for k in keys if k not in self._graphs]
+        for key in todo:
+            self._graphs[key] = self._capture(*key)
+        return len(todo)
+
+    @property
+    def graph_keys(self) -> list[tuple[int, bool, bool, bool]]:
+        return sorted(self._graphs)
 
     def graph_for(self, n: int, use_lora: bool, greedy: bool = False, uniform: bool = False):
         """The captured graph serving n rows, or None (benchmarks time its replay)."""

@@ -52,6 +52,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
 from engine.tokenizer import Tokenizer
+from engine.warmup import WarmupReport, warm_up
 
 
 class Engine:
@@ -359,6 +360,18 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def warm_up(self) -> WarmupReport | None:
+        """Compile every kernel variant and capture every CUDA graph the limits can reach
+        (engine/warmup.py), before any request; None where there is nothing to compile
+        (the CPU runs torch references) or where it is not supported yet (tensor
+        parallelism: every rank would have to run the same warm-up steps)."""
+        if self.device.type != "cuda" or self._tp is not None:
+            return None
+        assert not self.scheduler.has_unfinished(), "warm up before serving requests"
+        c = self.config
+        return warm_up(self.runner, self.num_kv_blocks, c.block_size, c.max_num_seqs,
+                       c.max_num_batched_tokens, self.max_model_len)
 
     def describe(self) -> str:
         """The resolved configuration in one line (the server logs it at start-up)."""

@@ -10,6 +10,9 @@ what other processes hold). It is spent in this order:
                  (runtime_reserve_bytes)     (LORA_MEMORY_SHARE of what is left after
                                               weights and reserve, at most MAX_AUTO_LORAS)
 
+For a Llama-3-8B in bfloat16 on an 80 GB GPU that is about 270 rank-16 slots (21 GiB)
+and 32 GiB of KV cache (250,000 tokens).
+
 Slot count and host copies are decided here, before anything is allocated (they are
 sizes of preallocated pools); the KV block count is measured after the weights and slots
 are in place (engine/kv/sizing.py), with the same reserve held back. On the CPU the
@@ -35,7 +38,7 @@ CPU_MAX_NUM_SEQS = 64
 CPU_MAX_NUM_BATCHED_TOKENS = 512
 GPU_MAX_NUM_SEQS = 256          # the CUDA-graph batch buckets go up to this
 GPU_MAX_NUM_BATCHED_TOKENS = 8192
-LORA_MEMORY_SHARE = 1 / 3       # of the GPU memory left after weights and the reserve
+LORA_MEMORY_SHARE = 0.4         # of the GPU memory left after weights and the reserve
 MAX_AUTO_LORAS = 512
 HOST_MEMORY_SHARE = 0.5         # of the host memory available at start, for adapter copies
 MAX_AUTO_CPU_LORAS = 8192
@@ -79,13 +82,15 @@ def resolve_config(config: EngineConfig, mc, facts: MachineFacts) -> EngineConfi
     if not on_gpu:
         loras = c.max_loras or CPU_MAX_LORAS
         return dataclasses.replace(
-            c, max_loras=loras, cpu_threads=c.cpu_threads or cpu_threads(c, facts), max_cpu_loras=c.max_cpu_loras or CPU_HOST_COPIES_PER_SLOT * loras,
+            c, max_loras=loras, max_cpu_loras=c.max_cpu_loras or CPU_HOST_COPIES_PER_SLOT * loras,
+            cpu_threads=c.cpu_threads or cpu_threads(c, facts),
             max_num_seqs=c.max_num_seqs or CPU_MAX_NUM_SEQS,
             max_num_batched_tokens=c.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS)
     c = dataclasses.replace(
         c, max_num_seqs=c.max_num_seqs or GPU_MAX_NUM_SEQS,
         max_num_batched_tokens=c.max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS)
-    loras = c.max_loras or gpu_slots(c, mc, facts)
+    # a host-copy limit the user set also bounds the automatic slot count
+    loras = c.max_loras or min(gpu_slots(c, mc, facts), c.max_cpu_loras or MAX_AUTO_LORAS)
     return dataclasses.replace(c, max_loras=loras,
                                max_cpu_loras=c.max_cpu_loras or host_copies(c, mc, facts, loras))
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graph import CudaGraphRunner, greedy_pick, is_decode_step
+from engine.cuda_graph import CudaGraphRunner, graph_key, greedy_pick, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
 from engine.model.batch import AttentionMetadata, make_attention_metadata
 from engine.pending import PendingSample
@@ -130,8 +130,7 @@ class ModelRunner:
         """Forward pass, logits for the sampling rows only, then the sampler (or, with
         `greedy`, the greedy pick: see the module docstring)."""
         self._fill_holes(inputs.input_ids, inputs.holes, prev)
-        lora = LoRABatch(self.lora_pool, inputs.token_slots) if inputs.has_lora else None
-        hidden = self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora)
+        hidden = self._forward(inputs)
         if not inputs.sample_requests:
             return PendingSample.known({}, [], self.device)
         hidden = hidden[inputs.logits_indices]
@@ -139,6 +138,17 @@ class ModelRunner:
             picked = greedy_pick(self.model.compute_logits(hidden))
             return self._greedy_pending(inputs.sample_requests, picked)
         return self._sample(hidden, inputs.sample_requests)
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        lora = LoRABatch(self.lora_pool, inputs.token_slots) if inputs.has_lora else None
+        return self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora)
+
+    @torch.no_grad()
+    def forward_pick(self, inputs: ModelInputs) -> torch.Tensor:
+        """Forward pass and the greedy pick of the sampling rows, nothing recorded: the
+        kernels an eager step launches (start-up warm-up, engine/warmup.py)."""
+        hidden = self._forward(inputs)[inputs.logits_indices]
+        return greedy_pick(self.model.compute_logits(hidden))
 
     def _greedy_pending(self, requests: list[Request], picked: torch.Tensor) -> PendingSample:
         """The greedy pick's [2, n] output as a step result; a TP worker (no Sampler) keeps
@@ -165,9 +175,7 @@ class ModelRunner:
         """A decode-only step through the CUDA graph of its batch-size bucket; `greedy`
         (see `greedy_step`) replays the graph that also picks every row's token."""
         sched = out.scheduled
-        slots = {s.slot for s in sched}
-        use_lora = max(slots) >= 0
-        uniform = len(slots) == 1   # one adapter for every row: the uniform LoRA graph
+        _, use_lora, _, uniform = graph_key(self.graphs.buckets, sched, greedy)
         patch = None
         if prev is not None:
             def patch(input_ids: torch.Tensor, rows: list[int]) -> None:

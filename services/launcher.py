@@ -97,7 +97,9 @@ class Cluster:
             ready = Path(self._ready(name))
             ready.unlink(missing_ok=True)
             log = open(self.workdir / f"{name}.log", "ab")
-            env = {**os.environ, **self.cfg.env}
+            # compiled Triton kernels persist in the work dir: a restart loads, not compiles
+            env = {"TRITON_CACHE_DIR": str(self.workdir / "triton-cache"), **os.environ,
+                   **self.cfg.env}
             # own session: a terminal's Ctrl-C reaches the launcher only, which stops the
             # services in drain order (close) instead of all at once
             self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log,

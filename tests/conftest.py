@@ -74,19 +74,35 @@ class HFOracle:
             self.model.load_adapter(family.adapters[name], adapter_name=name)
         self.eos_id = base.config.eos_token_id
 
+    def generate_each(self, prompts: list[list[int]], adapters: list[str | None],
+                      max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """As `generate`, one prompt at a time with only its adapter active (PEFT refuses
+        `adapter_names` when an adapter is DoRA)."""
+        out = []
+        for prompt, adapter in zip(prompts, adapters):
+            if adapter is None:
+                with self.model.disable_adapter():
+                    out += self.generate([prompt], None, max_new_tokens)
+            else:
+                self.model.set_adapter(adapter)
+                out += self.generate([prompt], None, max_new_tokens)
+        return out
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], adapters: list[str | None],
+    def generate(self, prompts: list[list[int]], adapters: list[str | None] | None,
                  max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
-        """(tokens, logprobs of the chosen tokens) per prompt, cut after the first EOS."""
+        """(tokens, logprobs of the chosen tokens) per prompt, cut after the first EOS.
+        `adapters` None: the model's active adapter for every prompt."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
+        names = {} if adapters is None else {
+            "adapter_names": [a if a is not None else "__base__" for a in adapters]}
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask,
-            adapter_names=[a if a is not None else "__base__" for a in adapters],
+            input_ids=ids, attention_mask=mask, **names,
             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=PAD_ID,
             output_logits=True, return_dict_in_generate=True)
         logprobs = torch.stack([torch.log_softmax(step.float(), -1) for step in out.logits], 1)

@@ -83,3 +83,17 @@ def test_commands_for_a_name_wait_behind_its_read_in_order(files, tmp_path):
         assert not by_id["missing"].ok
         assert by_id["missing"].code == engine_pb2.ERROR_CODE_INVALID_ARGUMENT
         assert eng.registry.current("big") is None and eng.registry.current("gone") is None
+
+
+def test_rank_over_the_default_limit_is_refused_naming_the_flag(llama_family):
+    """max_lora_rank defaults to 16: a rank-32 adapter gets INVALID_ARGUMENT that says
+    which flag raises the limit, and nothing is registered."""
+    with Engine(EngineConfig(model=str(llama_family.model_dir))) as eng, \
+            ServedEngine(eng) as served:
+        assert eng.config.max_lora_rank == 16
+        served.command("r32", "load", "wide", str(llama_family.adapters["attn32"]))
+        ack = served.collect(is_ack("r32"))[-1][1].adapter_ack
+        assert not ack.ok and ack.code == engine_pb2.ERROR_CODE_INVALID_ARGUMENT
+        assert "r=32 exceeds max_lora_rank=16" in ack.message, ack.message
+        assert "--max-lora-rank" in ack.message, ack.message
+        assert eng.registry.current("wide") is None

@@ -232,12 +232,12 @@ def test_bad_admin_requests(cluster, admin, files):
     os.makedirs(bad_dir, exist_ok=True)
     with open(os.path.join(bad_dir, "adapter_config.json"), "w") as f:
         f.write("{not json")
-    dora = os.path.join(files["adapters"], "dora")
-    make_adapter(dora, files["model"], AdapterSpec(), use_dora=True)
+    biased = os.path.join(files["adapters"], "lora_bias")
+    make_adapter(biased, files["model"], AdapterSpec(), lora_bias=True)
     os.symlink(str(root / "outside" / "x"), os.path.join(files["adapters"], "escape"))
     cases = [
         (lambda: admin.register("broken", "broken"), grpc.StatusCode.INVALID_ARGUMENT, "adapter_config.json"),
-        (lambda: admin.register("dora", "dora"), grpc.StatusCode.INVALID_ARGUMENT, "use_dora"),
+        (lambda: admin.register("biased", "lora_bias"), grpc.StatusCode.INVALID_ARGUMENT, "lora_bias"),
         (lambda: admin.register("x", str(root / "outside" / "x")), grpc.StatusCode.PERMISSION_DENIED, "outside"),
         (lambda: admin.register("x", "../outside/x"), grpc.StatusCode.PERMISSION_DENIED, ".."),
         (lambda: admin.register("x", "escape"), grpc.StatusCode.PERMISSION_DENIED, "symbolic link"),

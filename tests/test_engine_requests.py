@@ -16,7 +16,7 @@ def greedy(n=8, **kw):
 
 @pytest.fixture(scope="module")
 def eng(llama_family):
-    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2,
+    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32,
                               max_num_batched_tokens=32, block_size=8, num_kv_blocks=64,
                               max_model_len=200))
     for name, path in llama_family.adapters.items():
@@ -124,8 +124,8 @@ def test_seeded_sampling_same_alone_and_in_batch(eng):
 
 
 def test_reload_gives_new_id_and_remove_is_deferred(llama_family, llama_oracle, tmp_path):
-    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, block_size=8,
-                              num_kv_blocks=64, max_num_batched_tokens=32))
+    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32,
+                              block_size=8, num_kv_blocks=64, max_num_batched_tokens=32))
     ads = llama_family.adapters
     old_id = eng.add_adapter("x", ads["rs4"])
     prompt = prompts_of([12], seed=23)[0]
@@ -153,22 +153,22 @@ def test_reload_gives_new_id_and_remove_is_deferred(llama_family, llama_oracle, 
 
 
 def test_bad_adapter_refused_and_nothing_registered(eng, llama_family, tmp_path):
-    dora = make_adapter(tmp_path / "dora", llama_family.model_dir, AdapterSpec(r=4),
-                        use_dora=True)
+    biased = make_adapter(tmp_path / "lora_bias", llama_family.model_dir, AdapterSpec(r=4),
+                          lora_bias=True)
     before = eng.stats()["adapters"]
-    with pytest.raises(AdapterError, match="use_dora") as exc:
-        eng.add_adapter("dora", dora)
-    assert exc.value.feature == "use_dora"
+    with pytest.raises(AdapterError, match="lora_bias") as exc:
+        eng.add_adapter("biased", biased)
+    assert exc.value.feature == "lora_bias"
     with pytest.raises(AdapterError):
         eng.add_adapter("missing", tmp_path / "does-not-exist")
     assert eng.stats()["adapters"] == before
     with pytest.raises(AdapterNotFoundError):
-        eng.add_request("d", [5], greedy(), "dora")
+        eng.add_request("d", [5], greedy(), "biased")
 
 
 def test_pinned_adapter_keeps_its_slot(llama_family):
-    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, block_size=8,
-                              num_kv_blocks=64, max_num_batched_tokens=32))
+    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32,
+                              block_size=8, num_kv_blocks=64, max_num_batched_tokens=32))
     ads = llama_family.adapters
     pinned = eng.add_adapter("p", ads["rs4"], pinned=True)
     with pytest.raises(CapacityError, match="one must stay dynamic"):

@@ -265,6 +265,28 @@ def _unregister_when_unloaded(admin, name: str, timeout_s: float = 10.0) -> None
             time.sleep(0.05)
 
 
+def test_files_changed_after_registration_are_refused(files, admin, baseline):
+    """The version is the hash of the bytes: one weight changed after registration (same
+    size, same mtime) makes the engine refuse the load; registering again accepts it."""
+    d = files["adapters"] / "changed"
+    shutil.copytree(files["adapters"] / "good", d)
+    admin.register("changed", "changed")
+    weights = d / WEIGHTS
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(LoramuxError) as info:
+        admin.load("changed")
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION, info.value.details
+    assert "changed" in info.value.details
+    admin.register("changed", "changed")       # the files as they are now
+    admin.load("changed")
+    admin.unload("changed")
+    _unregister_when_unloaded(admin, "changed")
+
+
 def test_still_serves_identical_greedy_outputs(gen, baseline, admin):
     assert greedy_tokens(gen) == baseline
     assert [a.name for a in admin.list()] == ["good"]
@@ -312,3 +334,47 @@ def test_audit_hook_would_see_a_stray_open(tmp_path):
     logged = [json.loads(line)[0] for p in tmp_path.glob("open.probe.*")
               for line in p.read_text().splitlines()]
     assert str(target) in logged
+
+
+_READ_ALL = """
+import sys
+from engine.adapters.safe_files import AdapterRoots
+from engine.errors import AdapterError
+from engine.lora import load_lora
+from engine.model.hf_config import ModelConfig
+model, root, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+mc, roots = ModelConfig.from_dir(model), AdapterRoots([root])
+print("READING", flush=True)
+for p in paths:
+    try:
+        load_lora(p, mc, 64, roots=roots)
+    except AdapterError:
+        pass
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+def test_kernel_opened_nothing_outside_the_roots(files):
+    """The kernel's view (strace -y prints the file every returned descriptor names): the
+    service's adapter reader, run over the whole corpus and every path attack, obtains no
+    descriptor for anything outside the root."""
+    import subprocess
+    import sys
+    log = files["root"] / "strace.log"
+    paths = [c.path for c in files["corpus"] + files["attacks"] if "\0" not in c.path]
+    cmd = ["strace", "-f", "-y", "-qq", "-e", "trace=open,openat,openat2", "-o", str(log),
+           sys.executable, "-c", _READ_ALL, files["model"], str(files["adapters"]), *paths]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    if run.returncode != 0 and "ptrace" in run.stderr:
+        pytest.skip(f"strace cannot trace here: {run.stderr.strip()[:200]}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = log.read_text().splitlines()
+    opened = [line.rsplit("= ", 1)[1] for line in lines if "= " in line
+              and not line.rsplit("= ", 1)[1].startswith("-")]
+    adapter_reads = [o for o in opened if str(files["adapters"]) in o]
+    assert any(o.endswith(f"/{CONFIG}>") for o in adapter_reads)
+    assert any(o.endswith(f"/{WEIGHTS}>") for o in adapter_reads)
+    leaked = [o for o in opened if str(files["outside"]) in o or CANARY in o
+              or "/etc/passwd" in o or "/dev/zero" in o]
+    assert not leaked, leaked[:10]

@@ -94,11 +94,10 @@ def test_peft_type(base, adapter):
 
 
 @pytest.mark.parametrize("overrides,feature,file_name", [
-    (dict(use_dora=True), "use_dora", CONFIG),
     (dict(bias="lora_only"), "bias", CONFIG),
     (dict(modules_to_save=["lm_head"]), "modules_to_save", CONFIG),
     (dict(lora_bias=True), "lora_bias", CONFIG),
-], ids=["dora", "bias", "modules_to_save", "lora_bias"])
+], ids=["bias", "modules_to_save", "lora_bias"])
 def test_written_by_peft(base, tmp_path, overrides, feature, file_name):
     cfg, model_dir = base[0], base[1]
     d = make_adapter(tmp_path / "a", model_dir, AdapterSpec(r=4), **overrides)

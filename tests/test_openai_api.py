@@ -430,3 +430,18 @@ def test_overload_retry_info_and_sdk_retries(server):
         finally:
             for s in streams:
                 s.close()
+
+
+def test_overload_and_unavailability_map_to_429_and_503():
+    """The mapping a dead or draining engine takes (UNAVAILABLE), next to the admission
+    limit's (RESOURCE_EXHAUSTED, seen end to end above)."""
+    from services.gateway.errors import Rejected
+    from services.gateway.http_api import ApiError, error_response
+
+    for code, status, kind in ((grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
+                               (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")):
+        resp = error_response(ApiError.from_rejected(Rejected(code, "engine unavailable")))
+        body = json.loads(resp.body)
+        assert resp.status_code == status and resp.headers["retry-after"] == "1"
+        assert body == {"error": {"message": "engine unavailable", "type": kind, "param": None,
+                                  "code": code.name.lower()}}

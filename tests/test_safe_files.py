@@ -153,3 +153,12 @@ def test_header_of_a_real_file_matches_safetensors(tmp_path):
     infos = parse_header(buf, "w")
     for k, t in tensors.items():
         assert torch.equal(tensor(buf, infos[k]), t)
+
+
+def test_roots_from_flags_or_environment(tmp_path):
+    from engine.adapters.safe_files import roots_from, roots_problem
+    assert roots_from(["/a", "/b"], {"LORAMUX_ADAPTER_ROOTS": "/c"}) == ("/a", "/b")
+    assert roots_from(None, {"LORAMUX_ADAPTER_ROOTS": "/c::/d"}) == ("/c", "/d")
+    assert roots_from(None, {}) == ()
+    assert roots_problem([str(tmp_path)]) is None
+    assert "not a directory" in roots_problem([str(tmp_path), str(tmp_path / "nope")])

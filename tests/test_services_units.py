@@ -162,3 +162,21 @@ def test_demo_model_matches_transformers_and_peft(tmp_path):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
     assert ours.token_ids == ref.tolist()[:len(ours.token_ids)]
     assert len(ours.token_ids) == 8 or ours.finish_reason == "eos"
+
+
+def test_registry_written_before_versions_opens_and_records_them(tmp_path):
+    import sqlite3
+    db = str(tmp_path / "old.sqlite")
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE adapters (name TEXT PRIMARY KEY, path TEXT NOT NULL, state INTEGER "
+                "NOT NULL, pinned INTEGER NOT NULL DEFAULT 0, adapter_id INTEGER NOT NULL DEFAULT 0, "
+                "rank INTEGER NOT NULL DEFAULT 0, target_modules TEXT NOT NULL DEFAULT '[]', "
+                "loads INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL)")
+    con.execute("INSERT INTO adapters (name, path, state, created_at) VALUES ('a', '/x/a', 1, 1.0)")
+    con.commit()
+    con.close()
+    reg = Registry(db)
+    assert reg.get("a").version == ""          # unknown: the engine does not check it
+    reg.put(reg.get("a").evolve(version="ab" * 32))
+    reg.close()
+    assert Registry(db).get("a").version == "ab" * 32

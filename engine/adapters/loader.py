@@ -66,6 +66,11 @@ class DiskLoader:
         if self._pending:
             wait(list(self._pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
+    def wait_all(self) -> None:
+        """Block until every pending read has finished (collect() then returns them all):
+        makes a run independent of read timing (tests, the lifecycle stress)."""
+        wait(list(self._pending.values()))
+
     def cancel(self, adapter_id: int) -> None:
         """Forget a read (its result is discarded; a running read finishes harmlessly)."""
         fut = self._pending.pop(adapter_id, None)

@@ -159,6 +159,23 @@ def _parts(rel: str, shown: str) -> list[str]:
     return parts
 
 
+ROOTS_ENV = "LORAMUX_ADAPTER_ROOTS"
+
+
+def roots_from(flags: list[str] | None, environ) -> tuple[str, ...]:
+    """The adapter roots a process was given: its repeatable --adapter-root flags, else
+    $LORAMUX_ADAPTER_ROOTS (':'-separated)."""
+    if flags:
+        return tuple(flags)
+    return tuple(r for r in (environ or {}).get(ROOTS_ENV, "").split(":") if r)
+
+
+def roots_problem(roots) -> str | None:
+    """Why `roots` cannot serve as adapter roots (one is not a directory), or None."""
+    bad = [r for r in roots if not os.path.isdir(r)]
+    return f"adapter root(s) {', '.join(map(repr, bad))}: not a directory" if bad else None
+
+
 class AdapterRoots:
     """The directories adapters may be read from, each opened once (the operator's own
     path to a root may contain links; nothing below a root may)."""

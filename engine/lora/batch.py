@@ -37,3 +37,5 @@ class LoRABatch:
         a, b, ranks, offsets = self.pool.weights(layer_idx, group)
         lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,
                               meta=self.meta, uniform=self.uniform)
+        if self.pool.dora_slots:  # DoRA: y (before the bias) scaled per row, per token's slot
+            y.mul_(self.pool.dora_scale(layer_idx, group)[self.token_slots.long()])

@@ -22,7 +22,7 @@ MAX_CONFIG_BYTES = 1 << 20
 # Fields of peft.LoraConfig that change the math of the forward pass (or the base weights)
 # in ways a plain x·A·B·scaling kernel cannot reproduce. Refused when set to anything truthy.
 _MATH_CHANGING_FLAGS = (
-    "use_dora", "lora_bias", "use_qalora", "alora_invocation_tokens", "layer_replication",
+    "lora_bias", "use_qalora", "alora_invocation_tokens", "layer_replication",
     "target_parameters", "trainable_token_indices", "use_bdlora", "arrow_config",
     "kasa_config", "monteclora_config",
 )
@@ -42,6 +42,7 @@ class AdapterConfig:
     alpha_pattern: tuple[tuple[str, float], ...]
     layers_to_transform: tuple[int, ...] | None
     file: str
+    use_dora: bool = False         # DoRA: a magnitude vector per wrapped module
     # Compiled forms of the fields above (RE2 patterns, suffix sets), built once.
     _match: dict = field(default=None, compare=False, repr=False)
 
@@ -152,10 +153,12 @@ def parse_adapter_config(data: bytes, max_lora_rank: int, file: str) -> AdapterC
         alpha_pattern=_pattern(raw.get("alpha_pattern"), "alpha_pattern", file, _number),
         layers_to_transform=_layers(raw, file),
         file=file,
+        use_dora=_flag(raw.get("use_dora", False), "use_dora", file),
     )
     for name, r in (("r", cfg.r), *((f"rank_pattern[{k!r}]", v) for k, v in cfg.rank_pattern)):
         if r > max_lora_rank:
-            raise AdapterError(f"{name}={r} exceeds max_lora_rank={max_lora_rank}",
+            raise AdapterError(f"{name}={r} exceeds max_lora_rank={max_lora_rank} (the "
+                               "engine's and control plane's --max-lora-rank)",
                                feature="rank", file=file)
     return cfg
 
@@ -182,6 +185,12 @@ def _refuse_unsupported(raw: dict, file: str) -> None:
     if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
         raise AdapterError(f"init_lora_weights={init!r} rewrites the base weights; convert the "
                            "adapter to plain LoRA first", feature="init_lora_weights", file=file)
+
+
+def _flag(v, name: str, file: str) -> bool:
+    if not isinstance(v, bool):
+        raise AdapterError(f"{name}={v!r}: must be true or false", feature=name, file=file)
+    return v
 
 
 def _positive_int(v, name: str, file: str) -> int:

@@ -29,6 +29,10 @@ _PARENT = {t.module: t.parent for t in DECODER_TARGETS}
 # PEFT strips the adapter name when saving; older files may keep it (`lora_A.default.weight`).
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\."
                   r"(?P<module>\w+)\.lora_(?P<factor>[AB])(?:\.[\w\-]+)?\.weight$")
+# DoRA's magnitude vector (PEFT saves it without `.weight`; some files keep the name/suffix).
+_MAGNITUDE_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\."
+                            r"(?P<parent>\w+)\.(?P<module>\w+)\.lora_magnitude_vector"
+                            r"(?:\.[\w\-]+)?(?:\.weight)?$")
 # Tensors of features we refuse, recognised by name: (regex searched in the key, feature, what).
 _REFUSED_KEYS = tuple((re.compile(p), f, w) for p, f, w in (
     (r"lora_embedding_", "embedding", "LoRA on an embedding"),
@@ -39,6 +43,10 @@ _REFUSED_KEYS = tuple((re.compile(p), f, w) for p, f, w in (
     (r"\.lora_B(\.[\w\-]+)?\.bias$", "lora_bias", "a LoRA bias"),
     (r"\.bias$", "bias", "a trained bias of a base module"),
 ))
+
+
+_FACTOR_NAMES = {"A": "lora_A", "B": "lora_B", "M": "DoRA magnitude vector"}
+_FACTOR_KEYS = {"A": "lora_A.weight", "B": "lora_B.weight", "M": "lora_magnitude_vector"}
 
 
 def module_name(layer: int, module: str) -> str:
@@ -60,6 +68,7 @@ class ModulePlan:
     scaling: float
     a_key: str
     b_key: str
+    m_key: str | None = None   # DoRA magnitude vector [out_features]; None: plain LoRA
 
 
 @dataclass(frozen=True)
@@ -85,8 +94,10 @@ class AdapterPlan:
 
 def max_weights_bytes(model_cfg, max_lora_rank: int) -> int:
     """The largest adapter_model.safetensors an adapter of this model can need: every
-    module of every layer at max_lora_rank in float64, plus room for the header."""
-    per_layer = sum(max_lora_rank * sum(full_shape(model_cfg, m)) * 8
+    module of every layer at max_lora_rank (and a DoRA magnitude) in float64, plus room
+    for the header."""
+    # + 1: a DoRA magnitude vector is one more row of out_features values
+    per_layer = sum((max_lora_rank + 1) * sum(full_shape(model_cfg, m)) * 8
                     for m in _lora_targets(model_cfg))
     return model_cfg.num_layers * per_layer + (1 << 20)
 
@@ -103,7 +114,7 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
         targets = _targeted_modules(cfg, model_cfg)
         weights = d.read(WEIGHTS_NAME, max_weights_bytes(model_cfg, max_lora_rank))
     shapes = parse_header(weights.data, weights_file)
-    found = _index_keys(shapes, model_cfg, weights_file)
+    found = _index_keys(shapes, model_cfg, weights_file, cfg.use_dora)
     modules = []
     for layer, module in targets:
         modules.append(_module_plan(cfg, model_cfg, layer, module, found, shapes, weights_file))
@@ -166,16 +177,20 @@ def _show(targets) -> str:
     return repr(list(targets) if isinstance(targets, tuple) else targets)
 
 
-def _index_keys(shapes: dict, model_cfg, file: str) -> dict[tuple[int, str], dict[str, str]]:
-    """{(layer, module): {"A": key, "B": key}}; refuses every key we cannot place."""
+def _index_keys(shapes: dict, model_cfg, file: str,
+                use_dora: bool) -> dict[tuple[int, str], dict[str, str]]:
+    """{(layer, module): {"A": key, "B": key[, "M": key]}}; refuses every key we cannot
+    place ("M": DoRA magnitude, only when the config sets use_dora)."""
     num_layers, supported = model_cfg.num_layers, _lora_targets(model_cfg)
     found: dict[tuple[int, str], dict[str, str]] = {}
     for key in shapes:
-        for pattern, feature, what in _REFUSED_KEYS:
-            if pattern.search(key):
-                raise AdapterError(f"tensor {key!r} is {what}, which is not supported",
-                                   feature=feature, file=file)
-        m = _KEY.match(key)
+        m = _MAGNITUDE_KEY.match(key) if use_dora else None
+        if m is None:
+            for pattern, feature, what in _REFUSED_KEYS:
+                if pattern.search(key):
+                    raise AdapterError(f"tensor {key!r} is {what}, which is not supported",
+                                       feature=feature, file=file)
+            m = _KEY.match(key)
         if m is None or m["module"] not in supported \
                 or supported[m["module"]].parent != m["parent"]:
             raise AdapterError(f"unexpected tensor {key!r} (not lora_A/lora_B of a supported "
@@ -185,10 +200,12 @@ def _index_keys(shapes: dict, model_cfg, file: str) -> dict[tuple[int, str], dic
             raise AdapterError(f"tensor {key!r} is for layer {layer}, but the model has "
                                f"{num_layers} layers", feature="layer_index", file=file)
         slot = found.setdefault((layer, m["module"]), {})
-        if m["factor"] in slot:
-            raise AdapterError(f"tensors {slot[m['factor']]!r} and {key!r} both hold lora_"
-                               f"{m['factor']} of the same module", feature="tensor", file=file)
-        slot[m["factor"]] = key
+        factor = m.groupdict().get("factor") or "M"
+        if factor in slot:
+            raise AdapterError(f"tensors {slot[factor]!r} and {key!r} both hold the "
+                               f"{_FACTOR_NAMES[factor]} of the same module", feature="tensor",
+                               file=file)
+        slot[factor] = key
     return found
 
 
@@ -196,14 +213,17 @@ def _module_plan(cfg: AdapterConfig, model_cfg, layer: int, module: str, found: 
                  shapes: dict, file: str) -> ModulePlan:
     name = module_name(layer, module)
     keys = found.get((layer, module), {})
-    for factor in "AB":
+    factors = "ABM" if cfg.use_dora else "AB"
+    for factor in factors:
         if factor not in keys:
-            raise AdapterError(f"missing tensor base_model.model.{name}.lora_{factor}.weight "
+            raise AdapterError(f"missing tensor base_model.model.{name}.{_FACTOR_KEYS[factor]} "
                                f"(target_modules selects {name})", feature="missing_tensor",
                                file=file)
     r = cfg.rank_of(name)
     k_in, n_out = full_shape(model_cfg, module)
-    for factor, want in (("A", (r, k_in)), ("B", (n_out, r))):
+    wants = {"A": (r, k_in), "B": (n_out, r), "M": (n_out,)}
+    for factor in factors:
+        want = wants[factor]
         info = shapes[keys[factor]]
         if info.shape != want:
             raise AdapterError(f"tensor {keys[factor]!r} has shape {list(info.shape)}, expected "
@@ -212,4 +232,5 @@ def _module_plan(cfg: AdapterConfig, model_cfg, layer: int, module: str, found: 
         if not is_float(info):
             raise AdapterError(f"tensor {keys[factor]!r} has dtype {info.dtype}, expected a "
                                f"floating type", feature="dtype", file=file)
-    return ModulePlan(layer, module, r, cfg.scaling_of(name), keys["A"], keys["B"])
+    return ModulePlan(layer, module, r, cfg.scaling_of(name), keys["A"], keys["B"],
+                      keys.get("M"))

@@ -5,6 +5,10 @@ Per (layer, group), in the layout kernels/lora_ref.py documents:
     a:     [max_loras, S, max_lora_rank, K]
     b:     [max_loras, N, max_lora_rank]      scaling folded in
     ranks: [max_loras] int32                  largest slice rank of the slot's adapter, 0 = empty
+    scale: [max_loras + 1, N]                 DoRA only (allocated at the first DoRA load):
+                                              m / ||W + B·A|| per output row of a DoRA
+                                              slot's wrapped slices, 1 elsewhere; the last
+                                              row (base tokens, slot -1) is all ones
 
 The buffers are allocated once and never reallocated or resized: captured CUDA graphs
 hold their addresses. After a load, every element of the slot holds the new adapter's
@@ -17,6 +21,7 @@ manager does, and it never loads or clears a slot a running batch may read.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -30,8 +35,14 @@ class LoRASlotPool:
 
     def __init__(self, model_cfg, max_loras: int, max_lora_rank: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 tp_size: int = 1):
+                 tp_size: int = 1,
+                 base_weight: Callable[[int, str], torch.Tensor] | None = None):
+        """`base_weight(layer, group)`: this rank's merged base weight [N, K] of a group
+        (the model's `lora_base_weight`), needed by DoRA adapters only."""
         assert max_loras >= 1 and max_lora_rank >= 1, (max_loras, max_lora_rank)
+        self._base_weight = base_weight
+        self._scale: dict = {}           # DoRA: (layer, group) -> [max_loras + 1, N]
+        self.dora_slots: set[int] = set()
         self.num_layers = model_cfg.num_layers
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -77,9 +88,13 @@ class LoRASlotPool:
                                f"{self.max_lora_rank}", feature="rank", file=weights.source)
         assert (weights.num_layers, weights.tp_size, dict(weights.shapes)) == \
             (self.num_layers, self.tp_size, self.shapes), "adapter built for another model/TP layout"
+        if weights.use_dora and (self._base_weight is None or self.tp_size > 1):
+            raise AdapterError("use_dora=true: DoRA adapters are served at tensor-parallel "
+                               "size 1 only", feature="use_dora", file=weights.source)
         with _on_stream(stream):
             ranks = [self._copy_group(slot, key, weights.groups.get(key)) for key in self._a]
             self._write_ranks(slot, ranks)
+            self._write_dora(slot, weights)
             if weights.buffer is not None and self.device.type == "cuda":
                 # the host buffer is reused only after these copies have read it
                 event = torch.cuda.Event()
@@ -91,12 +106,37 @@ class LoRASlotPool:
         self._check_slot(slot)
         with _on_stream(stream):
             self._write_ranks(slot, [self._copy_group(slot, key, None) for key in self._a])
+            self._write_dora(slot, None)
 
     def mark_dirty(self, slot: int) -> None:
         """The slot's contents are unknown (written from outside): the next load or clear
         zeroes every column it does not write."""
         self._check_slot(slot)
         self._dirty[slot] = dict.fromkeys(self._dirty[slot], self.max_lora_rank)
+
+    def dora_scale(self, layer: int, group: str) -> torch.Tensor | None:
+        """[max_loras + 1, N] per-row factors of one (layer, group) (index a token's slot,
+        -1 for base, straight into it); None while no DoRA adapter was ever loaded."""
+        return self._scale.get((layer, group))
+
+    def _write_dora(self, slot: int, weights: LoRAWeights | None) -> None:
+        """DoRA (PEFT's DoraLinearLayer): the wrapped layer's output, base plus LoRA term
+        and before the bias, is multiplied per output row by m / ||W + B·A·scaling||."""
+        if weights is None or not weights.use_dora:
+            if slot in self.dora_slots:
+                for scale in self._scale.values():
+                    scale[slot].fill_(1.0)
+                self.dora_slots.discard(slot)
+            return
+        if not self._scale:
+            self._scale = {key: torch.ones(self.max_loras + 1, b.shape[1], dtype=self.dtype,
+                                           device=self.device) for key, b in self._b.items()}
+        for key, scale in self._scale.items():
+            scale[slot].fill_(1.0)
+            gw = weights.groups.get(key)
+            if gw is not None:
+                _dora_rows(scale[slot], gw, self._base_weight(*key), self.shapes[key[1]])
+        self.dora_slots.add(slot)
 
     def _write_ranks(self, slot: int, ranks: list[int]) -> None:
         pin = self.device.type == "cuda"
@@ -126,6 +166,18 @@ class LoRASlotPool:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:
             raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
+
+
+def _dora_rows(out: torch.Tensor, gw, base: torch.Tensor, shape) -> None:
+    """out[rows of each wrapped slice] = magnitude / row norm of (W + B·A), in float32."""
+    offset = 0
+    for s, width in enumerate(shape.out_features):
+        r = gw.slice_ranks[s]
+        if r:
+            rows = slice(offset, offset + width)
+            w = base[rows].float() + gw.b[rows, :r].float() @ gw.a[s, :r].float()
+            out[rows] = (gw.magnitude[rows].float() / torch.linalg.norm(w, dim=1)).to(out.dtype)
+        offset += width
 
 
 def _offsets(widths: tuple[int, ...]) -> tuple[int, ...]:

@@ -6,6 +6,9 @@ rank's input width K and output widths n_0..n_{S-1} (N = sum):
     a: [S, R, K]   slice s holds lora_A of its module in rows 0..r_s-1 (zero below)
     b: [N, R]      rows off_s..off_s+n_s-1 hold lora_B * scaling of slice s, cols 0..r_s-1
 
+    m: [N]      DoRA adapters only: each wrapped slice's magnitude vector (this rank's
+                rows of a column-parallel group; whole for a row-parallel one)
+
 R is the largest rank among the group's slices. Values are checked where they are served:
 after the cast to the serving dtype and with the scaling folded in, every element of A
 and of B·scaling must be finite and at most MAX_ABS_WEIGHT in magnitude (trained LoRA
@@ -47,6 +50,7 @@ class GroupWeights:
     a: torch.Tensor                 # [S, R, K]
     b: torch.Tensor                 # [N, R], scaling folded in
     slice_ranks: tuple[int, ...]    # rank of each slice; 0 = slice not wrapped
+    magnitude: torch.Tensor | None = None  # [N], DoRA only (see the module docstring)
 
     @property
     def rank(self) -> int:
@@ -72,12 +76,17 @@ class LoRAWeights:
     def nbytes(self) -> int:
         return sum(g.a.nbytes + g.b.nbytes for g in self.groups.values())
 
+    @property
+    def use_dora(self) -> bool:
+        return any(g.magnitude is not None for g in self.groups.values())
+
     def pin_memory(self) -> "LoRAWeights":
         """A copy in page-locked memory, so pool loads can copy asynchronously (itself
         when it already is)."""
         if all(g.a.is_pinned() and g.b.is_pinned() for g in self.groups.values()):
             return self
-        pinned = {k: GroupWeights(g.a.pin_memory(), g.b.pin_memory(), g.slice_ranks)
+        pinned = {k: GroupWeights(g.a.pin_memory(), g.b.pin_memory(), g.slice_ranks,
+                                  None if g.magnitude is None else g.magnitude.pin_memory())
                   for k, g in self.groups.items()}
         return LoRAWeights(MappingProxyType(pinned), self.shapes, self.num_layers,
                            self.max_rank, self.target_modules, self.tp_rank, self.tp_size,
@@ -95,13 +104,18 @@ def validate_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None) -
 def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPGroup.single(),
               dtype: torch.dtype = torch.float32, roots=None,
               expected_version: str | None = None,
-              buffers: HostBufferPool | None = None) -> LoRAWeights:
+              buffers: HostBufferPool | None = None, serve_dora: bool = True) -> LoRAWeights:
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors; below
     `roots` when given) into this rank's host layout, scaling folded into B, in a buffer
     from `buffers` (a private one when None). Raises AdapterError (feature, file) for
     anything that is not a plain LoRA fitting the model, or when the files' version is
-    not `expected_version`; nothing is kept on error."""
+    not `expected_version`, or for a DoRA adapter unless `serve_dora`; nothing is kept
+    on error."""
     plan = plan_adapter(path, model_cfg, max_lora_rank, roots)
+    if plan.config.use_dora and not serve_dora:
+        raise AdapterError("use_dora=true: DoRA adapters are served on the CPU at "
+                           "tensor-parallel size 1 only for now", feature="use_dora",
+                           file=plan.config.file)
     if expected_version is not None and plan.version != expected_version:
         raise AdapterChangedError("adapter files changed since this version was validated "
                                   "or loaded; register or load the name again to serve them",
@@ -119,14 +133,16 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     for mp in plan.modules:
         group, s = LORA_TARGETS[mp.module]
         by_group.setdefault((mp.layer, group), {})[s] = mp
-    layout, nbytes = _layout(by_group, shapes, dtype)
+    layout, nbytes = _layout(by_group, shapes, dtype, plan.config.use_dora)
     pool = buffers if buffers is not None else HostBufferPool()
     buf = pool.acquire(nbytes)
     try:
         groups = {}
-        for key, (a_at, b_at) in layout.items():
+        for key, (a_at, b_at, *m_at) in layout.items():
             a, b = _view(buf, a_at, dtype), _view(buf, b_at, dtype)
-            groups[key] = _fill_group(a, b, plan, model_cfg, tp, shapes[key[1]], by_group[key])
+            m = _view(buf, m_at[0], dtype) if m_at else None
+            groups[key] = _fill_group(a, b, m, plan, model_cfg, tp, shapes[key[1]],
+                                      by_group[key])
         _check_groups(groups, by_group, shapes, plan.weights_file)
     except BaseException:
         pool.release(buf)
@@ -138,17 +154,17 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     return weights
 
 
-def _layout(by_group: dict, shapes: dict, dtype: torch.dtype):
-    """{(layer, group): ((a offset, a dims), (b offset, b dims))} in one buffer, each
-    tensor 256-byte aligned; and the buffer's size in bytes."""
+def _layout(by_group: dict, shapes: dict, dtype: torch.dtype, use_dora: bool):
+    """{(layer, group): ((a offset, a dims), (b offset, b dims)[, (m offset, m dims)])} in
+    one buffer, each tensor 256-byte aligned; and the buffer's size in bytes."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     out, at = {}, 0
     for key, slices in by_group.items():
         shape = shapes[key[1]]
         r = max(mp.rank for mp in slices.values())
         parts = []
-        for dims in ((len(shape.out_features), r, shape.in_features),
-                     (sum(shape.out_features), r)):
+        all_dims = [(len(shape.out_features), r, shape.in_features), (sum(shape.out_features), r)]
+        for dims in all_dims + [(sum(shape.out_features),)] * use_dora:
             parts.append((at, dims))
             at += -(-math.prod(dims) * itemsize // 256) * 256
         out[key] = tuple(parts)
@@ -161,10 +177,12 @@ def _view(buf: HostBuffer, at: tuple[int, tuple[int, ...]], dtype: torch.dtype) 
     return buf.data[offset:offset + math.prod(dims) * itemsize].view(dtype).view(dims)
 
 
-def _fill_group(a: torch.Tensor, b: torch.Tensor, plan: AdapterPlan, model_cfg, tp: TPGroup,
-                shape: GroupShape, slices: dict[int, ModulePlan]) -> GroupWeights:
-    """Write one group's slices into its views a [S, R, K], b [N, R] (zeros where a slice
-    is absent or of a smaller rank): every element once, in the serving dtype."""
+def _fill_group(a: torch.Tensor, b: torch.Tensor, m: torch.Tensor | None, plan: AdapterPlan,
+                model_cfg, tp: TPGroup, shape: GroupShape,
+                slices: dict[int, ModulePlan]) -> GroupWeights:
+    """Write one group's slices into its views a [S, R, K], b [N, R] and (DoRA) m [N]
+    (zeros where a slice is absent or of a smaller rank): every element once, in the
+    serving dtype."""
     ranks = [0] * a.shape[0]
     offset = 0
     for s, width in enumerate(shape.out_features):
@@ -173,15 +191,19 @@ def _fill_group(a: torch.Tensor, b: torch.Tensor, plan: AdapterPlan, model_cfg, 
         if mp is None:
             a_s.zero_()
             b_s.zero_()
+            if m is not None:
+                m[offset:offset + width].zero_()
         else:
-            lora_a, lora_b = _shard(plan, model_cfg, tp, mp)
+            lora_a, lora_b, magnitude = _shard(plan, model_cfg, tp, mp)
+            if m is not None:
+                m[offset:offset + width].copy_(_compute_dtype(magnitude, m.dtype))
             a_s[:mp.rank].copy_(_compute_dtype(lora_a, a.dtype))
             torch.mul(_compute_dtype(lora_b, b.dtype), mp.scaling, out=b_s[:, :mp.rank])
             a_s[mp.rank:].zero_()
             b_s[:, mp.rank:].zero_()
             ranks[s] = mp.rank
         offset += width
-    return GroupWeights(a, b, tuple(ranks))
+    return GroupWeights(a, b, tuple(ranks), m)
 
 
 def _compute_dtype(t: torch.Tensor, out: torch.dtype) -> torch.Tensor:
@@ -190,14 +212,17 @@ def _compute_dtype(t: torch.Tensor, out: torch.dtype) -> torch.Tensor:
     return t if t.dtype in (torch.float32, out) else t.float()
 
 
-def _shard(plan: AdapterPlan, model_cfg, tp: TPGroup, mp: ModulePlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (lora_A, lora_B) of one module: views into the plan's bytes."""
+def _shard(plan: AdapterPlan, model_cfg, tp: TPGroup, mp: ModulePlan):
+    """This rank's (lora_A, lora_B, DoRA magnitude or None) of one module: views into the
+    plan's bytes. The magnitude has one value per output row: cut like B."""
     cut = lora_shard(model_cfg, mp.module, tp.rank, tp.size)
     a = tensor(plan.weights, plan.tensors[mp.a_key])
     b = tensor(plan.weights, plan.tensors[mp.b_key])
+    m = tensor(plan.weights, plan.tensors[mp.m_key]) if mp.m_key is not None else None
     if cut.factor == "B":
-        return a, b[cut.shard.start:cut.shard.stop, :]
-    return a[:, cut.shard.start:cut.shard.stop], b
+        rows = slice(cut.shard.start, cut.shard.stop)
+        return a, b[rows, :], (m[rows] if m is not None else None)
+    return a[:, cut.shard.start:cut.shard.stop], b, m
 
 
 def _check_groups(groups: dict, by_group: dict, shapes: dict, file: str) -> None:
@@ -205,7 +230,8 @@ def _check_groups(groups: dict, by_group: dict, shapes: dict, file: str) -> None
     propagates through it; far cheaper than isfinite + abs). On failure, the per-slice
     check names the tensor."""
     bounds = torch.stack([torch.stack(torch.aminmax(t)).float()
-                          for g in groups.values() for t in (g.a, g.b)])
+                          for g in groups.values() for t in (g.a, g.b, g.magnitude)
+                          if t is not None])
     if bool(torch.isfinite(bounds).all()) and float(bounds.abs().max()) <= MAX_ABS_WEIGHT:
         return
     for key, g in groups.items():
@@ -216,6 +242,8 @@ def _check_groups(groups: dict, by_group: dict, shapes: dict, file: str) -> None
                 _check_values(g.a[s, :mp.rank], mp.a_key, "", file)
                 _check_values(g.b[offset:offset + width, :mp.rank], mp.b_key,
                               f" times scaling {mp.scaling:g}", file)
+                if g.magnitude is not None:
+                    _check_values(g.magnitude[offset:offset + width], mp.m_key, "", file)
             offset += width
     raise AssertionError("bounds out of range but no tensor found")  # unreachable
 

@@ -52,7 +52,9 @@ def make_attention_metadata(block_tables: list[list[int]], num_computed: list[in
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     seq_lens = [d + n for d, n in zip(num_computed, num_new)]
-    width = max(len(t) for t in block_tables)
+    # a multiple of 16 columns: the table's row stride is an integer the attention kernel
+    # is specialised on, so a free width would compile a variant per width class
+    width = -(-max(len(t) for t in block_tables) // 16) * 16
     padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
     starts = [0]
     for n in num_new:

@@ -211,6 +211,12 @@ class LlamaForCausalLM(nn.Module):
         """Per-rank (in_features, out widths per slice) of the groups LoRA applies to."""
         return lora_targets.lora_group_shapes(self.cfg, self.tp.size)
 
+    def lora_base_weight(self, layer: int, group: str) -> torch.Tensor:
+        """This rank's merged base weight [N, K] of a LoRA group (DoRA's row norms)."""
+        attn, mlp = self.layers[layer].self_attn, self.layers[layer].mlp
+        return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
+                "down": mlp.down_proj}[group].weight
+
     def load_weights(self, model_dir) -> None:
         """Load this rank's shard of every tensor from the model directory's safetensors;
         refuse missing, unexpected or mis-shaped tensors with ModelLoadError."""

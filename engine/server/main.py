@@ -57,14 +57,10 @@ def engine_config(args, environ=None):
     argparse.ArgumentTypeError (a bad environment value)."""
     from engine.config import EngineConfig
 
-    return EngineConfig(model=args.model, adapter_roots=adapter_roots(args, environ),
+    from engine.adapters.safe_files import roots_from
+
+    return EngineConfig(model=args.model, adapter_roots=roots_from(args.adapter_root, environ),
                         **given(args, ENGINE_OPTIONS, environ))
-
-
-def adapter_roots(args, environ=None) -> tuple[str, ...]:
-    if args.adapter_root:
-        return tuple(args.adapter_root)
-    return tuple(r for r in (environ or {}).get("LORAMUX_ADAPTER_ROOTS", "").split(":") if r)
 
 
 def resolved_config(engine) -> dict:
@@ -97,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LoramuxError, argparse.ArgumentTypeError) as err:
         print(f"error: {config_error_message(str(err))}", file=sys.stderr)
         return 2
+    report = engine.warm_up()  # before the ready file: no request meets a compile
+    if report is not None:
+        print(f"engine {report}", file=sys.stderr, flush=True)
     server = EngineServer(engine, ServerConfig(
         args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
         stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep, keys=keys))

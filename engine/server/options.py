@@ -158,14 +158,14 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            env="LORAMUX_TP_SIZE"),
     Option("max_loras", "--max-loras", auto_positive_int,
            "adapter slots on the device, also the most distinct adapters in one batch "
-           "(default: auto: as many as a third of the GPU memory left after weights and "
+           "(default: auto: as many as 40% of the GPU memory left after weights and "
            "activations holds, at most 512; 4 on the CPU)", env="LORAMUX_MAX_LORAS"),
     Option("max_cpu_loras", "--max-cpu-loras", auto_positive_int,
            "adapter copies kept in host memory, >= --max-loras (default: auto: as many as "
            "half the available host memory holds; 4 x max_loras on the CPU)",
            env="LORAMUX_MAX_CPU_LORAS"),
     Option("max_lora_rank", "--max-lora-rank", positive_int,
-           "largest adapter rank accepted; sizes the slots (default: 64)",
+           "largest adapter rank accepted; sizes the slots and host copies (default: 16)",
            env="LORAMUX_MAX_LORA_RANK"),
     Option("max_num_seqs", "--max-num-seqs", auto_positive_int,
            "requests running at once (default: auto: 256 on a GPU, 64 on the CPU)",

@@ -8,6 +8,7 @@ import sys
 
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
+from engine.adapters.safe_files import roots_from, roots_problem
 from engine.server import curve
 from engine.server.options import OneLineErrors, positive_float, positive_int
 from services.common import grpc_server, tls
@@ -31,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
                    help="ZMQ address to bind for publishing the adapter table to gateways")
-    p.add_argument("--max-lora-rank", type=positive_int, default=env("LORAMUX_MAX_LORA_RANK", "64"),
-                   help="largest adapter rank accepted; the engine's --max-lora-rank (default: 64)")
+    p.add_argument("--max-lora-rank", type=positive_int, default=env("LORAMUX_MAX_LORA_RANK", "16"),
+                   help="largest adapter rank accepted; the engine's --max-lora-rank (default: 16)")
     p.add_argument("--auth-token", default=env("LORAMUX_ADMIN_TOKEN"),
                    help="bearer token required on admin calls ($LORAMUX_ADMIN_TOKEN)")
     p.add_argument("--heartbeat-timeout", type=positive_float,
@@ -77,7 +78,7 @@ async def serve(args) -> int:
     from services.control.table_publisher import TablePublisher
 
     log = configure_logging("control", args.log_level)
-    roots = args.adapter_root or [r for r in os.environ.get("LORAMUX_ADAPTER_ROOTS", "").split(":") if r]
+    roots = roots_from(args.adapter_root, os.environ)
     binding = await asyncio.to_thread(binding_for, args.model, roots)
     prepare_registry(args.db, binding, log)
     registry = Registry(args.db, binding.to_json())
@@ -134,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
               file=sys.stderr)
         return 2
-    if not (args.adapter_root or os.environ.get("LORAMUX_ADAPTER_ROOTS")):
+    roots = roots_from(args.adapter_root, os.environ)
+    if not roots:
         print("error: at least one --adapter-root is required", file=sys.stderr)
+        return 2
+    if (why := roots_problem(roots)) is not None:
+        print(f"error: {why}", file=sys.stderr)
         return 2
     try:
         args.keys = curve.keys_from_args(args)

@@ -30,6 +30,9 @@ GATEWAY_OPTIONS = (
            "seconds without an engine heartbeat before the engine counts as gone and its "
            "streams end with UNAVAILABLE (default: 1.5)", env="LORAMUX_HEARTBEAT_TIMEOUT",
            default=1.5),
+    Option("served_model_name", "--served-model-name", str,
+           "the base model's name in the HTTP API (default: --model as given)",
+           env="LORAMUX_SERVED_MODEL_NAME"),
     Option("metrics_max_adapters", "--metrics-max-adapters", positive_int,
            "distinct adapter label values in the gateway's metrics; later adapters count "
            "as 'other' (default: 64)", env="LORAMUX_METRICS_MAX_ADAPTERS", default=64),
@@ -55,8 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, GATEWAY_OPTIONS)
     p.add_argument("--http-port", type=int, default=int(env("LORAMUX_HTTP_PORT", "0")),
                    help="OpenAI-compatible HTTP API port, on the --listen host (0: off)")
-    p.add_argument("--served-model-name", default=env("LORAMUX_SERVED_MODEL_NAME"),
-                   help="the base model's name in the HTTP API (default: --model as given)")
     p.add_argument("--auth-token", default=env("LORAMUX_AUTH_TOKEN"),
                    help="bearer token the HTTP API requires (default: none)")
     p.add_argument("--metrics-port", type=int, default=int(env("LORAMUX_METRICS_PORT", "9090")),
@@ -119,9 +120,8 @@ async def serve(args) -> int:
     from services.gateway.servicer import GenerateServicer
 
     log = configure_logging("gateway", args.log_level)
-    from engine.adapters.safe_files import AdapterRoots
-    roots = args.adapter_root or [r for r in os.environ.get("LORAMUX_ADAPTER_ROOTS", "").split(":")
-                                  if r]
+    from engine.adapters.safe_files import AdapterRoots, roots_from
+    roots = roots_from(args.adapter_root, os.environ)
     prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model,
                             adapter_roots=AdapterRoots(roots) if roots else None)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
@@ -172,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
               file=sys.stderr)
+        return 2
+    from engine.adapters.safe_files import roots_from, roots_problem
+    if (why := roots_problem(roots_from(args.adapter_root, os.environ))) is not None:
+        print(f"error: {why}", file=sys.stderr)
         return 2
     try:
         args.keys = curve.keys_from_args(args)

@@ -163,7 +163,9 @@ def make_adapter(path: str | os.PathLike, model_dir: str | os.PathLike,
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
-            if "lora_" in name:
+            if "lora_magnitude_vector" in name:  # DoRA: PEFT's row norms, perturbed
+                p.mul_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * spec.std)
     peft_model.save_pretrained(path, safe_serialization=True)
     return path
