@@ -45,6 +45,9 @@ class MergedDeltaLora:
         self.shapes = lora_targets.lora_group_shapes(cfg, tp.size)
         self.calls: list[tuple[int, str]] = []
 
+    def apply_embedding(self, ids: torch.Tensor, h: torch.Tensor) -> None:
+        """No LoRA on embed_tokens here (engine/model/lora_targets.py END_TARGETS)."""
+
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         self.calls.append((layer_idx, group))
         assert x.shape[1] == self.shapes[group].in_features
