@@ -50,6 +50,13 @@ preemption and no wait for `max_num_seqs` or KV blocks (those are FIFO among req
 that may run). An admin pin may displace the head's host copy; each one adds at most
 L. tests/test_stress_lifecycle.py checks this bound after every step.
 
+Batch composition when adapters outnumber slots. A slot freed for a waiting adapter
+serves all of that adapter's waiting requests, so while nothing starves the adapter
+with the most waiting requests is brought in first (`wanted_adapters`): each step runs
+as many requests as the slots allow, instead of slots going to adapters in arrival
+waves. Fairness is unchanged: once a request has waited K steps without a slot, the
+order is by age again and the drain above applies, so the bound holds as stated.
+
 Async scheduling (engine/engine.py launches step N+1 before step N's tokens are known).
 `schedule` advances `num_computed_tokens` itself and counts each sampling row as an
 in-flight token of its request (`num_inflight_tokens`), so the next schedule runs that
@@ -278,16 +285,22 @@ class Scheduler:
         return oldest
 
     def wanted_adapters(self) -> list[int]:
-        """Adapters of waiting requests, the one whose oldest request waited longest
-        first (ties: queue order): what the residency manager brings into slots."""
+        """Adapters of waiting requests in the order the residency manager brings them
+        into slots (see "Batch composition" in the module docstring): while a request
+        starves, the one whose oldest request waited longest first (ties: queue order);
+        otherwise the one with the most waiting requests first (ties: that age order)."""
         first: dict[int, tuple[int, int]] = {}
+        count: Counter = Counter()
         for pos, req in enumerate(self.waiting):
-            if req.adapter_id and req.adapter_id not in first:
-                first[req.adapter_id] = (self._since[req.request_id], pos)
-            elif req.adapter_id:
-                first[req.adapter_id] = min(first[req.adapter_id],
-                                            (self._since[req.request_id], pos))
-        return sorted(first, key=first.__getitem__)
+            aid = req.adapter_id
+            if aid:
+                key = (self._since[req.request_id], pos)
+                first[aid] = min(first[aid], key) if aid in first else key
+                count[aid] += 1
+        by_age = sorted(first, key=first.__getitem__)
+        if self.drain_threshold() is not None:
+            return by_age
+        return sorted(by_age, key=lambda aid: -count[aid])  # stable: ties stay by age
 
     def _admit(self, req: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
         # a preempted request's in-flight token is appended before the next schedule

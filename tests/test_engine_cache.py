@@ -9,8 +9,8 @@ BS = 8
 
 
 def make_engine(family, **kw):
-    cfg = dict(model=str(family.model_dir), max_loras=4, max_lora_rank=32, max_num_batched_tokens=32,
-               block_size=BS, num_kv_blocks=128)
+    cfg = dict(model=str(family.model_dir), max_loras=4, max_lora_rank=32,
+               max_num_batched_tokens=32, block_size=BS, num_kv_blocks=128)
     cfg.update(kw)
     eng = Engine(EngineConfig(**cfg))
     for name, path in family.adapters.items():

@@ -124,8 +124,8 @@ def test_seeded_sampling_same_alone_and_in_batch(eng):
 
 
 def test_reload_gives_new_id_and_remove_is_deferred(llama_family, llama_oracle, tmp_path):
-    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32, block_size=8,
-                              num_kv_blocks=64, max_num_batched_tokens=32))
+    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32,
+                              block_size=8, num_kv_blocks=64, max_num_batched_tokens=32))
     ads = llama_family.adapters
     old_id = eng.add_adapter("x", ads["rs4"])
     prompt = prompts_of([12], seed=23)[0]
@@ -167,8 +167,8 @@ def test_bad_adapter_refused_and_nothing_registered(eng, llama_family, tmp_path)
 
 
 def test_pinned_adapter_keeps_its_slot(llama_family):
-    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32, block_size=8,
-                              num_kv_blocks=64, max_num_batched_tokens=32))
+    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32,
+                              block_size=8, num_kv_blocks=64, max_num_batched_tokens=32))
     ads = llama_family.adapters
     pinned = eng.add_adapter("p", ads["rs4"], pinned=True)
     with pytest.raises(CapacityError, match="one must stay dynamic"):

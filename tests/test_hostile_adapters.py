@@ -265,6 +265,28 @@ def _unregister_when_unloaded(admin, name: str, timeout_s: float = 10.0) -> None
             time.sleep(0.05)
 
 
+def test_files_changed_after_registration_are_refused(files, admin, baseline):
+    """The version is the hash of the bytes: one weight changed after registration (same
+    size, same mtime) makes the engine refuse the load; registering again accepts it."""
+    d = files["adapters"] / "changed"
+    shutil.copytree(files["adapters"] / "good", d)
+    admin.register("changed", "changed")
+    weights = d / WEIGHTS
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(LoramuxError) as info:
+        admin.load("changed")
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION, info.value.details
+    assert "changed" in info.value.details
+    admin.register("changed", "changed")       # the files as they are now
+    admin.load("changed")
+    admin.unload("changed")
+    _unregister_when_unloaded(admin, "changed")
+
+
 def test_still_serves_identical_greedy_outputs(gen, baseline, admin):
     assert greedy_tokens(gen) == baseline
     assert [a.name for a in admin.list()] == ["good"]

@@ -12,8 +12,8 @@ from tests.test_engine_parity import prompts_of
 
 
 def make_engine(family, adapters=None, **kw):
-    cfg = dict(model=str(family.model_dir), max_loras=2, max_lora_rank=32, block_size=8, num_kv_blocks=64,
-               max_num_batched_tokens=32)
+    cfg = dict(model=str(family.model_dir), max_loras=2, max_lora_rank=32, block_size=8,
+               num_kv_blocks=64, max_num_batched_tokens=32)
     cfg.update(kw)
     eng = Engine(EngineConfig(**cfg))
     for name in adapters or ():

@@ -59,7 +59,7 @@ class StressConfig:
         blocks = 2 * self.max_num_seqs * math.ceil(longest / self.block_size)
         return EngineConfig(
             model=str(model_dir), max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras,
-            block_size=self.block_size, num_kv_blocks=blocks, max_num_seqs=self.max_num_seqs,
+            max_lora_rank=32, block_size=self.block_size, num_kv_blocks=blocks, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             async_scheduling=self.async_scheduling)
 
@@ -79,7 +79,7 @@ def references(model_dir, weights: dict[str, Path], max_tokens: int) -> dict:
     """Tokens per (weights key or None for the base model, prompt index), on an engine of
     their own, one adapter at a time (a request's tokens do not depend on its batch:
     tests/test_engine_parity.py)."""
-    eng = Engine(EngineConfig(model=str(model_dir), max_loras=1))
+    eng = Engine(EngineConfig(model=str(model_dir), max_loras=1, max_lora_rank=32))
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     refs, ps = {}, prompts()
     try:

@@ -55,7 +55,8 @@ class ServedEngine:
         self.send(adapter_command=engine_pb2.AdapterCommand(
             command_id=command_id, kind=k, name=name, path=path, pinned=pinned))
 
-    def collect(self, until, timeout_s: float = 30.0) -> list[tuple[float, engine_pb2.EngineOutput]]:
+    def collect(self, until, timeout_s: float = 30.0
+                ) -> list[tuple[float, engine_pb2.EngineOutput]]:
         """(arrival time, message) of every output until `until(msg)` is true (included)."""
         out, deadline = [], time.monotonic() + timeout_s
         while time.monotonic() < deadline:
