@@ -135,6 +135,16 @@ def test_lora_embedding_keys(base, adapter):
     refused(base[0], adapter, "embedding", WEIGHTS)
 
 
+def test_saved_embedding_copy_refused(base, tmp_path):
+    """PEFT's default for an embed_tokens adapter also saves the whole embedding; a
+    replacement of the base weight is never silently ignored."""
+    d = make_adapter(tmp_path / "a", base[1], AdapterSpec(r=4, target_modules=("embed_tokens",)))
+    edit_tensors(d, lambda t: t.update({
+        "base_model.model.model.embed_tokens.base_layer.weight": torch.ones(384, 64)}))
+    msg = refused(base[0], d, "save_embedding_layers", WEIGHTS)
+    assert "embed_tokens" in msg
+
+
 def test_end_target_shapes_checked(base, tmp_path):
     d = make_adapter(tmp_path / "a", base[1], AdapterSpec(r=4, target_modules=("q_proj", "lm_head")))
     edit_tensors(d, lambda t: t.update({"base_model.model.lm_head.lora_B.weight": torch.ones(8, 4)}))
