@@ -28,12 +28,15 @@ class AdapterTable:
             keys.connect(self._sub)
         self._entries: dict[str, engine_pb2.AdapterTableEntry] | None = None
         self._task: asyncio.Task | None = None
+        self._received = 0                      # tables taken in, for resolve_current
+        self._arrival: asyncio.Condition | None = None
 
     @property
     def received(self) -> bool:
         return self._entries is not None
 
     async def start(self) -> None:
+        self._arrival = asyncio.Condition()
         self._sub.connect(self.address)
         self._task = asyncio.get_running_loop().create_task(self._receive())
 
@@ -54,6 +57,9 @@ class AdapterTable:
                 self.update(engine_pb2.AdapterTable.FromString(raw))
             except Exception:  # noqa: BLE001 - a garbled table is dropped, the old one stays
                 continue
+            async with self._arrival:
+                self._received += 1
+                self._arrival.notify_all()
 
     def resolve(self, name: str) -> engine_pb2.AdapterTableEntry:
         """The entry of adapter `name`; Rejected unless it may take new requests now."""
@@ -70,6 +76,32 @@ class AdapterTable:
             raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                            f"adapter {name!r} is being unloaded")
         return entry
+
+    async def resolve_current(self, name: str,
+                              wait_s: float = 2.5) -> engine_pb2.AdapterTableEntry:
+        """`resolve`, reading the admin calls that returned before this one arrived.
+
+        The table is pushed to gateways, so an adapter registered or loaded a moment ago may
+        not be here yet. Before refusing a name as unknown or not loaded, wait for two more
+        tables (at most `wait_s`): the second was sent after the first arrived, so after
+        this request did, and so after any admin call the client saw complete. The control
+        plane sends one at every change and every interval, so this waits one interval or
+        two at most, and only on the refusal path."""
+        try:
+            return self.resolve(name)
+        except Rejected as err:
+            if err.code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                raise
+            if self._arrival is None:
+                raise
+        async with self._arrival:
+            target = self._received + 2
+            try:
+                await asyncio.wait_for(
+                    self._arrival.wait_for(lambda: self._received >= target), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.resolve(name)
 
     def entries(self) -> list[engine_pb2.AdapterTableEntry]:
         """Every adapter the control plane published, whatever its state."""

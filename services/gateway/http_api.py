@@ -84,12 +84,12 @@ class OpenAIFront:
     def tokenizer(self):
         return self.servicer.prompts.tokenizer
 
-    def adapter_for(self, model: str) -> str:
+    async def adapter_for(self, model: str) -> str:
         """The adapter a `model` value names ("" for the base model), or 404."""
         if model == self.model_name:
             return ""
         try:
-            self.table.resolve(model)
+            await self.table.resolve_current(model)
         except Rejected as err:
             if err.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 raise ApiError(404, f"The model `{model}` does not exist or is not loaded "
@@ -120,7 +120,7 @@ class OpenAIFront:
 
     async def run(self, body, *, chat: bool, http_request: Request):
         try:
-            requests = body.generate_requests(self.adapter_for(body.model))
+            requests = body.generate_requests(await self.adapter_for(body.model))
         except BadParam as err:
             raise ApiError(400, str(err), param=err.param) from None
         shape = Shape(chat, body.model, self.tokenizer, return_token_ids=body.return_token_ids)

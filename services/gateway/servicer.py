@@ -50,7 +50,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         vocab = hb.vocab_size or self.prompts.tokenizer.vocab_size
         max_len = hb.max_model_len or self.default_max_model_len
         check_sampling(req.sampling, vocab)
-        entry = self.table.resolve(req.adapter) if req.adapter else None
+        entry = await self.table.resolve_current(req.adapter) if req.adapter else None
         ids = await self.prompts.token_ids(req, entry, max_len, vocab)
         sampling = req.sampling
         if fill_context and not sampling.HasField("max_tokens") and max_len:
