@@ -106,11 +106,12 @@ def _points(args, names: tuple[str, ...], vocab: range) -> list[dict]:
     return points
 
 
-def _warmup(args, points, names, vocab) -> list:
+def _warmup(args, points, names, vocab) -> tuple[list, int]:
     """One round both paths run untimed before their first point: a closed loop as wide as
     the widest load (32 streams for rate runs), prompts from the runs' length range,
     outputs of 4-32 tokens so the batch ramps down through every size, over every adapter
-    the runs use. Compiles, autotuning and first slot copies happen here, not in a run."""
+    the runs use. Compiles, autotuning and first slot copies happen here, not in a run.
+    Returns (workload, streams): run_service's and run_offline's arguments."""
     width = max([p["concurrency"] or 32 for p in points])
     used = list(names[:max(p["adapters"] for p in points)])
     return make_workload(2 * width, [None, *used], None, args.input_len, (4, 32), vocab,

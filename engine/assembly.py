@@ -70,13 +70,13 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
     read inside the adapter roots."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
-    # DoRA's per-row factors are applied on the CPU reference path (engine/lora/batch.py)
-    dora = torch.device(config.device).type == "cpu" and tp.size == 1
+    # DoRA and lm_head/embed_tokens LoRA are served by the CPU reference path only
+    reference = torch.device(config.device).type == "cpu" and tp.size == 1
 
     def read(path: str, version: str | None):
         return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
                          roots=roots, expected_version=version, buffers=buffers,
-                         serve_dora=dora)
+                         reference_path=reference)
     return read
 
 

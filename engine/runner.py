@@ -130,25 +130,29 @@ class ModelRunner:
         """Forward pass, logits for the sampling rows only, then the sampler (or, with
         `greedy`, the greedy pick: see the module docstring)."""
         self._fill_holes(inputs.input_ids, inputs.holes, prev)
-        hidden = self._forward(inputs)
+        hidden, lora = self._forward(inputs)
         if not inputs.sample_requests:
             return PendingSample.known({}, [], self.device)
-        hidden = hidden[inputs.logits_indices]
+        logits = self._logits(inputs, hidden, lora)
         if greedy:
-            picked = greedy_pick(self.model.compute_logits(hidden))
-            return self._greedy_pending(inputs.sample_requests, picked)
-        return self._sample(hidden, inputs.sample_requests)
+            return self._greedy_pending(inputs.sample_requests, greedy_pick(logits))
+        return self._sample(logits, inputs.sample_requests)
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, LoRABatch | None]:
         lora = LoRABatch(self.lora_pool, inputs.token_slots) if inputs.has_lora else None
-        return self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora)
+        return self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora), lora
+
+    def _logits(self, inputs: ModelInputs, hidden: torch.Tensor,
+                lora: LoRABatch | None) -> torch.Tensor:
+        """Logits of the sampling rows; the batch's LoRA also reaches lm_head."""
+        return self.model.compute_logits(hidden[inputs.logits_indices], lora,
+                                         inputs.logits_indices)
 
     @torch.no_grad()
     def forward_pick(self, inputs: ModelInputs) -> torch.Tensor:
         """Forward pass and the greedy pick of the sampling rows, nothing recorded: the
         kernels an eager step launches (start-up warm-up, engine/warmup.py)."""
-        hidden = self._forward(inputs)[inputs.logits_indices]
-        return greedy_pick(self.model.compute_logits(hidden))
+        return greedy_pick(self._logits(inputs, *self._forward(inputs)))
 
     def _greedy_pending(self, requests: list[Request], picked: torch.Tensor) -> PendingSample:
         """The greedy pick's [2, n] output as a step result; a TP worker (no Sampler) keeps
@@ -157,8 +161,7 @@ class ModelRunner:
             return PendingSample.of_greedy_graph(requests, picked)
         return PendingSample.device_only(requests, picked[0].long())
 
-    def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> PendingSample:
-        logits = self.model.compute_logits(hidden)
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         states = [r.sampling_state for r in requests]
         if type(self.sampler) is Sampler:
             return PendingSample.of_sampler(requests, self.sampler.sample_tensors(logits, states))
@@ -192,7 +195,7 @@ class ModelRunner:
         if len(rows) < len(sched):
             hidden = hidden[self._to_device(torch.tensor(rows, dtype=torch.int64))]
             requests = [requests[i] for i in rows]
-        return self._sample(hidden, requests)
+        return self._sample(self.model.compute_logits(hidden), requests)
 
     def greedy_step(self, sched: list[ScheduledRequest]) -> bool:
         """A decode step whose every row samples greedily with nothing the greedy pick leaves

@@ -96,7 +96,11 @@ def eager_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
             seq_counts.update({s for s in (3, 16, 17) if s <= min(t, max_num_seqs)})
         for s in sorted(seq_counts):
             rest = t - (s - 1)
-            for context in contexts(rest, max_model_len):
+            # the attention splits its key range only for small steps (few programs):
+            # past 64 tokens one long context stands for them all
+            ctxs = (contexts(rest, max_model_len) if t <= 64 else
+                    sorted({0, max(0, max_model_len - rest - 1)}))
+            for context in ctxs:
                 if rest + context <= max_model_len:
                     # with an adapter: a step without one launches a subset of these
                     out.append(EagerShape(t, s, context, lora=True))

@@ -76,7 +76,7 @@ def _without_dora(src, dst):
 def test_refused_where_not_served(family, engine):
     cfg = engine.model_config
     with pytest.raises(AdapterError) as err:
-        load_lora(family.adapters["dora8"], cfg, 64, serve_dora=False)
+        load_lora(family.adapters["dora8"], cfg, 64, reference_path=False)
     assert err.value.feature == "use_dora" and "adapter_config.json" in str(err.value)
     one, two = (load_lora(family.adapters["dora8"], cfg, 64, tp=TPGroup(rank=0, size=n))
                 for n in (1, 2))

@@ -101,20 +101,25 @@ def test_peft_type(base, adapter):
 def test_written_by_peft(base, tmp_path, overrides, feature, file_name):
     cfg, model_dir = base[0], base[1]
     d = make_adapter(tmp_path / "a", model_dir, AdapterSpec(r=4), **overrides)
-    refused(cfg, d, feature, file_name)
+    msg = refused(cfg, d, feature, file_name)
+    for module in overrides.get("modules_to_save", ()):  # never silently ignored: named
+        assert module in msg
 
 
-@pytest.mark.parametrize("targets,feature", [
-    (("q_proj", "embed_tokens"), "embedding"),
-    (("v_proj", "lm_head"), "lm_head"),
-], ids=["embed_tokens", "lm_head"])
-def test_embedding_and_head_targets(base, tmp_path, targets, feature):
+@pytest.mark.parametrize("targets", [("q_proj", "embed_tokens"), ("v_proj", "lm_head")],
+                         ids=["embed_tokens", "lm_head"])
+def test_embedding_and_head_targets(base, tmp_path, targets):
+    """Served by the CPU reference path at TP 1 (parity: tests/test_end_lora_parity.py),
+    refused elsewhere naming the module; their tensors without the target are refused."""
     cfg, model_dir = base[0], base[1]
     d = make_adapter(tmp_path / "a", model_dir, AdapterSpec(r=4, target_modules=targets))
-    refused(cfg, d, feature, CONFIG)
-    # the tensors alone (config narrowed to q/v) are refused too
+    assert targets[1] in load_lora(d, cfg, MAX_RANK).ends
+    with pytest.raises(AdapterError) as ei:
+        load_lora(d, cfg, MAX_RANK, reference_path=False)
+    assert ei.value.feature == targets[1] and CONFIG in str(ei.value)
     edit_config(d, target_modules=list(targets[:1]))
-    refused(cfg, d, feature, WEIGHTS)
+    msg = refused(cfg, d, "tensor", WEIGHTS)
+    assert "target_modules does not select" in msg and targets[1] in msg
 
 
 def test_dora_tensors_without_flag(base, tmp_path):
@@ -126,8 +131,25 @@ def test_dora_tensors_without_flag(base, tmp_path):
 
 def test_lora_embedding_keys(base, adapter):
     edit_tensors(adapter, lambda t: t.update({
-        "base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(8, 10)}))
+        "base_model.model.model.layers.0.mlp.lora_embedding_A": torch.ones(8, 10)}))
     refused(base[0], adapter, "embedding", WEIGHTS)
+
+
+def test_saved_embedding_copy_refused(base, tmp_path):
+    """PEFT's default for an embed_tokens adapter also saves the whole embedding; a
+    replacement of the base weight is never silently ignored."""
+    d = make_adapter(tmp_path / "a", base[1], AdapterSpec(r=4, target_modules=("embed_tokens",)))
+    edit_tensors(d, lambda t: t.update({
+        "base_model.model.model.embed_tokens.base_layer.weight": torch.ones(384, 64)}))
+    msg = refused(base[0], d, "save_embedding_layers", WEIGHTS)
+    assert "embed_tokens" in msg
+
+
+def test_end_target_shapes_checked(base, tmp_path):
+    d = make_adapter(tmp_path / "a", base[1], AdapterSpec(r=4, target_modules=("q_proj", "lm_head")))
+    edit_tensors(d, lambda t: t.update({"base_model.model.lm_head.lora_B.weight": torch.ones(8, 4)}))
+    msg = refused(base[0], d, "shape", WEIGHTS)
+    assert "lm_head" in msg
 
 
 def test_fan_in_fan_out(base, adapter):

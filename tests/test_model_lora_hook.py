@@ -1,6 +1,7 @@
 """Where the model calls `lora.apply`, checked against transformers with the LoRA deltas
 merged into its weights (W + B·A), on one rank and across two tensor-parallel ranks
-(gloo on the CPU), including a model whose KV heads are replicated across ranks.
+(gloo on the CPU), including a model whose KV heads are replicated across ranks, Qwen3
+and Mistral with a sliding window shorter than the prompt.
 
 The test LoRA below implements the documented contract of engine/model/lora_targets.py
 directly from full PEFT-shaped factors; the engine's own LoRA pool is tested elsewhere.
@@ -22,7 +23,9 @@ from tests.support.tiny import TinySpec, load_hf_model, make_model
 
 RANK_R = 4
 PROMPT = [0, 17, 33, 99, 200, 7, 250, 9, 120, 11]
-SPECS = {"gqa": TinySpec(seed=7), "one_kv_head": TinySpec(num_kv_heads=1, arch="qwen2", seed=8)}
+SPECS = {"gqa": TinySpec(seed=7), "one_kv_head": TinySpec(num_kv_heads=1, arch="qwen2", seed=8),
+         "qwen3": TinySpec(arch="qwen3", seed=9),  # q/k norms over heads split across ranks
+         "mistral_window": TinySpec(arch="mistral", sliding_window=4, seed=10)}
 
 
 def lora_factors(cfg, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -44,6 +47,9 @@ class MergedDeltaLora:
         self.cfg, self.factors, self.tp = cfg, factors, tp
         self.shapes = lora_targets.lora_group_shapes(cfg, tp.size)
         self.calls: list[tuple[int, str]] = []
+
+    def apply_embedding(self, ids: torch.Tensor, h: torch.Tensor) -> None:
+        """No LoRA on embed_tokens here (engine/model/lora_targets.py END_TARGETS)."""
 
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         self.calls.append((layer_idx, group))

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # a value other than the default for every engine option, as typed and as resolved
 NON_DEFAULT = {
     "device": ("cpu", "cpu"), "dtype": ("bfloat16", "bfloat16"), "tp_size": ("1", 1),
-    "max_loras": ("3", 3), "max_cpu_loras": ("5", 5), "max_lora_rank": ("16", 16),
+    "max_loras": ("3", 3), "max_cpu_loras": ("5", 5), "max_lora_rank": ("32", 32),
     "max_num_seqs": ("7", 7), "max_num_batched_tokens": ("96", 96),
     "max_model_len": ("200", 200), "gpu_memory_utilization": ("0.5", 0.5),
     "num_kv_blocks": ("40", 40), "block_size": ("8", 8),
@@ -77,7 +77,7 @@ def test_every_flag_reaches_each_process_parser(model, tmp_path):
     vars(gw).update(gateway_main.given(gw, gateway_main.GATEWAY_OPTIONS))
     assert (gw.max_inflight, gw.max_message_bytes, gw.heartbeat_timeout) == (9, 5000, 4.0)
     control = c.command("control")
-    assert control[control.index("--max-lora-rank") + 1] == "16"
+    assert control[control.index("--max-lora-rank") + 1] == "32"
     assert control[control.index("--heartbeat-timeout") + 1] == "4.0"
 
 

@@ -32,6 +32,28 @@ class LoRABatch:
     def num_tokens(self) -> int:
         return self.token_slots.shape[0]
 
+    def apply_embedding(self, ids: torch.Tensor, h: torch.Tensor) -> None:
+        """h [T, hidden] += each token's embed_tokens LoRA delta (B·A[:, id]), in place."""
+        ab = self.pool.end_weights("embed_tokens") if self.pool.end_slots else None
+        if ab is not None:
+            self._add_per_slot(self.token_slots, h, ab, lambda a, m: a[:, ids[m]].T)
+
+    def apply_head(self, rows: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """logits [n, vocab] += the lm_head LoRA delta of the tokens `rows` (flat indices of
+        this step's tokens) whose hidden states `hidden` [n, hidden] are."""
+        ab = self.pool.end_weights("lm_head") if self.pool.end_slots else None
+        if ab is not None:
+            self._add_per_slot(self.token_slots[rows], logits, ab, lambda a, m: hidden[m] @ a.T)
+
+    @staticmethod
+    def _add_per_slot(slots: torch.Tensor, out: torch.Tensor, ab, x_a) -> None:
+        """out[rows of each slot] += x_a(A of the slot, rows) @ B^T of the slot."""
+        a, b = ab
+        for slot in slots.unique().tolist():
+            if slot >= 0:
+                m = slots == slot
+                out[m] += (x_a(a[slot], m) @ b[slot].T).to(out.dtype)
+
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += LoRA delta of `group` in layer `layer_idx`, in place (x, y: this rank's shards)."""
         a, b, ranks, offsets = self.pool.weights(layer_idx, group)

@@ -25,6 +25,7 @@ _MATH_CHANGING_FLAGS = (
     "lora_bias", "use_qalora", "alora_invocation_tokens", "layer_replication",
     "target_parameters", "trainable_token_indices", "use_bdlora", "arrow_config",
     "kasa_config", "monteclora_config",
+    "ensure_weight_tying",  # one LoRA shared by tied lm_head and embed_tokens
 )
 # Initialisations that rewrite the base weights; such an adapter only fits the rewritten base.
 _BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")

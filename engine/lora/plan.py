@@ -21,7 +21,8 @@ from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config,
 from engine.lora.patterns import dotted_suffixes
 from engine.lora.safetensors_buffer import TensorInfo, is_float, parse_header
 from engine.model.archs import architecture
-from engine.model.lora_targets import DECODER_TARGETS, LoraTarget, full_shape
+from engine.model.lora_targets import (DECODER_TARGETS, END_GROUP, END_TARGETS, LoraTarget,
+                                       full_shape)
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -33,8 +34,16 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<
 _MAGNITUDE_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\."
                             r"(?P<parent>\w+)\.(?P<module>\w+)\.lora_magnitude_vector"
                             r"(?:\.[\w\-]+)?(?:\.weight)?$")
+# LoRA on the ends: lm_head (a Linear: lora_A/lora_B) and embed_tokens (an Embedding:
+# lora_embedding_A/lora_embedding_B, saved without `.weight`).
+_END_KEY = re.compile(r"^(?:base_model\.model\.)?(?:(?P<head>lm_head)\.lora_(?P<factor>[AB])"
+                      r"(?:\.[\w\-]+)?\.weight|model\.(?P<embed>embed_tokens)\.lora_embedding_"
+                      r"(?P<efactor>[AB])(?:\.[\w\-]+)?)$")
 # Tensors of features we refuse, recognised by name: (regex searched in the key, feature, what).
 _REFUSED_KEYS = tuple((re.compile(p), f, w) for p, f, w in (
+    (r"\.base_layer\.weight$", "save_embedding_layers",
+     "a full copy of a base layer (PEFT's save_embedding_layers; save the adapter with "
+     "save_embedding_layers=False to serve it over this base model)"),
     (r"lora_embedding_", "embedding", "LoRA on an embedding"),
     (r"embed_tokens", "embedding", "weights for the embedding"),
     (r"lm_head", "lm_head", "weights for the output head"),
@@ -50,7 +59,10 @@ _FACTOR_KEYS = {"A": "lora_A.weight", "B": "lora_B.weight", "M": "lora_magnitude
 
 
 def module_name(layer: int, module: str) -> str:
-    """The module's name in the Hugging Face model, as PEFT matches it."""
+    """The module's name in the Hugging Face model, as PEFT matches it (layer END_GROUP:
+    an end target, lm_head or embed_tokens)."""
+    if layer == END_GROUP:
+        return END_TARGETS[module]
     return f"model.layers.{layer}.{_PARENT[module]}.{module}"
 
 
@@ -99,7 +111,9 @@ def max_weights_bytes(model_cfg, max_lora_rank: int) -> int:
     # + 1: a DoRA magnitude vector is one more row of out_features values
     per_layer = sum((max_lora_rank + 1) * sum(full_shape(model_cfg, m)) * 8
                     for m in _lora_targets(model_cfg))
-    return model_cfg.num_layers * per_layer + (1 << 20)
+    ends = sum(max_lora_rank * sum(full_shape(model_cfg, m)) * 8
+               for m in architecture(model_cfg).end_targets)
+    return model_cfg.num_layers * per_layer + ends + (1 << 20)
 
 
 def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
@@ -150,14 +164,10 @@ def _targeted_modules(cfg: AdapterConfig, model_cfg) -> list[tuple[int, str]]:
         raise AdapterError(f"layers_to_transform={list(cfg.layers_to_transform)} names a layer "
                            f"beyond the model's {n} layers", feature="layers_to_transform",
                            file=cfg.file)
-    supported = _lora_targets(model_cfg)
-    all_names = [(i, m, module_name(i, m)) for i in range(n) for m in supported]
-    if not cfg.is_all_linear:
-        for name, feature in (("lm_head", "lm_head"), ("model.embed_tokens", "embedding")):
-            if cfg.targets(name):
-                raise AdapterError(f"target_modules={_show(cfg.target_modules)} selects {name}; "
-                                   f"LoRA on the {feature.replace('_', ' ')} is not supported",
-                                   feature=feature, file=cfg.file)
+    supported = [*_lora_targets(model_cfg), *architecture(model_cfg).end_targets]
+    all_names = [(i, m, module_name(i, m)) for i in range(n) for m in _lora_targets(model_cfg)]
+    all_names += [(END_GROUP, m, module_name(END_GROUP, m))
+                  for m in architecture(model_cfg).end_targets]
     if isinstance(cfg.target_modules, tuple):
         known = set().union(*(dotted_suffixes(name) for _, _, name in all_names))
         for t in cfg.target_modules:
@@ -184,6 +194,17 @@ def _index_keys(shapes: dict, model_cfg, file: str,
     num_layers, supported = model_cfg.num_layers, _lora_targets(model_cfg)
     found: dict[tuple[int, str], dict[str, str]] = {}
     for key in shapes:
+        end = _END_KEY.match(key)
+        if end is not None:
+            module = end["head"] or end["embed"]
+            slot = found.setdefault((END_GROUP, module), {})
+            factor = end["factor"] or end["efactor"]
+            if factor in slot:
+                raise AdapterError(f"tensors {slot[factor]!r} and {key!r} both hold the "
+                                   f"{_FACTOR_NAMES[factor]} of {module}", feature="tensor",
+                                   file=file)
+            slot[factor] = key
+            continue
         m = _MAGNITUDE_KEY.match(key) if use_dora else None
         if m is None:
             for pattern, feature, what in _REFUSED_KEYS:
@@ -213,10 +234,16 @@ def _module_plan(cfg: AdapterConfig, model_cfg, layer: int, module: str, found: 
                  shapes: dict, file: str) -> ModulePlan:
     name = module_name(layer, module)
     keys = found.get((layer, module), {})
+    if layer == END_GROUP and cfg.use_dora:
+        raise AdapterError(f"use_dora=true with {name} in target_modules: DoRA is served on "
+                           f"the decoder's projections only", feature="use_dora", file=cfg.file)
     factors = "ABM" if cfg.use_dora else "AB"
     for factor in factors:
         if factor not in keys:
-            raise AdapterError(f"missing tensor base_model.model.{name}.{_FACTOR_KEYS[factor]} "
+            key = _FACTOR_KEYS[factor]
+            if module == "embed_tokens":
+                key = f"lora_embedding_{factor}"
+            raise AdapterError(f"missing tensor base_model.model.{name}.{key} "
                                f"(target_modules selects {name})", feature="missing_tensor",
                                file=file)
     r = cfg.rank_of(name)

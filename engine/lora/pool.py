@@ -10,6 +10,10 @@ Per (layer, group), in the layout kernels/lora_ref.py documents:
                                               slot's wrapped slices, 1 elsewhere; the last
                                               row (base tokens, slot -1) is all ones
 
+and per end target (lm_head, embed_tokens; allocated at the first adapter with one):
+a [max_loras, max_lora_rank, K], b [max_loras, N, max_lora_rank] (engine/model/
+lora_targets.py END_TARGETS gives K and N).
+
 The buffers are allocated once and never reallocated or resized: captured CUDA graphs
 hold their addresses. After a load, every element of the slot holds the new adapter's
 value or zero, so nothing of a previous occupant can leak into the next; the pool
@@ -43,6 +47,8 @@ class LoRASlotPool:
         self._base_weight = base_weight
         self._scale: dict = {}           # DoRA: (layer, group) -> [max_loras + 1, N]
         self.dora_slots: set[int] = set()
+        self._ends: dict = {}            # end target -> (a, b), see the module docstring
+        self.end_slots: set[int] = set()
         self.num_layers = model_cfg.num_layers
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -74,7 +80,8 @@ class LoRASlotPool:
     @property
     def nbytes(self) -> int:
         return (sum(t.nbytes for d in (self._a, self._b) for t in d.values())
-                + self._all_ranks.nbytes)
+                + self._all_ranks.nbytes
+                + sum(t.nbytes for ab in self._ends.values() for t in ab))
 
     def load(self, slot: int, weights: LoRAWeights, stream: torch.cuda.Stream | None = None) -> None:
         """Copy an adapter into `slot`, replacing all of the slot's previous contents.
@@ -91,10 +98,15 @@ class LoRASlotPool:
         if weights.use_dora and (self._base_weight is None or self.tp_size > 1):
             raise AdapterError("use_dora=true: DoRA adapters are served at tensor-parallel "
                                "size 1 only", feature="use_dora", file=weights.source)
+        if weights.ends and self.tp_size > 1:
+            module = next(iter(weights.ends))
+            raise AdapterError(f"LoRA on {module} is served at tensor-parallel size 1 only",
+                               feature=module, file=weights.source)
         with _on_stream(stream):
             ranks = [self._copy_group(slot, key, weights.groups.get(key)) for key in self._a]
             self._write_ranks(slot, ranks)
             self._write_dora(slot, weights)
+            self._write_ends(slot, weights.ends)
             if weights.buffer is not None and self.device.type == "cuda":
                 # the host buffer is reused only after these copies have read it
                 event = torch.cuda.Event()
@@ -107,6 +119,7 @@ class LoRASlotPool:
         with _on_stream(stream):
             self._write_ranks(slot, [self._copy_group(slot, key, None) for key in self._a])
             self._write_dora(slot, None)
+            self._write_ends(slot, {})
 
     def mark_dirty(self, slot: int) -> None:
         """The slot's contents are unknown (written from outside): the next load or clear
@@ -118,6 +131,28 @@ class LoRASlotPool:
         """[max_loras + 1, N] per-row factors of one (layer, group) (index a token's slot,
         -1 for base, straight into it); None while no DoRA adapter was ever loaded."""
         return self._scale.get((layer, group))
+
+    def end_weights(self, module: str):
+        """(a, b) of an end target for every slot (module docstring); None while no
+        adapter with LoRA on it was ever loaded."""
+        return self._ends.get(module)
+
+    def _write_ends(self, slot: int, ends) -> None:
+        if slot in self.end_slots:
+            for a, b in self._ends.values():
+                a[slot].zero_()
+                b[slot].zero_()
+            self.end_slots.discard(slot)
+        for module, (wa, wb) in ends.items():
+            if module not in self._ends:
+                r = self.max_lora_rank
+                self._ends[module] = (
+                    torch.zeros(self.max_loras, r, wa.shape[1], dtype=self.dtype, device=self.device),
+                    torch.zeros(self.max_loras, wb.shape[0], r, dtype=self.dtype, device=self.device))
+            a, b = self._ends[module]
+            a[slot, :wa.shape[0]].copy_(wa)
+            b[slot, :, :wb.shape[1]].copy_(wb)
+            self.end_slots.add(slot)
 
     def _write_dora(self, slot: int, weights: LoRAWeights | None) -> None:
         """DoRA (PEFT's DoraLinearLayer): the wrapped layer's output, base plus LoRA term

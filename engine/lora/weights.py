@@ -26,7 +26,7 @@ LoRAWeights lives.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
@@ -38,7 +38,8 @@ from engine.errors import AdapterChangedError, AdapterError
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.safetensors_buffer import tensor
-from engine.model.lora_targets import LORA_TARGETS, GroupShape, lora_group_shapes, lora_shard
+from engine.model.lora_targets import (END_GROUP, LORA_TARGETS, GroupShape, lora_group_shapes,
+                                       lora_shard)
 from engine.parallel import TPGroup
 
 MAX_ABS_WEIGHT = 1e4
@@ -71,10 +72,13 @@ class LoRAWeights:
     source: str                     # the adapter's weights file, for messages
     version: str = ""               # sha256 of the files it was built from
     buffer: HostBuffer | None = None  # the host memory every group tensor views, if one
+    # LoRA on the ends (engine/model/lora_targets.py END_TARGETS): module -> (A, B * scaling)
+    ends: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def nbytes(self) -> int:
-        return sum(g.a.nbytes + g.b.nbytes for g in self.groups.values())
+        return (sum(g.a.nbytes + g.b.nbytes for g in self.groups.values())
+                + sum(a.nbytes + b.nbytes for a, b in self.ends.values()))
 
     @property
     def use_dora(self) -> bool:
@@ -88,9 +92,10 @@ class LoRAWeights:
         pinned = {k: GroupWeights(g.a.pin_memory(), g.b.pin_memory(), g.slice_ranks,
                                   None if g.magnitude is None else g.magnitude.pin_memory())
                   for k, g in self.groups.items()}
+        ends = {m: (a.pin_memory(), b.pin_memory()) for m, (a, b) in self.ends.items()}
         return LoRAWeights(MappingProxyType(pinned), self.shapes, self.num_layers,
                            self.max_rank, self.target_modules, self.tp_rank, self.tp_size,
-                           self.source, self.version)
+                           self.source, self.version, ends=MappingProxyType(ends))
 
 
 def validate_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None) -> AdapterPlan:
@@ -104,18 +109,21 @@ def validate_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None) -
 def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPGroup.single(),
               dtype: torch.dtype = torch.float32, roots=None,
               expected_version: str | None = None,
-              buffers: HostBufferPool | None = None, serve_dora: bool = True) -> LoRAWeights:
+              buffers: HostBufferPool | None = None,
+              reference_path: bool = True) -> LoRAWeights:
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors; below
     `roots` when given) into this rank's host layout, scaling folded into B, in a buffer
     from `buffers` (a private one when None). Raises AdapterError (feature, file) for
     anything that is not a plain LoRA fitting the model, or when the files' version is
-    not `expected_version`, or for a DoRA adapter unless `serve_dora`; nothing is kept
-    on error."""
+    not `expected_version`; nothing is kept on error. `reference_path`: the adapter is
+    served by the CPU reference path at tensor-parallel size 1, which alone serves DoRA
+    and LoRA on lm_head / embed_tokens (refused otherwise)."""
     plan = plan_adapter(path, model_cfg, max_lora_rank, roots)
-    if plan.config.use_dora and not serve_dora:
+    if plan.config.use_dora and not reference_path:
         raise AdapterError("use_dora=true: DoRA adapters are served on the CPU at "
                            "tensor-parallel size 1 only for now", feature="use_dora",
                            file=plan.config.file)
+    _check_ends_served(plan, reference_path and tp.size == 1)
     if expected_version is not None and plan.version != expected_version:
         raise AdapterChangedError("adapter files changed since this version was validated "
                                   "or loaded; register or load the name again to serve them",
@@ -131,9 +139,12 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     shapes = lora_group_shapes(model_cfg, tp.size)
     by_group: dict[tuple[int, str], dict[int, ModulePlan]] = {}
     for mp in plan.modules:
+        if mp.layer == END_GROUP:
+            continue
         group, s = LORA_TARGETS[mp.module]
         by_group.setdefault((mp.layer, group), {})[s] = mp
     layout, nbytes = _layout(by_group, shapes, dtype, plan.config.use_dora)
+    ends = _end_weights(plan, dtype)
     pool = buffers if buffers is not None else HostBufferPool()
     buf = pool.acquire(nbytes)
     try:
@@ -149,9 +160,32 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
         raise
     weights = LoRAWeights(MappingProxyType(groups), MappingProxyType(shapes),
                           model_cfg.num_layers, plan.max_rank, plan.target_modules,
-                          tp.rank, tp.size, plan.weights_file, plan.version, buffer=buf)
+                          tp.rank, tp.size, plan.weights_file, plan.version, buffer=buf,
+                          ends=MappingProxyType(ends))
     pool.attach(weights, buf)
     return weights
+
+
+def _check_ends_served(plan: AdapterPlan, served: bool) -> None:
+    for mp in plan.modules:
+        if mp.layer == END_GROUP and not served:
+            raise AdapterError(f"LoRA on {mp.module} is served on the CPU at tensor-parallel "
+                               f"size 1 only for now", feature=mp.module, file=plan.config.file)
+
+
+def _end_weights(plan: AdapterPlan, dtype: torch.dtype) -> dict:
+    """{module: (A, B * scaling)} of the end targets, in `dtype`, values checked."""
+    out = {}
+    for mp in plan.modules:
+        if mp.layer != END_GROUP:
+            continue
+        a = _compute_dtype(tensor(plan.weights, plan.tensors[mp.a_key]), dtype).to(dtype)
+        b = (_compute_dtype(tensor(plan.weights, plan.tensors[mp.b_key]), dtype)
+             * mp.scaling).to(dtype)
+        _check_values(a, mp.a_key, "", plan.weights_file)
+        _check_values(b, mp.b_key, f" times scaling {mp.scaling:g}", plan.weights_file)
+        out[mp.module] = (a.contiguous(), b.contiguous())
+    return out
 
 
 def _layout(by_group: dict, shapes: dict, dtype: torch.dtype, use_dora: bool):
@@ -229,6 +263,8 @@ def _check_groups(groups: dict, by_group: dict, shapes: dict, file: str) -> None
     """Every served value finite and within MAX_ABS_WEIGHT: one aminmax per tensor (NaN
     propagates through it; far cheaper than isfinite + abs). On failure, the per-slice
     check names the tensor."""
+    if not groups:
+        return
     bounds = torch.stack([torch.stack(torch.aminmax(t)).float()
                           for g in groups.values() for t in (g.a, g.b, g.magnitude)
                           if t is not None])

@@ -188,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], lora=None) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), (len(kv_caches), len(self.layers))
         h, residual = self.embed_tokens(input_ids), None
+        if lora is not None:
+            lora.apply_embedding(input_ids, h)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, attn, kv_cache, lora, residual)
         if residual is None:
@@ -195,8 +197,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(h, residual)[0]
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, lora=None,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`rows`: the flat step indices of `hidden`'s tokens, for lm_head LoRA."""
+        logits = self.lm_head(hidden)
+        if lora is not None and rows is not None:
+            lora.apply_head(rows, hidden, logits)
+        return logits
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> list[KVCache]:

@@ -10,6 +10,10 @@ delta of every adapter in the batch into `y` in place.
     "gate_up" gate_proj 0, up_proj 1            column     normed hidden [T, hidden]   merged gate|up output
     "down"    down_proj 0                       row        act(gate)*up [T, I/tp]      local partial, before all-reduce
 
+The ends: the model also calls `lora.apply_embedding(input_ids, h)` on the embedding's
+output, and `compute_logits(hidden, lora, rows)` calls `lora.apply_head(rows, hidden,
+logits)` (END_TARGETS below).
+
 The slices of a merged column-parallel output are laid side by side along the last dim
 of y, in slice order, with the per-rank widths of `lora_group_shapes(...)[group].out_features`.
 
@@ -61,6 +65,15 @@ DECODER_TARGETS: tuple[LoraTarget, ...] = (
 )
 _BY_MODULE = MappingProxyType({t.module: t for t in DECODER_TARGETS})
 
+# LoRA on the model's two ends, outside the decoder layers, by HF module name (as PEFT
+# names the module). Per adapter slot the pool keeps, with the scaling folded into B:
+#   "lm_head":      A [R, hidden], B [vocab, R]; logits += (x A^T) B^T
+#   "embed_tokens": A [R, vocab],  B [hidden, R]; h += A[:, id]^T B^T   (PEFT's
+#                   lora_embedding_A / lora_embedding_B)
+# Tied embeddings share the base weight only: each end's LoRA delta is its own.
+END_TARGETS = MappingProxyType({"lm_head": "lm_head", "embed_tokens": "model.embed_tokens"})
+END_GROUP = -1   # the `layer` of an end target in (layer, module) keys
+
 # HF module name -> (group, slice index inside the group's merged output)
 LORA_TARGETS = MappingProxyType({t.module: (t.group, t.slice) for t in DECODER_TARGETS})
 
@@ -100,6 +113,10 @@ class LoraShard:
 
 def full_shape(cfg, module: str) -> tuple[int, int]:
     """(in_features, out_features) of the unsharded HF module."""
+    if module == "lm_head":
+        return cfg.hidden_size, cfg.vocab_size
+    if module == "embed_tokens":
+        return cfg.vocab_size, cfg.hidden_size
     k_in, n_out = _BY_MODULE[module].dims
     return _width(cfg, k_in), _width(cfg, n_out)
 

@@ -93,9 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     except (LoramuxError, argparse.ArgumentTypeError) as err:
         print(f"error: {config_error_message(str(err))}", file=sys.stderr)
         return 2
-    report = engine.warm_up()  # before the ready file: no request meets a compile
-    if report is not None:
-        print(f"engine {report}", file=sys.stderr, flush=True)
+    try:
+        report = engine.warm_up()  # before the ready file: no request meets a compile
+    except Exception as err:  # serving still works: kernels then compile on first use
+        print(f"engine warm-up failed, serving without it: {err!r}", file=sys.stderr,
+              flush=True)
+    else:
+        if report is not None:
+            print(f"engine {report}", file=sys.stderr, flush=True)
     server = EngineServer(engine, ServerConfig(
         args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
         stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep, keys=keys))

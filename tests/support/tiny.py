@@ -167,7 +167,8 @@ def make_adapter(path: str | os.PathLike, model_dir: str | os.PathLike,
                 p.mul_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * spec.std)
-    peft_model.save_pretrained(path, safe_serialization=True)
+    # LoRA on embed_tokens: PEFT would also save the unchanged base embedding in full
+    peft_model.save_pretrained(path, safe_serialization=True, save_embedding_layers=False)
     return path
 
 

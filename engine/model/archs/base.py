@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ModelLoadError
-from engine.model.lora_targets import DECODER_TARGETS, LoraTarget
+from engine.model.lora_targets import DECODER_TARGETS, END_TARGETS, LoraTarget
 
 
 @dataclass(frozen=True)
@@ -28,13 +28,15 @@ class Architecture:
     """One model family the engine serves, registered by its Hugging Face class name.
 
     `fields(raw)` reads the family's own config.json fields (raising ModelLoadError for
-    values it cannot run exactly); `lora_targets` are the modules LoRA may wrap, with their
-    geometry (engine/model/lora_targets.py). The decoder's weight names follow the
+    values it cannot run exactly); `lora_targets` are the decoder modules LoRA may wrap,
+    with their geometry, and `end_targets` the ends (lm_head, embed_tokens) it may wrap
+    (engine/model/lora_targets.py). The decoder's weight names follow the
     `model.layers.{i}.{parent}.{module}` layout of the targets' parents; the extra tensors
     a flag adds (qk_norm: `self_attn.q_norm`, `self_attn.k_norm`) are loaded by the model."""
     hf_name: str
     fields: Callable[[dict[str, Any]], ArchFields]
     lora_targets: tuple[LoraTarget, ...] = DECODER_TARGETS
+    end_targets: tuple[str, ...] = tuple(END_TARGETS)   # lm_head, embed_tokens
 
     def build(self, cfg, dtype, device, tp):
         """This rank's model, weights not loaded yet."""
