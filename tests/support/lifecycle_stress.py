@@ -59,8 +59,8 @@ class StressConfig:
         blocks = 2 * self.max_num_seqs * math.ceil(longest / self.block_size)
         return EngineConfig(
             model=str(model_dir), max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras,
-            max_lora_rank=32, block_size=self.block_size, num_kv_blocks=blocks, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_lora_rank=32, block_size=self.block_size, num_kv_blocks=blocks,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             async_scheduling=self.async_scheduling)
 
     def bound_terms(self) -> tuple[int, int, int]:
