@@ -37,6 +37,13 @@ class HostBuffer:
         self._fences: list = []
         self._lock = threading.Lock()
 
+    @property
+    def pinned(self) -> bool:
+        """Page-locked: registered with the driver, or from torch's pinned allocator.
+        (torch's `is_pinned()` knows only its own allocator's memory, not registered
+        memory, so copies must not decide on it.)"""
+        return self._registered_ptr is not None or self.data.is_pinned()
+
     def fence(self, event) -> None:
         """A device copy reading this buffer was queued; `event` completes after it."""
         with self._lock:

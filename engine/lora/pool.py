@@ -103,7 +103,9 @@ class LoRASlotPool:
             raise AdapterError(f"LoRA on {module} is served at tensor-parallel size 1 only",
                                feature=module, file=weights.source)
         with _on_stream(stream):
-            ranks = [self._copy_group(slot, key, weights.groups.get(key)) for key in self._a]
+            non_blocking = self.device.type == "cuda" and weights.pinned
+            ranks = [self._copy_group(slot, key, weights.groups.get(key), non_blocking)
+                     for key in self._a]
             self._write_ranks(slot, ranks)
             self._write_dora(slot, weights)
             self._write_ends(slot, weights.ends)
@@ -178,7 +180,7 @@ class LoRASlotPool:
         host = torch.tensor(ranks, dtype=torch.int32, pin_memory=pin)
         self._all_ranks[:, slot].copy_(host, non_blocking=pin)
 
-    def _copy_group(self, slot: int, key, gw) -> int:
+    def _copy_group(self, slot: int, key, gw, non_blocking: bool = False) -> int:
         """Write one (layer, group) of the slot; returns its rank (0: no adapter there)."""
         a, b = self._a[key][slot], self._b[key][slot]
         dirty = self._dirty[slot]
@@ -189,7 +191,6 @@ class LoRASlotPool:
                 dirty[key] = 0
             return 0
         r = gw.a.shape[1]
-        non_blocking = self.device.type == "cuda" and gw.a.is_pinned()
         if dirty[key] > r:  # columns of a larger previous adapter
             a[:, r:dirty[key]].zero_()
             b[:, r:dirty[key]].zero_()

@@ -84,10 +84,17 @@ class LoRAWeights:
     def use_dora(self) -> bool:
         return any(g.magnitude is not None for g in self.groups.values())
 
+    @property
+    def pinned(self) -> bool:
+        """Every tensor is in page-locked memory (device copies from it may be async)."""
+        if self.buffer is not None:
+            return self.buffer.pinned
+        return all(g.a.is_pinned() and g.b.is_pinned() for g in self.groups.values())
+
     def pin_memory(self) -> "LoRAWeights":
         """A copy in page-locked memory, so pool loads can copy asynchronously (itself
         when it already is)."""
-        if all(g.a.is_pinned() and g.b.is_pinned() for g in self.groups.values()):
+        if self.pinned:
             return self
         pinned = {k: GroupWeights(g.a.pin_memory(), g.b.pin_memory(), g.slice_ranks,
                                   None if g.magnitude is None else g.magnitude.pin_memory())
