@@ -34,7 +34,7 @@ _CHUNK = 8 << 20
 
 
 class FileRead(NamedTuple):
-    data: bytes
+    data: bytearray  # the buffer read into, handed over (not copied): readers never write it
     sha256: str
 
 
@@ -127,7 +127,7 @@ def _read_whole(fd: int, before: os.stat_result, name: str, where: str) -> FileR
     after = os.fstat(fd)
     if got != st.st_size or os.read(fd, 1) or _moved(st, after):
         raise AdapterChangedError(f"{name} changed while being read", file=where)
-    return FileRead(bytes(buf), h.hexdigest())
+    return FileRead(buf, h.hexdigest())
 
 
 def _moved(a: os.stat_result, b: os.stat_result) -> bool:
