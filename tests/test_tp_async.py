@@ -114,6 +114,10 @@ def test_greedy_and_sampled_mix_matches_tp1_sync(pair):
     requests = mixed_requests(family)
     requests.append(("pen", PROMPTS[2], SamplingParams(
         temperature=0.0, max_tokens=5, repetition_penalty=1.3, logprobs=True), "ap8"))
+    # a greedy request that outlives every sampled one, whatever order the scheduler admits
+    # them in: its last steps are all-greedy after sync ones, and must overlap again
+    requests.append(("tail", PROMPTS[0], SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True), None))
     out, lead = both(tp1, tp2, requests, abort_after={"m2": 3, "m6": 2, "m7/1": 4})
     assert [len(out[r]["tokens"]) for r in ("m2", "m6", "m7/1")] == [3, 2, 4]
     assert lead.count(1) >= 3, "sampled steps were meant to fall back to sync"
