@@ -74,6 +74,10 @@ class EngineConnection:
     async def _receive(self) -> None:
         while True:
             raw = await self._sub.recv()
+            # a recv that finds a message queued completes without yielding: without this, a
+            # flood of engine output would starve every other task on the loop (heartbeat
+            # watchdog, table publisher, gRPC handlers)
+            await asyncio.sleep(0)
             try:
                 msg = engine_pb2.EngineOutput.FromString(raw)
             except Exception:  # noqa: BLE001 - ignore garbage, keep serving

@@ -53,6 +53,7 @@ class AdapterTable:
     async def _receive(self) -> None:
         while True:
             raw = await self._sub.recv()
+            await asyncio.sleep(0)  # a queued message completes recv without yielding
             try:
                 self.update(engine_pb2.AdapterTable.FromString(raw))
             except Exception:  # noqa: BLE001 - a garbled table is dropped, the old one stays
