@@ -40,7 +40,6 @@ from engine.assembly import build_adapter_parts, build_model_parts
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.executor import TPExecutor
-from engine.errors import EngineDeadError, InvalidRequestError
 from engine.model.hf_config import ModelConfig
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.parallel import TPGroup
@@ -48,11 +47,12 @@ from engine.pending import PendingSample
 from engine.request import Request
 from engine.resolve import MachineFacts, describe, resolve_config
 from engine.sampling import RequestSeeds, SamplingState
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
 from engine.tokenizer import Tokenizer
 from engine.warmup import WarmupReport, warm_up
+from loramux_core.errors import EngineDeadError, InvalidRequestError
+from loramux_core.sampling import SamplingParams
 
 
 class Engine:

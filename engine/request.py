@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import FinishReason, RequestOutput, StepOutput
-from engine.sampling_params import SamplingParams
+from loramux_core.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

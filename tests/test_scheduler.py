@@ -6,8 +6,8 @@ from engine.adapters.slots import SlotTable
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig
+from loramux_core.sampling import SamplingParams
 
 BS = 4
 VOCAB = 1000

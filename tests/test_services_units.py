@@ -14,9 +14,9 @@ from loramux.cli import build_parser
 from loramux.v1 import adapter_admin_pb2 as pb
 from loramux.v1 import generate_pb2
 
-from engine.errors import (AdapterNotFoundError, AdapterUnavailableError, CapacityError, EngineDeadError,
-                           PromptTooLongError)
-from engine.server.convert import error_code, sampling_from_proto
+from loramux_core.errors import (AdapterNotFoundError, AdapterUnavailableError, CapacityError,
+                                 EngineDeadError, PromptTooLongError, error_code)
+from loramux_core.sampling import sampling_from_proto
 from services.control.paths import AdapterRoots, PathRefused, check_name
 from services.control.registry import AdapterRecord, Registry
 
@@ -101,8 +101,10 @@ def test_client_package_imports_without_torch():
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = guard\n"
             "import loramux, loramux.aio, loramux.cli\n"
-            "from loramux.v1 import engine_pb2, generate_pb2_grpc, adapter_admin_pb2_grpc\n"
+            "from loramux.v1 import generate_pb2_grpc, adapter_admin_pb2_grpc\n"
             "loramux.cli.build_parser().parse_args(['adapters', 'list'])\n"
+            "import importlib.util\n"
+            "assert importlib.util.find_spec('loramux.v1.engine_pb2') is None, 'internal proto'\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd="/")

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from engine.errors import CapacityError
+from loramux_core.errors import CapacityError
+
 
 IDLE, IN_USE, NEEDED, PIN = range(4)
 

@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.errors import AdapterError
 from engine.lora.weights import LoRAWeights
 from engine.model.lora_targets import GROUPS, lora_group_shapes
+from loramux_core.errors import AdapterError
 
 
 class LoRASlotPool:

@@ -9,8 +9,9 @@ import asyncio
 import uuid
 
 import grpc
-from loramux.v1 import engine_pb2, generate_pb2
+from loramux.v1 import generate_pb2
 
+from loramux_core.v1 import engine_pb2
 from services.common.engine_connection import EngineConnection
 from services.gateway.errors import Rejected
 
