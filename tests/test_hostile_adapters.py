@@ -327,7 +327,7 @@ def test_audit_hook_would_see_a_stray_open(tmp_path):
     target = tmp_path / CANARY
     target.write_text("x")
     prefix = tmp_path / "open"
-    code = ("from engine.server import open_audit; open_audit.install_from_env('probe'); "
+    code = ("from loramux_core import open_audit; open_audit.install_from_env('probe'); "
             f"open({str(target)!r}).read()")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ,
                                                                   AUDIT_ENV: str(prefix)})
