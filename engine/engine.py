@@ -36,11 +36,12 @@ from engine.adapters.service import ReadAdapter
 from engine.adapters.slots import SlotTable
 from engine.admission import (AdmissionLimits, check_length, check_request, prompt_token_ids,
                               sequence_ids)
-from engine.assembly import build_adapter_parts, build_model_parts
+from engine.assembly import build_adapter_parts, build_model_parts, max_model_len
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.executor import TPExecutor
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.hf_config import ModelConfig
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.parallel import TPGroup
@@ -77,13 +78,14 @@ class Engine:
             torch.set_num_threads(config.cpu_threads)
         self.tokenizer = Tokenizer.from_dir(config.model)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = max_model_len(config, mc)
         tp = self._tp.tp if self._tp else TPGroup.single()
-        parts = build_model_parts(config, mc, self.max_model_len, self.device, tp, self._tp)
-        self.model, self.lora_pool, self.kv, self.runner = (
-            parts.model, parts.lora_pool, parts.kv, parts.runner)
+        parts = build_model_parts(config, mc, self.device, tp,
+                                  self._tp.agree_min if self._tp else (lambda n: n))
+        self.model, self.lora_pool, self.runner = parts.model, parts.lora_pool, parts.runner
         self.num_kv_blocks = parts.num_kv_blocks
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
+                                 config.enable_prefix_caching)
         pinned: set[int] = set()  # one pin set for both tiers
         self.slots = SlotTable(config.max_loras, pinned)
         self.scheduler = Scheduler(
@@ -94,7 +96,7 @@ class Engine:
         self._inflight: tuple[SchedulerOutput, PendingSample] | None = None
         self._carry: list[StepOutput] = []  # outputs of a step completed outside step()
         self.registry, self.adapters, self.adapter_service = build_adapter_parts(
-            config, mc, self.device, tp, self._tp, self.slots, pinned, self.lora_pool, self.kv)
+            config, parts, self.device, self._tp, self.slots, pinned, self.kv)
         self._limits = AdmissionLimits(mc.vocab_size, self.max_model_len, self.num_kv_blocks,
                                        config.block_size)
         self._seeds = RequestSeeds(config.seed)
