@@ -7,10 +7,10 @@ them inside the model), but only rank 0 samples; the sampled tokens reach the wo
 nothing else has to stay in sync.
 
 Async scheduling (`launch`): a step whose sampling rows all take the greedy pick leaves
-the same tokens on every rank's device (ModelRunner.tp_greedy). Only after such a step may
-rank 0 launch the next one before reading its tokens: the next plan then carries, per
-request, one input token fewer than it runs, and each worker fills that placeholder from
-its own previous step's tokens at the same row, as rank 0 does (engine/runner.py). After
+the same tokens on every rank's device (ModelRunner.takes_greedy_pick). Only after such a
+step may rank 0 launch the next one before reading its tokens: the next plan then
+carries, per request, one input token fewer than it runs, and each worker fills that
+placeholder from its own previous step's tokens at the same row, as rank 0 does (engine/runner.py). After
 any other step rank 0 reads the tokens first and sends them in the plan (engine/engine.py).
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ class TPExecutor:
         ops, self._ops = self._ops, []
         # rank 0 decides the greedy pick (only it samples); the plan carries the decision so
         # that every rank replays the same CUDA graph or picks eagerly the same way
-        greedy = runner.tp_greedy(out.scheduled)
+        greedy = runner.takes_greedy_pick(out.scheduled, tensor_parallel=True)
         plan = self._tracker.plan(out, ops, greedy)
         for add in adds:
             self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(*add))
