@@ -23,7 +23,7 @@ from engine.adapters.residency import AdapterResidency
 from engine.adapters.service import AdapterService
 from engine.adapters.slots import SlotTable
 from engine.config import EngineConfig
-from engine.distributed.adapters import AdapterMirror
+from engine.executor import Executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.host_buffers import HostBufferPool
@@ -93,7 +93,7 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
 
 
 def build_adapter_parts(config: EngineConfig, parts: ModelParts, device: torch.device,
-                        executor, slots: SlotTable, pinned: set[int], kv: KVCacheManager
+                        executor: Executor, slots: SlotTable, pinned: set[int], kv: KVCacheManager
                         ) -> tuple[AdapterRegistry, AdapterResidency, AdapterService]:
     """`pinned`: the one pin set the slot table and the host cache share."""
     registry = AdapterRegistry()
@@ -102,5 +102,5 @@ def build_adapter_parts(config: EngineConfig, parts: ModelParts, device: torch.d
     adapters = AdapterResidency(
         registry, slots, HostCache(config.max_cpu_loras, pinned),
         DiskLoader(parts.read_adapter), parts.lora_pool, device,
-        mirror=AdapterMirror(executor, registry) if executor is not None else None)
+        mirror=executor.adapter_mirror(registry))
     return registry, adapters, AdapterService(registry, slots, adapters, kv, config.max_loras)

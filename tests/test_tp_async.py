@@ -140,7 +140,7 @@ def test_killed_worker_mid_async_run_raises_and_close_is_clean(llama_family):
     (no hang), it stays dead, and close() drops the step in flight without raising."""
     engine = Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2,
                                  num_kv_blocks=64, async_scheduling=True))
-    pids = engine._tp.pids
+    pids = engine.executor.pids
     try:
         engine.add_request("r", [5, 6, 7, 8], SamplingParams(
             max_tokens=200, temperature=0.0, ignore_eos=True))

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
+from engine.distributed.adapters import AdapterMirror
 from engine.distributed.channel import PlanChannel
 from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encode_add_adapter,
                                      encode_step)
@@ -37,8 +38,9 @@ START_TIMEOUT_S = 120.0
 
 
 class TPExecutor:
-    """`tp` is rank 0's TPGroup; build rank 0's shard with it, then `launch` each step
-    and read its `result`."""
+    """The Executor (engine/executor.py) of a tensor-parallel group, in rank 0's process.
+    `tp` is rank 0's TPGroup; build rank 0's shard with it, then `launch` each step and
+    read its `result`."""
 
     def __init__(self, config):
         self.size = config.tp_size
@@ -104,6 +106,16 @@ class TPExecutor:
     def result(self, pending):
         """Rank 0's tokens of a launched step (a failed collective: EngineDeadError)."""
         return self._guard(pending.result)
+
+    def must_read_before_next(self, pending) -> bool:
+        """The next step needs this one's tokens on the host first: a sampler reads them,
+        or some rank lacks them on its device (they reach it in the next plan)."""
+        return pending.needs_history or not pending.tokens_on_every_rank
+
+    def adapter_mirror(self, registry) -> AdapterMirror:
+        """Rank 0's residency observer: queues every slot load and host drop for the
+        workers' next step plan."""
+        return AdapterMirror(self, registry)
 
     def _launch(self, out, runner, prev):
         adds, self._adds = self._adds, []
