@@ -119,3 +119,18 @@ def test_expert_lora_matters(family, engine, tmp_path):
 
 def _differ(a: list[float], b: list[float]) -> bool:
     return max(abs(x - y) for x, y in zip(a, b)) > 1e-2
+
+
+def test_memory_sizing_counts_the_experts(family):
+    """engine/resolve.py's weight estimate is the checkpoint's size exactly (float32;
+    the estimate leaves out biases, as for every family)."""
+    from safetensors import safe_open
+
+    from engine import EngineConfig
+    from engine.resolve import weight_bytes
+
+    with safe_open(str(family.model_dir / "model.safetensors"), "pt") as f:
+        total = sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys()
+                    if not k.endswith(".bias"))
+    cfg = EngineConfig(model=str(family.model_dir), dtype="float32")
+    assert weight_bytes(ModelConfig.from_dir(family.model_dir), cfg) == 4 * total
