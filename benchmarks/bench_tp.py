@@ -104,8 +104,8 @@ def _compare(outs: dict, args, num_requests: int) -> dict:
 
 
 def _allreduce_in_use(eng) -> str:
-    tp = eng._tp.tp if eng._tp is not None else None
-    if tp is None:
+    tp = eng.executor.tp
+    if tp.size == 1:
         return "none (one rank)"
     return "one-shot (symm_mem)" if tp.reducer is not None else "process group (NCCL/gloo)"
 

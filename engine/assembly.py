@@ -1,13 +1,16 @@
 """Building an engine's parts from its config (engine/engine.py wires them together).
 
-`build_model_parts`: the model with its weights, the LoRA slot pool, the KV cache and the
-runner. `build_adapter_parts`: the adapter registry, residency across the three tiers
-(device slots, host cache, disk) and the adapter operations over them. At TP > 1 this
+`build_model_parts`: one rank's shard (the model with its weights, the LoRA slot pool, the
+KV caches, the runner and its adapter reader), built alike by rank 0 and by every
+tensor-parallel worker (engine/distributed/worker.py). `build_adapter_parts`: the adapter
+registry, residency across the three tiers (device slots, host cache, disk) and the
+adapter operations over them. At TP > 1 this
 process is rank 0: the KV block count is agreed with the other ranks, and every slot load
 and host-copy drop is mirrored to them by adapter id.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,12 +18,13 @@ import torch
 from engine.adapters.host_cache import HostCache
 from engine.adapters.loader import DiskLoader
 from engine.adapters.safe_files import AdapterRoots
+from engine.adapters.pins import Pins
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.service import AdapterService
 from engine.adapters.slots import SlotTable
 from engine.config import EngineConfig
-from engine.distributed.adapters import AdapterMirror
+from engine.executor import Executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.host_buffers import HostBufferPool
@@ -30,43 +34,52 @@ from engine.model.hf_config import ModelConfig
 from engine.parallel import TPGroup
 from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
+from engine.sampling import Sampler
 
 
 @dataclass(frozen=True)
 class ModelParts:
+    """One rank's shard: what rank 0 and every tensor-parallel worker build alike."""
     model: torch.nn.Module  # the architecture's model (engine/model/archs)
     lora_pool: LoRASlotPool
     num_kv_blocks: int
-    kv: KVCacheManager
     runner: ModelRunner
+    read_adapter: Callable   # (path, expected version) -> this rank's LoRAWeights
 
 
-def build_model_parts(config: EngineConfig, mc: ModelConfig, max_model_len: int,
-                      device: torch.device, tp: TPGroup, executor=None) -> ModelParts:
-    """`executor`: rank 0's TPExecutor at TP > 1 (agrees the KV block count), else None."""
-    dtype = config.torch_dtype
-    model = build_model(mc, dtype, device, tp, max_model_len)
+def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    """The longest sequence served: the config's limit, at most the model's."""
+    return min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+
+
+def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.device,
+                      tp: TPGroup, agree_min: Callable[[int], int] = lambda n: n,
+                      sampler: Sampler | None = None) -> ModelParts:
+    """This rank's model with its weights, LoRA slot pool, KV caches and runner.
+    `agree_min`: the smallest value over the ranks (every rank's cache holds the same
+    blocks); `sampler`: None for the default Sampler."""
+    dtype, length = config.torch_dtype, max_model_len(config, mc)
+    model = build_model(mc, dtype, device, tp, length)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed + tp.rank)
     else:
         model.load_weights(config.model)
     lora_pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
                              tp_size=tp.size, base_weight=model.lora_base_weight)
-    blocks = kv_blocks(config, mc, model.num_kv_heads_per_rank, device, max_model_len)
-    if executor is not None:  # every rank's cache holds the same blocks
-        blocks = executor.agree_min(blocks)
+    blocks = agree_min(kv_blocks(config, mc, model.num_kv_heads_per_rank, device, length))
     kv_caches = model.make_kv_caches(blocks, config.block_size)
+    # the same runner on every rank, so decode steps take the same path (graph replay
+    # or eager) everywhere
     runner = ModelRunner(
-        model, kv_caches, lora_pool, config.block_size, device,
+        model, kv_caches, lora_pool, config.block_size, device, sampler=sampler,
         graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
-        max_model_len=max_model_len)
-    return ModelParts(model, lora_pool, blocks,
-                      KVCacheManager(blocks, config.block_size, config.enable_prefix_caching),
-                      runner)
+        max_model_len=length)
+    buffers = HostBufferPool(pin=device.type == "cuda")  # where adapter reads land
+    return ModelParts(model, lora_pool, blocks, runner, adapter_reader(config, mc, tp, buffers))
 
 
 def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
-                   buffers: HostBufferPool):
+                   buffers: HostBufferPool) -> Callable:
     """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
     read inside the adapter roots."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
@@ -80,18 +93,15 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     return read
 
 
-def build_adapter_parts(config: EngineConfig, mc: ModelConfig, device: torch.device,
-                        tp: TPGroup, executor, slots: SlotTable, pinned: set[int],
-                        lora_pool: LoRASlotPool, kv: KVCacheManager
+def build_adapter_parts(config: EngineConfig, parts: ModelParts, device: torch.device,
+                        executor: Executor, slots: SlotTable, pins: Pins, kv: KVCacheManager
                         ) -> tuple[AdapterRegistry, AdapterResidency, AdapterService]:
-    """`pinned`: the one pin set the slot table and the host cache share."""
+    """`pins`: the engine's pin set (the slot table was built with it too)."""
     registry = AdapterRegistry()
-    buffers = HostBufferPool(pin=device.type == "cuda")
     # rank 0 reads and validates its own shard; at TP > 1 the mirror repeats every slot
     # load and host-copy drop on the other ranks (by adapter id)
     adapters = AdapterResidency(
-        registry, slots, HostCache(config.max_cpu_loras, pinned),
-        DiskLoader(adapter_reader(config, mc, tp, buffers)),
-        lora_pool, device,
-        mirror=AdapterMirror(executor, registry) if executor is not None else None)
-    return registry, adapters, AdapterService(registry, slots, adapters, kv, config.max_loras)
+        registry, slots, HostCache(config.max_cpu_loras, pins),
+        DiskLoader(parts.read_adapter), parts.lora_pool, device,
+        mirror=executor.adapter_mirror(registry))
+    return registry, adapters, AdapterService(registry, slots, pins, adapters, kv)

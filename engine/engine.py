@@ -4,7 +4,7 @@ Step-level API (what the engine server drives): `add_request`, `step`, `abort`,
 `has_unfinished`, `flush`, `add_adapter`, `remove_adapter`, `stats`. `generate` is the
 offline convenience on top of it. The parts are built in engine/assembly.py, request
 checks live in engine/admission.py, adapter operations in engine/adapters/service.py,
-tensor parallelism in engine/distributed/.
+where a step runs (this process, or a tensor-parallel group) in engine/executor.py.
 
 Async scheduling (`EngineConfig.async_scheduling`). A sync step schedules, runs the
 forward pass, waits for the sampled tokens and updates the requests; the device idles
@@ -32,18 +32,19 @@ from pathlib import Path
 
 import torch
 
+from engine.adapters.pins import Pins
 from engine.adapters.service import ReadAdapter
 from engine.adapters.slots import SlotTable
 from engine.admission import (AdmissionLimits, check_length, check_request, prompt_token_ids,
                               sequence_ids)
-from engine.assembly import build_adapter_parts, build_model_parts
+from engine.assembly import build_adapter_parts, build_model_parts, max_model_len
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.distributed.executor import TPExecutor
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.executor import make_executor
+from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.hf_config import ModelConfig
 from engine.outputs import FinishReason, RequestOutput, StepOutput
-from engine.parallel import TPGroup
 from engine.pending import PendingSample
 from engine.request import Request
 from engine.resolve import MachineFacts, describe, resolve_config
@@ -63,8 +64,8 @@ class Engine:
         config = resolve_config(config, self.model_config, MachineFacts.probe(config.device))
         self.config = config
         # tp_size > 1: this process is rank 0; the executor spawns ranks 1..N-1 and
-        # mirrors every step and adapter change to them (engine/distributed/)
-        self._tp = TPExecutor(config) if config.tp_size > 1 else None
+        # mirrors every step and adapter change to them (engine/executor.py)
+        self.executor = make_executor(config)
         try:
             self._build(config)
         except BaseException:
@@ -77,15 +78,15 @@ class Engine:
             torch.set_num_threads(config.cpu_threads)
         self.tokenizer = Tokenizer.from_dir(config.model)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
-        tp = self._tp.tp if self._tp else TPGroup.single()
-        parts = build_model_parts(config, mc, self.max_model_len, self.device, tp, self._tp)
-        self.model, self.lora_pool, self.kv, self.runner = (
-            parts.model, parts.lora_pool, parts.kv, parts.runner)
+        self.max_model_len = max_model_len(config, mc)
+        parts = build_model_parts(config, mc, self.device, self.executor.tp,
+                                  self.executor.agree_min)
+        self.model, self.lora_pool, self.runner = parts.model, parts.lora_pool, parts.runner
         self.num_kv_blocks = parts.num_kv_blocks
-        pinned: set[int] = set()  # one pin set for both tiers
-        self.slots = SlotTable(config.max_loras, pinned)
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.pins = Pins(config.max_loras)  # the one owner of pin state
+        self.slots = SlotTable(config.max_loras, self.pins)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_loras, self.max_model_len),
@@ -94,7 +95,7 @@ class Engine:
         self._inflight: tuple[SchedulerOutput, PendingSample] | None = None
         self._carry: list[StepOutput] = []  # outputs of a step completed outside step()
         self.registry, self.adapters, self.adapter_service = build_adapter_parts(
-            config, mc, self.device, tp, self._tp, self.slots, pinned, self.lora_pool, self.kv)
+            config, parts, self.device, self.executor, self.slots, self.pins, self.kv)
         self._limits = AdmissionLimits(mc.vocab_size, self.max_model_len, self.num_kv_blocks,
                                        config.block_size)
         self._seeds = RequestSeeds(config.seed)
@@ -133,6 +134,10 @@ class Engine:
         """Pin (never evicted implicitly from a slot or host memory; brought into a slot at
         the next step) or unpin the current version of `name`."""
         return self.adapter_service.set_pinned(name, pinned)
+
+    def adapter_pinned(self, adapter_id: int) -> bool:
+        """Whether the version `adapter_id` is pinned now."""
+        return adapter_id in self.pins
 
     def remove_adapter(self, name: str) -> int:
         """Unload `name`: refused for new requests at once; its slot, host copy and KV
@@ -235,7 +240,8 @@ class Engine:
 
     def _step(self) -> list[StepOutput]:
         results, self._carry = self._carry, []
-        if self._inflight is not None and self._must_complete(self._inflight[1]):
+        inflight = self._inflight
+        if inflight is not None and self.executor.must_read_before_next(inflight[1]):
             results += self._complete()  # sync fallback: see the module docstring
         out = self._schedule_step(results)
         if out.is_empty:
@@ -251,8 +257,7 @@ class Engine:
                                          if s.slot >= 0})
         prev = self._inflight  # always None in sync mode
         pending = prev[1] if prev else None
-        launched = (self._tp.launch(out, self.runner, pending) if self._tp
-                    else self.runner.launch(out, pending))
+        launched = self.executor.launch(out, self.runner, pending)
         if prev is not None:
             results += self._complete()
         self._inflight = (out, launched)
@@ -272,17 +277,11 @@ class Engine:
             out, ready = self._schedule(results)
         return out
 
-    def _must_complete(self, pending: PendingSample) -> bool:
-        """The next step cannot be launched before this one's tokens are read: a sampler
-        needs them, or (TP) some rank lacks them on its device."""
-        return pending.needs_history or (self._tp is not None
-                                         and not pending.tokens_on_every_rank)
-
     def _complete(self) -> list[StepOutput]:
         """Wait for the tokens of the step in flight and update the requests with them."""
         out, pending = self._inflight
         self._inflight = None
-        return self._update(out, self._tp.result(pending) if self._tp else pending.result())
+        return self._update(out, self.executor.result(pending))
 
     def _update(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> list[StepOutput]:
         text_before = {s.request.request_id: len(s.request.text) for s in out.scheduled}
@@ -352,8 +351,8 @@ class Engine:
             self.adapters.loader.close()
         if getattr(self, "runner", None) is not None:
             self.runner.release_graphs()  # before NCCL's teardown (CudaGraphRunner.release)
-        if self._tp is not None:
-            self._tp.close()
+        if getattr(self, "executor", None) is not None:
+            self.executor.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -366,7 +365,7 @@ class Engine:
         (engine/warmup.py), before any request; None where there is nothing to compile
         (the CPU runs torch references) or where it is not supported yet (tensor
         parallelism: every rank would have to run the same warm-up steps)."""
-        if self.device.type != "cuda" or self._tp is not None:
+        if self.device.type != "cuda" or self.executor.tp.size > 1:
             return None
         assert not self.scheduler.has_unfinished(), "warm up before serving requests"
         c = self.config

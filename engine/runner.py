@@ -15,13 +15,15 @@ before reading step N's tokens. An input token of N+1 that N is still sampling (
 host and replaced on the device by a gather from `prev.tokens` at the request's row
 (`Request.sample_row`, set at N's launch), before the forward pass or graph replay.
 
-The greedy pick (`greedy=True`: every sampling row plain greedy) takes each row's token and
-logprob with `cuda_graph.greedy_pick` (inside the graph on a graph step, after the eager
-forward pass otherwise): the Sampler's own ops for such rows. Under tensor parallelism
-every rank computes the same all-gathered logits, so every rank picks the same tokens and
-keeps them on its device: a worker's next step can fill its placeholders from its own
-copy, which is what lets a tensor-parallel step be launched before the previous one's
-tokens are read (`PendingSample.tokens_on_every_rank`).
+Two ways to pick a step's tokens. The Sampler (engine/sampling/) serves every request.
+The greedy pick (`cuda_graph.greedy_pick`: each row's argmax and its logprob, the
+Sampler's own ops for such rows) serves a step whose every sampling row is plain greedy,
+where it pays: inside the greedy CUDA graph on a pure decode step, and, under tensor
+parallelism, on eager steps too. Every rank computes the same all-gathered logits, so
+every rank picks the same tokens and keeps them on its device: a worker's next step can
+fill its placeholders from its own copy, which is what lets a tensor-parallel step be
+launched before the previous one's tokens are read (`PendingSample.tokens_on_every_rank`).
+`takes_greedy_pick` is the one place that decides.
 """
 from __future__ import annotations
 
@@ -176,7 +178,7 @@ class ModelRunner:
     def run_graph(self, out: SchedulerOutput, prev: PendingSample | None = None,
                   greedy: bool = False) -> PendingSample:
         """A decode-only step through the CUDA graph of its batch-size bucket; `greedy`
-        (see `greedy_step`) replays the graph that also picks every row's token."""
+        (see `takes_greedy_pick`) replays the graph that also picks every row's token."""
         sched = out.scheduled
         _, use_lora, _, uniform = graph_key(self.graphs.buckets, sched, greedy)
         patch = None
@@ -197,48 +199,38 @@ class ModelRunner:
             requests = [requests[i] for i in rows]
         return self._sample(self.model.compute_logits(hidden), requests)
 
-    def greedy_step(self, sched: list[ScheduledRequest]) -> bool:
-        """A decode step whose every row samples greedily with nothing the greedy pick leaves
-        out (penalty, top logprobs, a custom sampler): a CUDA-graph step then takes each
-        row's token and logprob from the greedy graph.
-
-        Under tensor parallelism only rank 0 samples, so only rank 0 can answer; the step
-        plan carries its answer to the workers (`run(out, greedy)`), and every rank
-        replays the same graph: same lm_head, same vocabulary all-gather."""
-        if not is_decode_step(sched) or not all(s.samples for s in sched):
+    def takes_greedy_pick(self, sched: list[ScheduledRequest],
+                          tensor_parallel: bool = False) -> bool:
+        """Whether a step takes the greedy pick instead of the Sampler (see the module
+        docstring). Never without the default Sampler, nor unless every sampling row is
+        plain greedy (no penalty, no top logprobs). Then: a step that replays a CUDA graph
+        takes it when it is a pure decode step in which every row samples (the greedy
+        graph); an eager step (prefill, mixed, the CPU) only under tensor parallelism,
+        where it leaves the tokens on every rank. Only rank 0 can decide (the workers have
+        no Sampler): its step plan carries the decision (`launch(out, prev, greedy)`)."""
+        if type(self.sampler) is not Sampler or not all(
+                _plain_greedy(s.request.params) for s in sched if s.samples):
             return False
-        return self.greedy_rows(sched)
+        if self._replays_graph(sched):
+            return is_decode_step(sched) and all(s.samples for s in sched)
+        return tensor_parallel
 
-    def greedy_rows(self, sched: list[ScheduledRequest]) -> bool:
-        """Every sampling row samples greedily with nothing the greedy pick leaves out
-        (penalty, top logprobs, a custom sampler); vacuously true without sampling rows."""
-        if type(self.sampler) is not Sampler:
-            return False
-        return all(s.request.params.greedy and not s.request.params.top_logprobs
-                   and s.request.params.repetition_penalty == 1.0 for s in sched if s.samples)
-
-    def tp_greedy(self, sched: list[ScheduledRequest]) -> bool:
-        """Rank 0's greedy decision for a tensor-parallel step (the plan carries it):
-        `greedy_step` for a step that replays a CUDA graph, `greedy_rows` for an eager one.
-        True means every rank ends the step with the same tokens on its device."""
-        if self.graphs is not None and self.graphs.can_run(sched):
-            return self.greedy_step(sched)
-        return self.greedy_rows(sched)
+    def _replays_graph(self, sched: list[ScheduledRequest]) -> bool:
+        return self.graphs is not None and self.graphs.can_run(sched)
 
     def launch(self, out: SchedulerOutput, prev: PendingSample | None = None,
                greedy: bool | None = None) -> PendingSample:
         """Queue one step on the device; `prev`: the launched step whose tokens this
         one's placeholder inputs take. Sets each sampling request's `sample_row`.
-        `greedy`: this step takes the greedy pick. None (one device): a graph step decides
-        with `greedy_step`, an eager one samples with the sampler. Under tensor parallelism
-        every rank passes rank 0's `tp_greedy` decision, which the eager path (prefill,
-        mixed steps, the CPU) follows too."""
-        if self.graphs is not None and self.graphs.can_run(out.scheduled):
-            if greedy is None:
-                greedy = self.greedy_step(out.scheduled)
+        `greedy`: this step takes the greedy pick; None: this runner decides for one
+        device (`takes_greedy_pick`). Under tensor parallelism every rank passes rank 0's
+        decision."""
+        if greedy is None:
+            greedy = self.takes_greedy_pick(out.scheduled)
+        if self._replays_graph(out.scheduled):
             pending = self.run_graph(out, prev, greedy)
         else:
-            pending = self.execute(self.prepare_inputs(out), prev, bool(greedy))
+            pending = self.execute(self.prepare_inputs(out), prev, greedy)
         pending.tokens_on_every_rank = bool(greedy)
         for i, req in enumerate(pending.requests):
             req.sample_row = i
@@ -253,3 +245,8 @@ class ModelRunner:
     def run(self, out: SchedulerOutput, greedy: bool | None = None) -> dict[str, Sampled]:
         """One whole step: launch, then wait for its tokens."""
         return self.launch(out, greedy=greedy).result()
+
+
+def _plain_greedy(params) -> bool:
+    """Sampled by the greedy pick exactly as by the Sampler: nothing it leaves out."""
+    return params.greedy and not params.top_logprobs and params.repetition_penalty == 1.0

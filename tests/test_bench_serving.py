@@ -58,43 +58,81 @@ def test_parsers_and_summary():
     assert s["req_per_s"] == 1.0 and s["ttft_s"]["p50"] == pytest.approx(1.25)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 def test_tiny_run_writes_the_report(tmp_path):
+    """Two adapter counts x two popularities on one service start, the first point run
+    twice (--cold-first), adapters loaded 6 at a time, then the offline engine."""
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--tiny", "--out", str(out),
-         "--sweep", "20,40", "--adapters", "1,3", "--num-requests", "6",
-         "--popularity", "zipf:1", "--", "--max-loras", "2", "--max-cpu-loras", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+         "--concurrency", "3", "--adapters", "2,6", "--popularity", "uniform,zipf:1",
+         "--num-requests", "8", "--load-workers", "6", "--cold-first", "--point-s", "60",
+         "--", "--max-loras", "2", "--max-cpu-loras", "4"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "serving.json").read_text())
     meta, points = result["meta"], result["points"]
     assert meta["device"] == "cpu" and meta["engine_config"]["max_loras"] == 2
-    assert [(p["adapters"], p["rate"]) for p in points] == [(1, 20.0), (1, 40.0), (3, 20.0), (3, 40.0)]
+    assert [(p["adapters"], p["popularity"], p["round"]) for p in points] == [
+        (2, "uniform", "first"), (2, "uniform", "steady"), (2, "zipf:1", None),
+        (6, "uniform", None), (6, "zipf:1", None)]
     for p in points:
+        assert p["concurrency"] == 3 and p["rate"] is None and p["requests"] == 8
         for system in ("service", "offline"):
             s = p[system]
-            assert s["requests"] == s["completed"] == 6 and not s["errors"], (system, s)
+            assert s["requests"] == s["completed"] == 8 and not s["errors"], (system, s)
+            assert s["cut"] == s["unsent"] == 0
             assert s["req_per_s"] > 0 and s["output_tok_per_s"] > 0
             for key in ("ttft_s", "itl_s", "e2e_s"):
                 assert set(s[key]) == {"p50", "p90", "p99", "mean"}
                 assert 0 <= s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
             assert 0.0 <= s["slo"]["attainment"] <= 1.0
-        assert p["service_over_offline"] > 0
-        for system in ("service", "offline"):
-            eng = p[system]["engine"]
+            eng = s["engine"]
             assert set(eng) >= {"adapter_disk_reads", "adapter_slot_loads", "steps",
                                 "mean_step_ms", "mean_batch"}, eng
             assert eng["steps"] > 0 and eng["mean_batch"] >= 1
+            assert s["movement"]["swaps_per_s"] == pytest.approx(
+                eng["adapter_slot_loads"] / s["wall_s"])
+        assert p["service_over_offline"] > 0
         assert all(p["service"]["cpu_busy"][k] > 0 for k in ("client", "gateway", "engine"))
-    assert meta["adapter_load_s"] > 0 and set(meta["warmup_s"]) == {"service", "offline"}
+    # 6 adapters over 2 slots: the 6-adapter points move adapters in and out of slots
+    assert all(p[s]["engine"]["adapter_slot_loads"] > 0 for p in points[3:]
+               for s in ("service", "offline"))
+    for system in ("service", "offline"):
+        loads = meta["loads"][system]
+        assert loads["adapters"] == 6 and loads["workers"] == 6
+        # loads overlapped: a load's own latency exceeds the wall time per adapter
+        assert loads["latency_ms"]["p50"] > loads["per_adapter_ms"] > 0, loads
+    assert meta["warmup_s"] == {} and set(meta["startup_s"]) == {"service", "offline"}
+    assert meta["first_round_over_steady"] > 0 and meta["adapter_bytes"] > 0
     assert {"engine.log", "gateway.log", "control.log"} <= {f.name for f in (out / "logs").iterdir()}
     table = (out / "table.md").read_text()
-    assert "| adapters | load |" in table and "3 adapters loaded through AdminClient" in table
+    assert "| adapters | popularity | load |" in table
+    assert "service: 6 adapters loaded in" in table and "first round after start" in table
+    # rows are printed as points finish, before the final table
+    assert proc.stdout.index("| 2 | uniform | 3 streams, first |") < proc.stdout.index("order: ")
     has_plots = importlib.util.find_spec("matplotlib") is not None
-    assert (out / "latency_vs_throughput.png").exists() == has_plots
     assert (out / "adapters.png").exists() == has_plots
+
+
+def test_limits_bound_a_point(tmp_path):
+    """No request is sent after send_s; what still runs drain_s later is cancelled: its
+    tokens count towards throughput, its latency does not."""
+    from benchmarks.serving.drivers import Limits, run_offline
+    from engine import Engine, EngineConfig
+    from tests.support.tiny import TinySpec, make_model
+
+    model = make_model(tmp_path / "model", TinySpec())
+    wl = make_workload(200, [None], None, (4, 8), (400, 400), range(3, 50), 50.0, 0)
+    with Engine(EngineConfig(model=str(model))) as engine:
+        records, wall = run_offline(engine, wl, None, Limits(send_s=0.5, drain_s=0.3))
+        assert not engine.has_unfinished()
+    s = summarize(records, wall, 1.0, 0.1)
+    assert 0 < s["requests"] < 200 and s["unsent"] == 200 - s["requests"]
+    assert s["cut"] == s["requests"] and s["completed"] == 0  # 400 tokens take longer
+    assert s["output_tokens"] > 0 and s["errors"] == {}
+    assert 0.8 <= wall < 5.0
 
 
 def test_synthetic_files_are_hard_links_of_a_few_weight_sets(tmp_path):
@@ -107,3 +145,27 @@ def test_synthetic_files_are_hard_links_of_a_few_weight_sets(tmp_path):
               for n in files.names]
     assert inodes[0] == inodes[2] == inodes[4] != inodes[1] == inodes[3]
     assert not (files.adapter_root / "a0000").is_symlink()
+
+
+@pytest.mark.timeout(120)
+def test_limits_bound_a_service_point(tmp_path):
+    """The same bounds on the service path: streams still running at the limit are
+    cancelled (the gateway aborts them) and the service serves on."""
+    from benchmarks.serving.drivers import Limits, run_service
+    from services.launcher import Cluster, ClusterConfig, wait_serving
+    from tests.support.tiny import TinySpec, make_model
+
+    model = make_model(tmp_path / "model", TinySpec())
+    wl = make_workload(50, [None], None, (4, 8), (1000, 1000), range(3, 50), None, 0)
+    with Cluster(ClusterConfig(model=str(model), adapter_roots=(str(tmp_path),),
+                               workdir=str(tmp_path / "run"))) as c:
+        c.start()
+        c.wait_ready()
+        wait_serving(c.gateway_address)
+        records, wall = run_service(c.gateway_address, wl, 4, Limits(send_s=0.5, drain_s=0.5))
+        s = summarize(records, wall, 1.0, 0.1)
+        assert s["requests"] == s["cut"] == 4 and s["unsent"] == 46 and s["errors"] == {}
+        assert s["output_tokens"] > 0 and 1.0 <= wall < 5.0
+        short = make_workload(2, [None], None, (4, 8), (4, 4), range(3, 50), None, 1)
+        again, _ = run_service(c.gateway_address, short, 2, Limits(send_s=30, drain_s=30))
+        assert all(r.end_s is not None and r.tokens == 4 and not r.cut for r in again)

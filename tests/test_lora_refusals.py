@@ -160,10 +160,17 @@ def test_fan_in_fan_out(base, adapter):
 @pytest.mark.parametrize("flag", _MATH_CHANGING_FLAGS)
 def test_math_changing_flags(base, adapter, flag):
     value = {"alora_invocation_tokens": [5, 6], "layer_replication": [[0, 2], [1, 2]],
-             "target_parameters": ["mlp.experts.down_proj"],
              "trainable_token_indices": [3]}.get(flag, True)
     edit_config(adapter, **{flag: value})
     refused(base[0], adapter, flag, CONFIG)
+
+
+def test_target_parameters_on_a_dense_model(base, adapter):
+    """Llama has no fused expert weights: PEFT target_parameters is refused, naming it
+    (Qwen2-MoE serves them: tests/test_moe_refusals.py)."""
+    edit_config(adapter, target_parameters=["mlp.experts.down_proj"])
+    msg = refused(base[0], adapter, "target_parameters", CONFIG)
+    assert "LlamaForCausalLM" in msg
 
 
 def test_base_rewriting_init(base, adapter):

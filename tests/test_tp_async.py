@@ -140,7 +140,7 @@ def test_killed_worker_mid_async_run_raises_and_close_is_clean(llama_family):
     (no hang), it stays dead, and close() drops the step in flight without raising."""
     engine = Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2,
                                  num_kv_blocks=64, async_scheduling=True))
-    pids = engine._tp.pids
+    pids = engine.executor.pids
     try:
         engine.add_request("r", [5, 6, 7, 8], SamplingParams(
             max_tokens=200, temperature=0.0, ignore_eos=True))
@@ -190,7 +190,7 @@ def test_worker_fills_placeholders_from_its_own_picked_tokens(llama_family):
                  [(r, r.num_tokens, 1) for r in (reqs[1], reqs[2], reqs[0])])
         out = SchedulerOutput([ScheduledRequest(r, s, n, blocks[r.request_id], -1, True)
                                for r, s, n in sched])
-        greedy = rank0.tp_greedy(out.scheduled)
+        greedy = rank0.takes_greedy_pick(out.scheduled, tensor_parallel=True)
         assert greedy, "every row greedy: the eager step takes the greedy pick"
         plan = decode_step(encode_step(tracker.plan(out, [], greedy)))
         if step:  # only the tokens rank 0 has read: none of the step in flight
@@ -243,8 +243,9 @@ def test_tp_greedy_decision_covers_eager_steps(llama_family, odd, want):
                                             -1, True) for i, r in enumerate(reqs)])
     chunk = SchedulerOutput([*out.scheduled[:2], ScheduledRequest(
         reqs[2], 0, 2, out.scheduled[2].block_ids, -1, False)])  # the odd row only chunks
-    assert rank0.tp_greedy(out.scheduled) is want
-    assert rank0.tp_greedy(chunk.scheduled) is True
-    assert rank0.greedy_step(out.scheduled) is False           # the graph decision: decode only
-    assert _runner(cfg, llama_family.model_dir, NoSampling()).tp_greedy(out.scheduled) is False
+    assert rank0.takes_greedy_pick(out.scheduled, tensor_parallel=True) is want
+    assert rank0.takes_greedy_pick(chunk.scheduled, tensor_parallel=True) is True
+    assert rank0.takes_greedy_pick(out.scheduled) is False     # one device, eager: the Sampler
+    assert _runner(cfg, llama_family.model_dir, NoSampling()).takes_greedy_pick(
+        out.scheduled, tensor_parallel=True) is False
     assert rank0.launch(out).tokens_on_every_rank is False      # TP=1: the Sampler, unchanged

@@ -40,7 +40,7 @@ def wait_gone(pids, timeout_s: float) -> bool:
 def test_killed_worker_raises_promptly_and_cleans_up(llama_family):
     engine = Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2, num_kv_blocks=64))
     try:
-        pids = engine._tp.pids
+        pids = engine.executor.pids
         engine.add_request("r", [5, 6, 7, 8], LONG)
         engine.step()
         engine.step()
@@ -53,7 +53,7 @@ def test_killed_worker_raises_promptly_and_cleans_up(llama_family):
 def test_close_joins_workers_and_engines_do_not_collide(llama_family):
     cfg = EngineConfig(model=str(llama_family.model_dir), tp_size=2, num_kv_blocks=64)
     with Engine(cfg) as a, Engine(cfg) as b:
-        pids = a._tp.pids + b._tp.pids
+        pids = a.executor.pids + b.executor.pids
         outs = [e.generate([[9, 10, 11]], SamplingParams(max_tokens=4, temperature=0.0))
                 for e in (a, b)]
         assert outs[0][0].token_ids == outs[1][0].token_ids
@@ -67,7 +67,7 @@ def test_workers_exit_when_rank0_dies(llama_family, tmp_path):
         if __name__ == "__main__":
             e = Engine(EngineConfig(model={str(llama_family.model_dir)!r}, tp_size=2,
                                     num_kv_blocks=64))
-            print(*e._tp.pids, flush=True)
+            print(*e.executor.pids, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     """)
     path = tmp_path / "rank0.py"

@@ -63,12 +63,12 @@ def _decode(reqs):
 
 
 def _step(rank0, worker, tracker, mirror, out):
-    """One step on both sides, as TPExecutor.execute and Worker._step do it."""
-    greedy = rank0.greedy_step(out.scheduled)
+    """One step on both sides, as TPExecutor._launch and Worker._step do it."""
+    greedy = rank0.takes_greedy_pick(out.scheduled, tensor_parallel=True)
     plan = decode_step(encode_step(tracker.plan(out, [], greedy)))
     mirrored = mirror.apply(plan)
     # the worker has no sampler to judge by: its own answer is always "no"
-    assert worker.greedy_step(mirrored.scheduled) is False
+    assert worker.takes_greedy_pick(mirrored.scheduled, tensor_parallel=True) is False
     sampled = rank0.run(out, greedy)
     assert worker.run(mirrored, plan.greedy) == {}
     for s in out.scheduled:
@@ -89,7 +89,7 @@ def test_plan_carries_rank0_greedy_decision_to_the_worker(runners, odd):
     if odd is not None:
         reqs.append(_request("c", odd, 5))
     plan = _step(rank0, worker, tracker, mirror, _prefill(reqs))
-    assert plan.greedy is False               # a prefill step never takes the greedy pick
+    assert plan.greedy is (odd is None)       # eager under TP: the pick when it serves all
     for _ in range(2):
         plan = _step(rank0, worker, tracker, mirror, _decode(reqs))
         assert plan.greedy is (odd is None)   # one row the pick cannot serve: no pick

@@ -79,3 +79,14 @@ def busy_share(pids: dict[str, int | None], run) -> tuple[object, dict[str, floa
         after = cpu_seconds(p)
         share[k] = None if after is None or before[k] is None else (after - before[k]) / wall
     return result, share
+
+
+def movement_rates(delta: dict | None, wall_s: float, adapter_bytes: int) -> dict | None:
+    """Adapter movement per second of a run: swaps into slots, and the bytes they moved
+    host -> device and disk -> host (`adapter_bytes` per adapter: all the benchmark's
+    adapters have the same shape)."""
+    if delta is None or wall_s <= 0:
+        return None
+    loads, reads = delta.get("adapter_slot_loads", 0), delta.get("adapter_disk_reads", 0)
+    return {"swaps_per_s": loads / wall_s, "slot_bytes_per_s": loads * adapter_bytes / wall_s,
+            "disk_bytes_per_s": reads * adapter_bytes / wall_s}

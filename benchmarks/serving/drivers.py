@@ -1,13 +1,32 @@
 """Running one workload two ways: through the service (gateway over gRPC, asyncio client
 SDK, open loop at the workload's arrival times or a closed loop of C streams) and through
 the offline engine in this process (the same arrivals or loop, driven by Engine.step).
-Both return one Record per request and the run's wall time."""
+Both return one Record per request and the run's wall time.
+
+A run can be bounded (Limits): no request is sent after `send_s` seconds (arrivals later
+than that stay unsent, a closed loop stops taking new ones), and requests still running
+`drain_s` seconds after that are cancelled (marked `cut`). So one point never takes more
+than send_s + drain_s, whatever the system under test does."""
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from benchmarks.serving.workload import Record, Request
+
+
+@dataclass(frozen=True)
+class Limits:
+    send_s: float = float("inf")   # no request is sent later than this into the run
+    drain_s: float = float("inf")  # then: what still runs this much later is cancelled
+
+    @property
+    def total_s(self) -> float:
+        return self.send_s + self.drain_s
+
+
+NO_LIMITS = Limits()
 
 
 def _record(req: Request) -> Record:
@@ -43,43 +62,66 @@ async def _stream(client, req: Request, rec: Record) -> None:
 
 
 async def _drive(gateway: str, workload: list[Request], concurrency: int | None,
-                 channels: int) -> tuple[list[Record], float]:
+                 channels: int, limits: Limits) -> tuple[list[Record], float]:
     from loramux.aio import AsyncGenerateClient
 
     # no SDK retries: a refused call is counted as an error, not hidden in its latency
     clients = [AsyncGenerateClient(gateway, retry=False) for _ in range(channels)]
     records = [_record(r) for r in workload]
     t0 = time.perf_counter()
+
+    def sending() -> bool:
+        return time.perf_counter() - t0 < limits.send_s
+
     try:
+        tasks = []
         if concurrency is None:
-            tasks = []
             for req, rec in zip(workload, records):
+                if req.arrival_s >= limits.send_s:
+                    break
                 delay = t0 + req.arrival_s - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(_stream(clients[req.index % channels], req, rec)))
-            await asyncio.gather(*tasks)
         else:
             queue = iter(zip(workload, records))
 
             async def worker(k: int):
                 for req, rec in queue:
+                    if not sending():
+                        return
                     await _stream(clients[k % channels], req, rec)
-            await asyncio.gather(*(worker(k) for k in range(concurrency)))
-        return records, time.perf_counter() - t0
+            tasks = [asyncio.create_task(worker(k)) for k in range(concurrency)]
+        if tasks:
+            left = t0 + limits.total_s - time.perf_counter()
+            _, pending = await asyncio.wait(tasks, timeout=None if left == float("inf")
+                                            else max(0.0, left))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.perf_counter() - t0
+        _mark_cut(records)
+        return records, wall
     finally:
         for c in clients:
             await c.close()
 
 
+def _mark_cut(records: list[Record]) -> None:
+    for rec in records:
+        if rec.sent and rec.end_s is None and rec.error is None:
+            rec.cut = True
+
+
 def run_service(gateway: str, workload: list[Request], concurrency: int | None,
-                channels: int = 4) -> tuple[list[Record], float]:
-    return asyncio.run(_drive(gateway, workload, concurrency, channels))
+                limits: Limits = NO_LIMITS, channels: int = 4) -> tuple[list[Record], float]:
+    return asyncio.run(_drive(gateway, workload, concurrency, channels, limits))
 
 
 # ---- the offline engine ----------------------------------------------------------------
 
-def run_offline(engine, workload: list[Request], concurrency: int | None) -> tuple[list[Record], float]:
+def run_offline(engine, workload: list[Request], concurrency: int | None,
+                limits: Limits = NO_LIMITS) -> tuple[list[Record], float]:
     """The same requests through `engine` (adapters already added): arrivals honoured on
     the wall clock (open loop) or `concurrency` kept in flight (closed loop)."""
     from engine import SamplingParams
@@ -98,13 +140,24 @@ def run_offline(engine, workload: list[Request], concurrency: int | None) -> tup
 
     while waiting or engine.has_unfinished():
         now = time.perf_counter() - t0
+        if now >= limits.send_s:
+            waiting.clear()
+        if now >= limits.total_s:
+            for rid in list(last):
+                engine.abort(rid)
+                records[rid].cut = True
+                del last[rid]
         while waiting and (waiting[0].arrival_s <= now if concurrency is None
                            else len(last) < concurrency):
             admit(waiting.pop(0))
         if not engine.has_unfinished():
+            if not waiting:
+                break
             time.sleep(max(0.0, min(waiting[0].arrival_s - now, 0.05)))
             continue
         for out in engine.step():
+            if out.request_id not in last:
+                continue  # cut: aborted at the limit
             rec = records[out.request_id]
             if out.new_token_ids:
                 last[out.request_id] = _on_tokens(rec, len(out.new_token_ids),

@@ -21,6 +21,7 @@ class Files:
     names: tuple[str, ...]       # every adapter name, "a0000" ..., in registration order
     vocab: range                 # token ids prompts are drawn from (no special ids)
     dummy_weights: bool          # the engine must run with --load-format dummy
+    adapter_bytes: int           # one adapter's weights file (mean over the weight sets)
 
 
 def _vocab(model: Path) -> range:
@@ -71,4 +72,5 @@ def prepare(work: Path, *, tiny: bool, num_adapters: int, distinct: int, layers:
     model, weights, dummy = distinct_weights(work, tiny, layers, rank, distinct)
     root = work / "adapters"
     names = link_adapters(root, weights, num_adapters)
-    return Files(model, root, names, _vocab(model), dummy)
+    size = sum((w / "adapter_model.safetensors").stat().st_size for w in weights) // len(weights)
+    return Files(model, root, names, _vocab(model), dummy, size)

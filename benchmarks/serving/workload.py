@@ -24,12 +24,17 @@ class Record:
     index: int
     adapter: str | None
     prompt_tokens: int
-    sent_s: float = 0.0
+    sent_s: float | None = None  # None: never sent
     first_s: float | None = None
     end_s: float | None = None
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)  # per output token after the first
     error: str | None = None
+    cut: bool = False           # still running at the run's time limit: cancelled
+
+    @property
+    def sent(self) -> bool:
+        return self.sent_s is not None
 
 
 def parse_lengths(text: str) -> tuple[int, int]:
@@ -95,22 +100,27 @@ def _dist(values: list[float]) -> dict:
 
 def summarize(records: list[Record], wall_s: float, slo_ttft_s: float,
               slo_itl_s: float) -> dict:
-    """Throughput over the run's wall time; latency distributions over completed requests.
-    SLO attainment: the share of all requests that completed with TTFT <= slo_ttft_s and a
-    mean inter-token latency (time per output token after the first) <= slo_itl_s."""
+    """Throughput over the run's wall time (every token delivered, also to requests cut at
+    the run's limit); latency distributions over completed requests. Requests never sent
+    (the run's send limit came first) do not count. SLO attainment: the share of the sent
+    requests that completed with TTFT <= slo_ttft_s and a mean inter-token latency (time
+    per output token after the first) <= slo_itl_s."""
+    unsent = sum(1 for r in records if not r.sent and r.error is None)
+    records = [r for r in records if r.sent or r.error is not None]
     done = [r for r in records if r.error is None and r.end_s is not None]
     ttft = [r.first_s - r.sent_s for r in done if r.first_s is not None]
     itl = [g for r in done for g in r.gaps]
     e2e = [r.end_s - r.sent_s for r in done]
     ok = sum(1 for r in done if r.first_s is not None and r.first_s - r.sent_s <= slo_ttft_s
              and (not r.gaps or sum(r.gaps) / len(r.gaps) <= slo_itl_s))
-    out_tokens = sum(r.tokens for r in done)
+    out_tokens = sum(r.tokens for r in records if r.error is None)
     errors: dict[str, int] = {}
     for r in records:
         if r.error is not None:
             errors[r.error] = errors.get(r.error, 0) + 1
     return {
         "requests": len(records), "completed": len(done), "errors": errors,
+        "cut": sum(r.cut for r in records), "unsent": unsent,
         "wall_s": wall_s, "req_per_s": len(done) / wall_s if wall_s > 0 else None,
         "output_tok_per_s": out_tokens / wall_s if wall_s > 0 else None,
         "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_tokens for r in done),

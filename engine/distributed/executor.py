@@ -7,10 +7,10 @@ them inside the model), but only rank 0 samples; the sampled tokens reach the wo
 nothing else has to stay in sync.
 
 Async scheduling (`launch`): a step whose sampling rows all take the greedy pick leaves
-the same tokens on every rank's device (ModelRunner.tp_greedy). Only after such a step may
-rank 0 launch the next one before reading its tokens: the next plan then carries, per
-request, one input token fewer than it runs, and each worker fills that placeholder from
-its own previous step's tokens at the same row, as rank 0 does (engine/runner.py). After
+the same tokens on every rank's device (ModelRunner.takes_greedy_pick). Only after such a
+step may rank 0 launch the next one before reading its tokens: the next plan then
+carries, per request, one input token fewer than it runs, and each worker fills that
+placeholder from its own previous step's tokens at the same row, as rank 0 does (engine/runner.py). After
 any other step rank 0 reads the tokens first and sends them in the plan (engine/engine.py).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
+from engine.distributed.adapters import AdapterMirror
 from engine.distributed.channel import PlanChannel
 from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encode_add_adapter,
                                      encode_step)
@@ -37,8 +38,9 @@ START_TIMEOUT_S = 120.0
 
 
 class TPExecutor:
-    """`tp` is rank 0's TPGroup; build rank 0's shard with it, then `launch` each step
-    and read its `result`."""
+    """The Executor (engine/executor.py) of a tensor-parallel group, in rank 0's process.
+    `tp` is rank 0's TPGroup; build rank 0's shard with it, then `launch` each step and
+    read its `result`."""
 
     def __init__(self, config):
         self.size = config.tp_size
@@ -105,12 +107,22 @@ class TPExecutor:
         """Rank 0's tokens of a launched step (a failed collective: EngineDeadError)."""
         return self._guard(pending.result)
 
+    def must_read_before_next(self, pending) -> bool:
+        """The next step needs this one's tokens on the host first: a sampler reads them,
+        or some rank lacks them on its device (they reach it in the next plan)."""
+        return pending.needs_history or not pending.tokens_on_every_rank
+
+    def adapter_mirror(self, registry) -> AdapterMirror:
+        """Rank 0's residency observer: queues every slot load and host drop for the
+        workers' next step plan."""
+        return AdapterMirror(self, registry)
+
     def _launch(self, out, runner, prev):
         adds, self._adds = self._adds, []
         ops, self._ops = self._ops, []
         # rank 0 decides the greedy pick (only it samples); the plan carries the decision so
         # that every rank replays the same CUDA graph or picks eagerly the same way
-        greedy = runner.tp_greedy(out.scheduled)
+        greedy = runner.takes_greedy_pick(out.scheduled, tensor_parallel=True)
         plan = self._tracker.plan(out, ops, greedy)
         for add in adds:
             self._channel.send(OP_ADD_ADAPTER, encode_add_adapter(*add))

@@ -17,10 +17,12 @@ appended to the request's block table, or its whole table when bit1 says the tab
 rebuilt (preemption and resume, or a fresh start). A request is known by a `handle`, a
 small integer rank 0 assigns once.
 
-`greedy` is rank 0's decision that this step takes the greedy pick (ModelRunner.greedy_step):
-a decode step that replays a CUDA graph then replays the greedy graph (lm_head, the
-vocabulary all-gather and the pick inside it) on every rank, so every rank captures and
-replays the same graph with the same collectives; workers just do not read its output.
+`greedy` is rank 0's decision that this step takes the greedy pick
+(ModelRunner.takes_greedy_pick): a decode step that replays a CUDA graph then replays
+the greedy graph (lm_head, the vocabulary all-gather and the pick inside it) on every
+rank, so every rank captures and replays the same graph with the same collectives;
+workers just do not read its output. An eager step takes the pick after its forward
+pass on every rank alike.
 
     ADD_ADAPTER payload: adapter id, utf-8 bytes of the adapter directory (one per int)
 

@@ -31,7 +31,7 @@ class PlanTracker:
 
     def plan(self, out: SchedulerOutput, slot_ops: list[tuple[int, int, int]],
              greedy: bool = False) -> StepPlan:
-        """`greedy`: rank 0's runner's decision for this step (ModelRunner.greedy_step)."""
+        """`greedy`: rank 0's runner's decision for this step (ModelRunner.takes_greedy_pick)."""
         forget = [k.handle for r, k in self._known.items() if r.is_finished]
         self._known = {r: k for r, k in self._known.items() if not r.is_finished}
         seqs = [self._seq(s) for s in out.scheduled]

@@ -1,9 +1,10 @@
 """Ranks 1..N-1 of a tensor-parallel engine: a process that runs its model shard.
 
-It builds the same shard rank 0 builds (model, LoRA slot pool, KV cache of the agreed size,
-ModelRunner), then follows rank 0's messages until told to stop: where adapter versions'
-files are, and step plans (adapter ops by id, then the scheduled sequences) that its
-request mirror turns into the same SchedulerOutput rank 0 ran. It never samples; the
+It builds the same shard rank 0 builds (engine/assembly.py: model, LoRA slot pool, KV
+cache of the agreed size, ModelRunner), then follows rank 0's messages until told to
+stop: where adapter versions' files are, and step plans (adapter ops by id, then the
+scheduled sequences) that its request mirror turns into the same SchedulerOutput rank 0
+ran. It never samples; the
 tokens a greedy step picks stay on its device for the next step's placeholders.
 """
 from __future__ import annotations
@@ -13,24 +14,18 @@ import json
 
 import torch
 
+from engine.assembly import build_model_parts
 from engine.config import EngineConfig
 from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.mirror import RequestMirror
-from engine.assembly import adapter_reader
 from engine.distributed.adapters import ShardCache
 from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
 from engine.server import open_audit
-from engine.lora import LoRASlotPool
-from engine.lora.host_buffers import HostBufferPool
-from engine.model.dummy import init_dummy_weights
-from engine.model.archs import build_model
 from engine.model.hf_config import ModelConfig
-from engine.resolve import kv_blocks
-from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplerOutput
 
 
@@ -73,33 +68,15 @@ def _device(config: EngineConfig, rank: int, size: int) -> torch.device:
 
 class Worker:
     def __init__(self, config: EngineConfig, groups: pg.Groups, device: torch.device):
-        self.config, self.tp, self.device = config, groups.tp, device
-        self.control = groups.control
-        mc = self.model_config = ModelConfig.from_dir(config.model)
-        dtype = config.torch_dtype
-        max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                            mc.max_position_embeddings)
-        model = build_model(mc, dtype, device, self.tp, max_model_len)
-        if config.load_format == "dummy":
-            init_dummy_weights(model, config.seed + self.tp.rank)
-        else:
-            model.load_weights(config.model)
-        self.pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
-                                 tp_size=self.tp.size)
-        blocks = pg.agree_min(self.control, kv_blocks(
-            config, mc, model.num_kv_heads_per_rank, device, max_model_len))
-        kv_caches = model.make_kv_caches(blocks, config.block_size)
-        # built exactly like rank 0's runner (engine/engine.py), so decode steps take the
-        # same path (graph replay or eager) on every rank
-        self.runner = ModelRunner(
-            model, kv_caches, self.pool, config.block_size, device, sampler=NoSampling(),
-            graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
-            max_model_len=max_model_len)
+        self.tp, self.control = groups.tp, groups.control
+        parts = build_model_parts(config, ModelConfig.from_dir(config.model), device, self.tp,
+                                  lambda n: pg.agree_min(self.control, n), NoSampling())
+        self.pool, self.runner = parts.lora_pool, parts.runner
         self.mirror = RequestMirror()
         self._prev = None   # the last launched step: its picked tokens stay on the device
-        self._buffers = HostBufferPool(pin=self.device.type == "cuda")
-        self._reader = adapter_reader(self.config, self.model_config, self.tp, self._buffers)
-        self.adapters = ShardCache(self._read_adapter)
+        # this rank's shard of a version rank 0 has read and validated already (the same
+        # bytes: their hash must be the version)
+        self.adapters = ShardCache(parts.read_adapter)
         self.channel = PlanChannel(self.control, self.tp.rank)
 
     def serve(self) -> None:
@@ -119,11 +96,6 @@ class Worker:
                 self._step(payload)
             else:
                 raise RuntimeError(f"rank {self.tp.rank}: unknown plan op {op}")
-
-    def _read_adapter(self, path: str, version: str):
-        """This rank's shard of a version rank 0 has read and validated already (the same
-        bytes: their hash must be `version`)."""
-        return self._reader(path, version)
 
     def _step(self, payload: torch.Tensor) -> None:
         plan = decode_step(payload)

@@ -14,6 +14,10 @@ and per end target (lm_head, embed_tokens; allocated at the first adapter with o
 a [max_loras, max_lora_rank, K], b [max_loras, N, max_lora_rank] (engine/model/
 lora_targets.py END_TARGETS gives K and N).
 
+and, for a mixture-of-experts model, per (layer, fused expert parameter) (lora_targets.py
+EXPERT_TARGETS): a [max_loras, E, max_lora_rank, K], b [max_loras, E, N, max_lora_rank]
+(this rank's K and N), allocated with the pool.
+
 Each group's a (and b) of every layer are views of one tensor stacked over the layers,
 [L, max_loras, S, max_lora_rank, K]: a slot of one group across all layers is one
 strided view, and an adapter's host copy holds each group stacked the same way, one
@@ -39,7 +43,8 @@ import torch
 
 from engine.errors import AdapterError
 from engine.lora.weights import LoRAWeights
-from engine.model.lora_targets import GROUPS, lora_group_shapes
+from engine.model.archs import architecture
+from engine.model.lora_targets import GROUPS, expert_shard_shape, lora_group_shapes
 
 
 class LoRASlotPool:
@@ -57,6 +62,9 @@ class LoRASlotPool:
         self.dora_slots: set[int] = set()
         self._ends: dict = {}            # end target -> (a, b), see the module docstring
         self.end_slots: set[int] = set()
+        self.expert_slots: set[int] = set()
+        self._experts = _expert_buffers(model_cfg, max_loras, max_lora_rank, dtype,
+                                        torch.device(device), tp_size)
         self.num_layers = model_cfg.num_layers
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -98,7 +106,8 @@ class LoRASlotPool:
     def nbytes(self) -> int:
         return (sum(t.nbytes for d in (self._stack_a, self._stack_b) for t in d.values())
                 + self._all_ranks.nbytes
-                + sum(t.nbytes for ab in self._ends.values() for t in ab))
+                + sum(t.nbytes for ab in (*self._ends.values(), *self._experts.values())
+                      for t in ab))
 
     def load(self, slot: int, weights: LoRAWeights, stream: torch.cuda.Stream | None = None) -> None:
         """Copy an adapter into `slot`, replacing all of the slot's previous contents.
@@ -130,6 +139,7 @@ class LoRASlotPool:
             self._write_ranks(slot, ranks)
             self._write_dora(slot, weights)
             self._write_ends(slot, weights.ends)
+            self._write_experts(slot, weights.experts)
             if weights.buffer is not None and self.device.type == "cuda":
                 # the host buffer is reused only after these copies have read it
                 event = torch.cuda.Event()
@@ -145,6 +155,7 @@ class LoRASlotPool:
             self._write_ranks(slot, [0] * len(self._a))
             self._write_dora(slot, None)
             self._write_ends(slot, {})
+            self._write_experts(slot, {})
 
     def mark_dirty(self, slot: int) -> None:
         """The slot's contents are unknown (written from outside): the next load or clear
@@ -161,6 +172,24 @@ class LoRASlotPool:
         """(a, b) of an end target for every slot (module docstring); None while no
         adapter with LoRA on it was ever loaded."""
         return self._ends.get(module)
+
+    def expert_weights(self, layer: int, param: str):
+        """(a, b) of a fused expert parameter for every slot (module docstring), or
+        (None, None) where the model has no such parameter."""
+        return self._experts.get((layer, param), (None, None))
+
+    def _write_experts(self, slot: int, experts) -> None:
+        if slot in self.expert_slots:
+            for a, b in self._experts.values():
+                a[slot].zero_()
+                b[slot].zero_()
+            self.expert_slots.discard(slot)
+        for key, (wa, wb) in experts.items():
+            a, b = self._experts[key]
+            r = wa.shape[1]
+            a[slot, :, :r].copy_(wa)
+            b[slot, :, :, :r].copy_(wb)
+            self.expert_slots.add(slot)
 
     def _write_ends(self, slot: int, ends) -> None:
         if slot in self.end_slots:
@@ -269,6 +298,21 @@ class LoRASlotPool:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:
             raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
+
+
+def _expert_buffers(model_cfg, max_loras: int, rank: int, dtype, device, tp_size: int) -> dict:
+    """{(layer, param): (a, b)} zeroed, for every fused expert parameter of the model."""
+    out = {}
+    if getattr(model_cfg, "moe", None) is None:
+        return out
+    E = model_cfg.moe.num_experts
+    for t in architecture(model_cfg).expert_targets:
+        k, n = expert_shard_shape(model_cfg, t.param, tp_size)
+        for layer in range(model_cfg.num_layers):
+            out[(layer, t.param)] = (
+                torch.zeros(max_loras, E, rank, k, dtype=dtype, device=device),
+                torch.zeros(max_loras, E, n, rank, dtype=dtype, device=device))
+    return out
 
 
 def _dora_rows(out: torch.Tensor, gw, base: torch.Tensor, shape) -> None:

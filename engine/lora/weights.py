@@ -43,7 +43,7 @@ from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.safetensors_buffer import tensor
 from engine.model.lora_targets import (END_GROUP, GROUPS, LORA_TARGETS, GroupShape,
-                                       lora_group_shapes, lora_shard)
+                                       expert_factors, lora_group_shapes, lora_shard)
 from engine.parallel import TPGroup
 
 MAX_ABS_WEIGHT = 1e4
@@ -81,11 +81,15 @@ class LoRAWeights:
     stacked: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     # LoRA on the ends (engine/model/lora_targets.py END_TARGETS): module -> (A, B * scaling)
     ends: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    # LoRA on fused expert weights (lora_targets.py EXPERT_TARGETS): (layer, param) ->
+    # (a [E, r, in], b [E, out, r] * scaling), this rank's part
+    experts: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def nbytes(self) -> int:
         return (sum(g.a.nbytes + g.b.nbytes for g in self.groups.values())
-                + sum(a.nbytes + b.nbytes for a, b in self.ends.values()))
+                + sum(a.nbytes + b.nbytes for a, b in (*self.ends.values(),
+                                                       *self.experts.values())))
 
     @property
     def buffer_bytes(self) -> int:
@@ -115,9 +119,11 @@ class LoRAWeights:
                                   None if g.magnitude is None else g.magnitude.pin_memory())
                   for k, g in self.groups.items()}
         ends = {m: (a.pin_memory(), b.pin_memory()) for m, (a, b) in self.ends.items()}
+        experts = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in self.experts.items()}
         return LoRAWeights(MappingProxyType(pinned), self.shapes, self.num_layers,
                            self.max_rank, self.target_modules, self.tp_rank, self.tp_size,
-                           self.source, self.version, ends=MappingProxyType(ends))
+                           self.source, self.version, ends=MappingProxyType(ends),
+                           experts=MappingProxyType(experts))
 
 
 def validate_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None) -> AdapterPlan:
@@ -173,13 +179,14 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     shapes = lora_group_shapes(model_cfg, tp.size)
     by_group: dict[tuple[int, str], dict[int, ModulePlan]] = {}
     for mp in plan.modules:
-        if mp.layer == END_GROUP:
+        if mp.layer == END_GROUP or mp.expert_param is not None:
             continue
         group, s = LORA_TARGETS[mp.module]
         by_group.setdefault((mp.layer, group), {})[s] = mp
     layout, gaps, nbytes = _layout(by_group, shapes, model_cfg.num_layers, dtype,
                                    plan.config.use_dora)
     ends = _end_weights(plan, dtype)
+    experts = _expert_weights(plan, model_cfg, tp, dtype)
     pool = buffers if buffers is not None else HostBufferPool()
     buf = pool.acquire(nbytes)
     try:
@@ -207,7 +214,8 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     weights = LoRAWeights(MappingProxyType(groups), MappingProxyType(shapes),
                           model_cfg.num_layers, plan.max_rank, plan.target_modules,
                           tp.rank, tp.size, plan.weights_file, plan.version, buffer=buf,
-                          stacked=MappingProxyType(stacked), ends=MappingProxyType(ends))
+                          stacked=MappingProxyType(stacked), ends=MappingProxyType(ends),
+                          experts=MappingProxyType(experts))
     pool.attach(weights, buf)
     return weights
 
@@ -233,6 +241,26 @@ def _end_weights(plan: AdapterPlan, dtype: torch.dtype) -> dict:
         _check_values(a, mp.a_key, "", plan.weights_file)
         _check_values(b, mp.b_key, f" times scaling {mp.scaling:g}", plan.weights_file)
         out[mp.module] = (a.contiguous(), b.contiguous())
+    return out
+
+
+def _expert_weights(plan: AdapterPlan, model_cfg, tp: TPGroup, dtype: torch.dtype) -> dict:
+    """{(layer, param): (a [E, r, in], b [E, out, r] * scaling)} of this rank, in `dtype`,
+    values checked."""
+    out = {}
+    for mp in plan.modules:
+        if mp.expert_param is None:
+            continue
+        lora_a = _compute_dtype(tensor(plan.weights, plan.tensors[mp.a_key]), dtype)
+        lora_b = _compute_dtype(tensor(plan.weights, plan.tensors[mp.b_key]), dtype)
+        a, b = expert_factors(model_cfg, mp.expert_param, lora_a, lora_b, mp.rank,
+                              tp.rank, tp.size)
+        # copies: the bytes read go back to a pool once the adapter is built
+        a = a.to(dtype, copy=True).contiguous()
+        b = (b * mp.scaling).to(dtype).contiguous()
+        _check_values(a, mp.a_key, "", plan.weights_file)
+        _check_values(b, mp.b_key, f" times scaling {mp.scaling:g}", plan.weights_file)
+        out[(mp.layer, mp.expert_param)] = (a, b)
     return out
 
 

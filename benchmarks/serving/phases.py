@@ -1,0 +1,179 @@
+"""The two halves of a serving benchmark run: every point through one start of the
+service, then every point through the offline engine (built once the service's GPU memory
+is back, so the two never share the GPU), each half after the same warm-up."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.serving import counters, report
+from benchmarks.serving.drivers import run_offline, run_service
+from benchmarks.serving.loads import load_offline, load_service
+from benchmarks.serving.plan import warmup_round
+from benchmarks.serving.workload import summarize
+
+
+def _event_counters(cluster) -> dict | None:
+    """The engine's counters from its next event (None if none comes)."""
+    msg = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
+    return None if msg is None else counters.from_event(msg.event)
+
+
+def _keep_logs(workdir: str, out: Path) -> None:
+    """The services' logs next to the results (the engine's resolved config, errors)."""
+    (out / "logs").mkdir(exist_ok=True)
+    for log in Path(workdir).glob("*.log"):
+        shutil.copyfile(log, out / "logs" / log.name)
+
+
+def _timed(fn, *a) -> float:
+    t = time.perf_counter()
+    fn(*a)
+    return time.perf_counter() - t
+
+
+def _points_to_run(args, system: str, budget):
+    """The points in order, each only if it can still end before the deadline (the others
+    are marked skipped)."""
+    for p in args.points:
+        why = ("deadline" if not budget.fits() else
+               "adapters not loaded" if p["adapters"] > args.loaded else None)
+        if why:
+            p.setdefault("skipped", {})[system] = why
+            print(f"{system}: skipped ({why}) {report.label(p)}", flush=True)
+            continue
+        yield p
+
+
+def _finish(args, p: dict, system: str, records, wall: float, delta: dict | None,
+            cpu: dict | None = None) -> None:
+    """Summarize one point's run into p[system] and print its row."""
+    s = summarize(records, wall, args.slo_ttft, args.slo_itl)
+    s["engine"] = delta
+    s["movement"] = counters.movement_rates(delta, wall, args.adapter_bytes)
+    s["cpu_busy"] = cpu  # per process: CPU s / wall s (the service's processes)
+    p[system] = s
+    if system == "offline" and p.get("service"):
+        a, b = p["service"]["output_tok_per_s"], s["output_tok_per_s"]
+        p["service_over_offline"] = a / b if a and b else None
+    print(report.row(p, args.points), flush=True)
+
+
+def _warmup(args, files):
+    """The untimed warm-up round over the adapters loaded (None with --cold-first); the
+    same workload for both halves."""
+    if args.cold_first:
+        return None
+    return warmup_round(args.points, files.names[:args.loaded], args.input_len, files.vocab,
+                        args.seed)
+
+
+def run_service_points(args, files, serve_argv: list[str], work: Path, budget,
+                       save) -> dict:
+    """Start the service, load the adapters, warm up, run every point; the engine's
+    resolved config."""
+    from services.launcher import Cluster, wait_serving
+    from services.serve_args import Plan, cluster_config, parse_args
+
+    serve_dir = tempfile.mkdtemp(prefix="serve-", dir=work)  # a fresh registry each run
+    flags = ["--model", str(files.model), "--adapter-root", str(files.adapter_root),
+             "--gateway-port", "0", "--control-port", "0", "--metrics-port", "-1",
+             "--http-port", "0", "--workdir", serve_dir, *serve_argv]
+    if files.dummy_weights and "--load-format" not in serve_argv:
+        flags += ["--load-format", "dummy"]
+    plan = Plan(str(files.model), (str(files.adapter_root),), serve_dir, False)
+    cfg = cluster_config(parse_args(flags), plan)
+    path = os.pathsep.join(p for p in (*sys.path[:2], os.environ.get("PYTHONPATH")) if p)
+    cfg.env["PYTHONPATH"] = path  # the services run this checkout, wherever we are called from
+    try:
+        with Cluster(cfg) as cluster:
+            t = time.perf_counter()
+            cluster.start()
+            ready = cluster.wait_ready(timeout_s=900)
+            wait_serving(cluster.gateway_address, timeout_s=900)
+            args.startup_s["service"] = time.perf_counter() - t
+            print(f"service: serving {args.startup_s['service']:.1f} s after start; engine: "
+                  f"{ready['engine'].get('config')}", flush=True)
+            used = list(files.names[:max(p["adapters"] for p in args.points)])
+            loads = load_service(cluster.control_address, used, args.load_workers, args.load_s)
+            args.load_reports["service"] = loads.summary()
+            args.loaded = loads.adapters
+            print(f"service: loaded {loads}", flush=True)
+            warmup = _warmup(args, files)
+            if warmup is not None:
+                args.warmup_s["service"] = _timed(run_service, cluster.gateway_address, *warmup)
+            pids = {"client": None, **{n: ready[n].get("pid") for n in ("gateway", "engine")}}
+            print(report.header(), flush=True)
+            for p in _points_to_run(args, "service", budget):
+                before = _event_counters(cluster)
+                (records, wall), cpu = counters.busy_share(pids, lambda: run_service(
+                    cluster.gateway_address, p["workload"], p["concurrency"], budget.limits))
+                _finish(args, p, "service", records, wall,
+                        counters.during(_event_counters(cluster), before), cpu)
+                save()
+    finally:
+        _keep_logs(serve_dir, args.out)
+    return ready["engine"]["config"]
+
+
+OFFLINE_SETUP_S = 120.0  # the offline engine's build and warm-up, budgeted before it starts
+
+
+def wait_gpu_released(timeout_s: float = 60.0, share: float = 0.9) -> None:
+    """Before the offline engine sizes itself from free GPU memory: wait until the
+    service's engine has given its memory back (at least `share` of the GPU free)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free, total = torch.cuda.mem_get_info()
+        if free >= share * total or time.monotonic() > deadline:
+            print(f"offline: GPU memory free {free / 2**30:.1f} of {total / 2**30:.1f} GiB",
+                  flush=True)
+            if free < share * total:
+                raise RuntimeError("the service's engine still holds GPU memory")
+            return
+        time.sleep(0.5)
+
+
+def run_offline_points(args, files, config: dict, budget, save) -> None:
+    """The same points through an in-process Engine with the service's resolved config,
+    warmed up as the engine server warms up (Engine.warm_up), with the same adapters
+    loaded the same concurrent way, after the same warm-up round."""
+    import torch
+
+    from engine import Engine, EngineConfig
+
+    # building and warming up an 8B engine from cached kernels: about 1.5 min on an H100
+    setup_s = OFFLINE_SETUP_S if torch.cuda.is_available() else 0.0
+    if not budget.fits(extra_s=setup_s):
+        print(f"offline: skipped (deadline: {budget.left_s():.0f} s left)", flush=True)
+        for p in args.points:
+            p.setdefault("skipped", {})["offline"] = "deadline"
+        return
+    wait_gpu_released()
+    t = time.perf_counter()
+    with Engine(EngineConfig(**config)) as engine:
+        warm = engine.warm_up()  # as engine/server/main.py does before it serves
+        args.startup_s["offline"] = time.perf_counter() - t
+        print(f"offline: ready {args.startup_s['offline']:.1f} s after start"
+              + (f" ({warm})" if warm else ""), flush=True)
+        used = list(files.names[:args.loaded])  # those the service had
+        loads = load_offline(engine, files.adapter_root, used, args.load_workers)
+        args.load_reports["offline"] = loads.summary()
+        print(f"offline: loaded {loads}", flush=True)
+        warmup = _warmup(args, files)
+        if warmup is not None:
+            args.warmup_s["offline"] = _timed(run_offline, engine, *warmup)
+        for p in _points_to_run(args, "offline", budget):
+            before = counters.from_engine(engine)
+            records, wall = run_offline(engine, p["workload"], p["concurrency"], budget.limits)
+            _finish(args, p, "offline", records, wall,
+                    counters.during(counters.from_engine(engine), before))
+            save()

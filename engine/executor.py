@@ -1,0 +1,78 @@
+"""Where a step's forward pass runs: this process alone, or a tensor-parallel group.
+
+The engine's step path is the same for both: it launches each scheduled step through its
+`Executor` and reads the step's tokens back through it. `LocalExecutor` runs the step on
+this process's device; `TPExecutor` (engine/distributed/executor.py) also sends the step's
+plan to ranks 1..N-1 and mirrors adapter slot changes to them, and turns a dead rank
+into EngineDeadError.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.config import EngineConfig
+from engine.parallel import TPGroup
+from engine.pending import PendingSample
+from engine.runner import ModelRunner
+from engine.scheduler import Sampled, SchedulerOutput
+
+
+class Executor(Protocol):
+    """Runs the steps of one engine replica on all of its ranks.
+
+    `tp`: this process's TPGroup (build its shard with it). `agree_min(n)`: the smallest
+    of every rank's `n` (each rank's KV cache then holds the same blocks). `launch` queues
+    a step on every rank without waiting for its tokens; `prev` is the launched step whose
+    tokens this step's placeholder inputs take, and may be given only when
+    `must_read_before_next(prev)` is False. `result` waits for a launched step's tokens.
+    `adapter_mirror(registry)`: the residency observer that repeats slot loads and host
+    drops on the other ranks, or None. `close` stops the other ranks."""
+
+    tp: TPGroup
+
+    def agree_min(self, value: int) -> int: ...
+
+    def launch(self, out: SchedulerOutput, runner: ModelRunner,
+               prev: PendingSample | None) -> PendingSample: ...
+
+    def result(self, pending: PendingSample) -> dict[str, Sampled]: ...
+
+    def must_read_before_next(self, pending: PendingSample) -> bool: ...
+
+    def adapter_mirror(self, registry): ...
+
+    def close(self) -> None: ...
+
+
+class LocalExecutor:
+    """One process, one device: the runner decides its own greedy pick."""
+
+    tp = TPGroup.single()
+
+    def agree_min(self, value: int) -> int:
+        return value
+
+    def launch(self, out: SchedulerOutput, runner: ModelRunner,
+               prev: PendingSample | None) -> PendingSample:
+        return runner.launch(out, prev)
+
+    def result(self, pending: PendingSample) -> dict[str, Sampled]:
+        return pending.result()
+
+    def must_read_before_next(self, pending: PendingSample) -> bool:
+        """A sampler of the next step needs this step's tokens on the host."""
+        return pending.needs_history
+
+    def adapter_mirror(self, registry) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """TPExecutor at tp_size > 1 (this process becomes rank 0 and spawns the others)."""
+    if config.tp_size > 1:
+        from engine.distributed.executor import TPExecutor  # spawns processes: only then
+        return TPExecutor(config)
+    return LocalExecutor()
