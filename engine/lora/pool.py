@@ -44,7 +44,8 @@ import torch
 from engine.errors import AdapterError
 from engine.lora.weights import LoRAWeights
 from engine.model.archs import architecture
-from engine.model.lora_targets import GROUPS, expert_shard_shape, lora_group_shapes
+from engine.model.lora_targets import (GROUPS, ROW_PARALLEL_GROUPS, expert_shard_shape,
+                                       lora_group_shapes)
 
 
 class LoRASlotPool:
@@ -121,13 +122,12 @@ class LoRASlotPool:
                                f"{self.max_lora_rank}", feature="rank", file=weights.source)
         assert (weights.num_layers, weights.tp_size, dict(weights.shapes)) == \
             (self.num_layers, self.tp_size, self.shapes), "adapter built for another model/TP layout"
-        if weights.use_dora and (self._base_weight is None or self.tp_size > 1):
-            raise AdapterError("use_dora=true: DoRA adapters are served at tensor-parallel "
-                               "size 1 only", feature="use_dora", file=weights.source)
-        if weights.ends and self.tp_size > 1:
-            module = next(iter(weights.ends))
-            raise AdapterError(f"LoRA on {module} is served at tensor-parallel size 1 only",
-                               feature=module, file=weights.source)
+        if weights.use_dora and (self._base_weight is None or self.tp_size > 1 and any(
+                g.magnitude is not None and key[1] in ROW_PARALLEL_GROUPS
+                for key, g in weights.groups.items())):
+            raise AdapterError("use_dora=true: DoRA needs the base weights' rows, and on "
+                               "row-parallel groups tensor-parallel size 1",
+                               feature="use_dora", file=weights.source)
         with _on_stream(stream):
             non_blocking = self.device.type == "cuda" and weights.pinned
             if weights.stacked:

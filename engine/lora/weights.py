@@ -144,8 +144,9 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
     from `buffers` (a private one when None). Raises AdapterError (feature, file) for
     anything that is not a plain LoRA fitting the model, or when the files' version is
     not `expected_version`; nothing is kept on error. `reference_path`: the adapter is
-    served by the CPU reference path at tensor-parallel size 1, which alone serves DoRA
-    and LoRA on lm_head / embed_tokens (refused otherwise)."""
+    served by the CPU reference path, which alone serves DoRA and LoRA on lm_head /
+    embed_tokens (refused otherwise). At tensor-parallel size > 1, DoRA on a row-parallel
+    module (o_proj, down_proj) is refused: its row norms span every rank's columns."""
     pool = buffers if buffers is not None else HostBufferPool()
     reads: list[HostBuffer] = []
 
@@ -155,10 +156,11 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
     try:
         plan = plan_adapter(path, model_cfg, max_lora_rank, roots, alloc)
         if plan.config.use_dora and not reference_path:
-            raise AdapterError("use_dora=true: DoRA adapters are served on the CPU at "
-                               "tensor-parallel size 1 only for now", feature="use_dora",
-                               file=plan.config.file)
-        _check_ends_served(plan, reference_path and tp.size == 1)
+            raise AdapterError("use_dora=true: DoRA adapters are served on the CPU only for "
+                               "now", feature="use_dora", file=plan.config.file)
+        if plan.config.use_dora and tp.size > 1:
+            _check_dora_sharded(plan, model_cfg, tp)
+        _check_ends_served(plan, reference_path)
         # converted while the last chunks of the files still hash on other threads
         weights = weights_from_plan(plan, model_cfg, tp, dtype, pool)
         if expected_version is not None and not plan.has_version(expected_version):
@@ -223,8 +225,18 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
 def _check_ends_served(plan: AdapterPlan, served: bool) -> None:
     for mp in plan.modules:
         if mp.layer == END_GROUP and not served:
-            raise AdapterError(f"LoRA on {mp.module} is served on the CPU at tensor-parallel "
-                               f"size 1 only for now", feature=mp.module, file=plan.config.file)
+            raise AdapterError(f"LoRA on {mp.module} is served on the CPU only for now",
+                               feature=mp.module, file=plan.config.file)
+
+
+def _check_dora_sharded(plan: AdapterPlan, model_cfg, tp: TPGroup) -> None:
+    """DoRA's row norm ||W + B·A|| of a row-parallel module needs every rank's columns of
+    W; a column-parallel module's rows are whole on one rank (served exactly)."""
+    for mp in plan.modules:
+        if mp.m_key is not None and lora_shard(model_cfg, mp.module, 0, tp.size).factor == "A":
+            raise AdapterError(f"use_dora=true on {mp.module}: DoRA on row-parallel modules "
+                               f"(o_proj, down_proj) is served at tensor-parallel size 1 only",
+                               feature="use_dora", file=plan.config.file)
 
 
 def _end_weights(plan: AdapterPlan, dtype: torch.dtype) -> dict:
