@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from engine.adapters.pins import Pins
 from engine.adapters.service import ReadAdapter
 from engine.adapters.slots import SlotTable
 from engine.admission import (AdmissionLimits, check_length, check_request, prompt_token_ids,
@@ -84,8 +85,8 @@ class Engine:
         self.num_kv_blocks = parts.num_kv_blocks
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
-        pinned: set[int] = set()  # one pin set for both tiers
-        self.slots = SlotTable(config.max_loras, pinned)
+        self.pins = Pins(config.max_loras)  # the one owner of pin state
+        self.slots = SlotTable(config.max_loras, self.pins)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             config.max_loras, self.max_model_len),
@@ -94,7 +95,7 @@ class Engine:
         self._inflight: tuple[SchedulerOutput, PendingSample] | None = None
         self._carry: list[StepOutput] = []  # outputs of a step completed outside step()
         self.registry, self.adapters, self.adapter_service = build_adapter_parts(
-            config, parts, self.device, self.executor, self.slots, pinned, self.kv)
+            config, parts, self.device, self.executor, self.slots, self.pins, self.kv)
         self._limits = AdmissionLimits(mc.vocab_size, self.max_model_len, self.num_kv_blocks,
                                        config.block_size)
         self._seeds = RequestSeeds(config.seed)
@@ -133,6 +134,10 @@ class Engine:
         """Pin (never evicted implicitly from a slot or host memory; brought into a slot at
         the next step) or unpin the current version of `name`."""
         return self.adapter_service.set_pinned(name, pinned)
+
+    def adapter_pinned(self, adapter_id: int) -> bool:
+        """Whether the version `adapter_id` is pinned now."""
+        return adapter_id in self.pins
 
     def remove_adapter(self, name: str) -> int:
         """Unload `name`: refused for new requests at once; its slot, host copy and KV

@@ -29,7 +29,8 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
-from engine.model.lora_targets import lora_group_shapes
+from engine.model.archs import architecture
+from engine.model.lora_targets import expert_shard_shape, lora_group_shapes
 
 GiB = 1 << 30
 CPU_MAX_LORAS = 4
@@ -151,6 +152,9 @@ def weight_bytes(mc, c: EngineConfig) -> int:
     tp, h = c.tp_size, mc.hidden_size
     per_layer = (h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h
                  + 3 * h * mc.intermediate_size) // tp + 2 * h
+    if mc.moe is not None:  # routed experts (split along their width), router, shared gate
+        m = mc.moe
+        per_layer += m.num_experts * 3 * h * m.intermediate_size // tp + (m.num_experts + 1) * h
     vocab = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2) // tp
     return (mc.num_layers * per_layer + vocab + h) * _elem(c)
 
@@ -160,6 +164,9 @@ def adapter_bytes(mc, c: EngineConfig) -> int:
     r, per_layer = c.max_lora_rank, 0
     for shape in lora_group_shapes(mc, c.tp_size).values():
         per_layer += (len(shape.out_features) * shape.in_features + sum(shape.out_features)) * r
+    if mc.moe is not None:  # LoRA on the fused experts
+        per_layer += sum(mc.moe.num_experts * r * sum(expert_shard_shape(mc, t.param, c.tp_size))
+                         for t in architecture(mc).expert_targets)
     return mc.num_layers * per_layer * _elem(c)
 
 
@@ -169,6 +176,8 @@ def runtime_reserve_bytes(mc, c: EngineConfig) -> int:
     and for CUDA graphs."""
     tp, t = c.tp_size, c.max_num_batched_tokens
     widths = 4 * mc.hidden_size + (mc.q_size + 2 * mc.kv_size + 3 * mc.intermediate_size) // tp
+    if mc.moe is not None:  # per routed pair: gate|up, activation, down output
+        widths += mc.moe.top_k * (3 * mc.moe.intermediate_size // tp + mc.hidden_size)
     logits = 2 * 4 * c.max_num_seqs * mc.vocab_size
     return ACTIVATION_SAFETY * (t * widths * _elem(c) + logits) + GRAPH_RESERVE_BYTES
 

@@ -266,7 +266,7 @@ class Scheduler:
         aid = req.adapter_id
         if aid == 0:
             return True
-        if (drain_from is not None and aid not in self.slots.pinned
+        if (drain_from is not None and aid not in self.slots.pins
                 and self._since[req.request_id] > drain_from):
             return False  # paused: let the running set drain for a starving adapter
         if aid in self._adapters:

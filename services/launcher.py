@@ -1,6 +1,7 @@
-"""Runs control plane, engine and gateway as separate local processes (`loramux serve`,
-and the end-to-end tests). Each process can be stopped, killed and restarted alone on
-the same addresses. Each Cluster makes fresh CURVE keys for the ZMQ sockets in
+"""Runs control plane, engine replicas and gateway as separate local processes (`loramux
+serve`, and the end-to-end tests). Each process can be stopped, killed and restarted alone
+on the same addresses. With one replica its process is "engine"; with N, "engine-0" ..
+"engine-{N-1}", each on its own devices (consecutive GPUs, a tensor-parallel group each). Each Cluster makes fresh CURVE keys for the ZMQ sockets in
 `<workdir>/zmq-keys` (0700), so only its own processes can use them."""
 from __future__ import annotations
 
@@ -17,7 +18,21 @@ from pathlib import Path
 
 from engine.server.curve import ZmqKeys, generate_keys
 
-SERVICES = ("engine", "control", "gateway")
+
+def engine_names(replicas: int) -> tuple[str, ...]:
+    return ("engine",) if replicas == 1 else tuple(f"engine-{i}" for i in range(replicas))
+
+
+def device_sets(replicas: int, tp_size: int, visible: str | None) -> list[str]:
+    """The CUDA devices of each replica ($CUDA_VISIBLE_DEVICES values): `tp_size`
+    consecutive ones each, from `visible` (the launcher's own $CUDA_VISIBLE_DEVICES) or
+    from device 0."""
+    pool = [d.strip() for d in visible.split(",")] if visible else \
+        [str(i) for i in range(replicas * tp_size)]
+    if len(pool) < replicas * tp_size:
+        raise ValueError(f"{replicas} replica(s) of {tp_size} device(s) each need "
+                         f"{replicas * tp_size} devices; CUDA_VISIBLE_DEVICES names {len(pool)}")
+    return [",".join(pool[i * tp_size:(i + 1) * tp_size]) for i in range(replicas)]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,6 +55,7 @@ class ClusterConfig:
     http_port: int = -1              # -1: no HTTP API; 0: a free port
     auth_token: str | None = None
     tensor_parallel_size: int = 1
+    replicas: int = 1                # engine replicas (each tensor_parallel_size devices)
     shutdown_grace_s: float = 30.0   # in-flight streams' time to finish on stop
     engine_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
@@ -54,8 +70,11 @@ class Cluster:
         self.workdir = Path(cfg.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         h = cfg.host
-        self.engine_input = f"tcp://{h}:{free_port(h)}"
-        self.engine_output = f"tcp://{h}:{free_port(h)}"
+        self.engines = [(f"tcp://{h}:{free_port(h)}", f"tcp://{h}:{free_port(h)}")
+                        for _ in range(cfg.replicas)]
+        self.engine_input, self.engine_output = self.engines[0]
+        self.engine_names = engine_names(cfg.replicas)
+        self.services = (*self.engine_names, "control", "gateway")
         self.table_address = f"tcp://{h}:{free_port(h)}"
         self.gateway_address = f"{h}:{cfg.gateway_port or free_port(h)}"
         self.control_address = f"{h}:{cfg.control_port or free_port(h)}"
@@ -71,12 +90,14 @@ class Cluster:
         common = ["--model", c.model, *(["--zmq-keys", self.zmq_keys.directory]
                                         if self.zmq_keys else ["--insecure-zmq"])]
         roots = [a for r in c.adapter_roots for a in ("--adapter-root", r)]
-        if name == "engine":
-            return [sys.executable, "-m", "engine.server", *common, *roots, "--input", self.engine_input,
-                    "--output", self.engine_output, "--tensor-parallel-size",
+        if name in self.engine_names:
+            engine_input, engine_output = self.engines[self.engine_names.index(name)]
+            return [sys.executable, "-m", "engine.server", *common, *roots, "--input", engine_input,
+                    "--output", engine_output, "--tensor-parallel-size",
                     str(c.tensor_parallel_size), "--ready-file", self._ready(name),
                     "--shutdown-grace", str(c.shutdown_grace_s), *c.engine_args]
-        links = ["--engine-input", self.engine_input, "--engine-output", self.engine_output,
+        links = ["--engine-input", ",".join(i for i, _ in self.engines),
+                 "--engine-output", ",".join(o for _, o in self.engines),
                  "--table-address", self.table_address, "--ready-file", self._ready(name)]
         if name == "control":
             token = ["--auth-token", c.auth_token] if c.auth_token else []
@@ -91,15 +112,23 @@ class Cluster:
     def _ready(self, name: str) -> str:
         return str(self.workdir / f"{name}.ready.json")
 
+    def environment(self, name: str) -> dict:
+        """The environment of service `name`."""
+        # compiled Triton kernels persist in the work dir: a restart loads, not compiles
+        env = {"TRITON_CACHE_DIR": str(self.workdir / "triton-cache"), **os.environ, **self.cfg.env}
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        if name in self.engine_names and self.cfg.replicas > 1 and visible != "":
+            sets = device_sets(self.cfg.replicas, self.cfg.tensor_parallel_size, visible)
+            env["CUDA_VISIBLE_DEVICES"] = sets[self.engine_names.index(name)]
+        return env
+
     def start(self, *names: str) -> None:
         """Start the named services (all by default) at once."""
-        for name in names or SERVICES:
+        for name in names or self.services:
             ready = Path(self._ready(name))
             ready.unlink(missing_ok=True)
+            env = self.environment(name)
             log = open(self.workdir / f"{name}.log", "ab")
-            # compiled Triton kernels persist in the work dir: a restart loads, not compiles
-            env = {"TRITON_CACHE_DIR": str(self.workdir / "triton-cache"), **os.environ,
-                   **self.cfg.env}
             # own session: a terminal's Ctrl-C reaches the launcher only, which stops the
             # services in drain order (close) instead of all at once
             self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log,
@@ -110,7 +139,7 @@ class Cluster:
         """Wait until each named process wrote its ready file; raise if one died."""
         deadline = time.monotonic() + timeout_s
         out = {}
-        for name in names or SERVICES:
+        for name in names or self.services:
             ready = Path(self._ready(name))
             while not ready.exists():
                 proc = self.procs[name]
@@ -150,13 +179,13 @@ class Cluster:
 
     def close(self, timeout_s: float = 20.0) -> None:
         """Stop in drain order: the gateway first (it refuses new calls and gives in-flight
-        ones `shutdown_grace_s` to finish), then the control plane and the engine together.
+        ones `shutdown_grace_s` to finish), then the control plane and the engines together.
         A process still there `timeout_s` after its grace is killed."""
         self._stop_together(("gateway",), self.cfg.shutdown_grace_s + timeout_s)
-        self._stop_together(("control", "engine"), timeout_s)
+        self._stop_together(("control", *self.engine_names), timeout_s)
 
     def kill_all(self) -> None:
-        self._stop_together(SERVICES, 5.0, signal.SIGKILL)
+        self._stop_together(self.services, 5.0, signal.SIGKILL)
 
     def _stop_together(self, names, timeout_s: float, sig: int = signal.SIGTERM) -> None:
         procs = [(n, self.procs[n]) for n in names if n in self.procs]

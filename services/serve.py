@@ -1,4 +1,5 @@
-"""`loramux serve`: control plane, engine and gateway as three local processes.
+"""`loramux serve`: control plane, engine (or --replicas engines) and gateway as local
+processes.
 
 With no --model it serves the demo model (made once in the cache directory) and loads its
 two adapters, so a fresh machine serves at once. Ctrl-C or SIGTERM drains: the gateway
@@ -63,8 +64,9 @@ def _started(cluster, workdir: str, tls) -> str | None:
         lines = [ln for ln in str(err).splitlines() if ln.strip()]
         errors = [ln for ln in lines if "error" in ln.lower()]
         return f"{lines[0]} {(errors or lines)[-1].strip()} (logs in {workdir})"
-    config = ready["engine"].get("config", {})
-    print("loramux engine: " + " ".join(f"{k}={v}" for k, v in config.items()
+    config = ready[cluster.engine_names[0]].get("config", {})
+    replicas = f" x{len(cluster.engine_names)} replicas" if len(cluster.engine_names) > 1 else ""
+    print(f"loramux engine{replicas}: " + " ".join(f"{k}={v}" for k, v in config.items()
                                           if k not in ("model",)), file=sys.stderr, flush=True)
     return None
 

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
-                                   config_error_message, given, non_negative_float, to_argv)
+                                   config_error_message, given, non_negative_float,
+                                   positive_int, to_argv)
 from services.config_file import ConfigFileError, defaults_from_file
 from services.gateway.main import GATEWAY_OPTIONS
 
-DESCRIPTION = "Run control plane, engine and gateway on this machine."
+DESCRIPTION = ("Run control plane, engine (or --replicas engine replicas) and gateway on "
+               "this machine.")
 
 
 def _port(allow_off: bool):
@@ -44,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the model directory)")
     add_options(p.add_argument_group("engine"), ENGINE_OPTIONS)
     add_options(p.add_argument_group("gateway"), GATEWAY_OPTIONS)
+    r = p.add_argument_group("replicas")
+    r.add_argument("--replicas", type=positive_int, default=1,
+                   help="engine replicas behind the one gateway and control plane, each on "
+                        "its own devices: replica i gets GPUs i*T .. i*T+T-1 of "
+                        "$CUDA_VISIBLE_DEVICES (T: --tensor-parallel-size); the gateway routes "
+                        "each request by adapter residency and load (default: 1)")
     s = p.add_argument_group("addresses, files, stopping")
     s.add_argument("--host", default="127.0.0.1", help="address the services listen on "
                    "(default: 127.0.0.1)")
@@ -94,7 +102,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.gateway = given(args, GATEWAY_OPTIONS, with_defaults=False)
     _check_engine(parser, args)
     _check_tls(parser, args)
+    _check_devices(parser, args)
     return args
+
+
+def _check_devices(parser, args) -> None:
+    import os
+
+    from services.launcher import device_sets
+
+    if args.replicas > 1 and args.engine.get("device", "auto") != "cpu":
+        try:
+            device_sets(args.replicas, args.engine.get("tp_size", 1),
+                        os.environ.get("CUDA_VISIBLE_DEVICES"))
+        except ValueError as err:
+            parser.error(f"--replicas: {err}")
 
 
 def _check_tls(parser, args) -> None:
@@ -172,7 +194,7 @@ def cluster_config(args, plan: Plan):
         model=plan.model, adapter_roots=plan.adapter_roots, workdir=plan.workdir,
         host=args.host, gateway_port=args.gateway_port, control_port=args.control_port,
         metrics_port=args.metrics_port, http_port=args.http_port or -1,
-        auth_token=args.auth_token, tensor_parallel_size=tp,
+        auth_token=args.auth_token, tensor_parallel_size=tp, replicas=args.replicas,
         shutdown_grace_s=args.shutdown_grace,
         engine_args=tuple(to_argv(engine, ENGINE_OPTIONS)),
         gateway_args=tuple(to_argv(args.gateway, GATEWAY_OPTIONS)) + tls_flags(args),

@@ -109,8 +109,9 @@ def test_written_by_peft(base, tmp_path, overrides, feature, file_name):
 @pytest.mark.parametrize("targets", [("q_proj", "embed_tokens"), ("v_proj", "lm_head")],
                          ids=["embed_tokens", "lm_head"])
 def test_embedding_and_head_targets(base, tmp_path, targets):
-    """Served by the CPU reference path at TP 1 (parity: tests/test_end_lora_parity.py),
-    refused elsewhere naming the module; their tensors without the target are refused."""
+    """Served by the CPU reference path (parity: tests/test_end_lora_parity.py; at TP=2
+    tests/test_moe_tp.py), refused elsewhere naming the module; their tensors without the
+    target are refused."""
     cfg, model_dir = base[0], base[1]
     d = make_adapter(tmp_path / "a", model_dir, AdapterSpec(r=4, target_modules=targets))
     assert targets[1] in load_lora(d, cfg, MAX_RANK).ends
@@ -160,10 +161,17 @@ def test_fan_in_fan_out(base, adapter):
 @pytest.mark.parametrize("flag", _MATH_CHANGING_FLAGS)
 def test_math_changing_flags(base, adapter, flag):
     value = {"alora_invocation_tokens": [5, 6], "layer_replication": [[0, 2], [1, 2]],
-             "target_parameters": ["mlp.experts.down_proj"],
              "trainable_token_indices": [3]}.get(flag, True)
     edit_config(adapter, **{flag: value})
     refused(base[0], adapter, flag, CONFIG)
+
+
+def test_target_parameters_on_a_dense_model(base, adapter):
+    """Llama has no fused expert weights: PEFT target_parameters is refused, naming it
+    (Qwen2-MoE serves them: tests/test_moe_refusals.py)."""
+    edit_config(adapter, target_parameters=["mlp.experts.down_proj"])
+    msg = refused(base[0], adapter, "target_parameters", CONFIG)
+    assert "LlamaForCausalLM" in msg
 
 
 def test_base_rewriting_init(base, adapter):

@@ -60,7 +60,9 @@ def value(samples, name, **labels) -> float:
 
 
 def info_labels(samples) -> dict:
-    return next(dict(labels) for (name, labels) in samples if name == "loramux:lora_requests_info")
+    labels = next(dict(labels) for (name, labels) in samples if name == "loramux:lora_requests_info")
+    assert labels.pop("replica") == "0"  # the one engine replica
+    return labels
 
 
 def wait_for(url, predicate, timeout_s=30.0, what=""):
@@ -79,13 +81,13 @@ def test_metrics_follow_load(cluster):
         for name in ADAPTERS:
             admin.load(name, name)
     idle = wait_for(url, lambda s: value(s, "loramux:registry_adapters", state="loaded") == 3
-                    and ("loramux:num_requests_waiting", ()) in s
-                    and value(s, "loramux:adapter_disk_read_seconds_count") >= 3,  # three loads
+                    and ("loramux:num_requests_waiting", (("replica", "0"),)) in s
+                    and value(s, "loramux:adapter_disk_read_seconds_count", replica="0") >= 3,  # three loads
                     what="the three adapters loaded")
-    assert value(idle, "loramux:engine_up") == 1
-    assert value(idle, "loramux:num_requests_running") == 0
-    assert value(idle, "loramux:kv_cache_blocks_total") > 0
-    assert value(idle, "loramux:max_loras") == 2
+    assert value(idle, "loramux:engine_up", replica="0") == 1
+    assert value(idle, "loramux:num_requests_running", replica="0") == 0
+    assert value(idle, "loramux:kv_cache_blocks_total", replica="0") > 0
+    assert value(idle, "loramux:max_loras", replica="0") == 2
     assert info_labels(idle) == {"running_lora_adapters": "", "waiting_lora_adapters": "",
                                  "max_lora": "2"}
     with GenerateClient(cluster.gateway_address) as gen:  # a1, a2 take the two adapter labels
@@ -105,11 +107,11 @@ def test_metrics_follow_load(cluster):
     async def watch(task):
         while not task.done():
             s = await asyncio.to_thread(scrape, url)
-            if ("loramux:num_requests_waiting", ()) in s:
-                seen["waiting"] = max(seen["waiting"], value(s, "loramux:num_requests_waiting"))
-                seen["running"] = max(seen["running"], value(s, "loramux:num_requests_running"))
-                seen["kv_used"] = max(seen["kv_used"], value(s, "loramux:kv_cache_blocks_used"))
-                seen["usage"] = max(seen["usage"], value(s, "loramux:kv_cache_usage_perc"))
+            if ("loramux:num_requests_waiting", (("replica", "0"),)) in s:
+                seen["waiting"] = max(seen["waiting"], value(s, "loramux:num_requests_waiting", replica="0"))
+                seen["running"] = max(seen["running"], value(s, "loramux:num_requests_running", replica="0"))
+                seen["kv_used"] = max(seen["kv_used"], value(s, "loramux:kv_cache_blocks_used", replica="0"))
+                seen["usage"] = max(seen["usage"], value(s, "loramux:kv_cache_usage_perc", replica="0"))
                 info = info_labels(s)
                 seen["running_adapters"] |= set(filter(None, info["running_lora_adapters"].split(",")))
                 seen["waiting_adapters"] |= set(filter(None, info["waiting_lora_adapters"].split(",")))
@@ -127,18 +129,18 @@ def test_metrics_follow_load(cluster):
     assert seen["running_adapters"] and seen["running_adapters"] <= set(ADAPTERS)
     assert seen["waiting_adapters"] and seen["waiting_adapters"] <= set(ADAPTERS)
 
-    after = wait_for(url, lambda s: value(s, "loramux:num_requests_running") == 0
-                     and value(s, "loramux:kv_cache_blocks_used") == 0, what="the drained engine")
-    assert value(after, "loramux:num_requests_waiting") == 0
+    after = wait_for(url, lambda s: value(s, "loramux:num_requests_running", replica="0") == 0
+                     and value(s, "loramux:kv_cache_blocks_used", replica="0") == 0, what="the drained engine")
+    assert value(after, "loramux:num_requests_waiting", replica="0") == 0
     assert info_labels(after)["running_lora_adapters"] == ""
-    assert value(after, "loramux:step_seconds_count") > 60
-    assert value(after, "loramux:batch_size_count") > 60
-    assert value(after, "loramux:batch_size_sum") >= value(after, "loramux:batch_size_count")
+    assert value(after, "loramux:step_seconds_count", replica="0") > 60
+    assert value(after, "loramux:batch_size_count", replica="0") > 60
+    assert value(after, "loramux:batch_size_sum", replica="0") >= value(after, "loramux:batch_size_count", replica="0")
     # three adapters through two slots: each was loaded into one (a3 by evicting a1 or a2)
-    assert value(after, "loramux:adapter_slot_load_seconds_count") >= 3
-    assert value(after, "loramux:adapter_slot_load_seconds_sum") > 0
-    assert sum(value(after, "loramux:adapters", tier=t) for t in ("slot", "host", "disk")) == 3
-    assert value(after, "loramux:adapter_slots_used") <= 2
+    assert value(after, "loramux:adapter_slot_load_seconds_count", replica="0") >= 3
+    assert value(after, "loramux:adapter_slot_load_seconds_sum", replica="0") > 0
+    assert sum(value(after, "loramux:adapters", replica="0", tier=t) for t in ("slot", "host", "disk")) == 3
+    assert value(after, "loramux:adapter_slots_used", replica="0") <= 2
     prompt_tokens = sum(o.usage.prompt_tokens for o in outs)
     assert value(after, "loramux:prefix_cache_queries_total") >= prompt_tokens
     assert value(after, "loramux:prefix_cache_hits_total") > 0  # the same prompt, repeated

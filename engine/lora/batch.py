@@ -9,6 +9,7 @@ import torch
 
 from engine.lora.pool import LoRASlotPool
 from kernels import lora as lora_kernels
+from kernels.moe import ExpertLoRA
 
 
 class LoRABatch:
@@ -53,6 +54,18 @@ class LoRABatch:
             if slot >= 0:
                 m = slots == slot
                 out[m] += (x_a(a[slot], m) @ b[slot].T).to(out.dtype)
+
+    def expert_lora(self, layer_idx: int) -> ExpertLoRA | None:
+        """The expert LoRA of a mixture-of-experts layer for this step (kernels/moe.py);
+        None where the model has none or, off CUDA, while no adapter in the pool has any
+        (on CUDA always given, so that a captured graph serves adapters loaded later)."""
+        if not self.pool.expert_slots and not self.token_slots.is_cuda:
+            return None
+        a13, b13 = self.pool.expert_weights(layer_idx, "gate_up_proj")
+        a2, b2 = self.pool.expert_weights(layer_idx, "down_proj")
+        if a13 is None and a2 is None:
+            return None
+        return ExpertLoRA(self.token_slots, a13, b13, a2, b2)
 
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += LoRA delta of `group` in layer `layer_idx`, in place (x, y: this rank's shards)."""

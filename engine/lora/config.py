@@ -23,7 +23,7 @@ MAX_CONFIG_BYTES = 1 << 20
 # in ways a plain x·A·B·scaling kernel cannot reproduce. Refused when set to anything truthy.
 _MATH_CHANGING_FLAGS = (
     "lora_bias", "use_qalora", "alora_invocation_tokens", "layer_replication",
-    "target_parameters", "trainable_token_indices", "use_bdlora", "arrow_config",
+    "trainable_token_indices", "use_bdlora", "arrow_config",
     "kasa_config", "monteclora_config",
     "ensure_weight_tying",  # one LoRA shared by tied lm_head and embed_tokens
 )
@@ -44,6 +44,7 @@ class AdapterConfig:
     layers_to_transform: tuple[int, ...] | None
     file: str
     use_dora: bool = False         # DoRA: a magnitude vector per wrapped module
+    target_parameters: tuple[str, ...] = ()   # fused parameters (MoE experts), PEFT's names
     # Compiled forms of the fields above (RE2 patterns, suffix sets), built once.
     _match: dict = field(default=None, compare=False, repr=False)
 
@@ -82,6 +83,12 @@ class AdapterConfig:
             return True
         m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
         return m is not None and int(m.group("idx")) in self.layers_to_transform
+
+    def targets_parameter(self, name: str) -> bool:
+        """Whether PEFT would wrap parameter `name` (`{module}.{param}`, full name): an
+        entry equal to it or a `.`-suffix of it (parse_adapter_config refuses
+        exclude_modules and layers_to_transform beside target_parameters)."""
+        return bool(dotted_suffixes(name) & frozenset(self.target_parameters))
 
     def _excluded(self, module: str) -> bool:
         ex = self.exclude_modules
@@ -144,18 +151,27 @@ def parse_adapter_config(data: bytes, max_lora_rank: int, file: str) -> AdapterC
         raise AdapterError(f"{CONFIG_NAME} must hold a JSON object", feature="adapter_config",
                            file=file)
     _refuse_unsupported(raw, file)
+    params = _str_list(raw.get("target_parameters"), "target_parameters", file)
     cfg = AdapterConfig(
         r=_positive_int(raw.get("r", 8), "r", file),
         lora_alpha=_number(raw.get("lora_alpha", 8), "lora_alpha", file),
         use_rslora=bool(raw.get("use_rslora", False)),
-        target_modules=_targets(raw.get("target_modules"), file),
+        target_modules=_targets(raw.get("target_modules"), file, bool(params)),
         exclude_modules=_str_or_list(raw.get("exclude_modules"), "exclude_modules", file),
         rank_pattern=_pattern(raw.get("rank_pattern"), "rank_pattern", file, _positive_int),
         alpha_pattern=_pattern(raw.get("alpha_pattern"), "alpha_pattern", file, _number),
         layers_to_transform=_layers(raw, file),
         file=file,
         use_dora=_flag(raw.get("use_dora", False), "use_dora", file),
+        target_parameters=params,
     )
+    if cfg.use_dora and params:
+        raise AdapterError("use_dora=true with target_parameters: PEFT has no DoRA on "
+                           "parameters", feature="use_dora", file=file)
+    for name in ("layers_to_transform", "exclude_modules"):
+        if params and raw.get(name):
+            raise AdapterError(f"{name} with target_parameters is not supported",
+                               feature=name, file=file)
     for name, r in (("r", cfg.r), *((f"rank_pattern[{k!r}]", v) for k, v in cfg.rank_pattern)):
         if r > max_lora_rank:
             raise AdapterError(f"{name}={r} exceeds max_lora_rank={max_lora_rank} (the "
@@ -217,10 +233,20 @@ def _str_or_list(v, name: str, file: str):
                        file=file)
 
 
-def _targets(v, file: str):
+def _targets(v, file: str, has_parameters: bool):
     if v is None or v == [] or v == "":
+        if has_parameters:
+            return ()
         raise AdapterError("target_modules is empty", feature="target_modules", file=file)
     return _str_or_list(v, "target_modules", file)
+
+
+def _str_list(v, name: str, file: str) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, list) and all(isinstance(x, str) and x for x in v):
+        return tuple(v)
+    raise AdapterError(f"{name}={v!r}: must be a list of names", feature=name, file=file)
 
 
 def _pattern(v, name: str, file: str, check) -> tuple:

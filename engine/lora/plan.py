@@ -12,27 +12,30 @@ here, so both paths refuse exactly the same adapters.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
-from engine.adapters.safe_files import AdapterDir, AdapterRoots, combined_version, open_adapter_dir
+from engine.adapters.safe_files import (AdapterDir, AdapterRoots, Alloc, FileRead,
+                                        combined_version, open_adapter_dir)
 from engine.errors import AdapterError
+from engine.lora import expert_plan
 from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
 from engine.lora.patterns import dotted_suffixes
 from engine.lora.safetensors_buffer import TensorInfo, is_float, parse_header
 from engine.model.archs import architecture
 from engine.model.lora_targets import (DECODER_TARGETS, END_GROUP, END_TARGETS, LoraTarget,
-                                       full_shape)
+                                       expert_full_shape, full_shape)
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _PARENT = {t.module: t.parent for t in DECODER_TARGETS}
 # PEFT strips the adapter name when saving; older files may keep it (`lora_A.default.weight`).
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\."
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>[\w.]+?)\."
                   r"(?P<module>\w+)\.lora_(?P<factor>[AB])(?:\.[\w\-]+)?\.weight$")
 # DoRA's magnitude vector (PEFT saves it without `.weight`; some files keep the name/suffix).
 _MAGNITUDE_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\."
-                            r"(?P<parent>\w+)\.(?P<module>\w+)\.lora_magnitude_vector"
+                            r"(?P<parent>[\w.]+?)\.(?P<module>\w+)\.lora_magnitude_vector"
                             r"(?:\.[\w\-]+)?(?:\.weight)?$")
 # LoRA on the ends: lm_head (a Linear: lora_A/lora_B) and embed_tokens (an Embedding:
 # lora_embedding_A/lora_embedding_B, saved without `.weight`).
@@ -58,12 +61,14 @@ _FACTOR_NAMES = {"A": "lora_A", "B": "lora_B", "M": "DoRA magnitude vector"}
 _FACTOR_KEYS = {"A": "lora_A.weight", "B": "lora_B.weight", "M": "lora_magnitude_vector"}
 
 
-def module_name(layer: int, module: str) -> str:
+def module_name(layer: int, module: str, model_cfg=None) -> str:
     """The module's name in the Hugging Face model, as PEFT matches it (layer END_GROUP:
-    an end target, lm_head or embed_tokens)."""
+    an end target, lm_head or embed_tokens); parents as `model_cfg`'s architecture
+    declares them (Llama's when None)."""
     if layer == END_GROUP:
         return END_TARGETS[module]
-    return f"model.layers.{layer}.{_PARENT[module]}.{module}"
+    parent = _lora_targets(model_cfg)[module].parent if model_cfg is not None else _PARENT[module]
+    return f"model.layers.{layer}.{parent}.{module}"
 
 
 def _lora_targets(model_cfg) -> dict[str, LoraTarget]:
@@ -81,6 +86,8 @@ class ModulePlan:
     a_key: str
     b_key: str
     m_key: str | None = None   # DoRA magnitude vector [out_features]; None: plain LoRA
+    expert_param: str | None = None  # a fused experts parameter (gate_up_proj, down_proj):
+                                     # module is then its `{parent}.{param}` name
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,20 @@ class AdapterPlan:
     config: AdapterConfig
     weights_file: str                       # for messages: the path as the caller gave it
     modules: tuple[ModulePlan, ...]
-    weights: bytes                          # adapter_model.safetensors, whole
+    weights: bytes | memoryview             # adapter_model.safetensors, whole
     tensors: dict[str, TensorInfo]          # its checked header
-    version: str                            # sha256 over both files (combined_version)
+    files: tuple[tuple[str, FileRead], ...] = field(repr=False, compare=False, default=())
+
+    @cached_property
+    def version(self) -> str:
+        """The digest over both files (combined_version); waits for the hashing threads."""
+        return combined_version(list(self.files))
+
+    def has_version(self, version: str) -> bool:
+        """`version` names these files: their version, or the plain-sha256 version that
+        was recorded for the same bytes before chunked digests."""
+        return version == self.version or version == combined_version(list(self.files),
+                                                                      legacy=True)
 
     @property
     def max_rank(self) -> int:
@@ -113,34 +131,45 @@ def max_weights_bytes(model_cfg, max_lora_rank: int) -> int:
                     for m in _lora_targets(model_cfg))
     ends = sum(max_lora_rank * sum(full_shape(model_cfg, m)) * 8
                for m in architecture(model_cfg).end_targets)
+    per_layer += sum(max_lora_rank * model_cfg.moe.num_experts
+                     * sum(expert_full_shape(model_cfg, t.param)) * 8
+                     for t in architecture(model_cfg).expert_targets)
     return model_cfg.num_layers * per_layer + ends + (1 << 20)
 
 
 def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
-                 roots: AdapterRoots | None = None) -> AdapterPlan:
-    """Read `adapter_dir` (below `roots` when given) and check its config, safetensors
-    header and shapes against `model_cfg`; raise AdapterError naming the feature and the
-    file on the first problem (PathRefused when the path leaves the roots)."""
+                 roots: AdapterRoots | None = None, alloc: Alloc | None = None) -> AdapterPlan:
+    """Read `adapter_dir` (below `roots` when given; the weights file into a buffer from
+    `alloc` when given) and check its config, safetensors header and shapes against
+    `model_cfg`; raise AdapterError naming the feature and the file on the first problem
+    (PathRefused when the path leaves the roots). The version may still be hashing when
+    this returns (AdapterPlan.version waits)."""
     with open_adapter_dir(str(adapter_dir), roots) as d:
         config = read_config_bytes(d)
         cfg = parse_adapter_config(config.data, max_lora_rank, f"{d.shown}/{CONFIG_NAME}")
         weights_file = _check_weights_file(d)
-        targets = _targeted_modules(cfg, model_cfg)
-        weights = d.read(WEIGHTS_NAME, max_weights_bytes(model_cfg, max_lora_rank))
+        params = expert_plan.targeted_parameters(cfg, model_cfg)
+        targets = _targeted_modules(cfg, model_cfg, bool(params))
+        weights = d.read(WEIGHTS_NAME, max_weights_bytes(model_cfg, max_lora_rank), alloc)
     shapes = parse_header(weights.data, weights_file)
-    found = _index_keys(shapes, model_cfg, weights_file, cfg.use_dora)
+    found, found_experts = _index_keys(shapes, model_cfg, weights_file, cfg.use_dora)
     modules = []
     for layer, module in targets:
         modules.append(_module_plan(cfg, model_cfg, layer, module, found, shapes, weights_file))
+    for (layer, t), keys in expert_plan.expert_keys(params, found_experts, weights_file).items():
+        r = expert_plan.check_shapes(cfg, model_cfg, layer, t, keys, shapes, weights_file)
+        name = expert_plan.param_name(layer, t)
+        modules.append(ModulePlan(layer, f"{t.parent}.{t.param}", r, cfg.scaling_of(name),
+                                  keys["A"], keys["B"], expert_param=t.param))
     extra = sorted(set(found) - set(targets))
     if extra:
         layer, module = extra[0]
         key = next(iter(found[(layer, module)].values()))
-        raise AdapterError(f"tensor {key!r} is for {module_name(layer, module)}, which "
+        raise AdapterError(f"tensor {key!r} is for {module_name(layer, module, model_cfg)}, which "
                            f"target_modules does not select", feature="tensor",
                            file=weights_file)
-    version = combined_version([(CONFIG_NAME, config), (WEIGHTS_NAME, weights)])
-    return AdapterPlan(cfg, weights_file, tuple(modules), weights.data, shapes, version)
+    return AdapterPlan(cfg, weights_file, tuple(modules), weights.data, shapes,
+                       ((CONFIG_NAME, config), (WEIGHTS_NAME, weights)))
 
 
 def _check_weights_file(d: AdapterDir) -> str:
@@ -157,15 +186,17 @@ def _check_weights_file(d: AdapterDir) -> str:
     raise AdapterError(f"adapter directory has no {WEIGHTS_NAME}", feature="weights", file=path)
 
 
-def _targeted_modules(cfg: AdapterConfig, model_cfg) -> list[tuple[int, str]]:
-    """(layer, module) pairs PEFT would wrap; refuses targets we cannot serve."""
+def _targeted_modules(cfg: AdapterConfig, model_cfg,
+                      has_parameters: bool = False) -> list[tuple[int, str]]:
+    """(layer, module) pairs PEFT would wrap; refuses targets we cannot serve (none at
+    all only when the adapter wraps parameters)."""
     n = model_cfg.num_layers
     if cfg.layers_to_transform and max(cfg.layers_to_transform) >= n:
         raise AdapterError(f"layers_to_transform={list(cfg.layers_to_transform)} names a layer "
                            f"beyond the model's {n} layers", feature="layers_to_transform",
                            file=cfg.file)
     supported = [*_lora_targets(model_cfg), *architecture(model_cfg).end_targets]
-    all_names = [(i, m, module_name(i, m)) for i in range(n) for m in _lora_targets(model_cfg)]
+    all_names = [(i, m, module_name(i, m, model_cfg)) for i in range(n) for m in _lora_targets(model_cfg)]
     all_names += [(END_GROUP, m, module_name(END_GROUP, m))
                   for m in architecture(model_cfg).end_targets]
     if isinstance(cfg.target_modules, tuple):
@@ -176,7 +207,7 @@ def _targeted_modules(cfg: AdapterConfig, model_cfg) -> list[tuple[int, str]]:
                                    f"(supported: {', '.join(supported)})",
                                    feature="target_modules", file=cfg.file)
     targets = [(i, m) for i, m, name in all_names if cfg.targets(name)]
-    if not targets:
+    if not targets and not has_parameters:
         raise AdapterError(f"target_modules={_show(cfg.target_modules)} matches no supported "
                            f"module (supported: {', '.join(supported)})",
                            feature="target_modules", file=cfg.file)
@@ -187,13 +218,19 @@ def _show(targets) -> str:
     return repr(list(targets) if isinstance(targets, tuple) else targets)
 
 
-def _index_keys(shapes: dict, model_cfg, file: str,
-                use_dora: bool) -> dict[tuple[int, str], dict[str, str]]:
-    """{(layer, module): {"A": key, "B": key[, "M": key]}}; refuses every key we cannot
-    place ("M": DoRA magnitude, only when the config sets use_dora)."""
+def _index_keys(shapes: dict, model_cfg, file: str, use_dora: bool):
+    """({(layer, module): {"A": key, "B": key[, "M": key]}}, and for the experts modules
+    {(layer, parent, depth): {"A": key, "B": key}} (engine/lora/expert_plan.py)); refuses
+    every key we cannot place ("M": DoRA magnitude, only when the config sets use_dora)."""
     num_layers, supported = model_cfg.num_layers, _lora_targets(model_cfg)
     found: dict[tuple[int, str], dict[str, str]] = {}
+    experts: dict[tuple[int, str, int], dict[str, str]] = {}
     for key in shapes:
+        expert = expert_plan.match_key(key, model_cfg)
+        if expert is not None:
+            _check_layer(key, expert[0], num_layers, file)
+            _put(experts.setdefault(expert[:3], {}), expert[3], key, "the same parameter", file)
+            continue
         end = _END_KEY.match(key)
         if end is not None:
             module = end["head"] or end["embed"]
@@ -217,22 +254,28 @@ def _index_keys(shapes: dict, model_cfg, file: str,
             raise AdapterError(f"unexpected tensor {key!r} (not lora_A/lora_B of a supported "
                                f"module)", feature="tensor", file=file)
         layer = int(m["layer"])
-        if layer >= num_layers:
-            raise AdapterError(f"tensor {key!r} is for layer {layer}, but the model has "
-                               f"{num_layers} layers", feature="layer_index", file=file)
-        slot = found.setdefault((layer, m["module"]), {})
-        factor = m.groupdict().get("factor") or "M"
-        if factor in slot:
-            raise AdapterError(f"tensors {slot[factor]!r} and {key!r} both hold the "
-                               f"{_FACTOR_NAMES[factor]} of the same module", feature="tensor",
-                               file=file)
-        slot[factor] = key
-    return found
+        _check_layer(key, layer, num_layers, file)
+        _put(found.setdefault((layer, m["module"]), {}), m.groupdict().get("factor") or "M",
+             key, "the same module", file)
+    return found, experts
+
+
+def _check_layer(key: str, layer: int, num_layers: int, file: str) -> None:
+    if layer >= num_layers:
+        raise AdapterError(f"tensor {key!r} is for layer {layer}, but the model has "
+                           f"{num_layers} layers", feature="layer_index", file=file)
+
+
+def _put(slot: dict, factor: str, key: str, what: str, file: str) -> None:
+    if factor in slot:
+        raise AdapterError(f"tensors {slot[factor]!r} and {key!r} both hold the "
+                           f"{_FACTOR_NAMES[factor]} of {what}", feature="tensor", file=file)
+    slot[factor] = key
 
 
 def _module_plan(cfg: AdapterConfig, model_cfg, layer: int, module: str, found: dict,
                  shapes: dict, file: str) -> ModulePlan:
-    name = module_name(layer, module)
+    name = module_name(layer, module, model_cfg)
     keys = found.get((layer, module), {})
     if layer == END_GROUP and cfg.use_dora:
         raise AdapterError(f"use_dora=true with {name} in target_modules: DoRA is served on "

@@ -1,7 +1,7 @@
 """The base model's architecture, parsed from a Hugging Face model directory.
 
 Supports the architectures of the model registry (engine/model/archs/: Llama, Qwen2,
-Qwen3, Mistral); each decides its own fields (biases, q/k norms, sliding window).
+Qwen3, Mistral, Qwen2-MoE); each decides its own fields (biases, q/k norms, sliding window).
 Reads both the transformers 4 layout (`rope_theta` + `rope_scaling`) and the
 transformers 5 layout (`rope_parameters`). Anything the engine cannot run exactly is
 refused with a ModelLoadError naming the file and the field.
@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from engine.errors import ModelLoadError
-from engine.model.archs import ARCHITECTURES
+from engine.model.archs import ARCHITECTURES, MoeFields
 
 SUPPORTED_ARCHS = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -45,6 +45,8 @@ class ModelConfig:
     bos_token_id: int | None
     qk_norm: bool = False          # RMSNorm per query/key head before rotary (Qwen3)
     sliding_window: int | None = None  # attend to the last N positions only (Mistral)
+    moe: MoeFields | None = None   # mixture-of-experts MLP (Qwen2-MoE); intermediate_size
+                                   # is then the shared expert's width
 
     @property
     def q_size(self) -> int:
@@ -99,7 +101,7 @@ def parse_config(raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Mode
         arch=arch,
         vocab_size=f.int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=f.int("intermediate_size"),
+        intermediate_size=arch_fields.intermediate_size or f.int("intermediate_size"),
         num_layers=f.int("num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -113,6 +115,7 @@ def parse_config(raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Mode
         o_bias=arch_fields.o_bias,
         qk_norm=arch_fields.qk_norm,
         sliding_window=arch_fields.sliding_window,
+        moe=arch_fields.moe,
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         eos_token_ids=_token_ids(eos, "eos_token_id"),
         bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),

@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache, tensor-parallel.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Qwen2-MoE) over a paged KV cache,
+tensor-parallel.
 
 The family's variations are ModelConfig flags set by each architecture's declaration
 (engine/model/archs/): q/k/v and o biases, RMSNorm over each query and key head before
-rotary (qk_norm, Qwen3), attention limited to a sliding window (Mistral).
+rotary (qk_norm, Qwen3), attention limited to a sliding window (Mistral), a mixture of
+experts in place of the MLP (moe, Qwen2-MoE: engine/model/moe.py).
 
 Each rank holds its shard (engine/model/sharding.py): merged column-parallel q|k|v and
 gate|up, row-parallel o and down, vocabulary-parallel embedding and head. The numerics
@@ -27,6 +29,7 @@ from engine.model.hf_config import ModelConfig
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                  RowParallelLinear, VocabParallelEmbedding)
 from engine.model.loader import WeightSource
+from engine.model.moe import SparseMoeBlock
 from engine.model.rotary import RotaryEmbedding
 from engine.parallel import TPGroup
 from kernels.attention import paged_attention
@@ -105,6 +108,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device)
 
     def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
+        return self.down_proj.reduce(self.partial(x, lora))
+
+    def partial(self, x: torch.Tensor, lora) -> torch.Tensor:
+        """This rank's partial output (before the all-reduce and down_proj's bias)."""
         gate_up = self.gate_up_proj.matmul(x)
         if lora is not None:
             lora.apply(self.layer_idx, "gate_up", x, gate_up)
@@ -112,7 +119,7 @@ class LlamaMLP(nn.Module):
         y = self.down_proj.matmul(h)
         if lora is not None:
             lora.apply(self.layer_idx, "down", h, y)
-        return self.down_proj.reduce(y)
+        return y
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         return {
@@ -128,6 +135,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype, device, rotary)
         self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device)
+        if cfg.moe is not None:  # the dense MLP serves as the shared expert, if any
+            self.mlp = SparseMoeBlock(cfg, layer_idx, tp, dtype, device,
+                                      self.mlp if cfg.moe.shared_expert else None)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -221,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
     def lora_base_weight(self, layer: int, group: str) -> torch.Tensor:
         """This rank's merged base weight [N, K] of a LoRA group (DoRA's row norms)."""
         attn, mlp = self.layers[layer].self_attn, self.layers[layer].mlp
+        mlp = getattr(mlp, "shared_expert", mlp)   # a mixture of experts' dense MLP
         return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
                 "down": mlp.down_proj}[group].weight
 

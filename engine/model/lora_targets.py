@@ -22,6 +22,16 @@ replicated and B is cut by output rows exactly like the base weight; for a row-p
 module, A is cut by input columns and B is replicated. Because the row-parallel delta is
 added to the partial product before the all-reduce, the reduction also sums the LoRA term.
 `lora_shard` says which factor each rank cuts and where.
+
+Mixture-of-experts layers (engine/model/moe.py) take LoRA on their fused expert weights
+as PEFT's `target_parameters` expresses it (EXPERT_TARGETS below): per layer and
+parameter, with E experts and rank r, PEFT stores lora_A [E·r, in] (expert-major rows)
+and lora_B [out, r·E] (column j·E + e is rank j of expert e). The pool keeps, scaling
+folded in, a [E, r, in_rank] and b [E, out_rank, r] per slot (`expert_factors`), and
+the model asks the LoRA object for them with `lora.expert_lora(layer_idx)` (kernels/moe.py
+ExpertLoRA). Under tensor parallelism the experts' intermediate dim is split like the
+dense MLP's: gate_up_proj is column-parallel (B's gate rows and up rows each cut, A
+whole), down_proj row-parallel (A's columns cut, B whole).
 """
 from __future__ import annotations
 
@@ -64,6 +74,51 @@ DECODER_TARGETS: tuple[LoraTarget, ...] = (
     LoraTarget("down_proj", "mlp", "down", 0, "row", ("inter", "hidden")),
 )
 _BY_MODULE = MappingProxyType({t.module: t for t in DECODER_TARGETS})
+
+@dataclass(frozen=True)
+class ExpertTarget:
+    """A fused expert parameter LoRA may wrap (PEFT `target_parameters` entry
+    `{parent}.{param}`), in the order the experts module registers its parameters (PEFT
+    nests one wrapper per targeted parameter in that order: the saved keys of the i-th of
+    n targeted parameters carry n-1-i `.base_layer` segments)."""
+    param: str          # "gate_up_proj" [E, 2·inter, hidden] or "down_proj" [E, hidden, inter]
+    parent: str         # the experts module inside a decoder layer
+    parallel: str       # "column" (gate_up) or "row" (down)
+
+
+EXPERT_TARGETS: tuple[ExpertTarget, ...] = (
+    ExpertTarget("gate_up_proj", "mlp.experts", "column"),
+    ExpertTarget("down_proj", "mlp.experts", "row"),
+)
+
+
+def expert_full_shape(cfg, param: str) -> tuple[int, int]:
+    """(in_features, out_features) of one expert's matrix of a fused parameter."""
+    inter = cfg.moe.intermediate_size
+    return (cfg.hidden_size, 2 * inter) if param == "gate_up_proj" else (inter, cfg.hidden_size)
+
+
+def expert_shard_shape(cfg, param: str, tp_size: int) -> tuple[int, int]:
+    """(in_features, out_features) of one expert's matrix on one rank."""
+    k, n = expert_full_shape(cfg, param)
+    return (k, n // tp_size) if param == "gate_up_proj" else (k // tp_size, n)
+
+
+def expert_factors(cfg, param: str, lora_a, lora_b, rank: int, tp_rank: int, tp_size: int):
+    """This rank's (a [E, r, in], b [E, out, r]) from PEFT's lora_A [E·r, in] and
+    lora_B [out, r·E] (views or copies; scaling not applied)."""
+    E = cfg.moe.num_experts
+    a = lora_a.reshape(E, rank, lora_a.shape[1])
+    b = lora_b.reshape(lora_b.shape[0], rank, E).permute(2, 0, 1)
+    inter = cfg.moe.intermediate_size
+    cut = sharding.even_shard(inter, tp_rank, tp_size)
+    if tp_size == 1:
+        return a, b
+    if param == "gate_up_proj":   # gate rows then up rows, each cut
+        rows = [*range(cut.start, cut.stop), *range(inter + cut.start, inter + cut.stop)]
+        return a, b[:, rows, :]
+    return a[:, :, cut.start:cut.stop], b
+
 
 # LoRA on the model's two ends, outside the decoder layers, by HF module name (as PEFT
 # names the module). Per adapter slot the pool keeps, with the scaling folded into B:

@@ -47,6 +47,11 @@ def check_divisible(cfg, size: int) -> None:
         raise ModelLoadError(
             f"config.json: intermediate_size={cfg.intermediate_size} is not divisible by "
             f"tensor-parallel size {size}")
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and moe.intermediate_size % size:
+        raise ModelLoadError(
+            f"config.json: moe_intermediate_size={moe.intermediate_size} is not divisible by "
+            f"tensor-parallel size {size}")
 
 
 def even_shard(total: int, rank: int, size: int) -> Shard:

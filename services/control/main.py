@@ -11,7 +11,7 @@ from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 from engine.adapters.safe_files import roots_from, roots_problem
 from engine.server import curve
 from engine.server.options import OneLineErrors, positive_float, positive_int
-from services.common import grpc_server, tls
+from services.common import grpc_server, replicas, tls
 from services.common.logs import configure_logging
 
 SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].full_name
@@ -28,8 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-root", action="append", default=None,
                    help="directory adapters may live in (repeatable; $LORAMUX_ADAPTER_ROOTS, "
                         "':'-separated)")
-    p.add_argument("--engine-input", default=env("LORAMUX_ENGINE_INPUT"))
-    p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
+    replicas.add_arguments(p)
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
                    help="ZMQ address to bind for publishing the adapter table to gateways")
     p.add_argument("--max-lora-rank", type=positive_int, default=env("LORAMUX_MAX_LORA_RANK", "16"),
@@ -87,17 +86,20 @@ async def serve(args) -> int:
     metrics = ControlMetrics()
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
 
-    async def replay(instance: str) -> None:
-        metrics.replays.inc()
-        await manager_box[0].replay(instance)
+    def replay(replica: int):
+        async def run(instance: str) -> None:
+            metrics.replays.inc()
+            await manager_box[0].replay(replica, instance)
+        return run
 
-    link = EngineLink(args.engine_input, args.engine_output, on_connect=replay,
-                      on_event=lambda ev: manager_box[0].on_event(ev),
-                      heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
+    links = [EngineLink(input_address, output_address, on_connect=replay(index),
+                        on_event=lambda ev: manager_box[0].on_event(ev),
+                        heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
+             for index, (input_address, output_address) in enumerate(args.engines)]
     adapter_roots = AdapterRoots(roots)
     manager = AdapterManager(registry, adapter_roots,
                              make_validator(args.model, args.max_lora_rank, adapter_roots),
-                             link, table)
+                             links, table)
     manager_box.append(manager)
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = grpc_server.make_server(interceptors=interceptors)
@@ -108,18 +110,21 @@ async def serve(args) -> int:
     await server.start()
     table.start()
     table.publish(registry.all())
-    await link.start()
+    for link in links:
+        await link.start()
     await grpc_server.set_serving(health, [SERVICE], True)
     grpc_server.write_ready_file(args.ready_file, {"address": address, "table": table.address,
                                                    "metrics_port": metrics_port, "pid": os.getpid()})
-    log.info("serving", address=address, table=table.address, adapters=len(registry.all()))
+    log.info("serving", address=address, table=table.address, adapters=len(registry.all()),
+             replicas=len(links))
     stop = asyncio.Event()
     grpc_server.install_stop_signals(stop)
     await stop.wait()
     log.info("stopping")
     await health.enter_graceful_shutdown()
     await server.stop(5.0)
-    await link.close()
+    for link in links:
+        await link.close()
     await table.close()
     registry.close()
     return 0
@@ -141,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if (why := roots_problem(roots)) is not None:
         print(f"error: {why}", file=sys.stderr)
+        return 2
+    try:
+        args.engines = replicas.addresses(args.engine_input, args.engine_output)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     try:
         args.keys = curve.keys_from_args(args)

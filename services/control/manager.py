@@ -1,8 +1,10 @@
 """AdapterManager: the adapter lifecycle (REGISTERED -> LOADED -> UNLOADING -> REGISTERED)
-over the registry, the engine link and the table publisher.
+over the registry, the engine replicas' links and the table publisher.
 
-Mutations are serialized by one lock, so a replay after an engine (re)connect never
-interleaves with an admin call. Errors are AdminError(status code, message)."""
+An adapter is placed on every replica, or on the replicas its load named. Commands go to
+the placed replicas that are up; a replica that is down (or restarts) is brought to the
+desired state by the replay when it (re)connects. Mutations are serialized by one lock, so
+a replay never interleaves with an admin call. Errors are AdminError(status code, message)."""
 from __future__ import annotations
 
 import asyncio
@@ -48,9 +50,10 @@ def _ack_error(ack: engine_pb2.AdapterAck, what: str) -> AdminError:
 
 class AdapterManager:
     def __init__(self, registry: Registry, roots: AdapterRoots, validator: Validator,
-                 link: EngineLink, table: TablePublisher):
+                 links: list[EngineLink], table: TablePublisher):
+        """`links`: one per engine replica, by replica index."""
         self.registry, self.roots, self.validator = registry, roots, validator
-        self.link, self.table = link, table
+        self.links, self.table = links, table
         self._lock = asyncio.Lock()
         self._log = structlog.get_logger().bind(component="adapters")
 
@@ -61,6 +64,22 @@ class AdapterManager:
         if rec is None:
             raise AdminError(grpc.StatusCode.NOT_FOUND, f"adapter {name!r} is not registered")
         return rec
+
+    def placed(self, rec: AdapterRecord) -> list[int]:
+        """The replicas `rec` is placed on."""
+        return list(rec.replicas) if rec.replicas else list(range(len(self.links)))
+
+    def placement(self, replicas: list[int] | None) -> tuple[int, ...] | None:
+        """A load's replicas as stored (() = every replica); None: not given."""
+        if not replicas:
+            return None
+        bad = [i for i in replicas if not 0 <= i < len(self.links)]
+        if bad:
+            raise AdminError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"replicas {bad}: there are {len(self.links)} engine replica(s), "
+                             f"0 to {len(self.links) - 1}")
+        chosen = tuple(sorted(set(replicas)))
+        return () if len(chosen) == len(self.links) else chosen
 
     def _save(self, rec: AdapterRecord) -> AdapterRecord:
         rec = self.registry.put(rec)
@@ -106,36 +125,56 @@ class AdapterManager:
             raise AdminError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"adapter {name!r} cannot be read: {err.strerror}") from None
 
-    async def load(self, name: str, path: str | None, pinned: bool | None) -> AdapterRecord:
-        """Register (when `path` is given) and load. `pinned` None keeps the record's pin.
-        A refused load changes nothing: a name registered by this call is forgotten."""
+    async def load(self, name: str, path: str | None, pinned: bool | None,
+                   replicas: list[int] | None = None) -> AdapterRecord:
+        """Register (when `path` is given) and load on `replicas` (None: every replica, or
+        the placement a loaded adapter has). `pinned` None keeps the record's pin. A
+        refused load changes nothing: a name registered by this call is forgotten."""
         async with self._lock:
+            placement = self.placement(replicas)
             before = self.registry.get(name)
             rec = await self._register(name, path) if path else self.require(name)
             fresh = before is None or before.version != rec.version
             try:
-                return await self._load(rec, rec.pinned if pinned is None else pinned, fresh)
+                return await self._load(rec, rec.pinned if pinned is None else pinned, fresh,
+                                        rec.replicas if placement is None else placement)
             except AdminError:
                 if path and before is None:
                     self.registry.delete(name)
                     self.table.publish(self.registry.all())
                 raise
 
-    async def _load(self, rec: AdapterRecord, pinned: bool, fresh: bool) -> AdapterRecord:
-        """`fresh`: the record's version is newer than what the engine may hold."""
+    async def _load(self, rec: AdapterRecord, pinned: bool, fresh: bool,
+                    placement: tuple[int, ...]) -> AdapterRecord:
+        """`fresh`: the record's version is newer than what the engines may hold."""
         if rec.state == UNLOADING:
             raise AdminError(grpc.StatusCode.FAILED_PRECONDITION,
                              f"adapter {rec.name!r} is still unloading; retry when it is REGISTERED")
-        if rec.state == LOADED and rec.pinned == pinned and not fresh:
+        if rec.state == LOADED and rec.pinned == pinned and not fresh and rec.replicas == placement:
             return rec
-        ack = await self._command(_K.ADAPTER_COMMAND_KIND_LOAD, rec.name, rec.path, pinned,
-                                  rec.version)
-        if not ack.ok:
-            raise _ack_error(ack, f"loading adapter {rec.name!r} failed")
+        before = set(self.placed(rec)) if rec.state == LOADED else set()
+        target = rec.evolve(replicas=placement)
+        acks = await self._command(self.placed(target), _K.ADAPTER_COMMAND_KIND_LOAD, rec.name,
+                                   rec.path, pinned, rec.version)
+        refused = [(i, ack) for i, ack in acks.items() if not ack.ok]
+        if refused:
+            await self._undo_loads([i for i, ack in acks.items() if ack.ok and i not in before], rec.name)
+            raise _ack_error(refused[0][1], f"loading adapter {rec.name!r} failed"
+                             + (f" on replica {refused[0][0]}" if len(self.links) > 1 else ""))
+        dropped = sorted(before - set(self.placed(target)))
+        if dropped:
+            await self._command(dropped, _K.ADAPTER_COMMAND_KIND_UNLOAD, rec.name, optional=True)
         loads = rec.loads + (rec.state != LOADED)
-        self._log.info("loaded", adapter=rec.name, adapter_id=ack.adapter_id, pinned=pinned)
-        return self._save(rec.evolve(state=LOADED, pinned=pinned, adapter_id=ack.adapter_id,
-                                     loads=loads))
+        adapter_id = acks[min(acks)].adapter_id if acks else rec.adapter_id
+        self._log.info("loaded", adapter=rec.name, adapter_id=adapter_id, pinned=pinned,
+                       replicas=sorted(acks))
+        return self._save(target.evolve(state=LOADED, pinned=pinned, adapter_id=adapter_id,
+                                        loads=loads))
+
+    async def _undo_loads(self, replicas: list[int], name: str) -> None:
+        """A refused load leaves no replica holding what it loaded (best effort)."""
+        if replicas:
+            await self._command(replicas, _K.ADAPTER_COMMAND_KIND_UNLOAD, name, optional=True)
 
     async def unload(self, name: str) -> AdapterRecord:
         async with self._lock:
@@ -144,13 +183,15 @@ class AdapterManager:
                 raise AdminError(grpc.StatusCode.FAILED_PRECONDITION, f"adapter {name!r} is not loaded")
             if rec.state == UNLOADING:
                 return rec
-            # Published before the engine hears of it: gateways refuse new requests first.
+            # Published before the engines hear of it: gateways refuse new requests first.
             rec = self._save(rec.evolve(state=UNLOADING))
-            if not self.link.up:  # nothing in flight anywhere; the replay reconciles the engine
+            if not any(self.links[i].up for i in self.placed(rec)):
+                # nothing in flight anywhere; the replay reconciles the engines
                 return self._save(rec.evolve(state=REGISTERED, adapter_id=0))
-            ack = await self._command(_K.ADAPTER_COMMAND_KIND_UNLOAD, name)
-            if not ack.ok and ack.code != engine_pb2.ERROR_CODE_NOT_FOUND:
-                raise _ack_error(ack, f"unloading adapter {name!r} failed")
+            acks = await self._command(self.placed(rec), _K.ADAPTER_COMMAND_KIND_UNLOAD, name)
+            for ack in acks.values():
+                if not ack.ok and ack.code != engine_pb2.ERROR_CODE_NOT_FOUND:
+                    raise _ack_error(ack, f"unloading adapter {name!r} failed")
             self._log.info("unloading", adapter=name)
             return rec
 
@@ -169,51 +210,73 @@ class AdapterManager:
             rec = self.require(name)
             if rec.state == LOADED and rec.pinned != pinned:
                 kind = _K.ADAPTER_COMMAND_KIND_PIN if pinned else _K.ADAPTER_COMMAND_KIND_UNPIN
-                ack = await self._command(kind, name)
-                if not ack.ok:
-                    raise _ack_error(ack, f"{'pinning' if pinned else 'unpinning'} {name!r} failed")
+                acks = await self._command(self.placed(rec), kind, name)
+                for ack in acks.values():
+                    if not ack.ok:
+                        raise _ack_error(ack, f"{'pinning' if pinned else 'unpinning'} {name!r} failed")
             return self._save(rec.evolve(pinned=pinned))
 
-    async def _command(self, kind: int, name: str, path: str = "", pinned: bool = False,
-                       version: str = "") -> engine_pb2.AdapterAck:
-        try:
-            return await self.link.command(kind, name, path, pinned, version)
-        except EngineUnavailable as err:
-            raise AdminError(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {err}") from None
+    async def _command(self, replicas: list[int], kind: int, name: str, path: str = "",
+                       pinned: bool = False, version: str = "",
+                       optional: bool = False) -> dict[int, engine_pb2.AdapterAck]:
+        """Send one command to those of `replicas` that are up, concurrently: their acks,
+        by replica. The others get it from the replay when they (re)connect. With none up,
+        each gets the link's wait for a (re)starting engine; none answering is UNAVAILABLE
+        (or, when `optional`, no acks)."""
+        up = [i for i in replicas if self.links[i].up]
+        wait_s = 0.0 if up else 5.0
+        targets = up or replicas
+        results = await asyncio.gather(
+            *(self.links[i].command(kind, name, path, pinned, version, connect_wait_s=wait_s)
+              for i in targets), return_exceptions=True)
+        acks, errors = {}, []
+        for i, result in zip(targets, results):
+            if isinstance(result, EngineUnavailable):
+                errors.append(f"replica {i}: {result}" if len(self.links) > 1 else str(result))
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                acks[i] = result
+        if not acks and errors and not optional:
+            raise AdminError(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {'; '.join(errors)}")
+        return acks
 
-    async def replay(self, instance_id: str) -> None:
-        """Bring a (re)connected engine to the desired state: load every LOADED adapter
-        (with its pin), finish every UNLOADING one."""
+    async def replay(self, replica: int, instance_id: str) -> None:
+        """Bring a (re)connected replica to the desired state: load every LOADED adapter
+        placed on it (with its pin), unload every UNLOADING one and every one no longer
+        placed on it."""
         async with self._lock:
             for rec in self.registry.all():
-                if rec.state == LOADED:
-                    await self._replay_load(rec)
-                elif rec.state == UNLOADING:
-                    await self._replay_unload(rec)
+                if rec.state == LOADED and replica in self.placed(rec):
+                    await self._replay_load(replica, rec)
+                elif rec.state in (LOADED, UNLOADING):
+                    await self._replay_unload(replica, rec)
             self.table.publish(self.registry.all())
-        self._log.info("replayed", engine=instance_id)
+        self._log.info("replayed", replica=replica, engine=instance_id)
 
-    async def _replay_load(self, rec: AdapterRecord) -> None:
+    async def _replay_load(self, replica: int, rec: AdapterRecord) -> None:
         try:
-            ack = await self.link.command(_K.ADAPTER_COMMAND_KIND_LOAD, rec.name, rec.path,
-                                          rec.pinned, rec.version)
+            ack = await self.links[replica].command(_K.ADAPTER_COMMAND_KIND_LOAD, rec.name,
+                                                    rec.path, rec.pinned, rec.version)
         except EngineUnavailable as err:
-            self._log.warning("replay_failed", adapter=rec.name, error=str(err))
+            self._log.warning("replay_failed", replica=replica, adapter=rec.name, error=str(err))
             return
-        if ack.ok:
+        if not ack.ok:
+            self._log.error("replay_load_refused", replica=replica, adapter=rec.name,
+                            error=ack.message)
+        elif replica == min(self.placed(rec)):  # the record shows the first replica's id
             self.registry.put(rec.evolve(adapter_id=ack.adapter_id))
-        else:
-            self._log.error("replay_load_refused", adapter=rec.name, error=ack.message)
 
-    async def _replay_unload(self, rec: AdapterRecord) -> None:
+    async def _replay_unload(self, replica: int, rec: AdapterRecord) -> None:
         try:
-            await self.link.command(_K.ADAPTER_COMMAND_KIND_UNLOAD, rec.name)
+            await self.links[replica].command(_K.ADAPTER_COMMAND_KIND_UNLOAD, rec.name)
         except EngineUnavailable:
             return
 
     def on_event(self, ev: engine_pb2.EngineEvent) -> None:
-        """An UNLOADING adapter becomes REGISTERED once the engine no longer holds it."""
-        held = {a.name for a in ev.adapters}
+        """An UNLOADING adapter becomes REGISTERED once no live replica holds it."""
+        held = {a.name for link in self.links if link.up for a in link.last_event.adapters}
+        held |= {a.name for a in ev.adapters}
         for rec in self.registry.all():
             if rec.state == UNLOADING and rec.name not in held and not self._lock.locked():
                 self._save(rec.evolve(state=REGISTERED, adapter_id=0))

@@ -22,11 +22,14 @@ CREATE TABLE IF NOT EXISTS adapters (
     target_modules TEXT NOT NULL DEFAULT '[]',
     loads INTEGER NOT NULL DEFAULT 0,
     created_at REAL NOT NULL,
-    version TEXT NOT NULL DEFAULT ''
+    version TEXT NOT NULL DEFAULT '',
+    replicas TEXT NOT NULL DEFAULT '[]'
 )"""
 _META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 _COLUMNS = ("name", "path", "state", "pinned", "adapter_id", "rank", "target_modules",
-            "loads", "created_at", "version")
+            "loads", "created_at", "version", "replicas")
+# columns added after the first release: (name, declaration) for files written before them
+_ADDED = (("version", "TEXT NOT NULL DEFAULT ''"), ("replicas", "TEXT NOT NULL DEFAULT '[]'"))
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class AdapterRecord:
     loads: int = 0
     created_at: float = 0.0
     version: str = ""   # sha256 of the files as validated (engine/adapters/safe_files.py)
+    replicas: tuple[int, ...] = ()  # engine replicas it is placed on; () = every replica
 
     def evolve(self, **changes) -> "AdapterRecord":
         return replace(self, **changes)
@@ -51,13 +55,14 @@ def _from_row(row: tuple) -> AdapterRecord:
     d = dict(zip(_COLUMNS, row))
     d["pinned"] = bool(d["pinned"])
     d["target_modules"] = tuple(json.loads(d["target_modules"]))
+    d["replicas"] = tuple(json.loads(d["replicas"]))
     return AdapterRecord(**d)
 
 
 def _to_row(rec: AdapterRecord) -> tuple:
     return (rec.name, rec.path, int(rec.state), int(rec.pinned), int(rec.adapter_id),
             int(rec.rank), json.dumps(list(rec.target_modules)), int(rec.loads),
-            rec.created_at or time.time(), rec.version)
+            rec.created_at or time.time(), rec.version, json.dumps(list(rec.replicas)))
 
 
 class Registry:
@@ -71,8 +76,9 @@ class Registry:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
         have = {row[1] for row in self._db.execute("PRAGMA table_info(adapters)")}
-        if "version" not in have:  # a file written before versions were recorded
-            self._db.execute("ALTER TABLE adapters ADD COLUMN version TEXT NOT NULL DEFAULT ''")
+        for column, declaration in _ADDED:  # a file written before the column existed
+            if column not in have:
+                self._db.execute(f"ALTER TABLE adapters ADD COLUMN {column} {declaration}")
         self._db.execute(_META)
         if binding is not None:
             with self._db:

@@ -17,6 +17,7 @@ from services.control.manager import AdapterManager, AdminError
 from services.control.registry import AdapterRecord
 
 _DEFAULT_PAGE, _MAX_PAGE = 100, 1000
+_RESIDENCY_ORDER = {pb.RESIDENCY_DEVICE: 0, pb.RESIDENCY_HOST: 1, pb.RESIDENCY_DISK: 2}
 
 
 def _admin_call(method):
@@ -58,18 +59,29 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
         self.metrics = metrics  # services/control/metrics.py ControlMetrics, or None
 
     def to_proto(self, rec: AdapterRecord) -> pb.Adapter:
-        """Registry record + what the engine last reported about this name."""
+        """Registry record + what each replica last reported about this name: per replica,
+        and summed (counts) or the best (residency, its slot) over the replicas."""
         out = pb.Adapter(name=rec.name, path=rec.path, state=rec.state, pinned=rec.pinned,
                          rank=rec.rank, target_modules=rec.target_modules, id=rec.adapter_id,
                          loads=rec.loads, slot=-1)
-        live = _engine_status(self.m.link.last_event, rec)
-        if live is not None and rec.state != pb.ADAPTER_STATE_REGISTERED:
-            out.residency = live.residency
-            out.slot = live.slot
-            out.in_flight_requests = live.in_flight_requests
-            out.evictions = live.evictions
-            if live.loads:
-                out.loads = live.loads
+        placed = set(self.m.placed(rec))
+        live = []
+        for index, link in enumerate(self.m.links):
+            r = out.replicas.add(replica=index, up=link.up, placed=index in placed, slot=-1)
+            status = _engine_status(link.last_event, rec) if link.up else None
+            if status is not None and rec.state != pb.ADAPTER_STATE_REGISTERED:
+                r.residency, r.slot, r.id = status.residency, status.slot, status.id
+                r.in_flight_requests = status.in_flight_requests
+                live.append(status)
+            elif rec.state == pb.ADAPTER_STATE_LOADED and r.placed and link.up:
+                r.residency = pb.RESIDENCY_DISK
+        if live:
+            best = min(live, key=lambda a: _RESIDENCY_ORDER.get(a.residency, len(_RESIDENCY_ORDER)))
+            out.residency, out.slot = best.residency, best.slot
+            out.in_flight_requests = sum(a.in_flight_requests for a in live)
+            out.evictions = sum(a.evictions for a in live)
+            if any(a.loads for a in live):
+                out.loads = sum(a.loads for a in live)
         elif rec.state == pb.ADAPTER_STATE_LOADED:
             out.residency = pb.RESIDENCY_DISK
         return out
@@ -84,7 +96,7 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
         path = request.path if request.HasField("path") else None
         pinned = request.pinned if request.HasField("pinned") else None
         return pb.LoadAdapterResponse(adapter=self.to_proto(
-            await self.m.load(request.name, path, pinned)))
+            await self.m.load(request.name, path, pinned, list(request.replicas))))
 
     @_admin_call
     async def UnloadAdapter(self, request, context):

@@ -35,7 +35,7 @@ class TablePublisher:
         table = engine_pb2.AdapterTable(version=self._table.version + 1)
         for r in records:
             table.entries.add(name=r.name, state=r.state, pinned=r.pinned, id=r.adapter_id,
-                              path=r.path)
+                              path=r.path, replicas=r.replicas)
         self._table = table
         self._send()
 

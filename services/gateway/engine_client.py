@@ -1,32 +1,66 @@
-"""The gateway's side of the engine: one asyncio queue per live request, fed from the
-engine's per-step StepBatch; admission control; aborts.
+"""The gateway's side of the engine replicas: one asyncio queue per live request, fed from
+its replica's per-step StepBatch; routing (services/gateway/router.py); admission control;
+aborts; per-replica liveness.
 
 Each queue receives RequestDelta messages and, on failure, a Rejected (the engine refused
-the request, or went down: UNAVAILABLE)."""
+the request, or its replica went down: UNAVAILABLE). A replica that goes down ends only
+its own streams; new requests go to the others until it is back."""
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 import grpc
 from loramux.v1 import engine_pb2, generate_pb2
 
 from services.common.engine_connection import EngineConnection
 from services.gateway.errors import Rejected
+from services.gateway.router import ReplicaView, choose
+
+
+class Replica:
+    """One engine replica: its connection, its latest stats and this gateway's requests
+    on it."""
+
+    def __init__(self, index: int, conn: EngineConnection):
+        self.index = index
+        self.conn = conn
+        self.last_event: engine_pb2.EngineEvent | None = None  # its latest stats snapshot
+        self.streams: set[str] = set()
+        self.sent = 0  # requests sent since last_event (not counted in it yet)
+
+    @property
+    def up(self) -> bool:
+        return self.conn.up
+
+    def view(self) -> ReplicaView:
+        ev = self.last_event or engine_pb2.EngineEvent()
+        return ReplicaView(self.index, {a.name: a.residency for a in ev.adapters},
+                           ev.waiting_requests, self.sent, len(self.streams))
 
 
 class EngineClient:
-    def __init__(self, input_address: str, output_address: str, *, max_inflight: int,
-                 heartbeat_timeout_s: float = 1.5, keys=None):
+    def __init__(self, engines: list[tuple[str, str]], *, max_inflight: int,
+                 heartbeat_timeout_s: float = 1.5, keys=None, spill_waiting: int = 4,
+                 on_route: Callable[[int, str], None] = lambda replica, decision: None):
+        """`engines`: (input, output) address pairs, one per replica, by replica index.
+        `on_route(replica, decision)` is told every routing decision."""
         self.max_inflight = max_inflight
+        self.spill_waiting = spill_waiting
         self.prefix = f"gw-{uuid.uuid4().hex[:12]}-"  # request ids unique across gateways
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, tuple[Replica, asyncio.Queue]] = {}
         self._counter = 0
+        self._on_route = on_route
         self.draining = False  # set on shutdown: new requests are refused, live ones go on
-        self.last_event: engine_pb2.EngineEvent | None = None  # the engine's latest snapshot
-        self.conn = EngineConnection(input_address, output_address, on_output=self._output,
-                                     on_down=self._down, heartbeat_timeout_s=heartbeat_timeout_s,
-                                     keys=keys)
+        self.replicas: list[Replica] = []
+        for index, (input_address, output_address) in enumerate(engines):
+            replica = Replica(index, None)
+            replica.conn = EngineConnection(
+                input_address, output_address, heartbeat_timeout_s=heartbeat_timeout_s,
+                keys=keys, on_output=lambda msg, r=replica: self._output(r, msg),
+                on_down=lambda reason, r=replica: self._down(r, reason))
+            self.replicas.append(replica)
 
     @property
     def inflight(self) -> int:
@@ -34,30 +68,55 @@ class EngineClient:
 
     @property
     def up(self) -> bool:
-        return self.conn.up
+        """True while at least one replica is up."""
+        return any(r.up for r in self.replicas)
+
+    @property
+    def heartbeat(self) -> engine_pb2.Heartbeat:
+        """A live replica's latest heartbeat (model limits are the same on all)."""
+        for r in self.replicas:
+            if r.up:
+                return r.conn.heartbeat
+        return self.replicas[0].conn.heartbeat
 
     async def start(self) -> None:
-        await self.conn.start()
+        for r in self.replicas:
+            await r.conn.start()
 
     async def close(self) -> None:
-        await self.conn.close()
+        for r in self.replicas:
+            await r.conn.close()
 
-    def open(self) -> tuple[str, asyncio.Queue]:
-        """Admit a new request: its engine request id and queue, or Rejected."""
+    def open(self, adapter: str = "", placement: tuple[int, ...] = ()) -> tuple[str, asyncio.Queue]:
+        """Admit a new request for `adapter` ("" = base model), placed on the replicas
+        `placement` (() = every replica): its engine request id and queue, or Rejected."""
         if self.draining:
             raise Rejected(grpc.StatusCode.UNAVAILABLE,
                            "the gateway is shutting down; retry on another one")
-        if not self.conn.up:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, "the engine is unavailable")
         if len(self._streams) >= self.max_inflight:
             raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"the gateway is at its admission limit ({self.max_inflight} "
                            "requests in flight); retry later")
+        replica = self._route(adapter, placement)
         self._counter += 1
         rid = f"{self.prefix}{self._counter}"
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = queue
+        self._streams[rid] = (replica, queue)
+        replica.streams.add(rid)
         return rid, queue
+
+    def _route(self, adapter: str, placement: tuple[int, ...]) -> Replica:
+        allowed = set(placement) if placement else None
+        live = [r.view() for r in self.replicas if r.up and (allowed is None or r.index in allowed)]
+        choice = choose(live, adapter, self.spill_waiting)
+        if choice is None:
+            if not self.up:
+                raise Rejected(grpc.StatusCode.UNAVAILABLE, "the engine is unavailable")
+            raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                           f"no engine replica that holds adapter {adapter!r} is available "
+                           f"(placed on replicas {sorted(placement)})")
+        self._on_route(choice.replica, choice.decision)
+        return self.replicas[choice.replica]
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until no request is in flight, or `timeout_s`; True if none is left."""
@@ -69,37 +128,52 @@ class EngineClient:
 
     def submit(self, rid: str, prompt_ids: list[int], adapter: str,
                sampling: generate_pb2.SamplingParams) -> None:
+        replica = self._streams[rid][0]
         msg = engine_pb2.EngineInput(generate=engine_pb2.EngineGenerate(
             request_id=rid, prompt_token_ids=prompt_ids, adapter=adapter, sampling=sampling))
-        if not self.conn.send(msg):
+        if not replica.conn.send(msg):
             raise Rejected(grpc.StatusCode.UNAVAILABLE, "the engine is unavailable")
+        replica.sent += 1
 
     def release(self, rid: str, abort: bool) -> None:
-        """Forget `rid`; with abort, tell the engine to stop it and free its KV."""
-        self._streams.pop(rid, None)
+        """Forget `rid`; with abort, tell its engine to stop it and free its KV."""
+        replica, _ = self._streams.pop(rid, (None, None))
+        if replica is None:
+            return
+        replica.streams.discard(rid)
         if abort:
-            self.conn.send(engine_pb2.EngineInput(abort=engine_pb2.EngineAbort(request_ids=[rid])))
+            replica.conn.send(engine_pb2.EngineInput(abort=engine_pb2.EngineAbort(request_ids=[rid])))
 
-    def _output(self, msg: engine_pb2.EngineOutput) -> None:
+    def replica_of(self, rid: str) -> int | None:
+        """The index of the replica running `rid`, while it is live."""
+        entry = self._streams.get(rid)
+        return None if entry is None else entry[0].index
+
+    def _output(self, replica: Replica, msg: engine_pb2.EngineOutput) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "event":
-            self.last_event = msg.event
+            replica.last_event = msg.event
+            replica.sent = 0
         if kind != "step_batch":
             return
         orphans = []
         for d in msg.step_batch.deltas:
-            queue = self._streams.get(d.request_id)
-            if queue is not None:
-                queue.put_nowait(d)
+            entry = self._streams.get(d.request_id)
+            if entry is not None and entry[0] is replica:
+                entry[1].put_nowait(d)
             elif not d.finished and d.request_id.startswith(self.prefix):
                 orphans.append(d.request_id)  # its caller is gone: make sure it stops
         for err in msg.step_batch.errors:
-            queue = self._streams.get(err.request_id)
-            if queue is not None:
-                queue.put_nowait(Rejected.from_wire(err.code, err.message))
+            entry = self._streams.get(err.request_id)
+            if entry is not None and entry[0] is replica:
+                entry[1].put_nowait(Rejected.from_wire(err.code, err.message))
         if orphans:
-            self.conn.send(engine_pb2.EngineInput(abort=engine_pb2.EngineAbort(request_ids=orphans)))
+            replica.conn.send(engine_pb2.EngineInput(abort=engine_pb2.EngineAbort(request_ids=orphans)))
 
-    def _down(self, reason: str) -> None:
-        for queue in self._streams.values():
-            queue.put_nowait(Rejected(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {reason}"))
+    def _down(self, replica: Replica, reason: str) -> None:
+        replica.last_event = None
+        replica.sent = 0
+        what = "engine" if len(self.replicas) == 1 else f"engine replica {replica.index}"
+        for rid in replica.streams:
+            self._streams[rid][1].put_nowait(
+                Rejected(grpc.StatusCode.UNAVAILABLE, f"{what} unavailable: {reason}"))

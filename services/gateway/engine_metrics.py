@@ -1,6 +1,7 @@
 """The engine's and the control plane's state as Prometheus metrics, read at scrape time
 from the latest EngineEvent (every 0.5 s) and the latest adapter table the gateway holds,
-so they are served on the gateway's endpoint without a copy of either.
+so they are served on the gateway's endpoint without a copy of either. Every engine
+series carries a `replica` label (the replica's index; "0" with one engine).
 
 Names follow vLLM's where one exists, so routers configured for vLLM need only the prefix
 changed. For the Gateway API Inference Extension's endpoint picker:
@@ -30,14 +31,31 @@ _HISTOGRAMS = {
 MAX_INFO_ADAPTERS = 64  # names in one lora_requests_info label, at most
 
 
-def _gauge(name: str, doc: str, value: float, labels: dict | None = None) -> GaugeMetricFamily:
-    g = GaugeMetricFamily(name, doc, labels=list(labels or {}))
-    g.add_metric(list((labels or {}).values()), value)
-    return g
+class _Families:
+    """Metric families by name, filled replica by replica, yielded once each."""
+
+    def __init__(self):
+        self._families: dict[str, GaugeMetricFamily | HistogramMetricFamily] = {}
+
+    def gauge(self, name: str, doc: str, labels: dict, value: float) -> None:
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = GaugeMetricFamily(name, doc, labels=list(labels))
+        family.add_metric(list(labels.values()), value)
+
+    def histogram(self, name: str, doc: str, replica: str, snapshot) -> None:
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = HistogramMetricFamily(name, doc, labels=["replica"])
+        family.add_metric([replica], _buckets(snapshot), sum_value=snapshot.sum)
+
+    def __iter__(self):
+        return iter(self._families.values())
 
 
 class EngineCollector:
-    """A prometheus_client collector over the gateway's EngineClient and AdapterTable."""
+    """A prometheus_client collector over the gateway's EngineClient (every replica, with
+    a `replica` label: its index) and AdapterTable."""
 
     def __init__(self, engine, table):
         self.engine, self.table = engine, table
@@ -46,50 +64,58 @@ class EngineCollector:
         return []  # collected on demand only (no fixed set of names at registration)
 
     def collect(self):
-        yield _gauge("loramux:engine_up", "1 while an engine is connected", float(self.engine.up))
+        out = _Families()
         yield from self._registry()
-        ev = self.engine.last_event
-        if ev is None or not self.engine.up:
+        for replica in self.engine.replicas:
+            self._replica(out, replica)
+        yield from out
+
+    def _replica(self, out: _Families, replica) -> None:
+        label = {"replica": str(replica.index)}
+        out.gauge("loramux:engine_up", "1 while the engine replica is connected", label,
+                  float(replica.up))
+        out.gauge("loramux:gateway_requests_inflight", "This gateway's requests in flight "
+                  "on the engine replica", label, len(replica.streams))
+        ev = replica.last_event
+        if ev is None or not replica.up:
             return
-        yield _gauge("loramux:num_requests_running", "Requests in the running batch",
-                     ev.running_requests)
-        yield _gauge("loramux:num_requests_waiting", "Requests waiting to be scheduled",
-                     ev.waiting_requests)
-        yield from self._kv(ev.stats)
-        yield from self._adapters(ev)
+        out.gauge("loramux:num_requests_running", "Requests in the running batch", label,
+                  ev.running_requests)
+        out.gauge("loramux:num_requests_waiting", "Requests waiting to be scheduled", label,
+                  ev.waiting_requests)
+        self._kv(out, label, ev.stats)
+        self._adapters(out, label, ev)
         for h in ev.histograms:
             if h.name in _HISTOGRAMS:
-                yield _histogram(*_HISTOGRAMS[h.name], h)
+                out.histogram(*_HISTOGRAMS[h.name], label["replica"], h)
 
-    def _kv(self, stats):
+    def _kv(self, out: _Families, label: dict, stats) -> None:
         total = stats.get("num_kv_blocks", 0.0)
         used = total - stats.get("free_kv_blocks", total)
-        yield _gauge("loramux:kv_cache_blocks_total", "KV cache blocks", total)
-        yield _gauge("loramux:kv_cache_blocks_used", "KV cache blocks in use", used)
-        yield _gauge("loramux:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
-                     used / total if total else 0.0)
+        out.gauge("loramux:kv_cache_blocks_total", "KV cache blocks", label, total)
+        out.gauge("loramux:kv_cache_blocks_used", "KV cache blocks in use", label, used)
+        out.gauge("loramux:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
+                  label, used / total if total else 0.0)
 
-    def _adapters(self, ev):
-        tiers = GaugeMetricFamily("loramux:adapters", "Adapters by residency tier "
-                                  "(slot: in a GPU slot, host: host memory, disk)", labels=["tier"])
+    def _adapters(self, out: _Families, label: dict, ev) -> None:
         counts = {t: 0 for t in _TIERS.values()}
         for a in ev.adapters:
             if a.residency in _TIERS:
                 counts[_TIERS[a.residency]] += 1
         for tier, n in counts.items():
-            tiers.add_metric([tier], n)
-        yield tiers
+            out.gauge("loramux:adapters", "Adapters by residency tier (slot: in a GPU slot, "
+                      "host: host memory, disk)", {**label, "tier": tier}, n)
         max_loras = int(ev.stats.get("max_loras", 0))
-        yield _gauge("loramux:max_loras", "GPU adapter slots (max_loras)", max_loras)
-        yield _gauge("loramux:adapter_slots_used", "GPU adapter slots in use",
-                     ev.stats.get("slots_used", 0.0))
+        out.gauge("loramux:max_loras", "GPU adapter slots (max_loras)", label, max_loras)
+        out.gauge("loramux:adapter_slots_used", "GPU adapter slots in use", label,
+                  ev.stats.get("slots_used", 0.0))
         running = sorted(a.name for a in ev.adapters if a.running_requests and a.name)
         waiting = sorted(a.name for a in ev.adapters if a.waiting_requests and a.name)
-        yield _gauge("loramux:lora_requests_info", "Adapters with running and waiting requests "
-                     "(label shape of vllm:lora_requests_info); value: unix time of the snapshot",
-                     time.time(), {"running_lora_adapters": ",".join(running[:MAX_INFO_ADAPTERS]),
-                                   "waiting_lora_adapters": ",".join(waiting[:MAX_INFO_ADAPTERS]),
-                                   "max_lora": str(max_loras)})
+        out.gauge("loramux:lora_requests_info", "Adapters with running and waiting requests "
+                  "(label shape of vllm:lora_requests_info); value: unix time of the snapshot",
+                  {**label, "running_lora_adapters": ",".join(running[:MAX_INFO_ADAPTERS]),
+                   "waiting_lora_adapters": ",".join(waiting[:MAX_INFO_ADAPTERS]),
+                   "max_lora": str(max_loras)}, time.time())
 
     def _registry(self):
         """The control plane's registry, by state, from the adapter table it publishes."""
@@ -104,12 +130,10 @@ class EngineCollector:
         yield states
 
 
-def _histogram(name: str, doc: str, snapshot) -> HistogramMetricFamily:
+def _buckets(snapshot) -> list[tuple[str, int]]:
     buckets, cumulative = [], 0
     for bound, count in zip([*snapshot.bounds, float("inf")], snapshot.bucket_counts):
         cumulative += count
         buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-    h = HistogramMetricFamily(name, doc)
-    h.add_metric([], buckets, sum_value=snapshot.sum)
-    return h
+    return buckets
 

@@ -98,7 +98,7 @@ class OpenAIFront:
         return model
 
     def models(self) -> dict:
-        max_len = self.servicer.engine.conn.heartbeat.max_model_len or \
+        max_len = self.servicer.engine.heartbeat.max_model_len or \
             self.servicer.default_max_model_len
         base = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "loramux", "root": self.model_root, "parent": None,

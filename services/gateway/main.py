@@ -11,7 +11,7 @@ from loramux.v1 import generate_pb2, generate_pb2_grpc
 from engine.server import curve
 from engine.server.options import (OneLineErrors, Option, add_options, given,
                                    non_negative_float, positive_float, positive_int)
-from services.common import grpc_server, tls
+from services.common import grpc_server, replicas, tls
 from services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -30,6 +30,10 @@ GATEWAY_OPTIONS = (
            "seconds without an engine heartbeat before the engine counts as gone and its "
            "streams end with UNAVAILABLE (default: 1.5)", env="LORAMUX_HEARTBEAT_TIMEOUT",
            default=1.5),
+    Option("spill_waiting", "--spill-waiting", positive_int,
+           "an engine replica with this many requests waiting to be scheduled is saturated: "
+           "requests for adapters it holds go to another replica, even one that must load "
+           "them first (default: 4)", env="LORAMUX_SPILL_WAITING", default=4),
     Option("served_model_name", "--served-model-name", str,
            "the base model's name in the HTTP API (default: --model as given)",
            env="LORAMUX_SERVED_MODEL_NAME"),
@@ -51,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory adapters may be read from (their chat templates; "
                         "repeatable; $LORAMUX_ADAPTER_ROOTS, ':'-separated): the control "
                         "plane's roots")
-    p.add_argument("--engine-input", default=env("LORAMUX_ENGINE_INPUT"))
-    p.add_argument("--engine-output", default=env("LORAMUX_ENGINE_OUTPUT"))
+    replicas.add_arguments(p)
     p.add_argument("--table-address", default=env("LORAMUX_TABLE_ADDRESS"),
                    help="the control plane's adapter-table PUB address")
     add_options(p, GATEWAY_OPTIONS)
@@ -76,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _track_health(health, engine) -> None:
-    """SERVING exactly while the engine is up, so orchestrators route around a dead one."""
+    """SERVING exactly while an engine replica is up, so orchestrators route around a
+    gateway with none."""
     serving = None
     while True:
         if engine.up != serving:
@@ -127,8 +131,9 @@ async def serve(args) -> int:
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
     metrics = GatewayMetrics(args.metrics_max_adapters)
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
-    engine = EngineClient(args.engine_input, args.engine_output, max_inflight=args.max_inflight,
-                          heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
+    engine = EngineClient(args.engines, max_inflight=args.max_inflight,
+                          heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys,
+                          spill_waiting=args.spill_waiting, on_route=metrics.route)
     table = AdapterTable(args.table_address, keys=args.keys)
     metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
@@ -176,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     from engine.adapters.safe_files import roots_from, roots_problem
     if (why := roots_problem(roots_from(args.adapter_root, os.environ))) is not None:
         print(f"error: {why}", file=sys.stderr)
+        return 2
+    try:
+        args.engines = replicas.addresses(args.engine_input, args.engine_output)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     try:
         args.keys = curve.keys_from_args(args)

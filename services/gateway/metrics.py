@@ -57,6 +57,15 @@ class GatewayMetrics:
         self.prefix_cache_hits = Counter(
             "loramux:prefix_cache_hits", "Prompt tokens of finished requests served from "
             "the prefix cache", registry=r)
+        # affinity hit rate = rate of decisions slot + host over all (router.py)
+        self.routed = Counter(
+            "loramux:routed_requests", "Requests by the engine replica they were sent to "
+            "and why: slot/host/cold (the adapter's residency there, the best among the live "
+            "replicas), spill (a worse one, its best replicas being saturated)",
+            ["replica", "decision"], registry=r)
+
+    def route(self, replica: int, decision: str) -> None:
+        self.routed.labels(str(replica), decision).inc()
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP; returns the bound port (port 0 picks one)."""

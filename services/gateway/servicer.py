@@ -46,7 +46,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def _admit(self, req: generate_pb2.GenerateRequest,
                      fill_context: bool) -> tuple[str, asyncio.Queue, int]:
-        hb = self.engine.conn.heartbeat
+        hb = self.engine.heartbeat
         vocab = hb.vocab_size or self.prompts.tokenizer.vocab_size
         max_len = hb.max_model_len or self.default_max_model_len
         check_sampling(req.sampling, vocab)
@@ -57,7 +57,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             sampling = generate_pb2.SamplingParams()
             sampling.CopyFrom(req.sampling)
             sampling.max_tokens = max_len - len(ids)
-        rid, queue = self.engine.open()
+        rid, queue = self.engine.open(req.adapter, tuple(entry.replicas) if entry else ())
         try:
             self.engine.submit(rid, ids, req.adapter, sampling)
         except Rejected:

@@ -34,7 +34,7 @@ def build_tokenizer(vocab_size: int = 384):
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama", "qwen2", "qwen3" or "mistral"
+    arch: str = "llama"  # "llama", "qwen2", "qwen3", "mistral" or "qwen2_moe"
     hidden_size: int = 64
     intermediate_size: int = 128
     num_layers: int = 2
@@ -49,10 +49,15 @@ class TinySpec:
     dtype: str = "float32"
     shard_size: str | None = None  # e.g. "40KB" writes several *.safetensors + index
     sliding_window: int | None = None  # mistral only
+    num_experts: int = 8             # qwen2_moe only: routed experts, of this width,
+    moe_intermediate_size: int = 32  # top_k per token, and the shared expert's width
+    top_k: int = 2
+    shared_expert_intermediate_size: int = 48
+    norm_topk_prob: bool = False
 
 
 def _hf_config(spec: TinySpec, vocab_size: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -81,6 +86,12 @@ def _hf_config(spec: TinySpec, vocab_size: int):
                            use_sliding_window=False)
     if spec.arch == "mistral":
         return MistralConfig(**common, sliding_window=spec.sliding_window)
+    if spec.arch == "qwen2_moe":
+        return Qwen2MoeConfig(
+            **common, use_sliding_window=False, num_experts=spec.num_experts,
+            num_experts_per_tok=spec.top_k, moe_intermediate_size=spec.moe_intermediate_size,
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+            norm_topk_prob=spec.norm_topk_prob)
     raise ValueError(f"unknown arch {spec.arch!r}")
 
 
@@ -129,6 +140,7 @@ class AdapterSpec:
     alpha_pattern: dict = field(default_factory=dict)
     seed: int = 1
     std: float = 0.15
+    target_parameters: tuple[str, ...] = ()  # fused MoE expert weights (qwen2_moe)
 
 
 def load_hf_model(model_dir: str | os.PathLike, dtype=torch.float32):
@@ -157,6 +169,7 @@ def make_adapter(path: str | os.PathLike, model_dir: str | os.PathLike,
         alpha_pattern=dict(spec.alpha_pattern),
         init_lora_weights=False,
         lora_dropout=0.0,
+        **({"target_parameters": list(spec.target_parameters)} if spec.target_parameters else {}),
         **overrides,
     )
     peft_model = get_peft_model(base, cfg)

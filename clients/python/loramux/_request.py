@@ -58,10 +58,11 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def load_request(name: str, path: str | None = None,
-                 pinned: bool | None = None) -> adapter_admin_pb2.LoadAdapterRequest:
-    """A LoadAdapterRequest; `pinned` None leaves the adapter's pin as it is."""
-    req = adapter_admin_pb2.LoadAdapterRequest(name=name)
+def load_request(name: str, path: str | None = None, pinned: bool | None = None,
+                 replicas=None) -> adapter_admin_pb2.LoadAdapterRequest:
+    """A LoadAdapterRequest; `pinned` None leaves the adapter's pin as it is; `replicas`
+    (engine replica indexes) None places it on every replica, or keeps its placement."""
+    req = adapter_admin_pb2.LoadAdapterRequest(name=name, replicas=list(replicas or ()))
     if path is not None:
         req.path = path
     if pinned is not None:

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--path", default=None, help="register from this path first")
     load.add_argument("--pinned", action=argparse.BooleanOptionalAction, default=None,
                       help="pin (--pinned) or unpin (--no-pinned); default: keep the pin")
+    load.add_argument("--replica", type=int, action="append", dest="replicas", default=None,
+                      help="engine replica (index) to place it on, repeatable; default: every "
+                           "replica (or the placement it has)")
     for action in ("unload", "unregister", "pin", "unpin", "get"):
         asub.add_parser(action).add_argument("name")
     lst = asub.add_parser("list")
@@ -130,7 +133,7 @@ def run_adapters(args) -> int:
         if act == "register":
             out = _adapter_json(admin.register(args.name, args.path))
         elif act == "load":
-            out = _adapter_json(admin.load(args.name, args.path, pinned=args.pinned))
+            out = _adapter_json(admin.load(args.name, args.path, pinned=args.pinned, replicas=args.replicas))
         elif act == "unregister":
             admin.unregister(args.name)
             out = {"unregistered": args.name}

@@ -148,9 +148,11 @@ class AdminClient:
                           admin_pb2.RegisterAdapterRequest(name=name, path=path)).adapter
 
     def load(self, name: str, path: str | None = None, *,
-             pinned: bool | None = None) -> admin_pb2.Adapter:
-        """Load `name` (registering it from `path` first); `pinned` None keeps its pin."""
-        return self._call("LoadAdapter", load_request(name, path, pinned)).adapter
+             pinned: bool | None = None, replicas=None) -> admin_pb2.Adapter:
+        """Load `name` (registering it from `path` first); `pinned` None keeps its pin;
+        `replicas`: the engine replicas (indexes) to place it on, None: every one (or the
+        placement it has)."""
+        return self._call("LoadAdapter", load_request(name, path, pinned, replicas)).adapter
 
     def unload(self, name: str) -> admin_pb2.Adapter:
         return self._call("UnloadAdapter", admin_pb2.UnloadAdapterRequest(name=name)).adapter

@@ -8,11 +8,11 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from engine.errors import ModelLoadError
-from engine.model.archs import llama, mistral, qwen2, qwen3
-from engine.model.archs.base import Architecture, ArchFields
+from engine.model.archs import llama, mistral, qwen2, qwen2_moe, qwen3
+from engine.model.archs.base import Architecture, ArchFields, MoeFields
 
 ARCHITECTURES = MappingProxyType({a.hf_name: a for a in (
-    llama.ARCH, qwen2.ARCH, qwen3.ARCH, mistral.ARCH)})
+    llama.ARCH, qwen2.ARCH, qwen3.ARCH, mistral.ARCH, qwen2_moe.ARCH)})
 
 
 def architecture(cfg) -> Architecture:
@@ -34,4 +34,4 @@ def build_model(cfg, dtype, device, tp, max_model_len: int | None = None):
     return architecture(cfg).build(cfg, dtype, device, tp)
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "ArchFields", "architecture", "build_model"]
+__all__ = ["ARCHITECTURES", "Architecture", "ArchFields", "MoeFields", "architecture", "build_model"]

@@ -11,7 +11,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ModelLoadError
-from engine.model.lora_targets import DECODER_TARGETS, END_TARGETS, LoraTarget
+from engine.model.lora_targets import DECODER_TARGETS, END_TARGETS, ExpertTarget, LoraTarget
+
+
+@dataclass(frozen=True)
+class MoeFields:
+    """A mixture-of-experts MLP in every decoder layer (engine/model/moe.py): `num_experts`
+    experts of intermediate width `intermediate_size`, `top_k` routed per token (softmax,
+    top k, renormalised when `norm_topk_prob`), plus a shared expert of the ModelConfig's
+    `intermediate_size` when `shared_expert` (its output gated by sigmoid(x·g))."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert: bool
 
 
 @dataclass(frozen=True)
@@ -21,6 +34,8 @@ class ArchFields:
     o_bias: bool = False               # o_proj has a bias
     qk_norm: bool = False              # RMSNorm over each query/key head before rotary
     sliding_window: int | None = None  # each token attends to the last `sliding_window` positions
+    moe: MoeFields | None = None       # the MLP is a mixture of experts
+    intermediate_size: int | None = None  # the dense MLP's width, when not config.json's
 
 
 @dataclass(frozen=True)
@@ -29,14 +44,16 @@ class Architecture:
 
     `fields(raw)` reads the family's own config.json fields (raising ModelLoadError for
     values it cannot run exactly); `lora_targets` are the decoder modules LoRA may wrap,
-    with their geometry, and `end_targets` the ends (lm_head, embed_tokens) it may wrap
-    (engine/model/lora_targets.py). The decoder's weight names follow the
+    with their geometry, `end_targets` the ends (lm_head, embed_tokens) it may wrap and
+    `expert_targets` the fused expert parameters of a mixture of experts (PEFT's
+    `target_parameters`) (engine/model/lora_targets.py). The decoder's weight names follow the
     `model.layers.{i}.{parent}.{module}` layout of the targets' parents; the extra tensors
     a flag adds (qk_norm: `self_attn.q_norm`, `self_attn.k_norm`) are loaded by the model."""
     hf_name: str
     fields: Callable[[dict[str, Any]], ArchFields]
     lora_targets: tuple[LoraTarget, ...] = DECODER_TARGETS
     end_targets: tuple[str, ...] = tuple(END_TARGETS)   # lm_head, embed_tokens
+    expert_targets: tuple[ExpertTarget, ...] = ()
 
     def build(self, cfg, dtype, device, tp):
         """This rank's model, weights not loaded yet."""

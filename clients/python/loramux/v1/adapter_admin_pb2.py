@@ -24,51 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eloramux/v1/adapter_admin.proto\x12\nloramux.v1\"\x86\x02\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.loramux.v1.AdapterState\x12(\n\tresidency\x18\x04 \x01(\x0e\x32\x15.loramux.v1.Residency\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x07 \x03(\t\x12\n\n\x02id\x18\x08 \x01(\x03\x12\x1a\n\x12in_flight_requests\x18\t \x01(\x05\x12\r\n\x05loads\x18\n \x01(\x03\x12\x11\n\tevictions\x18\x0b \x01(\x03\x12\x0c\n\x04slot\x18\x0c \x01(\x05\"4\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"?\n\x17RegisterAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"^\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\x04path\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x06pinned\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05_pathB\t\n\x07_pinned\";\n\x13LoadAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"=\n\x15UnloadAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"(\n\x18UnregisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnregisterAdapterResponse\"!\n\x11PinAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x12PinAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"#\n\x13UnpinAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x14UnpinAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"!\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x12GetAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"<\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"V\n\x14ListAdaptersResponse\x12%\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x13.loramux.v1.Adapter\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\x82\x01\n\x0c\x41\x64\x61pterState\x12\x1d\n\x19\x41\x44\x41PTER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41\x44\x41PTER_STATE_REGISTERED\x10\x01\x12\x18\n\x14\x41\x44\x41PTER_STATE_LOADED\x10\x02\x12\x1b\n\x17\x41\x44\x41PTER_STATE_UNLOADING\x10\x03*d\n\tResidency\x12\x19\n\x15RESIDENCY_UNSPECIFIED\x10\x00\x12\x14\n\x10RESIDENCY_DEVICE\x10\x01\x12\x12\n\x0eRESIDENCY_HOST\x10\x02\x12\x12\n\x0eRESIDENCY_DISK\x10\x03\x32\xb9\x05\n\x13\x41\x64\x61pterAdminService\x12Z\n\x0fRegisterAdapter\x12\".loramux.v1.RegisterAdapterRequest\x1a#.loramux.v1.RegisterAdapterResponse\x12N\n\x0bLoadAdapter\x12\x1e.loramux.v1.LoadAdapterRequest\x1a\x1f.loramux.v1.LoadAdapterResponse\x12T\n\rUnloadAdapter\x12 .loramux.v1.UnloadAdapterRequest\x1a!.loramux.v1.UnloadAdapterResponse\x12`\n\x11UnregisterAdapter\x12$.loramux.v1.UnregisterAdapterRequest\x1a%.loramux.v1.UnregisterAdapterResponse\x12K\n\nPinAdapter\x12\x1d.loramux.v1.PinAdapterRequest\x1a\x1e.loramux.v1.PinAdapterResponse\x12Q\n\x0cUnpinAdapter\x12\x1f.loramux.v1.UnpinAdapterRequest\x1a .loramux.v1.UnpinAdapterResponse\x12K\n\nGetAdapter\x12\x1d.loramux.v1.GetAdapterRequest\x1a\x1e.loramux.v1.GetAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.loramux.v1.ListAdaptersRequest\x1a .loramux.v1.ListAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eloramux/v1/adapter_admin.proto\x12\nloramux.v1\"\xb6\x02\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.loramux.v1.AdapterState\x12(\n\tresidency\x18\x04 \x01(\x0e\x32\x15.loramux.v1.Residency\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x16\n\x0etarget_modules\x18\x07 \x03(\t\x12\n\n\x02id\x18\x08 \x01(\x03\x12\x1a\n\x12in_flight_requests\x18\t \x01(\x05\x12\r\n\x05loads\x18\n \x01(\x03\x12\x11\n\tevictions\x18\x0b \x01(\x03\x12\x0c\n\x04slot\x18\x0c \x01(\x05\x12.\n\x08replicas\x18\r \x03(\x0b\x32\x1c.loramux.v1.ReplicaResidency\"\x9f\x01\n\x10ReplicaResidency\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\n\n\x02up\x18\x02 \x01(\x08\x12\x0e\n\x06placed\x18\x03 \x01(\x08\x12(\n\tresidency\x18\x04 \x01(\x0e\x32\x15.loramux.v1.Residency\x12\x0c\n\x04slot\x18\x05 \x01(\x05\x12\n\n\x02id\x18\x06 \x01(\x03\x12\x1a\n\x12in_flight_requests\x18\x07 \x01(\x05\"4\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"?\n\x17RegisterAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"p\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\x04path\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x06pinned\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08replicas\x18\x04 \x03(\x05\x42\x07\n\x05_pathB\t\n\x07_pinned\";\n\x13LoadAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"=\n\x15UnloadAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"(\n\x18UnregisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnregisterAdapterResponse\"!\n\x11PinAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x12PinAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"#\n\x13UnpinAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x14UnpinAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"!\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x12GetAdapterResponse\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.loramux.v1.Adapter\"<\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"V\n\x14ListAdaptersResponse\x12%\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x13.loramux.v1.Adapter\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\x82\x01\n\x0c\x41\x64\x61pterState\x12\x1d\n\x19\x41\x44\x41PTER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41\x44\x41PTER_STATE_REGISTERED\x10\x01\x12\x18\n\x14\x41\x44\x41PTER_STATE_LOADED\x10\x02\x12\x1b\n\x17\x41\x44\x41PTER_STATE_UNLOADING\x10\x03*d\n\tResidency\x12\x19\n\x15RESIDENCY_UNSPECIFIED\x10\x00\x12\x14\n\x10RESIDENCY_DEVICE\x10\x01\x12\x12\n\x0eRESIDENCY_HOST\x10\x02\x12\x12\n\x0eRESIDENCY_DISK\x10\x03\x32\xb9\x05\n\x13\x41\x64\x61pterAdminService\x12Z\n\x0fRegisterAdapter\x12\".loramux.v1.RegisterAdapterRequest\x1a#.loramux.v1.RegisterAdapterResponse\x12N\n\x0bLoadAdapter\x12\x1e.loramux.v1.LoadAdapterRequest\x1a\x1f.loramux.v1.LoadAdapterResponse\x12T\n\rUnloadAdapter\x12 .loramux.v1.UnloadAdapterRequest\x1a!.loramux.v1.UnloadAdapterResponse\x12`\n\x11UnregisterAdapter\x12$.loramux.v1.UnregisterAdapterRequest\x1a%.loramux.v1.UnregisterAdapterResponse\x12K\n\nPinAdapter\x12\x1d.loramux.v1.PinAdapterRequest\x1a\x1e.loramux.v1.PinAdapterResponse\x12Q\n\x0cUnpinAdapter\x12\x1f.loramux.v1.UnpinAdapterRequest\x1a .loramux.v1.UnpinAdapterResponse\x12K\n\nGetAdapter\x12\x1d.loramux.v1.GetAdapterRequest\x1a\x1e.loramux.v1.GetAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.loramux.v1.ListAdaptersRequest\x1a .loramux.v1.ListAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loramux.v1.adapter_admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADAPTERSTATE']._serialized_start=1199
-  _globals['_ADAPTERSTATE']._serialized_end=1329
-  _globals['_RESIDENCY']._serialized_start=1331
-  _globals['_RESIDENCY']._serialized_end=1431
+  _globals['_ADAPTERSTATE']._serialized_start=1427
+  _globals['_ADAPTERSTATE']._serialized_end=1557
+  _globals['_RESIDENCY']._serialized_start=1559
+  _globals['_RESIDENCY']._serialized_end=1659
   _globals['_ADAPTER']._serialized_start=47
-  _globals['_ADAPTER']._serialized_end=309
-  _globals['_REGISTERADAPTERREQUEST']._serialized_start=311
-  _globals['_REGISTERADAPTERREQUEST']._serialized_end=363
-  _globals['_REGISTERADAPTERRESPONSE']._serialized_start=365
-  _globals['_REGISTERADAPTERRESPONSE']._serialized_end=428
-  _globals['_LOADADAPTERREQUEST']._serialized_start=430
-  _globals['_LOADADAPTERREQUEST']._serialized_end=524
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=526
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=585
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=587
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=623
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=625
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=686
-  _globals['_UNREGISTERADAPTERREQUEST']._serialized_start=688
-  _globals['_UNREGISTERADAPTERREQUEST']._serialized_end=728
-  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_start=730
-  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_end=757
-  _globals['_PINADAPTERREQUEST']._serialized_start=759
-  _globals['_PINADAPTERREQUEST']._serialized_end=792
-  _globals['_PINADAPTERRESPONSE']._serialized_start=794
-  _globals['_PINADAPTERRESPONSE']._serialized_end=852
-  _globals['_UNPINADAPTERREQUEST']._serialized_start=854
-  _globals['_UNPINADAPTERREQUEST']._serialized_end=889
-  _globals['_UNPINADAPTERRESPONSE']._serialized_start=891
-  _globals['_UNPINADAPTERRESPONSE']._serialized_end=951
-  _globals['_GETADAPTERREQUEST']._serialized_start=953
-  _globals['_GETADAPTERREQUEST']._serialized_end=986
-  _globals['_GETADAPTERRESPONSE']._serialized_start=988
-  _globals['_GETADAPTERRESPONSE']._serialized_end=1046
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1048
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1108
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1110
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1196
-  _globals['_ADAPTERADMINSERVICE']._serialized_start=1434
-  _globals['_ADAPTERADMINSERVICE']._serialized_end=2131
+  _globals['_ADAPTER']._serialized_end=357
+  _globals['_REPLICARESIDENCY']._serialized_start=360
+  _globals['_REPLICARESIDENCY']._serialized_end=519
+  _globals['_REGISTERADAPTERREQUEST']._serialized_start=521
+  _globals['_REGISTERADAPTERREQUEST']._serialized_end=573
+  _globals['_REGISTERADAPTERRESPONSE']._serialized_start=575
+  _globals['_REGISTERADAPTERRESPONSE']._serialized_end=638
+  _globals['_LOADADAPTERREQUEST']._serialized_start=640
+  _globals['_LOADADAPTERREQUEST']._serialized_end=752
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=754
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=813
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=815
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=851
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=853
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=914
+  _globals['_UNREGISTERADAPTERREQUEST']._serialized_start=916
+  _globals['_UNREGISTERADAPTERREQUEST']._serialized_end=956
+  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_start=958
+  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_end=985
+  _globals['_PINADAPTERREQUEST']._serialized_start=987
+  _globals['_PINADAPTERREQUEST']._serialized_end=1020
+  _globals['_PINADAPTERRESPONSE']._serialized_start=1022
+  _globals['_PINADAPTERRESPONSE']._serialized_end=1080
+  _globals['_UNPINADAPTERREQUEST']._serialized_start=1082
+  _globals['_UNPINADAPTERREQUEST']._serialized_end=1117
+  _globals['_UNPINADAPTERRESPONSE']._serialized_start=1119
+  _globals['_UNPINADAPTERRESPONSE']._serialized_end=1179
+  _globals['_GETADAPTERREQUEST']._serialized_start=1181
+  _globals['_GETADAPTERREQUEST']._serialized_end=1214
+  _globals['_GETADAPTERRESPONSE']._serialized_start=1216
+  _globals['_GETADAPTERRESPONSE']._serialized_end=1274
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1276
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1336
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1338
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1424
+  _globals['_ADAPTERADMINSERVICE']._serialized_start=1662
+  _globals['_ADAPTERADMINSERVICE']._serialized_end=2359
 # @@protoc_insertion_point(module_scope)

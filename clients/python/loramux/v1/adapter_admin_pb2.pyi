@@ -30,7 +30,7 @@ RESIDENCY_HOST: Residency
 RESIDENCY_DISK: Residency
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "path", "state", "residency", "pinned", "rank", "target_modules", "id", "in_flight_requests", "loads", "evictions", "slot")
+    __slots__ = ("name", "path", "state", "residency", "pinned", "rank", "target_modules", "id", "in_flight_requests", "loads", "evictions", "slot", "replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class Adapter(_message.Message):
     LOADS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     state: AdapterState
@@ -55,7 +56,26 @@ class Adapter(_message.Message):
     loads: int
     evictions: int
     slot: int
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[AdapterState, str]] = ..., residency: _Optional[_Union[Residency, str]] = ..., pinned: _Optional[bool] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., id: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaResidency]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[_Union[AdapterState, str]] = ..., residency: _Optional[_Union[Residency, str]] = ..., pinned: _Optional[bool] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., id: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ..., slot: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaResidency, _Mapping]]] = ...) -> None: ...
+
+class ReplicaResidency(_message.Message):
+    __slots__ = ("replica", "up", "placed", "residency", "slot", "id", "in_flight_requests")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    up: bool
+    placed: bool
+    residency: Residency
+    slot: int
+    id: int
+    in_flight_requests: int
+    def __init__(self, replica: _Optional[int] = ..., up: _Optional[bool] = ..., placed: _Optional[bool] = ..., residency: _Optional[_Union[Residency, str]] = ..., slot: _Optional[int] = ..., id: _Optional[int] = ..., in_flight_requests: _Optional[int] = ...) -> None: ...
 
 class RegisterAdapterRequest(_message.Message):
     __slots__ = ("name", "path")
@@ -72,14 +92,16 @@ class RegisterAdapterResponse(_message.Message):
     def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "path", "pinned")
+    __slots__ = ("name", "path", "pinned", "replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     pinned: bool
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    replicas: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., pinned: _Optional[bool] = ..., replicas: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("adapter",)

@@ -233,18 +233,20 @@ class EngineOutput(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., step_batch: _Optional[_Union[StepBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., adapter_ack: _Optional[_Union[AdapterAck, _Mapping]] = ..., event: _Optional[_Union[EngineEvent, _Mapping]] = ...) -> None: ...
 
 class AdapterTableEntry(_message.Message):
-    __slots__ = ("name", "state", "pinned", "id", "path")
+    __slots__ = ("name", "state", "pinned", "id", "path", "replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: _adapter_admin_pb2.AdapterState
     pinned: bool
     id: int
     path: str
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_adapter_admin_pb2.AdapterState, str]] = ..., pinned: _Optional[bool] = ..., id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_adapter_admin_pb2.AdapterState, str]] = ..., pinned: _Optional[bool] = ..., id: _Optional[int] = ..., path: _Optional[str] = ..., replicas: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AdapterTable(_message.Message):
     __slots__ = ("version", "entries")

@@ -1,0 +1,111 @@
+"""Mixture-of-experts grouped GEMM on the GPU (same semantics as
+`kernels.moe_ref.grouped_gemm_ref`): one launch multiplies every routed (token, expert)
+pair by its expert's weight.
+
+The pairs are first laid out by group (`align`), each group's run padded to a multiple
+of BLOCK_M so that every row block belongs to one group and reads one weight tile:
+
+    group        [ 2  0  2  1  0 ]                (P = 5 pairs, G = 3 groups, BLOCK_M = 2)
+    sorted_ids   [ 1  4 | 3  P | 0  2 | P  P ]    pair ids by group, P = padding
+    block_group  [ 0      1      2      -1  ]     group of each row block, -1 = nothing
+
+The sizes are static upper bounds (ceil(P / BLOCK_M) + G blocks), so nothing syncs with
+the host and surplus programs return at once. Expert LoRA uses the same kernel with
+groups (adapter slot, expert) over A and B viewed as [slots·experts, ...].
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dot_triton import dot_f32
+
+BLOCK_M = 16
+
+
+class Alignment(NamedTuple):
+    """Pairs laid out by group for `grouped_gemm` (module docstring)."""
+    sorted_ids: torch.Tensor    # [num_blocks * BLOCK_M] int32 pair ids, num_pairs = padding
+    block_group: torch.Tensor   # [num_blocks] int32 group of each row block, -1 = none
+    num_pairs: int
+
+
+def align(group: torch.Tensor, num_groups: int, block_m: int = BLOCK_M) -> Alignment:
+    """Lay the pairs out by group (negative groups dropped). Device ops only."""
+    P, dev = group.numel(), group.device
+    key = torch.where(group < 0, num_groups, group.long())
+    counts = torch.bincount(key, minlength=num_groups + 1)[:num_groups]
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    first = torch.cumsum(counts, 0) - counts
+    num_blocks = triton.cdiv(P, block_m) + num_groups
+    order = torch.sort(key, stable=True).indices
+    key_sorted = key[order]
+    valid = key_sorted < num_groups
+    g = key_sorted.clamp(max=num_groups - 1)
+    pos = starts[g] + torch.arange(P, device=dev) - first[g]
+    pos = torch.where(valid, pos, num_blocks * block_m)  # dropped pairs land past the end
+    sorted_ids = torch.full((num_blocks * block_m + 1,), P, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, pos, order.to(torch.int32))
+    block_end = torch.cumsum(padded // block_m, 0)
+    blocks = torch.arange(num_blocks, device=dev)
+    block_group = torch.searchsorted(block_end, blocks, right=True)
+    block_group = torch.where(block_group < num_groups, block_group, -1).to(torch.int32)
+    return Alignment(sorted_ids[:-1], block_group, P)
+
+
+@triton.jit
+def grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_group_ptr,
+                        num_pairs, N, K, a_row_div,
+                        stride_am, stride_ak, stride_wg, stride_wn, stride_wk,
+                        stride_om, stride_on,
+                        ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    group = tl.load(block_group_ptr + pid_m)
+    if group < 0:
+        return
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_pairs
+    a_rows = (rows // a_row_div).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_base = w_ptr + group.to(tl.int64) * stride_wg
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += dot_f32(a.to(w.dtype), w, PRECISION, UPCAST)
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    mask = row_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, alignment: Alignment, a_row_div: int,
+                 out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """out[p] (+)= a[p // a_row_div] @ w[group[p]]ᵀ for the pairs of `alignment`; rows of
+    dropped pairs are left as they are. a: [M, K]; w: [G, N, K]; out: [P, N]."""
+    G, N, K = w.shape
+    if a.shape[1] != K or out.shape != (alignment.num_pairs, N):
+        raise ValueError(f"shapes: a {tuple(a.shape)}, w {tuple(w.shape)}, out "
+                         f"{tuple(out.shape)} for {alignment.num_pairs} pairs")
+    block_n = min(64, max(16, triton.next_power_of_2(N)))
+    block_k = min(64, max(16, triton.next_power_of_2(K)))
+    grid = (alignment.block_group.numel(), triton.cdiv(N, block_n))
+    precision = "ieee" if w.dtype == torch.float32 else "tf32"
+    grouped_gemm_kernel[grid](
+        a, w, out, alignment.sorted_ids, alignment.block_group, alignment.num_pairs, N, K,
+        a_row_div, a.stride(0), a.stride(1), *w.stride(), out.stride(0), out.stride(1),
+        ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=precision, UPCAST=a.is_cpu)
+    return out

@@ -1,0 +1,210 @@
+"""Two engine replicas behind one gateway and one control plane, as real processes on
+loopback: adapters placed on both or on one, requests routed by where their adapter is,
+per-replica residency in AdapterAdmin, and a replica SIGKILLed under 50 live streams (its
+streams end UNAVAILABLE within 2 s, the other's finish, it rejoins after restart and
+replay). Tests run in file order on one cluster."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import urllib.request
+
+import grpc
+import pytest
+from loramux import AdminClient, GenerateClient, LoramuxError
+from loramux.aio import AsyncGenerateClient
+from loramux.v1 import adapter_admin_pb2 as admin_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import Engine, EngineConfig, SamplingParams
+from services.launcher import Cluster, ClusterConfig, wait_serving
+from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
+
+pytestmark = pytest.mark.timeout(300)
+ADAPTERS = {"both": 21, "solo1": 22, "solo0": 23}  # name -> seed
+PROMPT = "the quick brown fox"
+PEERS = ("--heartbeat-timeout", "0.5")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    model = make_model(root / "model", TinySpec())
+    for name, seed in ADAPTERS.items():
+        make_adapter(root / "adapters" / name, model, AdapterSpec(seed=seed))
+    return {"root": root, "model": str(model), "adapters": str(root / "adapters")}
+
+
+@pytest.fixture(scope="module")
+def cluster(files):
+    cfg = ClusterConfig(model=files["model"], adapter_roots=(files["adapters"],),
+                        workdir=str(files["root"] / "run"), replicas=2, metrics_port=0,
+                        engine_args=("--heartbeat-interval", "0.1"),
+                        gateway_args=PEERS, control_args=PEERS, env={"OMP_NUM_THREADS": "1"})
+    c = Cluster(cfg)
+    c.start()
+    try:
+        ready = c.wait_ready()
+        wait_serving(c.gateway_address)
+        c.metrics_url = f"http://127.0.0.1:{ready['gateway']['metrics_port']}/metrics"
+        yield c
+    finally:
+        c.kill_all()
+
+
+@pytest.fixture(scope="module")
+def admin(cluster):
+    with AdminClient(cluster.control_address) as a:
+        a.load("both", "both")
+        a.load("solo1", "solo1", replicas=[1])
+        a.load("solo0", "solo0", replicas=[0])
+        yield a
+
+
+@pytest.fixture(scope="module")
+def offline(files):
+    eng = Engine(EngineConfig(model=files["model"]))
+    for name in ADAPTERS:
+        eng.add_adapter(name, os.path.join(files["adapters"], name))
+    return eng
+
+
+def expected(offline, adapter, max_tokens):
+    out = offline.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                           adapters=[adapter])
+    return out[0].token_ids
+
+
+def routed(cluster) -> dict[tuple[str, str], float]:
+    """{(replica, decision): requests} from the gateway's metrics."""
+    text = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
+    return {(s.labels["replica"], s.labels["decision"]): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "loramux:routed_requests_total"}
+
+
+def gauge(cluster, name: str) -> dict[str, float]:
+    """{replica: value} of a gateway gauge with a replica label."""
+    text = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
+    return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def test_adapters_are_placed_and_reported_per_replica(cluster, admin):
+    both, solo1 = admin.get("both"), admin.get("solo1")
+    assert [(r.replica, r.up, r.placed) for r in both.replicas] == [(0, True, True), (1, True, True)]
+    assert all(r.residency != admin_pb2.RESIDENCY_UNSPECIFIED for r in both.replicas)
+    assert [(r.replica, r.placed) for r in solo1.replicas] == [(0, False), (1, True)]
+    assert solo1.replicas[0].residency == admin_pb2.RESIDENCY_UNSPECIFIED
+    assert solo1.replicas[1].residency in (admin_pb2.RESIDENCY_HOST, admin_pb2.RESIDENCY_DEVICE,
+                                           admin_pb2.RESIDENCY_DISK)
+    with pytest.raises(LoramuxError) as info:
+        admin.load("both", replicas=[2])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "2 engine replica" in info.value.details
+
+
+def test_requests_go_to_the_replica_holding_their_adapter(cluster, admin, offline):
+    """Deterministic: solo1 is on replica 1 only, solo0 on replica 0 only; every request
+    for each lands there (a request on the other replica would fail: it lacks the
+    adapter), and every one is an affinity hit (the adapter resident there)."""
+    before = routed(cluster)
+    with GenerateClient(cluster.gateway_address) as gen:
+        for name in ("solo1", "solo0") * 4:
+            got = gen.generate(PROMPT, name, temperature=0.0, max_tokens=4).token_ids
+            assert got == expected(offline, name, 4), name
+    moved = delta(routed(cluster), before)
+    assert {r for r, _ in moved} == {"0", "1"}
+    assert sum(v for (r, _), v in moved.items() if r == "1") == 4
+    assert sum(v for (r, _), v in moved.items() if r == "0") == 4
+    hits = sum(v for (_, d), v in moved.items() if d in ("slot", "host"))
+    assert hits / sum(moved.values()) == 1.0, moved
+
+
+def test_load_spreads_over_both_replicas(cluster, admin, offline):
+    want = expected(offline, "both", 6)
+
+    async def run():
+        async with AsyncGenerateClient(cluster.gateway_address) as g:
+            return await asyncio.gather(*[g.generate(PROMPT, "both", temperature=0.0, max_tokens=6)
+                                          for _ in range(12)])
+    before = routed(cluster)
+    assert all(o.token_ids == want for o in asyncio.run(run()))
+    per_replica = {}
+    for (r, _), v in delta(routed(cluster), before).items():
+        per_replica[r] = per_replica.get(r, 0) + v
+    assert per_replica.get("0", 0) >= 3 and per_replica.get("1", 0) >= 3, per_replica
+
+
+async def _open_streams(client, n: int, max_tokens: int):
+    """n streams of `both`, each past its first response."""
+    streams = [client.stream(PROMPT, "both", temperature=0.0, max_tokens=max_tokens,
+                             ignore_eos=True) for _ in range(n)]
+    firsts = await asyncio.gather(*[s.__anext__() for s in streams])
+    return [(s, [f]) for s, f in zip(streams, firsts)]
+
+
+async def _finish(pairs):
+    """(tokens, error or None, end time) of each stream, read to its end."""
+    async def rest(stream, resps):
+        try:
+            async for r in stream:
+                resps.append(r)
+            err = None
+        except LoramuxError as e:
+            err = e
+        return [t for r in resps for t in r.token_ids], err, time.monotonic()
+    return await asyncio.gather(*[rest(s, r) for s, r in pairs])
+
+
+def test_replica_killed_under_50_streams(cluster, admin, offline):
+    max_tokens = 200
+    want = expected(offline, "both", max_tokens)
+
+    async def scenario():
+        async with AsyncGenerateClient(cluster.gateway_address) as client:
+            pairs = await _open_streams(client, 50, max_tokens)
+            inflight = await asyncio.to_thread(gauge, cluster, "loramux:gateway_requests_inflight")
+            t_kill = time.monotonic()
+            await asyncio.to_thread(cluster.kill, "engine-0")
+            return inflight, t_kill, await _finish(pairs)
+    inflight, t_kill, results = asyncio.run(scenario())
+    failed = [(err, t_end) for _, err, t_end in results if err is not None]
+    done = [tokens for tokens, err, _ in results if err is None]
+    assert inflight["0"] >= 10 and inflight["1"] >= 10, inflight  # both replicas were busy
+    assert len(failed) == inflight["0"] and len(done) == inflight["1"], (inflight, len(failed))
+    for err, t_end in failed:
+        assert err.code == grpc.StatusCode.UNAVAILABLE and "replica 0" in err.details, err
+        assert t_end - t_kill < 2.0, t_end - t_kill
+    assert all(tokens == want for tokens in done)
+    with GenerateClient(cluster.gateway_address) as gen:  # the other replica serves on
+        for name in ("both", "solo1", None):
+            assert gen.generate(PROMPT, name, temperature=0.0, max_tokens=3).token_ids == \
+                expected(offline, name, 3)
+        with pytest.raises(LoramuxError) as info:  # placed on the dead replica only
+            gen.generate(PROMPT, "solo0", max_tokens=3)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "replica" in info.value.details
+    assert [r.up for r in admin.get("both").replicas] == [False, True]
+
+
+def test_restarted_replica_rejoins_with_its_adapters(cluster, admin, offline):
+    cluster.start("engine-0")
+    cluster.wait_ready("engine-0")
+    deadline = time.monotonic() + 30
+    while not all(r.up and r.residency != admin_pb2.RESIDENCY_UNSPECIFIED
+                  for name in ("both", "solo0") for r in admin.get(name).replicas if r.placed):
+        assert time.monotonic() < deadline, (admin.get("both"), admin.get("solo0"))
+        time.sleep(0.1)
+    before = routed(cluster)
+    with GenerateClient(cluster.gateway_address) as gen:
+        for name in ("solo0", "both"):
+            assert gen.generate(PROMPT, name, temperature=0.0, max_tokens=4).token_ids == \
+                expected(offline, name, 4)
+    assert delta(routed(cluster), before).get(("0", "host"), 0) + \
+        delta(routed(cluster), before).get(("0", "slot"), 0) >= 1
+    assert gauge(cluster, "loramux:engine_up") == {"0": 1.0, "1": 1.0}

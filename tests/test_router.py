@@ -1,0 +1,57 @@
+"""The gateway's replica choice (services/gateway/router.py) and the launcher's device sets,
+without processes: affinity tiers, load within a tier, spills from saturated replicas."""
+from __future__ import annotations
+
+import pytest
+from loramux.v1 import adapter_admin_pb2 as pb
+
+from services.common.replicas import addresses
+from services.gateway.router import Choice, ReplicaView, choose
+from services.launcher import device_sets
+
+SLOT, HOST, DISK = pb.RESIDENCY_DEVICE, pb.RESIDENCY_HOST, pb.RESIDENCY_DISK
+
+
+def view(index, residency=None, waiting=0, sent=0, inflight=0):
+    return ReplicaView(index, residency or {}, waiting, sent, inflight)
+
+
+def test_the_best_tier_wins_over_load():
+    replicas = [view(0, {"a": DISK}, inflight=0), view(1, {"a": HOST}, inflight=9),
+                view(2, {"a": SLOT}, waiting=3, inflight=20)]
+    assert choose(replicas, "a", spill_waiting=4) == Choice(2, "slot")
+    assert choose(replicas[:2], "a", spill_waiting=4) == Choice(1, "host")
+    assert choose([view(0), view(1, {"b": SLOT})], "a", spill_waiting=4) == Choice(0, "cold")
+
+
+def test_within_a_tier_the_least_waiting_then_the_fewest_inflight():
+    replicas = [view(0, {"a": SLOT}, waiting=2), view(1, {"a": SLOT}, waiting=1, sent=2),
+                view(2, {"a": SLOT}, waiting=1, inflight=5), view(3, {"a": SLOT}, waiting=1, inflight=4)]
+    assert choose(replicas, "a", spill_waiting=10) == Choice(3, "slot")
+    # the base model is in every replica's "slot" tier: load alone decides
+    assert choose([view(0, waiting=1), view(1)], "", spill_waiting=10) == Choice(1, "slot")
+
+
+def test_a_saturated_replica_spills_to_an_unsaturated_one():
+    hot = [view(0, {"a": SLOT}, waiting=4), view(1, {"a": HOST}, waiting=0)]
+    assert choose(hot, "a", spill_waiting=4) == Choice(1, "spill")
+    assert choose(hot, "a", spill_waiting=5) == Choice(0, "slot")
+    # all saturated: affinity again, not a spill
+    both = [view(0, {"a": SLOT}, waiting=9), view(1, {"a": HOST}, waiting=4)]
+    assert choose(both, "a", spill_waiting=4) == Choice(0, "slot")
+
+
+def test_no_live_replica_is_no_choice():
+    assert choose([], "a", spill_waiting=4) is None
+
+
+def test_device_sets_and_addresses():
+    assert device_sets(2, 1, None) == ["0", "1"]
+    assert device_sets(2, 2, None) == ["0,1", "2,3"]
+    assert device_sets(2, 1, "3,5,7") == ["3", "5"]
+    with pytest.raises(ValueError, match="need 4 devices"):
+        device_sets(2, 2, "0,1")
+    assert addresses("tcp://a:1,tcp://b:1", "tcp://a:2, tcp://b:2") == \
+        [("tcp://a:1", "tcp://a:2"), ("tcp://b:1", "tcp://b:2")]
+    with pytest.raises(ValueError, match="2 replica"):
+        addresses("tcp://a:1,tcp://b:1", "tcp://a:2")
