@@ -84,7 +84,7 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     read inside the adapter roots."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
     # DoRA and lm_head/embed_tokens LoRA are served by the CPU reference path only
-    reference = torch.device(config.device).type == "cpu" and tp.size == 1
+    reference = torch.device(config.device).type == "cpu"
 
     def read(path: str, version: str | None):
         return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
