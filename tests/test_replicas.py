@@ -12,6 +12,7 @@ import urllib.request
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loramux import AdminClient, GenerateClient, LoramuxError
 from loramux.aio import AsyncGenerateClient
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
@@ -89,6 +90,12 @@ def gauge(cluster, name: str) -> dict[str, float]:
     text = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
     return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text)
             for s in f.samples if s.name == name}
+
+
+def health(address: str, service: str):
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -190,6 +197,9 @@ def test_replica_killed_under_50_streams(cluster, admin, offline):
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
         assert "replica" in info.value.details
     assert [r.up for r in admin.get("both").replicas] == [False, True]
+    # one replica up: the gateway stays ready; the liveness service is SERVING throughout
+    assert health(cluster.gateway_address, "") == health(cluster.gateway_address, "liveness") == \
+        health_pb2.HealthCheckResponse.SERVING
 
 
 def test_restarted_replica_rejoins_with_its_adapters(cluster, admin, offline):
