@@ -18,6 +18,7 @@ import torch
 from engine.adapters.host_cache import HostCache
 from engine.adapters.loader import DiskLoader
 from engine.adapters.safe_files import AdapterRoots
+from engine.adapters.pins import Pins
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.service import AdapterService
@@ -83,7 +84,7 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     read inside the adapter roots."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
     # DoRA and lm_head/embed_tokens LoRA are served by the CPU reference path only
-    reference = torch.device(config.device).type == "cpu" and tp.size == 1
+    reference = torch.device(config.device).type == "cpu"
 
     def read(path: str, version: str | None):
         return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
@@ -93,14 +94,14 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
 
 
 def build_adapter_parts(config: EngineConfig, parts: ModelParts, device: torch.device,
-                        executor: Executor, slots: SlotTable, pinned: set[int], kv: KVCacheManager
+                        executor: Executor, slots: SlotTable, pins: Pins, kv: KVCacheManager
                         ) -> tuple[AdapterRegistry, AdapterResidency, AdapterService]:
-    """`pinned`: the one pin set the slot table and the host cache share."""
+    """`pins`: the engine's pin set (the slot table was built with it too)."""
     registry = AdapterRegistry()
     # rank 0 reads and validates its own shard; at TP > 1 the mirror repeats every slot
     # load and host-copy drop on the other ranks (by adapter id)
     adapters = AdapterResidency(
-        registry, slots, HostCache(config.max_cpu_loras, pinned),
+        registry, slots, HostCache(config.max_cpu_loras, pins),
         DiskLoader(parts.read_adapter), parts.lora_pool, device,
         mirror=executor.adapter_mirror(registry))
-    return registry, adapters, AdapterService(registry, slots, adapters, kv, config.max_loras)
+    return registry, adapters, AdapterService(registry, slots, pins, adapters, kv)

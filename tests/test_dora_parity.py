@@ -2,12 +2,15 @@
 token: each DoRA slot's per-row magnitude factor is applied to its own tokens only, in a
 mixed batch with plain LoRA adapters and base requests. PEFT itself refuses mixed batches
 of DoRA adapters, so each request's reference runs alone with only its adapter active.
-Also: DoRA is refused clearly where it is not served (CUDA, tensor parallelism)."""
+Also: DoRA is refused clearly where it is not served (CUDA, row-parallel modules under
+tensor parallelism)."""
 import pytest
 import torch
 
 from engine.errors import AdapterError
 from engine.lora import LoRASlotPool, load_lora
+from engine.lora.plan import plan_adapter
+from engine.lora.weights import weights_from_plan
 from engine.parallel import TPGroup
 from tests.conftest import ADAPTER_SPECS, HFOracle, TinyFamily
 from tests.support.tiny import AdapterSpec, make_adapter, read_json
@@ -78,13 +81,22 @@ def test_refused_where_not_served(family, engine):
     with pytest.raises(AdapterError) as err:
         load_lora(family.adapters["dora8"], cfg, 64, reference_path=False)
     assert err.value.feature == "use_dora" and "adapter_config.json" in str(err.value)
-    one, two = (load_lora(family.adapters["dora8"], cfg, 64, tp=TPGroup(rank=0, size=n))
-                for n in (1, 2))
-    assert one.use_dora and two.use_dora
-    for pool, weights in (
-            (LoRASlotPool(cfg, 2, 64), one),  # no base weights to take row norms of
-            (LoRASlotPool(cfg, 2, 64, tp_size=2, base_weight=engine.model.lora_base_weight), two)):
-        with pytest.raises(AdapterError) as err:
-            pool.load(0, weights)
-        assert err.value.feature == "use_dora"
-        assert not pool.dora_slots and not torch.any(pool.weights(0, "qkv")[2])
+    # at TP=2, DoRA on a row-parallel module (o_proj, down_proj) is refused by name
+    # (served exactly on column-parallel ones: tests/test_moe_tp.py)
+    with pytest.raises(AdapterError) as err:
+        load_lora(family.adapters["dora8"], cfg, 64, tp=TPGroup(rank=0, size=2))
+    assert err.value.feature == "use_dora" and "o_proj" in str(err.value)
+    one = load_lora(family.adapters["dora8"], cfg, 64)
+    assert one.use_dora
+    pool = LoRASlotPool(cfg, 2, 64)  # no base weights to take row norms of
+    with pytest.raises(AdapterError) as err:
+        pool.load(0, one)
+    assert err.value.feature == "use_dora"
+    assert not pool.dora_slots and not torch.any(pool.weights(0, "qkv")[2])
+    # the pool refuses row-parallel DoRA at TP=2 too, whatever built the weights
+    two = weights_from_plan(plan_adapter(family.adapters["dora8"], cfg, 64), cfg,
+                            TPGroup(rank=0, size=2))
+    pool = LoRASlotPool(cfg, 2, 64, tp_size=2, base_weight=lambda *key: None)
+    with pytest.raises(AdapterError) as err:
+        pool.load(0, two)
+    assert err.value.feature == "use_dora" and not pool.dora_slots

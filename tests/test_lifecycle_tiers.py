@@ -54,7 +54,7 @@ def run_to_end(eng, limit=500):
 
 
 def test_slot_table_never_evicts_protected_pinned_or_loading():
-    t = SlotTable(3, pinned={1})
+    t = SlotTable(3, pins={1})
     for aid in (1, 2, 3):
         assert t.assign(aid, set()).needs_load
     assert t.ready_slot(2) is None and t.slot_of(2) is not None  # loading: not readable

@@ -109,8 +109,9 @@ def test_written_by_peft(base, tmp_path, overrides, feature, file_name):
 @pytest.mark.parametrize("targets", [("q_proj", "embed_tokens"), ("v_proj", "lm_head")],
                          ids=["embed_tokens", "lm_head"])
 def test_embedding_and_head_targets(base, tmp_path, targets):
-    """Served by the CPU reference path at TP 1 (parity: tests/test_end_lora_parity.py),
-    refused elsewhere naming the module; their tensors without the target are refused."""
+    """Served by the CPU reference path (parity: tests/test_end_lora_parity.py; at TP=2
+    tests/test_moe_tp.py), refused elsewhere naming the module; their tensors without the
+    target are refused."""
     cfg, model_dir = base[0], base[1]
     d = make_adapter(tmp_path / "a", model_dir, AdapterSpec(r=4, target_modules=targets))
     assert targets[1] in load_lora(d, cfg, MAX_RANK).ends

@@ -73,8 +73,8 @@ def _oracle_each(family, prompts, adapters):
     """Each request through PEFT with only its own adapter loaded."""
     refs = [None] * len(prompts)
     for name in {a for a in adapters}:
-        fam = TinyFamily(family.arch, family.model_dir,
-                         {name or "attn": family.adapters[name or "attn"]})
+        loaded = name or next(iter(family.adapters))  # base requests: adapter disabled
+        fam = TinyFamily(family.arch, family.model_dir, {loaded: family.adapters[loaded]})
         oracle = HFOracle(fam)
         idx = [i for i, a in enumerate(adapters) if a == name]
         outs = oracle.generate_each([prompts[i] for i in idx], [name] * len(idx), MAX_NEW)

@@ -19,6 +19,7 @@ from disk when a request needs it (loader.py).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 from typing import Any
 
 from engine.errors import CapacityError
@@ -27,10 +28,11 @@ IDLE, IN_USE, NEEDED, PIN = range(4)
 
 
 class HostCache:
-    def __init__(self, capacity: int, pinned: set[int]):
+    def __init__(self, capacity: int, pins: Container[int]):
+        """`pins`: the pinned adapter ids (engine/adapters/pins.py), never evicted."""
         assert capacity >= 1, capacity
         self.capacity = capacity
-        self.pinned = pinned  # shared with the slot table
+        self.pins = pins
         self._copies: OrderedDict[int, Any] = OrderedDict()  # adapter id -> weights, LRU first
         self._needed: dict[int, int] = {}  # adapter id -> priority (0 = runs next)
         self._in_use: set[int] = set()
@@ -53,7 +55,7 @@ class HostCache:
     def claim(self, adapter_id: int, age: int | None = None) -> tuple:
         """How strongly the adapter's copy should stay (comparable, larger stays). `age`:
         its place in the LRU order (0 = least recently used; default: newest)."""
-        if adapter_id in self.pinned:
+        if adapter_id in self.pins:
             return (PIN,)
         if adapter_id in self._needed:
             return (NEEDED, -self._needed[adapter_id])

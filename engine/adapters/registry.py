@@ -26,7 +26,6 @@ class AdapterRecord:
     path: str
     rank: int
     version: str          # sha256 of its files when loaded (safe_files): reloads must match
-    pinned: bool = False
     retiring: bool = False
     in_flight: int = 0    # admitted requests not yet finished (waiting or running)
     loads: int = 0        # copies into a device slot
@@ -48,15 +47,14 @@ class AdapterRegistry:
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequestError(f"adapter name={name!r}: must be a non-empty string")
 
-    def add(self, name: str, path: str, rank: int, version: str,
-            pinned: bool = False) -> int:
+    def add(self, name: str, path: str, rank: int, version: str) -> int:
         """Register weights already read from `path` under `name`; returns the new id. A
         previous version of the name is retired (freed once its in-flight requests end)."""
         self.check_name(name)
         aid = self._next_id
         self._next_id += 1
         old = self._current.get(name)
-        self._records[aid] = AdapterRecord(aid, name, str(path), rank, version, pinned)
+        self._records[aid] = AdapterRecord(aid, name, str(path), rank, version)
         self._current[name] = aid
         if old is not None:
             self._retire(old)

@@ -118,7 +118,6 @@ class AdapterResidency:
         """Drop every copy of a retired version (its requests have all ended). The slot's
         contents are not touched: nothing maps to it, the next load overwrites it."""
         self.slots.release(adapter_id)
-        self.slots.pinned.discard(adapter_id)
         self.host.drop(adapter_id)
         self.loader.cancel(adapter_id)
         self._reads_started.pop(adapter_id, None)

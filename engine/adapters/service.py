@@ -1,7 +1,7 @@
 """The engine's adapter operations by name: load, pin, unload, retirement, per-adapter stats.
 
 It ties the pieces below the control plane together: the registry (ids and lifecycle), the
-slot table's pin set (shared with the host cache), residency (host copies and slots) and
+pins (the one pin set, engine/adapters/pins.py), residency (host copies and slots) and
 the KV cache (one prefix-cache namespace per adapter id). Requests never come through
 here; the engine's step loop calls `free_retired` whenever a request may have ended.
 """
@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from engine.adapters.pins import Pins
 from engine.adapters.registry import BASE_ID, AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.slots import SlotTable
-from engine.errors import CapacityError
 from engine.kv.kv_cache_manager import KVCacheManager
 
 
@@ -27,13 +27,13 @@ class ReadAdapter(NamedTuple):
 
 
 class AdapterService:
-    def __init__(self, registry: AdapterRegistry, slots: SlotTable,
-                 residency: AdapterResidency, kv: KVCacheManager, max_loras: int):
+    def __init__(self, registry: AdapterRegistry, slots: SlotTable, pins: Pins,
+                 residency: AdapterResidency, kv: KVCacheManager):
         self.registry = registry
         self.slots = slots
+        self.pins = pins
         self.residency = residency
         self.kv = kv
-        self.max_loras = max_loras
         self.base_cache_hits = 0  # prefix-cache hits of base-model requests
 
     def add(self, name: str, path: str | Path, pinned: bool = False,
@@ -57,8 +57,7 @@ class AdapterService:
         if pinned:
             self._check_can_pin(read.name)
         old = self.registry.current(read.name)
-        aid = self.registry.add(read.name, read.path, read.weights.max_rank, read.version,
-                                pinned)
+        aid = self.registry.add(read.name, read.path, read.weights.max_rank, read.version)
         self.residency.add_host_copy(aid, read.weights, pinned)
         if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
             self.set_pin(old.adapter_id, False)
@@ -69,7 +68,7 @@ class AdapterService:
     def set_pinned(self, name: str, pinned: bool) -> int:
         """See Engine.set_adapter_pinned."""
         aid = self.registry.resolve(name)
-        if pinned and not self.registry.get(aid).pinned:
+        if pinned and aid not in self.pins:
             self._check_can_pin(name)
             self.residency.ensure_host_copy(aid)
         self.set_pin(aid, pinned)
@@ -88,28 +87,23 @@ class AdapterService:
         self.registry.retire(aid)
 
     def set_pin(self, aid: int, pinned: bool) -> None:
-        self.registry.get(aid).pinned = pinned
-        (self.slots.pinned.add if pinned else self.slots.pinned.discard)(aid)
+        self.pins.set(aid, pinned)
 
     def _check_can_pin(self, name: str) -> None:
         current = self.registry.current(name)
-        others = self.slots.pinned - ({current.adapter_id} if current else set())
-        if len(others) + 1 >= self.max_loras:
-            raise CapacityError(
-                f"cannot pin adapter {name!r}: {len(others)} of max_loras="
-                f"{self.max_loras} slots are pinned and one must stay dynamic")
+        self.pins.check_room(name, current.adapter_id if current else None)
 
     def free_retired(self) -> None:
         """Free the slot, host copy and KV namespace of every retired version whose last
         request has ended."""
         for rec in self.registry.take_ready():
+            self.pins.set(rec.adapter_id, False)
             self.residency.forget(rec.adapter_id)
             self.kv.evict_namespace(rec.adapter_id)
 
     def pinned_to_load(self, wanted: list[int]) -> list[int]:
         """Pinned adapters not in a slot and not already in `wanted` (in id order)."""
-        return sorted(a for a in self.slots.pinned
-                      if self.slots.slot_of(a) is None and a not in wanted)
+        return [a for a in self.pins if self.slots.slot_of(a) is None and a not in wanted]
 
     def count_cache_hits(self, adapter_id: int, hits: int) -> None:
         """Credit prefix-cache hits to the adapter version (or the base model) they served."""
@@ -127,7 +121,7 @@ class AdapterService:
                 "name": rec.name, "id": aid, "path": rec.path, "rank": rec.rank,
                 "version": rec.version,
                 "state": self.residency.state(aid), "slot": self.slots.slot_of(aid),
-                "pinned": rec.pinned, "unloading": rec.retiring, "in_flight": rec.in_flight,
+                "pinned": aid in self.pins, "unloading": rec.retiring, "in_flight": rec.in_flight,
                 "loads": rec.loads, "evictions": rec.evictions, "disk_reads": rec.disk_reads,
                 "host_evictions": rec.host_evictions,
                 "cached_token_hits": rec.cached_token_hits}

@@ -14,6 +14,7 @@ copies into one slot run in the order they were queued, on one stream.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 from typing import NamedTuple
 
 
@@ -24,13 +25,13 @@ class SlotAssignment(NamedTuple):
 
 
 class SlotTable:
-    def __init__(self, num_slots: int, pinned: set[int] | None = None):
+    def __init__(self, num_slots: int, pins: Container[int] = frozenset()):
+        """`pins`: the pinned adapter ids (engine/adapters/pins.py), never evicted."""
         self.num_slots = num_slots
         self._owner: list[int | None] = [None] * num_slots
         self._lru: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._loading: set[int] = set()
-        # shared with the host cache: one pin means "never evicted implicitly" in both tiers
-        self.pinned: set[int] = pinned if pinned is not None else set()
+        self.pins = pins
 
     def slot_of(self, adapter_id: int) -> int | None:
         """Slot held by the adapter, ready or still loading."""
@@ -56,7 +57,7 @@ class SlotTable:
             if owner is None:
                 return slot
         for aid, slot in self._lru.items():
-            if aid not in protected and aid not in self.pinned and aid not in self._loading:
+            if aid not in protected and aid not in self.pins and aid not in self._loading:
                 return slot
         return None
 

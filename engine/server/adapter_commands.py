@@ -27,7 +27,6 @@ _Ack = engine_pb2.AdapterAck
 class LoadedAdapter:
     path: str
     adapter_id: int
-    pinned: bool
     version: str = ""
 
 
@@ -97,7 +96,7 @@ class AdapterCommands:
         # New weights under the same name get a new id; the engine retires the old one
         # once its requests end.
         adapter_id = self._engine.register_adapter(read, pinned=cmd.pinned)
-        self.loaded[cmd.name] = LoadedAdapter(cmd.path, adapter_id, cmd.pinned, read.version)
+        self.loaded[cmd.name] = LoadedAdapter(cmd.path, adapter_id, read.version)
         return adapter_id
 
     def _dispatch(self, cmd: engine_pb2.AdapterCommand) -> int:
@@ -113,9 +112,8 @@ class AdapterCommands:
         have = self.loaded.get(name)
         if have is None:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded on this engine")
-        if have.pinned != pinned:
+        if self._engine.adapter_pinned(have.adapter_id) != pinned:
             self._engine.set_adapter_pinned(name, pinned)
-            self.loaded[name] = LoadedAdapter(have.path, have.adapter_id, pinned, have.version)
         return have.adapter_id
 
     def _unload(self, name: str) -> int:

@@ -39,6 +39,7 @@ class ServerConfig:
     # no heartbeat while one step-loop iteration has run this long: the loop is hung
     stall_timeout_s: float = 600.0
     debug_step_sleep_s: float = 0.0  # test hook: each engine step first sleeps this long
+    debug_sleep_step: int = 0        # test hook: 0, every step sleeps; N, only the N-th
     keys: ZmqKeys | None = None    # CURVE keys; None: any local process may connect
 
 
@@ -122,7 +123,7 @@ class EngineServer:
         if self.engine.has_unfinished():
             self._step += 1
             batch.step = self._step
-            if self.cfg.debug_step_sleep_s:
+            if self.cfg.debug_step_sleep_s and self.cfg.debug_sleep_step in (0, self._step):
                 time.sleep(self.cfg.debug_step_sleep_s)
             for out in self.engine.step():
                 batch.deltas.append(delta_to_proto(out))

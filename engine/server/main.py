@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "seconds (a hung engine then looks dead to its peers)")
     p.add_argument("--debug-step-sleep", type=non_negative_float, default=0.0,
                    help=argparse.SUPPRESS)
+    p.add_argument("--debug-sleep-step", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
     curve.add_arguments(p)
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"engine {report}", file=sys.stderr, flush=True)
     server = EngineServer(engine, ServerConfig(
         args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
-        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep, keys=keys))
+        stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep,
+        debug_sleep_step=args.debug_sleep_step, keys=keys))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -351,7 +351,7 @@ class LifecycleStress:
         st = eng.stats()
         assert st["adapters"] == {} and st["slots_used"] == 0 and st["host_copies"] == 0
         assert set(eng.kv.pool.cache.namespaces()) <= {0}
-        assert eng.slots.pinned == set()
+        assert list(eng.pins) == []
 
 
 class _raises:
