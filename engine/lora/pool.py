@@ -41,11 +41,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.errors import AdapterError
 from engine.lora.weights import LoRAWeights
 from engine.model.archs import architecture
 from engine.model.lora_targets import (GROUPS, ROW_PARALLEL_GROUPS, expert_shard_shape,
                                        lora_group_shapes)
+from loramux_core.errors import AdapterError
 
 
 class LoRASlotPool:
