@@ -84,7 +84,7 @@ def test_roles_services_probes_and_secrets(docs):
     c = container(engine)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["exec"]["command"][:3] == ["python", "-m", "engine.server.probe"]
+        assert c[probe]["exec"]["command"][:3] == ["python", "-m", "loramux_core.probe"]
     token = env_of(deployments["loramux-control"], config)["LORAMUX_ADMIN_TOKEN"]
     secret = by_kind(docs, "Secret")[token["secretKeyRef"]["name"]]
     assert token["secretKeyRef"]["key"] in secret["stringData"]
