@@ -39,21 +39,21 @@ from engine.admission import (AdmissionLimits, check_length, check_request, prom
                               sequence_ids)
 from engine.assembly import build_adapter_parts, build_model_parts, max_model_len
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import make_executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.hf_config import ModelConfig
+from engine.output_processor import OutputProcessor
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.pending import PendingSample
 from engine.request import Request
 from engine.resolve import MachineFacts, describe, resolve_config
 from engine.sampling import RequestSeeds, SamplingState
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
 from engine.tokenizer import Tokenizer
 from engine.warmup import WarmupReport, warm_up
+from loramux_core.errors import EngineDeadError, InvalidRequestError
+from loramux_core.sampling import SamplingParams
 
 
 class Engine:
@@ -89,7 +89,7 @@ class Engine:
         self.slots = SlotTable(config.max_loras, self.pins)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            config.max_loras, self.max_model_len),
+                            config.max_loras),
             self.kv, self.slots, on_release=self._on_released)
         self._async = config.use_async_scheduling
         self._inflight: tuple[SchedulerOutput, PendingSample] | None = None
@@ -102,7 +102,9 @@ class Engine:
         self._arrival = itertools.count()
         self._generate_batches = itertools.count()
         self._forks: dict[str, list[str]] = {}  # request id (n > 1) -> its sequence ids
-        self._eos_ids = frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids)
+        self.outputs = OutputProcessor(
+            self.tokenizer, frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids),
+            self.max_model_len)
         self.step_seconds = Histogram("step_seconds", STEP_SECONDS)
         self.batch_sizes = Histogram("batch_size", BATCH_SIZES)  # sequences per forward pass
 
@@ -153,7 +155,7 @@ class Engine:
         for res in self.adapters.poll():
             for req in [r for r in self.scheduler.waiting if r.adapter_id == res.adapter_id]:
                 self.scheduler.finish(req, FinishReason.ERROR)  # (a preempted one may drain)
-                results.append(req.step_output(len(req.text), new_token=False))
+                results.append(self.outputs.step_output(req, new_token=False))
                 self._on_finished(req)
             self.adapter_service.retire(res.adapter_id)
         self.adapter_service.free_retired()
@@ -187,18 +189,15 @@ class Engine:
         seed = self._seeds.next()
         for i, rid in enumerate(ids):
             self._queue(Request(rid, prompt_ids, params, adapter_id=adapter_id,
-                                eos_token_ids=self._eos_ids, arrival=next(self._arrival),
+                                arrival=next(self._arrival),
                                 parent_id=request_id if params.n > 1 else None), seed, i)
         if params.n > 1:
             self._forks[request_id] = ids
 
     def _queue(self, req: Request, seed: int, index: int) -> None:
-        p = req.params
-        req.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, skip_special_tokens=True, stop=p.stop,
-            include_stop_str_in_output=p.include_stop_str_in_output)
-        req.sampling_state = SamplingState.create(p, req.prompt_token_ids, default_seed=seed,
-                                                  sample_index=index)
+        self.outputs.add(req)
+        req.sampling_state = SamplingState.create(req.params, req.prompt_token_ids,
+                                                  default_seed=seed, sample_index=index)
         self.registry.acquire(req.adapter_id)
         self.scheduler.add(req)
 
@@ -284,14 +283,16 @@ class Engine:
         return self._update(out, self.executor.result(pending))
 
     def _update(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> list[StepOutput]:
-        text_before = {s.request.request_id: len(s.request.text) for s in out.scheduled}
+        """Append a completed step's tokens; the output processor says who stops."""
         results = []
         for req in self.scheduler.update(out, sampled):
             # the runner counted the token in the sampler state at launch; write it in
             req.sampling_state.output_token_ids[req.num_output_tokens - 1] = req.all_token_ids[-1]
-            results.append(req.step_output(text_before[req.request_id]))
-            if req.is_finished:
+            reason = self.outputs.append(req, sampled[req.request_id])
+            if reason is not None:
+                self.scheduler.finish(req, reason)
                 self._on_finished(req)
+            results.append(self.outputs.step_output(req))
         return results
 
     def _on_finished(self, req: Request) -> None:
@@ -334,7 +335,7 @@ class Engine:
             raise
         while any(not r.is_finished for r in reqs):
             self.step()
-        return [r.request_output() for r in reqs]
+        return [self.outputs.request_output(r) for r in reqs]
 
     # ---- lifetime ---------------------------------------------------------------
     def close(self) -> None:

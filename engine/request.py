@@ -3,6 +3,8 @@
 Everything else (how many tokens to compute next, whether it is prefilling) is derived.
 A request names its adapter only by id (0 = base); the id is fixed at admission, so a
 reload of the adapter's name never changes the weights or KV namespace it runs with.
+What its caller sees (text, logprobs) and when it stops is the output processor's
+(engine/output_processor.py); the scheduler only appends its tokens.
 """
 from __future__ import annotations
 
@@ -10,8 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import FinishReason, RequestOutput, StepOutput
-from engine.sampling_params import SamplingParams
+from loramux_core.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -27,7 +28,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter_id: int = 0
-    eos_token_ids: frozenset[int] = frozenset()
     arrival: int = 0                  # admission order; larger = newer
     parent_id: str | None = None      # set on the n sequences of a request with n > 1
     status: RequestStatus = RequestStatus.WAITING
@@ -36,11 +36,8 @@ class Request:
     num_resumed_cached_tokens: int = 0  # tokens re-matched from the cache after preemptions
     num_preemptions: int = 0
     finish_reason: str | None = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    text: str = ""
-    detokenizer: Any = None           # IncrementalDetokenizer, set by the engine
     sampling_state: Any = None        # the sampler's per-request state, set by the engine
+    output: Any = None                # what the caller sees (engine/output_processor.py)
     # Async scheduling (a step is launched before the previous one's tokens are known):
     num_inflight_tokens: int = 0      # sampled in launched steps, not yet appended
     num_inflight_steps: int = 0       # launched steps holding this request, not yet updated
@@ -92,39 +89,3 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self._tokens.append(int(token_id))
-
-    def check_token_stop(self) -> str | None:
-        """Finish reason after the last appended token, from token ids alone (stop strings
-        are the detokenizer's business), or None."""
-        last = self._tokens[-1]
-        if last in self.params.stop_token_ids:
-            return FinishReason.STOP
-        if not self.params.ignore_eos and last in self.eos_token_ids:
-            return FinishReason.EOS
-        if self.num_output_tokens >= self.params.max_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    def step_output(self, text_start: int, new_token: bool = True) -> StepOutput:
-        """What one step produced for this request: its newest token (unless `new_token`
-        is False, e.g. when it ends without one) and the text after `text_start`."""
-        want = new_token and (self.params.logprobs or self.params.top_logprobs > 0)
-        return StepOutput(
-            request_id=self.request_id,
-            new_token_ids=[self.all_token_ids[-1]] if new_token else [],
-            new_logprobs=[self.logprobs[-1]] if want else [],
-            new_top_logprobs=[self.top_logprobs[-1]] if new_token and self.params.top_logprobs
-            else [],
-            text_delta=self.text[text_start:],
-            finished=self.is_finished,
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=self.num_cached_tokens)
-
-    def request_output(self) -> RequestOutput:
-        """The whole result of a finished request (Engine.generate)."""
-        return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=list(self.prompt_token_ids),
-            token_ids=self.output_token_ids, text=self.text, finish_reason=self.finish_reason,
-            logprobs=list(self.logprobs), top_logprobs=list(self.top_logprobs),
-            num_cached_tokens=self.num_cached_tokens, adapter_id=self.adapter_id)

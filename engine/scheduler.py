@@ -90,7 +90,6 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_loras: int = 4
-    max_model_len: int = 1 << 30
     starvation_steps: int = 16  # K: waits this long for a slot start a drain
 
 
@@ -352,9 +351,10 @@ class Scheduler:
 
     # ---- after the forward pass -------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, Sampled]) -> list[Request]:
-        """Append the sampled tokens of a launched step, finish the requests that hit a
-        stop condition, release draining ones this step was the last to hold. Returns
-        the requests that got a token, in batch order."""
+        """Append the sampled tokens of a launched step and release draining requests
+        this step was the last to hold. Returns the requests that got a token, in batch
+        order; whether one stops with it is the output processor's decision (the engine
+        then calls `finish`)."""
         self.num_updates += 1
         touched = []
         for s in out.scheduled:
@@ -365,30 +365,7 @@ class Scheduler:
                 if not req.num_inflight_steps:
                     self._release(*self._draining.pop(req.request_id))
                 continue  # its token, if any, is discarded
-            if not s.samples:
-                continue
-            tok = sampled[req.request_id]
-            req.append_token(tok.token_id)
-            req.logprobs.append(tok.logprob)
-            if tok.top_logprobs is not None:
-                req.top_logprobs.append(tok.top_logprobs)
-            touched.append(req)
-            reason = self._stop_reason(req)
-            if reason is not None:
-                self.finish(req, reason)
+            if s.samples:
+                req.append_token(sampled[req.request_id].token_id)
+                touched.append(req)
         return touched
-
-    def _stop_reason(self, req: Request) -> str | None:
-        reason = req.check_token_stop()
-        detok = req.detokenizer
-        if detok is not None:
-            req.text += detok.push(req.all_token_ids[-1:])
-            if detok.stop_hit:
-                reason = FinishReason.STOP
-            elif reason is None and req.num_tokens >= self.cfg.max_model_len:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                req.text += detok.finish()  # release text held back for stop strings
-        elif reason is None and req.num_tokens >= self.cfg.max_model_len:
-            reason = FinishReason.LENGTH
-        return reason

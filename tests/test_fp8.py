@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.errors import ModelLoadError
+from loramux_core.errors import ModelLoadError
 from engine.model.batch import make_attention_metadata
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM

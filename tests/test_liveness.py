@@ -2,9 +2,10 @@
 a stream, while a killed or hung engine is still seen as gone within about two seconds.
 
 Real processes (engine, control plane, gateway) on loopback; the peers' heartbeat
-timeout is lowered to 0.5 s so that a step of a few seconds is many timeouts long. Steps
-are made long for real: a test hook that sleeps inside every step, and a long prompt
-prefilled in one step on a model big enough to take seconds on the CPU."""
+timeout is lowered to 0.5 s so that a step of a few seconds is many timeouts long, and
+one test keeps every default through a single 60 s step. Steps are made long for real: a
+test hook that sleeps inside every step (or only the N-th), and a long prompt prefilled
+in one step on a model big enough to take seconds on the CPU."""
 from __future__ import annotations
 
 import threading
@@ -14,6 +15,7 @@ import grpc
 import pytest
 import torch
 from loramux import GenerateClient, LoramuxError
+from loramux.v1 import generate_pb2
 
 from engine import Engine, EngineConfig
 from services.launcher import Cluster, ClusterConfig, wait_serving
@@ -114,6 +116,80 @@ def test_a_long_cpu_prefill_does_not_end_the_stream(tmp_path):
         assert first > 3 * TIMEOUT, f"prefill took only {first:.2f} s: not a long step"
     finally:
         c.kill_all()
+
+
+@pytest.mark.timeout(240)
+def test_one_60_s_step_with_default_timeouts_ends_no_stream(tmp_path, tiny_model):
+    """Every peer at its defaults (heartbeat timeout 1.5 s, interval 0.2 s, stall limit
+    600 s) and one engine step that sleeps 60 s while eight streams are in flight: the
+    gateway stays SERVING through it, every stream completes with the tokens the offline
+    engine gives, and some stream waited the whole step between two of its tokens. Then
+    the engine is killed mid-stream: UNAVAILABLE within about two seconds, at defaults."""
+    prompts = [[5 + i, 6, 7] for i in range(8)]
+    with Engine(EngineConfig(model=str(tiny_model))) as offline:
+        want = [o.token_ids for o in offline.generate(prompts, _greedy(6))]
+    c = Cluster(ClusterConfig(model=str(tiny_model), adapter_roots=(str(tmp_path),),
+                              workdir=str(tmp_path / "run"),
+                              engine_args=("--debug-step-sleep", "60", "--debug-sleep-step", "3")))
+    c.start()
+    try:
+        c.wait_ready()
+        wait_serving(c.gateway_address)
+        results: list = [None] * len(prompts)
+
+        def stream(i: int) -> None:
+            times, tokens, last = [], [], None
+            try:
+                with GenerateClient(c.gateway_address, retry=False) as gen:
+                    for r in gen.stream(prompts[i], None, temperature=0.0, max_tokens=6,
+                                        ignore_eos=True):
+                        tokens += r.token_ids
+                        times += [time.monotonic()] * len(r.token_ids)
+                        last = r
+                results[i] = (tokens, times, last.finish_reason)
+            except LoramuxError as err:
+                results[i] = err
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        time.sleep(30)  # inside the long step
+        wait_serving(c.gateway_address, timeout_s=1.0)  # busy, not dead
+        for t in threads:
+            t.join(120)
+        assert time.monotonic() - t0 >= 60
+        assert all(isinstance(r, tuple) for r in results), results
+        assert [r[0] for r in results] == want
+        assert all(r[2] == generate_pb2.FINISH_REASON_LENGTH for r in results), results
+        gaps = [b - a for _, times, _ in results for a, b in zip(times, times[1:])]
+        assert max(gaps) >= 55, max(gaps)  # a stream was mid-generation through the step
+        assert not c.dead()
+        _kill_mid_stream_is_unavailable_within(c, 2.5)
+    finally:
+        c.kill_all()
+
+
+def _kill_mid_stream_is_unavailable_within(c, limit_s: float) -> None:
+    errors: list = []
+    first = threading.Event()
+
+    def stream():
+        with GenerateClient(c.gateway_address, retry=False) as gen:
+            try:
+                for _ in gen.stream([5, 6, 7], None, max_tokens=500, ignore_eos=True):
+                    first.set()
+            except LoramuxError as err:
+                errors.append((err, time.monotonic()))
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(30)
+    t_kill = time.monotonic()
+    c.kill("engine")
+    t.join(10)
+    assert errors, "the stream did not end"
+    err, t_end = errors[0]
+    assert err.code == grpc.StatusCode.UNAVAILABLE, err
+    assert t_end - t_kill < limit_s, t_end - t_kill
 
 
 def test_a_hung_step_loop_stops_heartbeats_and_they_resume_after(tiny_model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import socket
 import struct
 
@@ -12,8 +13,8 @@ import pytest
 
 from engine.adapters import safe_files
 from engine.adapters.safe_files import AdapterRoots, PathRefused, open_adapter_dir
-from engine.errors import AdapterError
 from engine.lora.safetensors_buffer import parse_header
+from loramux_core.errors import AdapterError
 
 
 @pytest.fixture
@@ -40,10 +41,36 @@ def test_reads_whole_file_once_with_its_hash(tree):
     roots = AdapterRoots([str(root)])
     with roots.open_dir("deep/er") as d:
         got = d.read("f", max_bytes=100)
-    assert got.data == b"x" * 100 and got.sha256 == hashlib.sha256(b"x" * 100).hexdigest()
+    assert got.data == b"x" * 100 and got.digest == _chunked_sha256(b"x" * 100)
     with roots.open_dir(str(root / "ok")) as d:     # absolute, under the root
         assert d.read("f", 5).data == b"hello"
     assert roots.canonical("ok") == str(root / "ok")
+
+
+def _chunked_sha256(data: bytes, chunk: int = 4 << 20) -> str:
+    """The digest spelled out: sha256 over a tag, the size and each 4 MiB chunk's sha256."""
+    parts = [hashlib.sha256(data[o:o + chunk]).digest() for o in range(0, max(len(data), 1), chunk)]
+    return hashlib.sha256(b"loramux chunked sha256 v1\n" + len(data).to_bytes(8, "little")
+                          + b"".join(parts)).hexdigest()
+
+
+@pytest.mark.parametrize("size", [0, 1, (4 << 20) - 1, 4 << 20, (4 << 20) + 1, (9 << 20) + 7])
+def test_large_files_hash_in_chunks_into_a_given_buffer(tmp_path, size):
+    """Files of several chunks hash on threads while being read; the digest is the same
+    function whatever the buffer, and one changed byte anywhere changes it."""
+    from engine.adapters.safe_files import file_digest, legacy_sha256
+    data = random.Random(size).randbytes(size)
+    (tmp_path / "f").write_bytes(data)
+    given = bytearray(size + 100)
+    with open_adapter_dir(str(tmp_path), None) as d:
+        plain, into = d.read("f", size), d.read("f", size, alloc=lambda n: memoryview(given))
+    assert plain.data == data and bytes(into.data) == data and len(into.data) == size
+    assert plain.digest == into.digest == file_digest(data) == _chunked_sha256(data)
+    assert legacy_sha256(into.data) == hashlib.sha256(data).hexdigest()
+    if size:
+        changed = bytearray(data)
+        changed[size // 2] ^= 1
+        assert file_digest(changed) != plain.digest
 
 
 @pytest.mark.parametrize("path, why", [

@@ -4,10 +4,11 @@ import pytest
 
 from engine.adapters.slots import SlotTable
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.output_processor import token_stop
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig
+from loramux_core.sampling import SamplingParams
 
 BS = 4
 VOCAB = 1000
@@ -61,7 +62,10 @@ def step(s: Scheduler):
         assert len(x.block_ids) >= needed
     sampled = {x.request.request_id: Sampled(next_token(x.request), -0.5)
                for x in out.scheduled if x.samples}
-    s.update(out, sampled)
+    for r in s.update(out, sampled):  # the engine's output processor decides stops
+        reason = token_stop(r, frozenset(), max_model_len=1 << 30)
+        if reason is not None:
+            s.finish(r, reason)
     s.kv.pool.check_invariants()
     return out
 

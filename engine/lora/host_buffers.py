@@ -15,6 +15,10 @@ a host copy (the host cache, a copy in flight, a worker's shard cache) keep the
 
 On CUDA a buffer is ordinary host memory registered with the driver (cudaHostRegister),
 falling back to torch's pinned allocator where registration fails.
+
+`scratch` holds the buffers adapter files are read into before conversion, never pinned:
+reusing them spares the page faults of fresh memory on every read (most of a read's
+time), and the bytes are only needed until the host copy is built.
 """
 from __future__ import annotations
 
@@ -74,6 +78,15 @@ class HostBufferPool:
         self.allocated_bytes = 0
         self.num_allocations = 0
         self.num_reuses = 0
+        self._scratch: HostBufferPool | None = None
+
+    @property
+    def scratch(self) -> "HostBufferPool":
+        """The pool of unpinned buffers files are read into (its own counters)."""
+        with self._lock:
+            if self._scratch is None:
+                self._scratch = HostBufferPool(pin=False)
+            return self._scratch
 
     @staticmethod
     def size_class(nbytes: int) -> int:

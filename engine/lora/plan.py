@@ -12,11 +12,12 @@ here, so both paths refuse exactly the same adapters.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
-from engine.adapters.safe_files import AdapterDir, AdapterRoots, combined_version, open_adapter_dir
-from engine.errors import AdapterError
+from engine.adapters.safe_files import (AdapterDir, AdapterRoots, Alloc, FileRead,
+                                        combined_version, open_adapter_dir)
 from engine.lora import expert_plan
 from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
 from engine.lora.patterns import dotted_suffixes
@@ -24,6 +25,7 @@ from engine.lora.safetensors_buffer import TensorInfo, is_float, parse_header
 from engine.model.archs import architecture
 from engine.model.lora_targets import (DECODER_TARGETS, END_GROUP, END_TARGETS, LoraTarget,
                                        expert_full_shape, full_shape)
+from loramux_core.errors import AdapterError
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -95,9 +97,20 @@ class AdapterPlan:
     config: AdapterConfig
     weights_file: str                       # for messages: the path as the caller gave it
     modules: tuple[ModulePlan, ...]
-    weights: bytes                          # adapter_model.safetensors, whole
+    weights: bytes | memoryview             # adapter_model.safetensors, whole
     tensors: dict[str, TensorInfo]          # its checked header
-    version: str                            # sha256 over both files (combined_version)
+    files: tuple[tuple[str, FileRead], ...] = field(repr=False, compare=False, default=())
+
+    @cached_property
+    def version(self) -> str:
+        """The digest over both files (combined_version); waits for the hashing threads."""
+        return combined_version(list(self.files))
+
+    def has_version(self, version: str) -> bool:
+        """`version` names these files: their version, or the plain-sha256 version that
+        was recorded for the same bytes before chunked digests."""
+        return version == self.version or version == combined_version(list(self.files),
+                                                                      legacy=True)
 
     @property
     def max_rank(self) -> int:
@@ -125,17 +138,19 @@ def max_weights_bytes(model_cfg, max_lora_rank: int) -> int:
 
 
 def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
-                 roots: AdapterRoots | None = None) -> AdapterPlan:
-    """Read `adapter_dir` (below `roots` when given) and check its config, safetensors
-    header and shapes against `model_cfg`; raise AdapterError naming the feature and the
-    file on the first problem (PathRefused when the path leaves the roots)."""
+                 roots: AdapterRoots | None = None, alloc: Alloc | None = None) -> AdapterPlan:
+    """Read `adapter_dir` (below `roots` when given; the weights file into a buffer from
+    `alloc` when given) and check its config, safetensors header and shapes against
+    `model_cfg`; raise AdapterError naming the feature and the file on the first problem
+    (PathRefused when the path leaves the roots). The version may still be hashing when
+    this returns (AdapterPlan.version waits)."""
     with open_adapter_dir(str(adapter_dir), roots) as d:
         config = read_config_bytes(d)
         cfg = parse_adapter_config(config.data, max_lora_rank, f"{d.shown}/{CONFIG_NAME}")
         weights_file = _check_weights_file(d)
         params = expert_plan.targeted_parameters(cfg, model_cfg)
         targets = _targeted_modules(cfg, model_cfg, bool(params))
-        weights = d.read(WEIGHTS_NAME, max_weights_bytes(model_cfg, max_lora_rank))
+        weights = d.read(WEIGHTS_NAME, max_weights_bytes(model_cfg, max_lora_rank), alloc)
     shapes = parse_header(weights.data, weights_file)
     found, found_experts = _index_keys(shapes, model_cfg, weights_file, cfg.use_dora)
     modules = []
@@ -153,8 +168,8 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
         raise AdapterError(f"tensor {key!r} is for {module_name(layer, module, model_cfg)}, which "
                            f"target_modules does not select", feature="tensor",
                            file=weights_file)
-    version = combined_version([(CONFIG_NAME, config), (WEIGHTS_NAME, weights)])
-    return AdapterPlan(cfg, weights_file, tuple(modules), weights.data, shapes, version)
+    return AdapterPlan(cfg, weights_file, tuple(modules), weights.data, shapes,
+                       ((CONFIG_NAME, config), (WEIGHTS_NAME, weights)))
 
 
 def _check_weights_file(d: AdapterDir) -> str:

@@ -18,13 +18,21 @@ and, for a mixture-of-experts model, per (layer, fused expert parameter) (lora_t
 EXPERT_TARGETS): a [max_loras, E, max_lora_rank, K], b [max_loras, E, N, max_lora_rank]
 (this rank's K and N), allocated with the pool.
 
+Each group's a (and b) of every layer are views of one tensor stacked over the layers,
+[L, max_loras, S, max_lora_rank, K]: a slot of one group across all layers is one
+strided view, and an adapter's host copy holds each group stacked the same way, one
+group after the other in one buffer (engine/lora/weights.py). A load on CUDA is then one
+copy of that buffer into a device staging buffer plus one strided device copy per group
+and factor (about ten copies in all, whatever the number of layers); on the CPU, one
+strided copy per group and factor.
+
 The buffers are allocated once and never reallocated or resized: captured CUDA graphs
 hold their addresses. After a load, every element of the slot holds the new adapter's
 value or zero, so nothing of a previous occupant can leak into the next; the pool
-remembers, per slot and (layer, group), how many rank columns may be nonzero and zeroes
-only those the new adapter does not cover. A load is thus about two copies per
-(layer, group) plus one for all the ranks: few launches, no kernel per rank entry. The pool does not know which adapter is in which slot; the engine's residency
-manager does, and it never loads or clears a slot a running batch may read.
+remembers, per slot and group, how many rank columns may be nonzero and zeroes only
+those the new adapter does not cover. The pool does not know which adapter is in which
+slot; the engine's residency manager does, and it never loads or clears a slot a running
+batch may read.
 """
 from __future__ import annotations
 
@@ -33,11 +41,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.errors import AdapterError
 from engine.lora.weights import LoRAWeights
 from engine.model.archs import architecture
 from engine.model.lora_targets import (GROUPS, ROW_PARALLEL_GROUPS, expert_shard_shape,
                                        lora_group_shapes)
+from loramux_core.errors import AdapterError
 
 
 class LoRASlotPool:
@@ -71,15 +79,24 @@ class LoRASlotPool:
         # one tensor for every ranks vector: a load writes a slot's column at once
         self._all_ranks = torch.zeros(len(keys), max_loras, dtype=torch.int32, device=self.device)
         self._key_index = {key: i for i, key in enumerate(keys)}
-        # per slot: rank columns of each key that may be nonzero (0 = all zero)
-        self._dirty = [dict.fromkeys(keys, 0) for _ in range(max_loras)]
+        # per slot: rank columns of each group that may be nonzero in some layer (0 = none)
+        self._dirty = [dict.fromkeys(GROUPS, 0) for _ in range(max_loras)]
+        self._stack_a, self._stack_b = {}, {}  # group -> [L, max_loras, ...] (docstring)
+        for group in GROUPS:
+            shape = self.shapes[group]
+            self._stack_a[group] = torch.zeros(
+                self.num_layers, max_loras, len(shape.out_features), max_lora_rank,
+                shape.in_features, dtype=dtype, device=self.device)
+            self._stack_b[group] = torch.zeros(
+                self.num_layers, max_loras, sum(shape.out_features), max_lora_rank,
+                dtype=dtype, device=self.device)
         for key in keys:
-            shape = self.shapes[key[1]]
-            self._a[key] = torch.zeros(max_loras, len(shape.out_features), max_lora_rank,
-                                       shape.in_features, dtype=dtype, device=self.device)
-            self._b[key] = torch.zeros(max_loras, sum(shape.out_features), max_lora_rank,
-                                       dtype=dtype, device=self.device)
+            self._a[key] = self._stack_a[key[1]][key[0]]
+            self._b[key] = self._stack_b[key[1]][key[0]]
             self._ranks[key] = self._all_ranks[self._key_index[key]]
+        self._staging: torch.Tensor | None = None   # CUDA: the host copy, on the device
+        self._staging_free = None                   # event: its last reader completed
+        self.num_copies = 0                          # copies and fills queued by loads
 
     def weights(self, layer: int, group: str):
         """(a, b, ranks, slice_offsets) of one (layer, group), for kernels.lora.add_lora."""
@@ -88,7 +105,7 @@ class LoRASlotPool:
 
     @property
     def nbytes(self) -> int:
-        return (sum(t.nbytes for d in (self._a, self._b) for t in d.values())
+        return (sum(t.nbytes for d in (self._stack_a, self._stack_b) for t in d.values())
                 + self._all_ranks.nbytes
                 + sum(t.nbytes for ab in (*self._ends.values(), *self._experts.values())
                       for t in ab))
@@ -113,7 +130,11 @@ class LoRASlotPool:
                                feature="use_dora", file=weights.source)
         with _on_stream(stream):
             non_blocking = self.device.type == "cuda" and weights.pinned
-            ranks = [self._copy_group(slot, key, weights.groups.get(key), non_blocking)
+            if weights.stacked:
+                self._copy_stacked(slot, weights, non_blocking)
+            else:
+                self._copy_groups(slot, weights.groups, non_blocking)
+            ranks = [weights.groups[key].rank if key in weights.groups else 0
                      for key in self._a]
             self._write_ranks(slot, ranks)
             self._write_dora(slot, weights)
@@ -129,7 +150,9 @@ class LoRASlotPool:
         """Zero `slot` everywhere (its tokens would then add nothing)."""
         self._check_slot(slot)
         with _on_stream(stream):
-            self._write_ranks(slot, [self._copy_group(slot, key, None) for key in self._a])
+            for group in GROUPS:
+                self._zero_columns(slot, group, 0)
+            self._write_ranks(slot, [0] * len(self._a))
             self._write_dora(slot, None)
             self._write_ends(slot, {})
             self._write_experts(slot, {})
@@ -138,7 +161,7 @@ class LoRASlotPool:
         """The slot's contents are unknown (written from outside): the next load or clear
         zeroes every column it does not write."""
         self._check_slot(slot)
-        self._dirty[slot] = dict.fromkeys(self._dirty[slot], self.max_lora_rank)
+        self._dirty[slot] = dict.fromkeys(GROUPS, self.max_lora_rank)
 
     def dora_scale(self, layer: int, group: str) -> torch.Tensor | None:
         """[max_loras + 1, N] per-row factors of one (layer, group) (index a token's slot,
@@ -208,25 +231,69 @@ class LoRASlotPool:
         pin = self.device.type == "cuda"
         host = torch.tensor(ranks, dtype=torch.int32, pin_memory=pin)
         self._all_ranks[:, slot].copy_(host, non_blocking=pin)
+        self.num_copies += 1
 
-    def _copy_group(self, slot: int, key, gw, non_blocking: bool = False) -> int:
-        """Write one (layer, group) of the slot; returns its rank (0: no adapter there)."""
-        a, b = self._a[key][slot], self._b[key][slot]
-        dirty = self._dirty[slot]
-        if gw is None:
-            if dirty[key]:
-                a[:, :dirty[key]].zero_()
-                b[:, :dirty[key]].zero_()
-                dirty[key] = 0
-            return 0
-        r = gw.a.shape[1]
-        if dirty[key] > r:  # columns of a larger previous adapter
-            a[:, r:dirty[key]].zero_()
-            b[:, r:dirty[key]].zero_()
-        a[:, :r].copy_(gw.a, non_blocking=non_blocking)
-        b[:, :r].copy_(gw.b, non_blocking=non_blocking)
-        dirty[key] = r
-        return gw.rank
+    def _copy_stacked(self, slot: int, weights: LoRAWeights, non_blocking: bool) -> None:
+        """Write every group of the slot from the stacked host tensors: on CUDA one copy
+        of the host buffer to the staging buffer, then one strided copy per factor."""
+        sources = dict(weights.stacked)
+        if self.device.type == "cuda":
+            sources = self._staged(weights, non_blocking)
+        for group in GROUPS:
+            src = sources.get(group)
+            r = src[0].shape[2] if src is not None else 0
+            self._zero_columns(slot, group, r)
+            if src is not None:
+                self._stack_a[group][:, slot, :, :r].copy_(src[0], non_blocking=non_blocking)
+                self._stack_b[group][:, slot, :, :r].copy_(src[1], non_blocking=non_blocking)
+                self._dirty[slot][group] = r
+                self.num_copies += 2
+        if self._staging is not None and self.device.type == "cuda":
+            self._staging_free = torch.cuda.Event()
+            self._staging_free.record()
+
+    def _staged(self, weights: LoRAWeights, non_blocking: bool) -> dict:
+        """The stacked tensors of `weights`, copied to the device in one copy: views of
+        the staging buffer at the same offsets as in the host buffer."""
+        nbytes = weights.buffer_bytes
+        if self._staging_free is not None:  # the previous load's copies read it
+            torch.cuda.current_stream(self.device).wait_event(self._staging_free)
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._staging[:nbytes].copy_(weights.buffer.data[:nbytes], non_blocking=non_blocking)
+        self.num_copies += 1
+        base = weights.buffer.data.data_ptr()
+        return {group: tuple(self._staging[t.data_ptr() - base:][:t.nbytes].view(t.dtype)
+                             .view(t.shape) for t in ab)
+                for group, ab in weights.stacked.items()}
+
+    def _zero_columns(self, slot: int, group: str, r: int) -> None:
+        """Zero the slot's rank columns r.. of `group` that may be nonzero."""
+        dirty = self._dirty[slot][group]
+        if dirty > r:
+            self._stack_a[group][:, slot, :, r:dirty].zero_()
+            self._stack_b[group][:, slot, :, r:dirty].zero_()
+            self.num_copies += 2
+        self._dirty[slot][group] = min(dirty, r)
+
+    def _copy_groups(self, slot: int, groups, non_blocking: bool) -> None:
+        """Write every (layer, group) of the slot from weights without stacked tensors
+        (e.g. a pin_memory() copy): two copies per (layer, group)."""
+        for group in GROUPS:
+            dirty, wrote = self._dirty[slot][group], 0
+            for layer in range(self.num_layers):
+                a, b = self._a[(layer, group)][slot], self._b[(layer, group)][slot]
+                gw = groups.get((layer, group))
+                r = gw.a.shape[1] if gw is not None else 0
+                if dirty > r:  # columns of a larger previous adapter
+                    a[:, r:dirty].zero_()
+                    b[:, r:dirty].zero_()
+                if gw is not None:
+                    a[:, :r].copy_(gw.a, non_blocking=non_blocking)
+                    b[:, :r].copy_(gw.b, non_blocking=non_blocking)
+                    self.num_copies += 2
+                wrote = max(wrote, r)
+            self._dirty[slot][group] = wrote
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:

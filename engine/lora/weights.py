@@ -9,7 +9,11 @@ rank's input width K and output widths n_0..n_{S-1} (N = sum):
     m: [N]      DoRA adapters only: each wrapped slice's magnitude vector (this rank's
                 rows of a column-parallel group; whole for a row-parallel one)
 
-R is the largest rank among the group's slices. Values are checked where they are served:
+R is the largest rank among the group's slices in any layer. Each is a view of one tensor
+per group stacked over the layers (`LoRAWeights.stacked`: a [L, S, R, K], b [L, N, R],
+zero in layers the adapter does not wrap), and the groups lie one after the other in one
+host buffer, so a slot load is one copy of the buffer and one strided copy per group
+(engine/lora/pool.py), not two per layer. Values are checked where they are served:
 after the cast to the serving dtype and with the scaling folded in, every element of A
 and of B·scaling must be finite and at most MAX_ABS_WEIGHT in magnitude (trained LoRA
 factors are of order 1 or below; far larger values, e.g. from a huge lora_alpha, turn
@@ -34,13 +38,13 @@ import math
 
 import torch
 
-from engine.errors import AdapterChangedError, AdapterError
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.safetensors_buffer import tensor
-from engine.model.lora_targets import (END_GROUP, LORA_TARGETS, GroupShape, expert_factors,
-                                       lora_group_shapes, lora_shard)
+from engine.model.lora_targets import (END_GROUP, GROUPS, LORA_TARGETS, GroupShape,
+                                       expert_factors, lora_group_shapes, lora_shard)
 from engine.parallel import TPGroup
+from loramux_core.errors import AdapterChangedError, AdapterError
 
 MAX_ABS_WEIGHT = 1e4
 
@@ -72,6 +76,9 @@ class LoRAWeights:
     source: str                     # the adapter's weights file, for messages
     version: str = ""               # sha256 of the files it was built from
     buffer: HostBuffer | None = None  # the host memory every group tensor views, if one
+    # group -> (a [L, S, R, K], b [L, N, R]), the stacked tensors `groups` view (module
+    # docstring); empty for weights not built by weights_from_plan
+    stacked: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     # LoRA on the ends (engine/model/lora_targets.py END_TARGETS): module -> (A, B * scaling)
     ends: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     # LoRA on fused expert weights (lora_targets.py EXPERT_TARGETS): (layer, param) ->
@@ -83,6 +90,14 @@ class LoRAWeights:
         return (sum(g.a.nbytes + g.b.nbytes for g in self.groups.values())
                 + sum(a.nbytes + b.nbytes for a, b in (*self.ends.values(),
                                                        *self.experts.values())))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of `buffer` the stacked tensors occupy, from its start."""
+        if self.buffer is None or not self.stacked:
+            return 0
+        base = self.buffer.data.data_ptr()
+        return max(t.data_ptr() - base + t.nbytes for ab in self.stacked.values() for t in ab)
 
     @property
     def use_dora(self) -> bool:
@@ -132,18 +147,30 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
     served by the CPU reference path, which alone serves DoRA and LoRA on lm_head /
     embed_tokens (refused otherwise). At tensor-parallel size > 1, DoRA on a row-parallel
     module (o_proj, down_proj) is refused: its row norms span every rank's columns."""
-    plan = plan_adapter(path, model_cfg, max_lora_rank, roots)
-    if plan.config.use_dora and not reference_path:
-        raise AdapterError("use_dora=true: DoRA adapters are served on the CPU only for now",
-                           feature="use_dora", file=plan.config.file)
-    if plan.config.use_dora and tp.size > 1:
-        _check_dora_sharded(plan, model_cfg, tp)
-    _check_ends_served(plan, reference_path)
-    if expected_version is not None and plan.version != expected_version:
-        raise AdapterChangedError("adapter files changed since this version was validated "
-                                  "or loaded; register or load the name again to serve them",
-                                  file=str(path))
-    return weights_from_plan(plan, model_cfg, tp, dtype, buffers)
+    pool = buffers if buffers is not None else HostBufferPool()
+    reads: list[HostBuffer] = []
+
+    def alloc(nbytes: int) -> memoryview:
+        reads.append(pool.scratch.acquire(nbytes))
+        return memoryview(reads[-1].data.numpy())
+    try:
+        plan = plan_adapter(path, model_cfg, max_lora_rank, roots, alloc)
+        if plan.config.use_dora and not reference_path:
+            raise AdapterError("use_dora=true: DoRA adapters are served on the CPU only for "
+                               "now", feature="use_dora", file=plan.config.file)
+        if plan.config.use_dora and tp.size > 1:
+            _check_dora_sharded(plan, model_cfg, tp)
+        _check_ends_served(plan, reference_path)
+        # converted while the last chunks of the files still hash on other threads
+        weights = weights_from_plan(plan, model_cfg, tp, dtype, pool)
+        if expected_version is not None and not plan.has_version(expected_version):
+            raise AdapterChangedError("adapter files changed since this version was "
+                                      "validated or loaded; register or load the name again "
+                                      "to serve them", file=str(path))
+        return weights
+    finally:  # nothing built views the bytes read (the conversion copied them)
+        for buf in reads:
+            pool.scratch.release(buf)
 
 
 def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single(),
@@ -158,26 +185,39 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
             continue
         group, s = LORA_TARGETS[mp.module]
         by_group.setdefault((mp.layer, group), {})[s] = mp
-    layout, nbytes = _layout(by_group, shapes, dtype, plan.config.use_dora)
+    layout, gaps, nbytes = _layout(by_group, shapes, model_cfg.num_layers, dtype,
+                                   plan.config.use_dora)
     ends = _end_weights(plan, dtype)
     experts = _expert_weights(plan, model_cfg, tp, dtype)
     pool = buffers if buffers is not None else HostBufferPool()
     buf = pool.acquire(nbytes)
     try:
-        groups = {}
-        for key, (a_at, b_at, *m_at) in layout.items():
-            a, b = _view(buf, a_at, dtype), _view(buf, b_at, dtype)
-            m = _view(buf, m_at[0], dtype) if m_at else None
-            groups[key] = _fill_group(a, b, m, plan, model_cfg, tp, shapes[key[1]],
-                                      by_group[key])
-        _check_groups(groups, by_group, shapes, plan.weights_file)
+        stacked, groups = {}, {}
+        for group, parts in layout.items():
+            a, b, *m = (_view(buf, at, dtype) for at in parts)
+            stacked[group] = (a, b)
+            for layer in range(model_cfg.num_layers):
+                m_l = m[0][layer] if m else None
+                slices = by_group.get((layer, group))
+                if slices is None:  # not wrapped here: zeros, as in an empty slot
+                    for t in (a[layer], b[layer], m_l):
+                        if t is not None:
+                            t.zero_()
+                    continue
+                groups[(layer, group)] = _fill_group(a[layer], b[layer], m_l, plan, model_cfg,
+                                                     tp, shapes[group], slices)
+        for start, end in gaps:
+            buf.data[start:end].zero_()
+        if not _all_within_bounds(buf.data[:nbytes].view(dtype)):
+            _check_groups(groups, by_group, shapes, plan.weights_file)
     except BaseException:
         pool.release(buf)
         raise
     weights = LoRAWeights(MappingProxyType(groups), MappingProxyType(shapes),
                           model_cfg.num_layers, plan.max_rank, plan.target_modules,
                           tp.rank, tp.size, plan.weights_file, plan.version, buffer=buf,
-                          ends=MappingProxyType(ends), experts=MappingProxyType(experts))
+                          stacked=MappingProxyType(stacked), ends=MappingProxyType(ends),
+                          experts=MappingProxyType(experts))
     pool.attach(weights, buf)
     return weights
 
@@ -205,7 +245,9 @@ def _end_weights(plan: AdapterPlan, dtype: torch.dtype) -> dict:
     for mp in plan.modules:
         if mp.layer != END_GROUP:
             continue
-        a = _compute_dtype(tensor(plan.weights, plan.tensors[mp.a_key]), dtype).to(dtype)
+        # copied: the bytes read go back to a pool once the adapter is built
+        a = _compute_dtype(tensor(plan.weights, plan.tensors[mp.a_key]), dtype).to(dtype,
+                                                                                   copy=True)
         b = (_compute_dtype(tensor(plan.weights, plan.tensors[mp.b_key]), dtype)
              * mp.scaling).to(dtype)
         _check_values(a, mp.a_key, "", plan.weights_file)
@@ -225,28 +267,41 @@ def _expert_weights(plan: AdapterPlan, model_cfg, tp: TPGroup, dtype: torch.dtyp
         lora_b = _compute_dtype(tensor(plan.weights, plan.tensors[mp.b_key]), dtype)
         a, b = expert_factors(model_cfg, mp.expert_param, lora_a, lora_b, mp.rank,
                               tp.rank, tp.size)
-        a, b = a.to(dtype).contiguous(), (b * mp.scaling).to(dtype).contiguous()
+        # copies: the bytes read go back to a pool once the adapter is built
+        a = a.to(dtype, copy=True).contiguous()
+        b = (b * mp.scaling).to(dtype).contiguous()
         _check_values(a, mp.a_key, "", plan.weights_file)
         _check_values(b, mp.b_key, f" times scaling {mp.scaling:g}", plan.weights_file)
         out[(mp.layer, mp.expert_param)] = (a, b)
     return out
 
 
-def _layout(by_group: dict, shapes: dict, dtype: torch.dtype, use_dora: bool):
-    """{(layer, group): ((a offset, a dims), (b offset, b dims)[, (m offset, m dims)])} in
-    one buffer, each tensor 256-byte aligned; and the buffer's size in bytes."""
+def _layout(by_group: dict, shapes: dict, num_layers: int, dtype: torch.dtype,
+            use_dora: bool):
+    """{group: ((a offset, a dims), (b offset, b dims)[, (m offset, m dims)])} of the
+    stacked tensors (module docstring) in one buffer, each 256-byte aligned, for every
+    group the adapter wraps in some layer; the (start, end) byte gaps alignment leaves;
+    and the bytes used."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    out, at = {}, 0
-    for key, slices in by_group.items():
-        shape = shapes[key[1]]
-        r = max(mp.rank for mp in slices.values())
+    ranks: dict[str, int] = {}
+    for (_, group), slices in by_group.items():
+        ranks[group] = max(ranks.get(group, 0), *(mp.rank for mp in slices.values()))
+    out, gaps, at = {}, [], 0
+    for group in GROUPS:
+        if group not in ranks:
+            continue
+        shape, r, n = shapes[group], ranks[group], sum(shapes[group].out_features)
+        dims = [(num_layers, len(shape.out_features), r, shape.in_features),
+                (num_layers, n, r)] + [(num_layers, n)] * use_dora
         parts = []
-        all_dims = [(len(shape.out_features), r, shape.in_features), (sum(shape.out_features), r)]
-        for dims in all_dims + [(sum(shape.out_features),)] * use_dora:
-            parts.append((at, dims))
-            at += -(-math.prod(dims) * itemsize // 256) * 256
-        out[key] = tuple(parts)
-    return out, max(at, 256)
+        for d in dims:
+            parts.append((at, d))
+            end = at + math.prod(d) * itemsize
+            at = -(-end // 256) * 256
+            if at > end:
+                gaps.append((end, at))
+        out[group] = tuple(parts)
+    return out, gaps, max(at, 256)
 
 
 def _view(buf: HostBuffer, at: tuple[int, tuple[int, ...]], dtype: torch.dtype) -> torch.Tensor:
@@ -303,17 +358,18 @@ def _shard(plan: AdapterPlan, model_cfg, tp: TPGroup, mp: ModulePlan):
     return a[:, cut.shard.start:cut.shard.stop], b, m
 
 
+def _all_within_bounds(values: torch.Tensor) -> bool:
+    """Every value finite and at most MAX_ABS_WEIGHT in magnitude: one aminmax over the
+    whole buffer (NaN propagates through it)."""
+    if values.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(values)
+    lo, hi = float(lo), float(hi)
+    return math.isfinite(lo) and math.isfinite(hi) and max(-lo, hi) <= MAX_ABS_WEIGHT
+
+
 def _check_groups(groups: dict, by_group: dict, shapes: dict, file: str) -> None:
-    """Every served value finite and within MAX_ABS_WEIGHT: one aminmax per tensor (NaN
-    propagates through it; far cheaper than isfinite + abs). On failure, the per-slice
-    check names the tensor."""
-    if not groups:
-        return
-    bounds = torch.stack([torch.stack(torch.aminmax(t)).float()
-                          for g in groups.values() for t in (g.a, g.b, g.magnitude)
-                          if t is not None])
-    if bool(torch.isfinite(bounds).all()) and float(bounds.abs().max()) <= MAX_ABS_WEIGHT:
-        return
+    """After the whole-buffer check failed: the per-slice check names the tensor."""
     for key, g in groups.items():
         offset = 0
         for s, width in enumerate(shapes[key[1]].out_features):

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from engine.errors import ModelLoadError
 from engine.model.archs import ARCHITECTURES, MoeFields
+from loramux_core.errors import ModelLoadError
 
 SUPPORTED_ARCHS = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

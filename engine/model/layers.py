@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import ModelLoadError
 from engine.model import sharding
 from engine.model.loader import WeightSource
 from engine.model.sharding import Shard
 from engine.parallel import TPGroup
 from kernels.elementwise import add_rms_norm, rms_norm
 from kernels.fp8 import FP8, fp8_linear, quantize_rows
+from loramux_core.errors import ModelLoadError
 
 
 def _param(shape, dtype, device, fill: float = float("nan")) -> nn.Parameter:

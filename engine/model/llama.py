@@ -22,7 +22,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
 from engine.model import lora_targets, sharding
 from engine.model.batch import AttentionMetadata
 from engine.model.hf_config import ModelConfig
@@ -34,6 +33,7 @@ from engine.model.rotary import RotaryEmbedding
 from engine.parallel import TPGroup
 from kernels.attention import paged_attention
 from kernels.elementwise import silu_mul
+from loramux_core.errors import ModelLoadError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Loader = Callable[[WeightSource, str], None]

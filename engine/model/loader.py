@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.errors import ModelLoadError
 from engine.model.sharding import Shard
+from loramux_core.errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

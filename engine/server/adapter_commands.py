@@ -14,10 +14,8 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from loramux.v1 import engine_pb2
-
-from engine.errors import AdapterNotFoundError
-from engine.server.convert import error_code
+from loramux_core.errors import AdapterNotFoundError, error_code
+from loramux_core.v1 import engine_pb2
 
 _Kind = engine_pb2.AdapterCommandKind
 _Ack = engine_pb2.AdapterAck

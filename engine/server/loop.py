@@ -19,12 +19,14 @@ import uuid
 from dataclasses import dataclass
 
 import zmq
-from loramux.v1 import engine_pb2
 
 from engine.server.adapter_commands import AdapterCommands
-from engine.server.curve import ZmqKeys, start_authenticator
-from engine.server.convert import delta_to_proto, error_code, sampling_from_proto
+from engine.server.convert import delta_to_proto
 from engine.server.events import engine_event, max_model_len
+from loramux_core.curve import ZmqKeys, start_authenticator
+from loramux_core.errors import error_code
+from loramux_core.sampling import sampling_from_proto
+from loramux_core.v1 import engine_pb2
 
 _MAX_INPUTS_PER_ITERATION = 512
 _READ_POLL_MS = 5  # idle: how often to look for a finished adapter read
@@ -39,6 +41,7 @@ class ServerConfig:
     # no heartbeat while one step-loop iteration has run this long: the loop is hung
     stall_timeout_s: float = 600.0
     debug_step_sleep_s: float = 0.0  # test hook: each engine step first sleeps this long
+    debug_sleep_step: int = 0        # test hook: 0, every step sleeps; N, only the N-th
     keys: ZmqKeys | None = None    # CURVE keys; None: any local process may connect
 
 
@@ -122,7 +125,7 @@ class EngineServer:
         if self.engine.has_unfinished():
             self._step += 1
             batch.step = self._step
-            if self.cfg.debug_step_sleep_s:
+            if self.cfg.debug_step_sleep_s and self.cfg.debug_sleep_step in (0, self._step):
                 time.sleep(self.cfg.debug_step_sleep_s)
             for out in self.engine.step():
                 batch.deltas.append(delta_to_proto(out))

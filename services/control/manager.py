@@ -13,8 +13,8 @@ from collections.abc import Callable
 import grpc
 import structlog
 from loramux.v1 import adapter_admin_pb2 as pb
-from loramux.v1 import engine_pb2
 
+from loramux_core.v1 import engine_pb2
 from services.common.messages import bounded
 from services.control.engine_link import EngineLink, EngineUnavailable
 from services.control.paths import AdapterRoots, PathRefused, check_name
@@ -25,7 +25,7 @@ _K = engine_pb2.AdapterCommandKind
 REGISTERED, LOADED, UNLOADING = (pb.ADAPTER_STATE_REGISTERED, pb.ADAPTER_STATE_LOADED,
                                  pb.ADAPTER_STATE_UNLOADING)
 # Validator: path inside the roots -> (rank, target modules, sha256 version); raises
-# engine.errors.AdapterError (AdapterPathError: outside the roots or through a link).
+# loramux_core.errors.AdapterError (AdapterPathError: outside the roots or through a link).
 Validator = Callable[[str], tuple[int, tuple[str, ...], str]]
 
 
@@ -113,7 +113,7 @@ class AdapterManager:
 
     async def _validate(self, name: str, path: str) -> tuple[int, tuple[str, ...], str]:
         """The validator, off the event loop; its refusals as AdminErrors."""
-        from engine.errors import AdapterError
+        from loramux_core.errors import AdapterError
         try:
             return await asyncio.to_thread(self.validator, path)
         except PathRefused as err:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from engine.errors import ModelLoadError
 from engine.model.archs import llama, mistral, qwen2, qwen2_moe, qwen3
 from engine.model.archs.base import Architecture, ArchFields, MoeFields
+from loramux_core.errors import ModelLoadError
 
 ARCHITECTURES = MappingProxyType({a.hf_name: a for a in (
     llama.ARCH, qwen2.ARCH, qwen3.ARCH, mistral.ARCH, qwen2_moe.ARCH)})

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ModelLoadError
 from engine.model.lora_targets import DECODER_TARGETS, END_TARGETS, ExpertTarget, LoraTarget
+from loramux_core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ module each (`mlp.experts.{e}.gate_proj.weight`, ...), as transformers writes th
 """
 from dataclasses import replace
 
-from engine.errors import ModelLoadError
 from engine.model.archs.base import Architecture, ArchFields, MoeFields, refuse_sliding_window
 from engine.model.lora_targets import DECODER_TARGETS, EXPERT_TARGETS
+from loramux_core.errors import ModelLoadError
 
 _TARGETS = tuple(replace(t, parent="mlp.shared_expert") if t.parent == "mlp" else t
                  for t in DECODER_TARGETS)
