@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -169,7 +170,14 @@ def save(args, argv: list[str], config: dict | None = None) -> dict:
     return result
 
 
+def _exit_on_sigterm(signum, _frame) -> None:
+    """`timeout` stops a run with SIGTERM: leave through the `with` blocks, so the service
+    (its own process group) is stopped and the GPU is free for the next run."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = sys.argv[1:] if argv is None else argv
     ours, serve_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
         if "--" in argv else (argv, [])

@@ -44,11 +44,13 @@ fi
 run() {  # name, bench flags...
   local name=$1; shift
   local t0=$SECONDS
-  timeout $((DEADLINE_S + 40)) python3 benchmarks/bench_serving.py --out "$OUT/$name" \
+  timeout -k 30 $((DEADLINE_S + 30)) python3 benchmarks/bench_serving.py --out "$OUT/$name" \
     --workdir "$WORK" --deadline-s "$DEADLINE_S" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -E '^(service|offline): (serving|ready|loaded|skipped)|warm-up|first round' "$OUT/$name.log"
   echo "$name rc=$rc in $((SECONDS - t0)) s"
+  [ -n "${EXTRA[*]}" ] || nvidia-smi --query-gpu=memory.used --format=csv,noheader \
+    | sed 's/^/GPU memory used after the round: /'
   if [ -f "$OUT/$name/table.md" ]; then cat "$OUT/$name/table.md"
   else grep '^| ' "$OUT/$name.log"; fi  # cut short: the rows printed so far
 }
