@@ -13,6 +13,7 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERS
 COPY pyproject.toml README.md ./
 COPY engine engine
 COPY kernels kernels
+COPY loramux_core loramux_core
 COPY services services
 COPY clients/python clients/python
 RUN pip install --no-cache-dir . ./clients/python

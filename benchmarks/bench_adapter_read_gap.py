@@ -43,7 +43,7 @@ def write_model(root: Path) -> Path:
 
 def step_gaps(sub, until, timeout_s: float) -> tuple[list[float], object]:
     """Gaps between StepBatch arrivals until `until(msg)`; (gaps, the matching message)."""
-    from loramux.v1 import engine_pb2
+    from loramux_core.v1 import engine_pb2
 
     last, gaps, deadline = None, [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -61,7 +61,7 @@ def step_gaps(sub, until, timeout_s: float) -> tuple[list[float], object]:
 
 
 def run(model: Path, adapter: Path, rank: int, baseline_s: float) -> dict:
-    from loramux.v1 import engine_pb2
+    from loramux_core.v1 import engine_pb2
 
     from engine import Engine, EngineConfig
     from engine.server.loop import EngineServer, ServerConfig

@@ -40,10 +40,12 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +171,14 @@ def save(args, argv: list[str], config: dict | None = None) -> dict:
     return result
 
 
+def _exit_on_sigterm(signum, _frame) -> None:
+    """`timeout` stops a run with SIGTERM: leave through the `with` blocks, so the service
+    (its own process group) is stopped and the GPU is free for the next run."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = sys.argv[1:] if argv is None else argv
     ours, serve_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
         if "--" in argv else (argv, [])
@@ -193,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     config = run_service_points(args, files, serve_argv, work, budget,
                                 lambda: save(args, argv))
     if not args.no_offline:
-        run_offline_points(args, files, config, budget, lambda: save(args, argv, config))
+        try:
+            run_offline_points(args, files, config, budget, lambda: save(args, argv, config))
+        except Exception:  # noqa: BLE001 - the service's rows are still worth a table
+            traceback.print_exc()
+            print("offline: failed; the table has the service's points only", flush=True)
     result = save(args, argv, config)
     text = report.table(args.points, result["meta"])
     (args.out / "table.md").write_text(text + "\n")

@@ -1,16 +1,16 @@
 """Request admission: everything `Engine.add_request` checks before anything is queued,
 and the sequence ids of a request with n > 1.
 
-Every check raises a typed error (engine/errors.py) that says what is wrong and where;
+Every check raises a typed error (loramux_core/errors.py) that says what is wrong and where;
 none of them changes engine state, so a refused request leaves the engine as it was.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from loramux_core.errors import InvalidRequestError, PromptTooLongError
+from loramux_core.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

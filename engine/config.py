@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import InvalidRequestError
+from loramux_core.errors import InvalidRequestError
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights on the device, no weight files read

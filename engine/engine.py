@@ -39,7 +39,6 @@ from engine.admission import (AdmissionLimits, check_length, check_request, prom
                               sequence_ids)
 from engine.assembly import build_adapter_parts, build_model_parts, max_model_len
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import make_executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.model.hf_config import ModelConfig
@@ -49,11 +48,12 @@ from engine.pending import PendingSample
 from engine.request import Request
 from engine.resolve import MachineFacts, describe, resolve_config
 from engine.sampling import RequestSeeds, SamplingState
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
 from engine.tokenizer import Tokenizer
 from engine.warmup import WarmupReport, warm_up
+from loramux_core.errors import EngineDeadError, InvalidRequestError
+from loramux_core.sampling import SamplingParams
 
 
 class Engine:

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from loramux_core.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

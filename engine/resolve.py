@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
 from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
 from engine.model.archs import architecture
 from engine.model.lora_targets import expert_shard_shape, lora_group_shapes
+from loramux_core.errors import InvalidRequestError
 
 GiB = 1 << 30
 CPU_MAX_LORAS = 4

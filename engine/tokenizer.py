@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.errors import ModelLoadError
+from loramux_core.errors import ModelLoadError
 
 
 def _read_json(path: Path) -> dict:

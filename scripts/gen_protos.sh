@@ -1,33 +1,52 @@
 #!/usr/bin/env bash
-# Generates the Python code for protos/loramux/v1/*.proto into clients/python/loramux/v1
-# (importable as `loramux.v1` by the client package and by the services).
+# Generates the Python code for the protos, each set into the package that ships it:
+#   protos/loramux/v1/*.proto      (public API: Generate, AdapterAdmin) -> clients/python/loramux/v1
+#                                  (`loramux.v1`, in the client SDK)
+#   protos/loramux_core/v1/*.proto (internal engine protocol over ZMQ)  -> loramux_core/v1
+#                                  (`loramux_core.v1`, in the server package only)
 #   bash scripts/gen_protos.sh           regenerate
 #   bash scripts/gen_protos.sh --check   exit 1 when the committed generated code is stale
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-OUT_PKG=clients/python/loramux/v1
+# proto directory (under protos/) -> the output root its package lies under
+SETS=("loramux/v1:clients/python" "loramux_core/v1:.")
 
-generate() {  # $1: output root (holds loramux/v1/)
-    mkdir -p "$1/loramux/v1"
-    "$PY" -m grpc_tools.protoc -I protos \
-        --python_out="$1" --grpc_python_out="$1" --pyi_out="$1" \
-        protos/loramux/v1/*.proto
-    printf '"""Generated from protos/loramux/v1 by scripts/gen_protos.sh; do not edit."""\n' \
-        > "$1/loramux/v1/__init__.py"
+protoc() {  # $1: proto directory, $2: output root; extra flags follow
+    local dir=$1 out=$2
+    shift 2
+    mkdir -p "$out/$dir"
+    "$PY" -m grpc_tools.protoc -I protos --python_out="$out" --pyi_out="$out" "$@" \
+        protos/"$dir"/*.proto
+    printf '"""Generated from protos/%s by scripts/gen_protos.sh; do not edit."""\n' "$dir" \
+        > "$out/$dir/__init__.py"
+}
+
+generate() {  # $1: output root replacing every set's own root ("" = the real ones)
+    # The public API has services (stubs for the SDK); the engine protocol has none.
+    protoc loramux/v1 "${1:-clients/python}" --grpc_python_out="${1:-clients/python}"
+    protoc loramux_core/v1 "${1:-.}"
 }
 
 if [ "${1:-}" = "--check" ]; then
     tmp=$(mktemp -d)
     trap 'rm -rf "$tmp"' EXIT
     generate "$tmp"
-    if ! diff -r -x __pycache__ "$tmp/loramux/v1" "$OUT_PKG" >/dev/null; then
-        echo "generated proto code in $OUT_PKG is stale: run bash scripts/gen_protos.sh" >&2
-        diff -r -x __pycache__ "$tmp/loramux/v1" "$OUT_PKG" | head -20 >&2 || true
-        exit 1
-    fi
+    stale=0
+    for set in "${SETS[@]}"; do
+        dir=${set%%:*} root=${set#*:}
+        if ! diff -r -x __pycache__ "$tmp/$dir" "$root/$dir" >/dev/null; then
+            echo "generated proto code in $root/$dir is stale: run bash scripts/gen_protos.sh" >&2
+            diff -r -x __pycache__ "$tmp/$dir" "$root/$dir" | head -20 >&2 || true
+            stale=1
+        fi
+    done
+    [ "$stale" = 0 ] || exit 1
     echo "generated proto code is up to date"
 else
-    rm -f "$OUT_PKG"/*_pb2*.py "$OUT_PKG"/*_pb2*.pyi
-    generate clients/python
+    for set in "${SETS[@]}"; do
+        dir=${set%%:*} root=${set#*:}
+        rm -f "$root/$dir"/*_pb2*.py "$root/$dir"/*_pb2*.pyi
+    done
+    generate ""
 fi

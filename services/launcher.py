@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.server.curve import ZmqKeys, generate_keys
+from loramux_core.curve import ZmqKeys, generate_keys
+
 
 
 def engine_names(replicas: int) -> tuple[str, ...]:
@@ -153,8 +154,8 @@ class Cluster:
 
     def wait_output(self, predicate, timeout_s: float = 5.0, last: list | None = None):
         """The first message on the engine's output socket with predicate(msg) true, read
-        with this run's keys (engine.server.probe.wait_output); None after `timeout_s`."""
-        from engine.server.probe import wait_output
+        with this run's keys (loramux_core.probe.wait_output); None after `timeout_s`."""
+        from loramux_core.probe import wait_output
 
         return wait_output(self.engine_output, predicate, timeout_s, last=last, keys=self.zmq_keys)
 

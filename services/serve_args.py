@@ -10,9 +10,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
-                                   config_error_message, given, non_negative_float,
-                                   positive_int, to_argv)
+from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options, config_error_message,
+                                  given, non_negative_float, positive_int, to_argv)
 from services.config_file import ConfigFileError, defaults_from_file
 from services.gateway.main import GATEWAY_OPTIONS
 
@@ -151,7 +150,7 @@ def _check_engine(parser, args) -> None:
     """What EngineConfig refuses across fields (max_cpu_loras < max_loras, ...), said
     before any process starts."""
     from engine.config import EngineConfig
-    from engine.errors import InvalidRequestError
+    from loramux_core.errors import InvalidRequestError
 
     try:
         EngineConfig(model=args.model or "", **args.engine)

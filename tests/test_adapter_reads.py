@@ -5,9 +5,9 @@ ZMQ sockets (tests/support/served.py)."""
 from __future__ import annotations
 
 import pytest
-from loramux.v1 import engine_pb2
 
 from engine import Engine, EngineConfig, SamplingParams
+from loramux_core.v1 import engine_pb2
 from tests.support.served import ServedEngine
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 

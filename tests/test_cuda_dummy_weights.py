@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.errors import InvalidRequestError
+from loramux_core.errors import InvalidRequestError
 
 
 def test_dummy_needs_no_weight_files(llama_family, tmp_path):

@@ -6,8 +6,8 @@ import torch
 from engine.cuda_graph import DecodeStaging, bucket_for, decode_buckets, is_decode_step
 from engine.model.batch import make_attention_metadata
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
+from loramux_core.sampling import SamplingParams
 
 
 def test_buckets_powers_of_two_then_max():
@@ -110,7 +110,7 @@ def test_greedy_pick_equals_the_sampler_on_greedy_rows():
     """The in-graph pick (argmax + raw logprob) gives the Sampler's token and logprob."""
     from engine.cuda_graph import greedy_pick
     from engine.sampling import Sampler, SamplingState
-    from engine.sampling_params import SamplingParams
+    from loramux_core.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(5, 97, generator=gen) * 4).bfloat16()

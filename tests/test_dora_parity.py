@@ -7,11 +7,11 @@ tensor parallelism)."""
 import pytest
 import torch
 
-from engine.errors import AdapterError
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.plan import plan_adapter
 from engine.lora.weights import weights_from_plan
 from engine.parallel import TPGroup
+from loramux_core.errors import AdapterError
 from tests.conftest import ADAPTER_SPECS, HFOracle, TinyFamily
 from tests.support.tiny import AdapterSpec, make_adapter, read_json
 from tests.test_engine_parity import GREEDY, MAX_NEW, assert_matches, make_engine, prompts_of

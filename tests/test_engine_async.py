@@ -7,8 +7,8 @@ really overlap (step N+1 is launched before step N's update)."""
 import pytest
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.errors import InvalidRequestError
 from engine.scheduler import Scheduler
+from loramux_core.errors import InvalidRequestError
 from tests.test_engine_parity import (ADAPTERS, GREEDY, LENGTHS, MAX_NEW, assert_matches,
                                       make_engine, prompts_of)
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.errors import AdapterError
 from engine.lora import load_lora
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.hf_config import ModelConfig
 from engine.parallel import TPGroup
+from loramux_core.errors import AdapterError
 from tests.support.tiny import AdapterSpec, make_adapter, make_model
 
 WEIGHTS = "adapter_model.safetensors"

@@ -1,7 +1,7 @@
 """Hostile adapters, paths and Generate requests against the real service (engine, control
 plane and gateway as processes, real gRPC): every case gets its exact status code within
 5 s, the service then serves the same greedy tokens as before, and no service process
-opened anything outside the adapter roots (Python audit hook, engine/server/open_audit.py).
+opened anything outside the adapter roots (Python audit hook, loramux_core/open_audit.py).
 
 The corpus (tests/support/adapter_fuzz.py) is run against one cluster, one call per case."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from loramux import AdminClient, GenerateClient, LoramuxError
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
-from engine.server.open_audit import ENV as AUDIT_ENV
+from loramux_core.open_audit import ENV as AUDIT_ENV
 from services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.adapter_fuzz import CANARY, CONFIG, WEIGHTS, path_attacks, write_corpus
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
@@ -327,7 +327,7 @@ def test_audit_hook_would_see_a_stray_open(tmp_path):
     target = tmp_path / CANARY
     target.write_text("x")
     prefix = tmp_path / "open"
-    code = ("from engine.server import open_audit; open_audit.install_from_env('probe'); "
+    code = ("from loramux_core import open_audit; open_audit.install_from_env('probe'); "
             f"open({str(target)!r}).read()")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ,
                                                                   AUDIT_ENV: str(prefix)})
@@ -339,7 +339,7 @@ def test_audit_hook_would_see_a_stray_open(tmp_path):
 _READ_ALL = """
 import sys
 from engine.adapters.safe_files import AdapterRoots
-from engine.errors import AdapterError
+from loramux_core.errors import AdapterError
 from engine.lora import load_lora
 from engine.model.hf_config import ModelConfig
 model, root, paths = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -4,7 +4,7 @@ tier ordered by use (an adapter serving requests keeps its host copy over an idl
 import pytest
 
 from engine.adapters.host_cache import PIN, HostCache
-from engine.errors import CapacityError
+from loramux_core.errors import CapacityError
 from tests.support.tiny import AdapterSpec, make_adapter
 from tests.test_engine_parity import prompts_of
 from tests.test_lifecycle_tiers import checked, greedy, make_engine

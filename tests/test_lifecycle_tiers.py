@@ -7,7 +7,7 @@ import pytest
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
 from engine.adapters.slots import SlotTable
-from engine.errors import AdapterNotFoundError, InvalidRequestError
+from loramux_core.errors import AdapterNotFoundError, InvalidRequestError
 from tests.test_engine_parity import prompts_of
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.errors import AdapterError
 from engine.lora import LoRASlotPool, load_lora, validate_lora
 from engine.lora.config import _MATH_CHANGING_FLAGS
 from engine.model.hf_config import ModelConfig
+from loramux_core.errors import AdapterError
 from tests.support.tiny import AdapterSpec, make_adapter, make_model, read_json, write_json
 
 MAX_RANK = 16
@@ -293,7 +293,7 @@ def test_bias_tensors(base, adapter, suffix, feature):
 def test_version_is_the_hash_of_the_bytes_served(base, adapter):
     """A same-size, same-mtime change of one weight is a new version: refused under the
     old one (what the engine does for a registered or loaded id)."""
-    from engine.errors import AdapterChangedError
+    from loramux_core.errors import AdapterChangedError
     cfg = base[0]
     version = validate_lora(adapter, cfg, MAX_RANK).version
     assert load_lora(adapter, cfg, MAX_RANK, expected_version=version).version == version

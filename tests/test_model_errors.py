@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.errors import ModelLoadError
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
+from loramux_core.errors import ModelLoadError
 from tests.support.tiny import TinySpec, make_model
 
 

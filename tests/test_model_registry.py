@@ -10,12 +10,12 @@ import dataclasses
 
 import pytest
 
-from engine.errors import AdapterError
 from engine.lora import LoRASlotPool, load_lora
 from engine.model import archs, lora_targets
 from engine.model.archs.base import Architecture
 from engine.model.archs.llama import ARCH as LLAMA
 from engine.model.hf_config import ModelConfig
+from loramux_core.errors import AdapterError
 
 MAX_RANK = 32
 

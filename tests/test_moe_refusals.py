@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from engine.errors import ModelLoadError
 from engine.model.hf_config import ModelConfig
+from loramux_core.errors import ModelLoadError
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 from tests.test_lora_refusals import CONFIG, WEIGHTS, edit_config, edit_tensors, refused
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import zmq
-from loramux.v1 import engine_pb2
 
+from loramux_core.v1 import engine_pb2
 from services.common.engine_connection import EngineConnection
 
 

@@ -9,7 +9,6 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import InvalidRequestError
 from engine.kv.sizing import blocks_for_memory
 from engine.lora import LoRASlotPool
 from engine.model.hf_config import ModelConfig, parse_config
@@ -18,6 +17,7 @@ from engine.parallel import TPGroup
 from engine.resolve import (MAX_AUTO_LORAS, MachineFacts, adapter_bytes, resolve_config,
                             runtime_reserve_bytes, usable_gpu_bytes, weight_bytes)
 from engine.server.main import build_parser, engine_config
+from loramux_core.errors import InvalidRequestError
 
 GiB = 1 << 30
 LLAMA3_8B = parse_config(dict(

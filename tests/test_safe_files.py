@@ -13,8 +13,8 @@ import pytest
 
 from engine.adapters import safe_files
 from engine.adapters.safe_files import AdapterRoots, PathRefused, open_adapter_dir
-from engine.errors import AdapterError
 from engine.lora.safetensors_buffer import parse_header
+from loramux_core.errors import AdapterError
 
 
 @pytest.fixture

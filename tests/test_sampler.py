@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
 
 from engine.sampling import RequestSeeds, Sampler, SamplingState
 from engine.sampling.processors import apply_min_p, apply_top_k_top_p
-from engine.sampling_params import SamplingParams
+from loramux_core.sampling import SamplingParams
 
 VOCAB = 97
 

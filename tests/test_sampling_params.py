@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from loramux_core.errors import InvalidRequestError
+from loramux_core.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("field,value", [

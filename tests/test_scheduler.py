@@ -7,8 +7,8 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.output_processor import token_stop
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig
+from loramux_core.sampling import SamplingParams
 
 BS = 4
 VOCAB = 1000

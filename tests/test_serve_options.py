@@ -1,4 +1,4 @@
-"""`loramux serve` flags: one table per part (engine/server/options.py), every EngineConfig
+"""`loramux serve` flags: one table per part (loramux_core/options.py), every EngineConfig
 field a flag, every flag reaching the engine's resolved config, `--config FILE` (YAML or
 TOML), and bad values refused in one line naming the flag, never a traceback."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.server import main as engine_main
-from engine.server.options import ENGINE_OPTIONS
+from loramux_core.options import ENGINE_OPTIONS
 from services.gateway import main as gateway_main
 from services.launcher import Cluster
 from services.serve_args import cluster_config, files, parse_args

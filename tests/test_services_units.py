@@ -14,9 +14,9 @@ from loramux.cli import build_parser
 from loramux.v1 import adapter_admin_pb2 as pb
 from loramux.v1 import generate_pb2
 
-from engine.errors import (AdapterNotFoundError, AdapterUnavailableError, CapacityError, EngineDeadError,
-                           PromptTooLongError)
-from engine.server.convert import error_code, sampling_from_proto
+from loramux_core.errors import (AdapterNotFoundError, AdapterUnavailableError, CapacityError,
+                                 EngineDeadError, PromptTooLongError, error_code)
+from loramux_core.sampling import sampling_from_proto
 from services.control.paths import AdapterRoots, PathRefused, check_name
 from services.control.registry import AdapterRecord, Registry
 
@@ -101,8 +101,10 @@ def test_client_package_imports_without_torch():
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = guard\n"
             "import loramux, loramux.aio, loramux.cli\n"
-            "from loramux.v1 import engine_pb2, generate_pb2_grpc, adapter_admin_pb2_grpc\n"
+            "from loramux.v1 import generate_pb2_grpc, adapter_admin_pb2_grpc\n"
             "loramux.cli.build_parser().parse_args(['adapters', 'list'])\n"
+            "import importlib.util\n"
+            "assert importlib.util.find_spec('loramux.v1.engine_pb2') is None, 'internal proto'\n"
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd="/")
@@ -114,15 +116,23 @@ def test_generated_code_is_fresh_and_check_detects_staleness(tmp_path):
     ok = subprocess.run(["bash", "scripts/gen_protos.sh", "--check"], cwd=REPO,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
-    # A copy of the repository with a changed proto must fail the check.
-    for part in ("protos", "scripts", "clients/python/loramux/v1"):
-        shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
-    proto = tmp_path / "protos/loramux/v1/generate.proto"
-    proto.write_text(proto.read_text().replace("string request_id = 5;", "string request_id = 5;\n  int32 extra = 99;"))
+    # A copy of the repository passes; with a changed public or internal proto, it fails.
     env = {**os.environ, "PYTHON": sys.executable}
-    stale = subprocess.run(["bash", "scripts/gen_protos.sh", "--check"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120, env=env)
-    assert stale.returncode == 1 and "stale" in stale.stderr
+    for proto, anchor, package in [
+            ("loramux/v1/generate.proto", "string request_id = 5;", "clients/python/loramux/v1"),
+            ("loramux_core/v1/engine.proto", "string request_id = 1;", "./loramux_core/v1")]:
+        copy = tmp_path / proto.split("/")[0]
+        for part in ("protos", "scripts", "clients/python/loramux/v1", "loramux_core/v1"):
+            shutil.copytree(REPO / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+        check = ["bash", "scripts/gen_protos.sh", "--check"]
+        fresh = subprocess.run(check, cwd=copy, capture_output=True, text=True, timeout=120, env=env)
+        assert fresh.returncode == 0, fresh.stderr
+        path = copy / "protos" / proto
+        assert anchor in path.read_text()
+        path.write_text(path.read_text().replace(anchor, anchor + "\n  int32 extra = 99;", 1))
+        stale = subprocess.run(check, cwd=copy, capture_output=True, text=True, timeout=120, env=env)
+        assert stale.returncode == 1 and "stale" in stale.stderr, stale.stderr
+        assert stale.stderr.count(" is stale") == 1 and f"in {package} is stale" in stale.stderr
 
 
 def test_cli_parser():

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from engine.errors import ModelLoadError
 from engine.tokenizer import Tokenizer
+from loramux_core.errors import ModelLoadError
 from tests.support.tiny import BOS_ID, EOS_ID, build_tokenizer, make_model, write_json
 
 TEXT = "héllo wörld, 你好 🙂🚀 the quick brown fox"

@@ -11,8 +11,8 @@ import torch
 from engine import EngineConfig
 from engine.distributed import fast_allreduce as fa
 from engine.distributed import group as pg
-from engine.errors import InvalidRequestError
 from engine.parallel import TPGroup
+from loramux_core.errors import InvalidRequestError
 from tests.support.ranks import two_ranks
 
 

@@ -20,8 +20,8 @@ from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling import SamplingState
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from loramux_core.sampling import SamplingParams
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

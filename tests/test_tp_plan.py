@@ -13,8 +13,8 @@ from engine.distributed.plan import (HOST_DROP, RETIRE, SLOT_LOAD, SeqPlan, Step
 from engine.distributed.tracker import PlanTracker
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from loramux_core.sampling import SamplingParams
 
 
 def test_step_plan_round_trip():

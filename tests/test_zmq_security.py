@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from loramux import AdminClient, GenerateClient
 
-from engine.server import curve
-from engine.server.probe import wait_output
+from loramux_core import curve
+from loramux_core.probe import wait_output
 from services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
@@ -56,7 +56,7 @@ def test_keys_readable_by_others_or_missing_are_refused(tmp_path):
 
 
 def test_keygen_keep(tmp_path):
-    run = [sys.executable, "-m", "engine.server.curve", "--keep", str(tmp_path / "k")]
+    run = [sys.executable, "-m", "loramux_core.curve", "--keep", str(tmp_path / "k")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     subprocess.run(run, check=True, env=env, cwd=REPO, capture_output=True)
     first = curve.ZmqKeys.load(tmp_path / "k")

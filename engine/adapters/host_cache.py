@@ -22,7 +22,8 @@ from collections import OrderedDict
 from collections.abc import Container
 from typing import Any
 
-from engine.errors import CapacityError
+from loramux_core.errors import CapacityError
+
 
 IDLE, IN_USE, NEEDED, PIN = range(4)
 

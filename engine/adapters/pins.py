@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from engine.errors import CapacityError
+from loramux_core.errors import CapacityError
 
 
 class Pins:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import (AdapterNotFoundError, AdapterUnavailableError,
-                           InvalidRequestError)
+from loramux_core.errors import AdapterNotFoundError, AdapterUnavailableError, InvalidRequestError
+
 
 BASE_ID = 0
 

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import PurePosixPath
 
-from engine.errors import AdapterChangedError, AdapterError
-from engine.errors import AdapterPathError as PathRefused
+from loramux_core.errors import AdapterChangedError, AdapterError, AdapterPathError as PathRefused
+
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC

@@ -16,6 +16,7 @@ from engine.adapters.registry import BASE_ID, AdapterRegistry
 from engine.adapters.residency import AdapterResidency
 from engine.adapters.slots import SlotTable
 from engine.kv.kv_cache_manager import KVCacheManager
+from loramux_core.errors import CapacityError
 
 
 class ReadAdapter(NamedTuple):

@@ -7,5 +7,5 @@
     adapters.py  adapter slot loads and host copies mirrored on every rank, by adapter id
     group.py     process groups through a TCP store on an ephemeral loopback port
 
-A rank's death surfaces as engine.errors.EngineDeadError.
+A rank's death surfaces as loramux_core.errors.EngineDeadError.
 """

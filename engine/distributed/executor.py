@@ -32,7 +32,7 @@ from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encod
 from engine.distributed.tracker import PlanTracker
 from engine.distributed.watchdog import WorkerWatchdog
 from engine.distributed.worker import worker_main
-from engine.errors import EngineDeadError
+from loramux_core.errors import EngineDeadError
 
 START_TIMEOUT_S = 120.0
 

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.group import agree_min
-from engine.errors import InvalidRequestError
 from engine.model.hf_config import ModelConfig
+from loramux_core.errors import InvalidRequestError
 
 MODES = ("auto", "nccl", "symm_mem")
 MAX_RANKS = 8                    # the kernel is specialised for 2, 4 and 8 ranks

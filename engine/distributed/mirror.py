@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from engine.distributed.plan import StepPlan
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from loramux_core.sampling import SamplingParams
 
 _PARAMS = SamplingParams()
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import InvalidRequestError
+from loramux_core.errors import InvalidRequestError
+
 
 CPU_DEFAULT_BLOCKS = 1024
 

@@ -13,8 +13,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from engine.errors import AdapterError
 from engine.lora.patterns import Pattern, check_key_count, dotted_suffixes
+from loramux_core.errors import AdapterError
 
 CONFIG_NAME = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import re
 
-from engine.errors import AdapterError
 from engine.lora.config import AdapterConfig
 from engine.lora.patterns import dotted_suffixes
 from engine.lora.safetensors_buffer import is_float
 from engine.model.archs import architecture
 from engine.model.lora_targets import ExpertTarget, expert_full_shape
+from loramux_core.errors import AdapterError
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>[\w.]+?)"
                   r"(?P<nest>(?:\.base_layer)*)\.lora_(?P<factor>[AB])(?:\.[\w\-]+)?\.weight$")

@@ -18,7 +18,8 @@ import re
 
 import re2
 
-from engine.errors import AdapterError
+from loramux_core.errors import AdapterError
+
 
 MAX_PATTERN_CHARS = 16 << 10
 MAX_PATTERN_KEYS = 1024     # rank_pattern / alpha_pattern entries

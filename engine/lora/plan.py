@@ -18,7 +18,6 @@ from pathlib import Path
 
 from engine.adapters.safe_files import (AdapterDir, AdapterRoots, Alloc, FileRead,
                                         combined_version, open_adapter_dir)
-from engine.errors import AdapterError
 from engine.lora import expert_plan
 from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
 from engine.lora.patterns import dotted_suffixes
@@ -26,6 +25,7 @@ from engine.lora.safetensors_buffer import TensorInfo, is_float, parse_header
 from engine.model.archs import architecture
 from engine.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
                                        expert_full_shape, full_shape)
+from loramux_core.errors import AdapterError
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")

@@ -41,11 +41,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.errors import AdapterError
 from engine.lora.weights import LoRAWeights
 from engine.model.archs import architecture
 from engine.model.lora_targets import (expert_shard_shape, groups, lora_group_shapes,
                                        row_parallel_groups)
+from loramux_core.errors import AdapterError
 
 
 class LoRASlotPool:

@@ -14,7 +14,8 @@ import json
 import math
 from typing import NamedTuple
 
-from engine.errors import AdapterError
+from loramux_core.errors import AdapterError
+
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 ITEM_SIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,

@@ -38,13 +38,13 @@ import math
 
 import torch
 
-from engine.errors import AdapterChangedError, AdapterError
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.safetensors_buffer import tensor
 from engine.model.lora_targets import (END_GROUP, GroupShape, expert_factors,
                                        lora_group_shapes, lora_shard, target)
 from engine.parallel import TPGroup
+from loramux_core.errors import AdapterChangedError, AdapterError
 
 MAX_ABS_WEIGHT = 1e4
 

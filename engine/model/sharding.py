@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import ModelLoadError
+from loramux_core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

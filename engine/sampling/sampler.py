@@ -12,7 +12,7 @@ import torch
 
 from engine.sampling.processors import apply_min_p, apply_repetition_penalty, apply_top_k_top_p
 from engine.sampling.state import SamplingState
-from engine.sampling_params import GREEDY_TEMPERATURE
+from loramux_core.sampling import GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

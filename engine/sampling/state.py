@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from loramux_core.sampling import SamplingParams
+
 
 _MASK64 = (1 << 64) - 1
 

@@ -8,7 +8,7 @@ Wire contract (protobuf only, `loramux.v1` engine.proto):
   (residency, in-flight counts, evictions) and `Heartbeat`s carrying a per-process
   instance id (a new id = the engine restarted).
 
-Only holders of the run's CURVE keys can connect (engine/server/curve.py).
+Only holders of the run's CURVE keys can connect (loramux_core/curve.py).
 
 Run: `python -m engine.server --model DIR --input tcp://127.0.0.1:5555 --output
 tcp://127.0.0.1:5556 --zmq-keys KEYDIR`.

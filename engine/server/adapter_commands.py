@@ -14,10 +14,8 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from loramux.v1 import engine_pb2
-
-from engine.errors import AdapterNotFoundError
-from engine.server.convert import error_code
+from loramux_core.errors import AdapterNotFoundError, error_code
+from loramux_core.v1 import engine_pb2
 
 _Kind = engine_pb2.AdapterCommandKind
 _Ack = engine_pb2.AdapterAck
@@ -33,7 +31,9 @@ class LoadedAdapter:
 class AdapterCommands:
     """Owns the name -> (path, id) view of what this engine was told to load."""
 
-    def __init__(self, engine, reader_threads: int = 2):
+    def __init__(self, engine, reader_threads: int = 8):
+        """`reader_threads`: loads read at once (the control plane sends loads of
+        different names concurrently; reads and conversions release the GIL)."""
         self._engine = engine
         self.loaded: dict[str, LoadedAdapter] = {}
         self._reader = ThreadPoolExecutor(reader_threads, thread_name_prefix="adapter-read")

@@ -1,13 +1,11 @@
-"""Conversions between the wire messages (loramux.v1) and the engine's own types."""
+"""Conversions from the engine's own outputs to the wire messages (loramux_core.v1). The
+conversions of contract types (sampling parameters, errors) live in loramux_core."""
 from __future__ import annotations
 
-from loramux.v1 import engine_pb2, generate_pb2
+from loramux.v1 import generate_pb2
 
-from engine.errors import (AdapterChangedError, AdapterError, AdapterNotFoundError,
-                           AdapterPathError, AdapterUnavailableError, CapacityError,
-                           EngineDeadError, InvalidRequestError, LoramuxError)
 from engine.outputs import FinishReason, StepOutput
-from engine.sampling_params import SamplingParams
+from loramux_core.v1 import engine_pb2
 
 _FINISH = {
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
@@ -16,36 +14,6 @@ _FINISH = {
     FinishReason.ABORTED: generate_pb2.FINISH_REASON_ABORTED,
     FinishReason.ERROR: generate_pb2.FINISH_REASON_ERROR,
 }
-_SCALARS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens")
-
-
-def sampling_from_proto(pb: generate_pb2.SamplingParams) -> SamplingParams:
-    """Engine SamplingParams from the wire message; unset optional fields keep the engine
-    defaults. Raises InvalidRequestError for values out of range is left to validate()."""
-    kwargs = {name: getattr(pb, name) for name in _SCALARS if pb.HasField(name)}
-    return SamplingParams(
-        **kwargs, stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids),
-        ignore_eos=pb.ignore_eos, logprobs=pb.logprobs, top_logprobs=pb.top_logprobs,
-        include_stop_str_in_output=pb.include_stop_str_in_output)
-
-
-def error_code(exc: BaseException) -> int:
-    """The gRPC status number (engine_pb2.ErrorCode) a typed engine error maps to."""
-    if isinstance(exc, AdapterNotFoundError):
-        return engine_pb2.ERROR_CODE_NOT_FOUND
-    if isinstance(exc, AdapterPathError):
-        return engine_pb2.ERROR_CODE_PERMISSION_DENIED
-    if isinstance(exc, AdapterChangedError):
-        return engine_pb2.ERROR_CODE_FAILED_PRECONDITION
-    if isinstance(exc, (InvalidRequestError, AdapterError)):
-        return engine_pb2.ERROR_CODE_INVALID_ARGUMENT
-    if isinstance(exc, CapacityError):
-        return engine_pb2.ERROR_CODE_RESOURCE_EXHAUSTED
-    if isinstance(exc, EngineDeadError):
-        return engine_pb2.ERROR_CODE_UNAVAILABLE
-    if isinstance(exc, (AdapterUnavailableError, LoramuxError)):
-        return engine_pb2.ERROR_CODE_FAILED_PRECONDITION
-    return engine_pb2.ERROR_CODE_INTERNAL
 
 
 def delta_to_proto(out: StepOutput) -> engine_pb2.RequestDelta:

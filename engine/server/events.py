@@ -2,7 +2,9 @@
 evictions, and the numeric counters (KV blocks, references, queue lengths)."""
 from __future__ import annotations
 
-from loramux.v1 import adapter_admin_pb2, engine_pb2
+from loramux.v1 import adapter_admin_pb2
+
+from loramux_core.v1 import engine_pb2
 
 _RESIDENCY = {
     "slot": adapter_admin_pb2.RESIDENCY_DEVICE,

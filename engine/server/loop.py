@@ -19,12 +19,14 @@ import uuid
 from dataclasses import dataclass
 
 import zmq
-from loramux.v1 import engine_pb2
 
 from engine.server.adapter_commands import AdapterCommands
-from engine.server.curve import ZmqKeys, start_authenticator
-from engine.server.convert import delta_to_proto, error_code, sampling_from_proto
+from engine.server.convert import delta_to_proto
 from engine.server.events import engine_event, max_model_len
+from loramux_core.curve import ZmqKeys, start_authenticator
+from loramux_core.errors import error_code
+from loramux_core.sampling import sampling_from_proto
+from loramux_core.v1 import engine_pb2
 
 _MAX_INPUTS_PER_ITERATION = 512
 _READ_POLL_MS = 5  # idle: how often to look for a finished adapter read

@@ -9,11 +9,9 @@ import signal
 import sys
 import threading
 
-from engine.server import curve
-from engine.server import open_audit
-from engine.server.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
-                                   config_error_message, given, non_negative_float,
-                                   positive_float)
+from loramux_core import curve, open_audit
+from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options, config_error_message,
+                                  given, non_negative_float, positive_float)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "$LORAMUX_ADAPTER_ROOTS, ':'-separated); none: every adapter "
                         "directory the control plane names is its own root")
     add_options(p.add_argument_group("engine (each also an environment variable, "
-                                      "see engine/server/options.py)"), ENGINE_OPTIONS)
+                                      "see loramux_core/options.py)"), ENGINE_OPTIONS)
     p.add_argument("--shutdown-grace", type=non_negative_float,
                    default=env("LORAMUX_SHUTDOWN_GRACE", "30"),
                    help="on SIGTERM/SIGINT, running requests have this many seconds to "
@@ -86,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from engine.engine import Engine
-    from engine.errors import LoramuxError
+    from loramux_core.errors import LoramuxError
     from engine.server.loop import EngineServer, ServerConfig
 
     try:

@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
-from loramux.v1 import engine_pb2
 
-from engine.server.curve import ZmqKeys
+from loramux_core.curve import ZmqKeys
+from loramux_core.v1 import engine_pb2
+
 
 _WATCHDOG_PERIOD_S = 0.05
 

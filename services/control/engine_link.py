@@ -6,8 +6,8 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 
-from loramux.v1 import engine_pb2
 
+from loramux_core.v1 import engine_pb2
 from services.common.engine_connection import EngineConnection
 
 

@@ -9,8 +9,8 @@ import sys
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
 from engine.adapters.safe_files import roots_from, roots_problem
-from engine.server import curve
-from engine.server.options import OneLineErrors, positive_float, positive_int
+from loramux_core import curve
+from loramux_core.options import OneLineErrors, positive_float, positive_int
 from services.common import grpc_server, replicas, tls
 from services.common.logs import configure_logging
 
@@ -131,7 +131,7 @@ async def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.server import open_audit
+    from loramux_core import open_audit
     open_audit.install_from_env("control")
     args = build_parser().parse_args(argv)
     missing = [n for n in ("model", "db", "engine_input", "engine_output", "table_address")

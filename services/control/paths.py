@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from engine.adapters.safe_files import AdapterRoots
-from engine.errors import AdapterPathError as PathRefused
+from loramux_core.errors import AdapterPathError as PathRefused
 
 __all__ = ["AdapterRoots", "PathRefused", "check_name"]
 

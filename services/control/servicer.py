@@ -10,8 +10,8 @@ import time
 import grpc
 from loramux.v1 import adapter_admin_pb2 as pb
 from loramux.v1 import adapter_admin_pb2_grpc as pb_grpc
-from loramux.v1 import engine_pb2
 
+from loramux_core.v1 import engine_pb2
 from services.common import rich_status
 from services.control.manager import AdapterManager, AdminError
 from services.control.registry import AdapterRecord

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import zmq
-from loramux.v1 import engine_pb2
 
-from engine.server.curve import ZmqKeys, start_authenticator
 
+from loramux_core.curve import ZmqKeys, start_authenticator
+from loramux_core.v1 import engine_pb2
 from services.control.registry import AdapterRecord
 
 

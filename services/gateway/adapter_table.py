@@ -10,10 +10,10 @@ import grpc
 import zmq
 import zmq.asyncio
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
-from loramux.v1 import engine_pb2
 
-from engine.server.curve import ZmqKeys
 
+from loramux_core.curve import ZmqKeys
+from loramux_core.v1 import engine_pb2
 from services.gateway.errors import Rejected
 
 

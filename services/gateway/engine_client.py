@@ -12,8 +12,9 @@ import uuid
 from collections.abc import Callable
 
 import grpc
-from loramux.v1 import engine_pb2, generate_pb2
+from loramux.v1 import generate_pb2
 
+from loramux_core.v1 import engine_pb2
 from services.common.engine_connection import EngineConnection
 from services.gateway.errors import Rejected
 from services.gateway.router import ReplicaView, choose

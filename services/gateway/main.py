@@ -8,16 +8,16 @@ import sys
 
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
-from engine.server import curve
-from engine.server.options import (OneLineErrors, Option, add_options, given,
-                                   non_negative_float, positive_float, positive_int)
+from loramux_core import curve
+from loramux_core.options import (OneLineErrors, Option, add_options, given, non_negative_float,
+                                  positive_float, positive_int)
 from services.common import grpc_server, replicas, tls
 from services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
-# The gateway's tunables; `loramux serve` takes the same flags (engine/server/options.py).
+# The gateway's tunables; `loramux serve` takes the same flags (loramux_core/options.py).
 GATEWAY_OPTIONS = (
     Option("max_inflight", "--max-inflight", positive_int,
            "admission limit: calls beyond it get RESOURCE_EXHAUSTED (default: 256)",
@@ -164,7 +164,7 @@ async def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.server import open_audit
+    from loramux_core import open_audit
     open_audit.install_from_env("gateway")
     args = build_parser().parse_args(argv)
     try:

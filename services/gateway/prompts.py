@@ -14,8 +14,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from loramux.v1 import engine_pb2, generate_pb2
+from loramux.v1 import generate_pb2
 
+from loramux_core.v1 import engine_pb2
 from services.common.chat_template import (MAX_TEMPLATE_BYTES, ChatTemplate, ChatTemplateError,
                                            special_tokens_of, text_of)
 from services.gateway.errors import Rejected
@@ -132,7 +133,7 @@ class PromptBuilder:
     def _read_template(self, path: str) -> ChatTemplate | None:
         if self._roots is None:
             return ChatTemplate.from_dir(path, self._special)
-        from engine.errors import AdapterError
+        from loramux_core.errors import AdapterError
         try:
             with self._roots.open_dir(path) as d:
                 def read(name: str) -> str | None:

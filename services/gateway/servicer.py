@@ -12,8 +12,9 @@ import time
 
 import grpc
 import structlog
-from loramux.v1 import engine_pb2, generate_pb2, generate_pb2_grpc
+from loramux.v1 import generate_pb2, generate_pb2_grpc
 
+from loramux_core.v1 import engine_pb2
 from services.common import rich_status
 from services.gateway.adapter_table import AdapterTable
 from services.gateway.engine_client import EngineClient

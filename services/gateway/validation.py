@@ -4,8 +4,8 @@ from __future__ import annotations
 import grpc
 from loramux.v1 import generate_pb2
 
-from engine.errors import InvalidRequestError
-from engine.server.convert import sampling_from_proto
+from loramux_core.errors import InvalidRequestError
+from loramux_core.sampling import sampling_from_proto
 from services.gateway.errors import Rejected
 
 MAX_STOP_STRINGS = 16

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.errors import AdapterNotFoundError, AdapterUnavailableError, CapacityError
 from engine.request import RequestStatus
 from engine.scheduler import SchedulerConfig
+from loramux_core.errors import AdapterNotFoundError, AdapterUnavailableError, CapacityError
 
 PROMPT_LENS = (3, 5, 9, 12)
 OPS = ("load", "reload", "unload", "pin", "unpin", "request", "burst", "abort", "step")

@@ -40,7 +40,7 @@ def kill_rank_and_expect_dead(engine, pid: int, within_s: float = 10.0) -> None:
 
     import pytest
 
-    from engine.errors import EngineDeadError
+    from loramux_core.errors import EngineDeadError
 
     os.kill(pid, signal.SIGKILL)
     start = time.monotonic()

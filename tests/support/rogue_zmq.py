@@ -18,9 +18,11 @@ import json
 import time
 
 import zmq
-from loramux.v1 import engine_pb2, generate_pb2
+from loramux.v1 import generate_pb2
 
-from engine.server.curve import ZmqKeys
+from loramux_core.curve import ZmqKeys
+from loramux_core.v1 import engine_pb2
+
 
 _Kind = engine_pb2.AdapterCommandKind
 

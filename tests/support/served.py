@@ -6,10 +6,10 @@ import threading
 import time
 
 import zmq
-from loramux.v1 import engine_pb2
 
 from engine.server.loop import EngineServer, ServerConfig
-from engine.server.probe import wait_heartbeat
+from loramux_core.probe import wait_heartbeat
+from loramux_core.v1 import engine_pb2
 from services.launcher import free_port
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ModelLoadError
+from loramux_core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,12 @@ class Architecture:
     end_targets: tuple[str, ...] = ("lm_head", "embed_tokens")
     expert_targets: tuple[ExpertTarget, ...] = ()
 
-    def build(self, cfg, dtype, device, tp):
-        """This rank's model, weights not loaded yet."""
+    def build(self, cfg, dtype, device, tp, fp8: bool = False):
+        """This rank's model, weights not loaded yet (`fp8`: FP8 GEMMs, see
+        LlamaForCausalLM)."""
         from engine.model.llama import LlamaForCausalLM  # torch only where a model is built
 
-        return LlamaForCausalLM(cfg, dtype, device, tp)
+        return LlamaForCausalLM(cfg, dtype, device, tp, fp8=fp8)
 
 
 def refuse_sliding_window(raw: dict[str, Any]) -> None:

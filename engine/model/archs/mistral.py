@@ -1,9 +1,9 @@
 """Mistral (MistralForCausalLM): no biases; when config.json sets `sliding_window`, every
 layer attends to the last `sliding_window` positions only (transformers' mask: key
 position > query position - sliding_window)."""
-from engine.errors import ModelLoadError
 from engine.model.archs.base import Architecture, ArchFields
 from engine.model.archs.llama import DECODER_TARGETS
+from loramux_core.errors import ModelLoadError
 
 
 def _fields(raw: dict) -> ArchFields:

@@ -1,9 +1,12 @@
 """Per-request sampling parameters. Field names match the public Generate API."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError
+from loramux.v1 import generate_pb2
+
+from loramux_core.errors import InvalidRequestError
+
 
 MAX_TOP_LOGPROBS = 20
 # Temperatures below this sample greedily: dividing logits by them overflows float32.
@@ -11,6 +14,7 @@ GREEDY_TEMPERATURE = 1e-5
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _INT_FIELDS = ("top_k", "max_tokens", "top_logprobs", "n")
 _BOOL_FIELDS = ("ignore_eos", "logprobs", "include_stop_str_in_output")
+_SCALARS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens")
 
 
 @dataclass(frozen=True)
@@ -85,3 +89,13 @@ class SamplingParams:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
+
+
+def sampling_from_proto(pb: generate_pb2.SamplingParams) -> SamplingParams:
+    """SamplingParams from the wire message; unset optional fields keep the defaults.
+    Values out of range are left to validate()."""
+    kwargs = {name: getattr(pb, name) for name in _SCALARS if pb.HasField(name)}
+    return SamplingParams(
+        **kwargs, stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos, logprobs=pb.logprobs, top_logprobs=pb.top_logprobs,
+        include_stop_str_in_output=pb.include_stop_str_in_output)

@@ -15,7 +15,7 @@ ZAP_ENFORCE_DOMAIN makes a socket whose authenticator is not running refuse ever
 message to the engine nor read a byte of what the engine or the control plane publish.
 Secret files are written 0600 and refused when others may read them (as ssh does).
 
-`python -m engine.server.curve DIR` writes a fresh directory (`--keep`: unless DIR holds
+`python -m loramux_core.curve DIR` writes a fresh directory (`--keep`: unless DIR holds
 a usable one already; docker-compose runs it so into the `zmq-keys` volume that only the
 service's containers mount)."""
 from __future__ import annotations
@@ -128,7 +128,7 @@ def start_authenticator(ctx: zmq.Context, keys: ZmqKeys) -> ThreadAuthenticator:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
     p.add_argument("--zmq-keys", default=env(KEYS_ENV),
-                   help="CURVE key directory for the ZMQ sockets (python -m engine.server.curve "
+                   help="CURVE key directory for the ZMQ sockets (python -m loramux_core.curve "
                         f"DIR makes one; ${KEYS_ENV})")
     p.add_argument("--insecure-zmq", action="store_true",
                    default=env(INSECURE_ENV, "") not in ("", "0"),
@@ -144,12 +144,12 @@ def keys_from_args(args) -> ZmqKeys | None:
     if args.insecure_zmq:
         return None
     raise ZmqKeyError(f"no ZMQ keys: pass --zmq-keys DIR (or set ${KEYS_ENV}; make one with "
-                    "`python -m engine.server.curve DIR`), or --insecure-zmq to let any local "
+                    "`python -m loramux_core.curve DIR`), or --insecure-zmq to let any local "
                     "process use the engine's sockets")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.server.curve",
+    p = argparse.ArgumentParser(prog="python -m loramux_core.curve",
                                 description="write fresh CURVE keys for a loramux run")
     p.add_argument("directory")
     p.add_argument("--keep", action="store_true",

@@ -1,6 +1,6 @@
 """Waits for an engine heartbeat on its output socket: the engine's health check.
 
-`python -m engine.server.probe tcp://host:port [--timeout S] [--zmq-keys DIR]` exits 0
+`python -m loramux_core.probe tcp://host:port [--timeout S] [--zmq-keys DIR]` exits 0
 once a heartbeat arrives, 1 when none does in time. The keys default to $LORAMUX_ZMQ_KEYS
 (the engine admits no subscriber without them)."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 import time
 
 import zmq
-from loramux.v1 import engine_pb2
 
-from engine.server.curve import KEYS_ENV, ZmqKeyError, ZmqKeys
+from loramux_core.curve import KEYS_ENV, ZmqKeyError, ZmqKeys
+from loramux_core.v1 import engine_pb2
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)

@@ -1,5 +1,9 @@
-"""Typed errors raised by the engine. The services map each to a gRPC status."""
+"""Typed errors raised by the engine and the services, and the gRPC status each maps to
+(`error_code`: the number an engine message carries; the services send it on as the call's
+status)."""
 from __future__ import annotations
+
+from loramux_core.v1 import engine_pb2
 
 
 class LoramuxError(Exception):
@@ -67,3 +71,22 @@ class EngineDeadError(LoramuxError):
     """A tensor-parallel rank died or stopped answering. The engine cannot continue: the
     other ranks are stopped, and every later call raises this error again (gRPC
     UNAVAILABLE: the engine must be restarted)."""
+
+
+def error_code(exc: BaseException) -> int:
+    """The gRPC status number (engine_pb2.ErrorCode) a typed error maps to."""
+    if isinstance(exc, AdapterNotFoundError):
+        return engine_pb2.ERROR_CODE_NOT_FOUND
+    if isinstance(exc, AdapterPathError):
+        return engine_pb2.ERROR_CODE_PERMISSION_DENIED
+    if isinstance(exc, AdapterChangedError):
+        return engine_pb2.ERROR_CODE_FAILED_PRECONDITION
+    if isinstance(exc, (InvalidRequestError, AdapterError)):
+        return engine_pb2.ERROR_CODE_INVALID_ARGUMENT
+    if isinstance(exc, CapacityError):
+        return engine_pb2.ERROR_CODE_RESOURCE_EXHAUSTED
+    if isinstance(exc, EngineDeadError):
+        return engine_pb2.ERROR_CODE_UNAVAILABLE
+    if isinstance(exc, (AdapterUnavailableError, LoramuxError)):
+        return engine_pb2.ERROR_CODE_FAILED_PRECONDITION
+    return engine_pb2.ERROR_CODE_INTERNAL

@@ -1,0 +1,15 @@
+"""loramux_core: the contract every loramux process shares, and nothing that needs torch.
+
+- `loramux_core.v1.engine_pb2`: the internal engine protocol over ZMQ (generated from
+  protos/loramux_core/v1; the public API's messages stay in the client SDK, `loramux.v1`);
+- `sampling`: SamplingParams, as the engine takes them, and their wire conversion;
+- `errors`: the typed error hierarchy and the gRPC status code each maps to;
+- `curve`: the CURVE keys that guard the engine's ZMQ sockets;
+- `probe`: waiting for an engine's output socket (launcher, health checks);
+- `options`: command-line option tables (the engine's flags, which `loramux serve`
+  forwards) and their parsing helpers;
+- `open_audit`: a test-only audit of the files a process opens.
+
+Arrows point here, never out: it imports no other loramux package but the SDK's public
+protos (tests/test_layering.py).
+"""

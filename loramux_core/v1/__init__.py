@@ -1,0 +1,1 @@
+"""Generated from protos/loramux_core/v1 by scripts/gen_protos.sh; do not edit."""
