@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     config = run_service_points(args, files, serve_argv, work, budget,
                                 lambda: save(args, argv))
     if not args.no_offline:
-        run_offline_points(args, files, config, budget, lambda: save(args, argv, config))
+        try:
+            run_offline_points(args, files, config, budget, lambda: save(args, argv, config))
+        except Exception:  # noqa: BLE001 - the service's rows are still worth a table
+            traceback.print_exc()
+            print("offline: failed; the table has the service's points only", flush=True)
     result = save(args, argv, config)
     text = report.table(args.points, result["meta"])
     (args.out / "table.md").write_text(text + "\n")
