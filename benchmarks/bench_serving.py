@@ -40,10 +40,12 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,12 +128,18 @@ def _num_requests(args, load: Load) -> int:
     return 4 * load.concurrency if load.rate is None else max(32, int(load.rate * 30))
 
 
-def _meta(args, argv: list[str], config: dict | None) -> dict:
+def _device_name() -> str:
+    """Asked once the service has stopped: a CUDA context in this process must not take
+    GPU memory beside the service's engine."""
     try:
         import torch
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001 - metadata only
-        device = "unknown"
+        return "unknown"
+
+
+def _meta(args, argv: list[str], config: dict | None) -> dict:
+    device = args.device
     commit = os.environ.get("LORAMUX_COMMIT", "")
     if not commit:
         try:
@@ -169,7 +177,14 @@ def save(args, argv: list[str], config: dict | None = None) -> dict:
     return result
 
 
+def _exit_on_sigterm(signum, _frame) -> None:
+    """`timeout` stops a run with SIGTERM: leave through the `with` blocks, so the service
+    (its own process group) is stopped and the GPU is free for the next run."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = sys.argv[1:] if argv is None else argv
     ours, serve_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
         if "--" in argv else (argv, [])
@@ -190,10 +205,16 @@ def main(argv: list[str] | None = None) -> int:
                               args.cold_first)
     args.load_reports, args.startup_s, args.warmup_s = {}, {}, {}
     args.loaded = 0
+    args.device = None  # known after the service part
     config = run_service_points(args, files, serve_argv, work, budget,
                                 lambda: save(args, argv))
+    args.device = _device_name()
     if not args.no_offline:
-        run_offline_points(args, files, config, budget, lambda: save(args, argv, config))
+        try:
+            run_offline_points(args, files, config, budget, lambda: save(args, argv, config))
+        except Exception:  # noqa: BLE001 - the service's rows are still worth a table
+            traceback.print_exc()
+            print("offline: failed; the table has the service's points only", flush=True)
     result = save(args, argv, config)
     text = report.table(args.points, result["meta"])
     (args.out / "table.md").write_text(text + "\n")

@@ -74,8 +74,11 @@ def load_service(control_address: str, names: list[str], workers: int,
         return time.perf_counter() - t
 
     with AdminClient(control_address, timeout=timeout_s) as admin:
-        with ThreadPoolExecutor(max(1, workers)) as pool:
+        pool = ThreadPoolExecutor(max(1, workers))
+        try:
             latency = list(pool.map(load, names))
+        finally:  # interrupted: the queued loads are dropped, not run
+            pool.shutdown(wait=True, cancel_futures=True)
         wall = time.perf_counter() - t0
     loaded = latency.index(None) if None in latency else len(latency)
     if loaded < len(names):

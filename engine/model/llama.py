@@ -41,7 +41,7 @@ Loader = Callable[[WeightSource, str], None]
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding, fp8: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = cfg.head_dim
@@ -53,9 +53,9 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, tp,
-            dtype, device, shards=[q_rows, kv_rows, kv_rows])
+            dtype, device, shards=[q_rows, kv_rows, kv_rows], fp8=fp8)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, dtype, device,
-                                        in_shard=q_rows)
+                                        in_shard=q_rows, fp8=fp8)
         self.sliding_window = cfg.sliding_window
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
@@ -100,12 +100,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
+                 fp8: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         inter = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp, dtype, device)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp,
+                                                 dtype, device, fp8=fp8)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device,
+                                           fp8=fp8)
 
     def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
         return self.down_proj.reduce(self.partial(x, lora))
@@ -131,10 +134,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding, fp8: bool = False):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype, device, rotary)
-        self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype, device, rotary, fp8)
+        self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device, fp8)
         if cfg.moe is not None:  # the dense MLP serves as the shared expert, if any
             self.mlp = SparseMoeBlock(cfg, layer_idx, tp, dtype, device,
                                       self.mlp if cfg.moe.shared_expert else None)
@@ -169,17 +172,21 @@ class LlamaForCausalLM(nn.Module):
     `forward(input_ids [T], attn, kv_caches, lora=None) -> hidden [T, hidden]` runs one
     flat mixed prefill/decode step (engine/model/batch.py) and writes the new tokens' K/V
     into `kv_caches` (one (k, v) pair per layer, from `make_kv_caches`).
-    `compute_logits(hidden [n, hidden]) -> [n, vocab] float32`."""
+    `compute_logits(hidden [n, hidden]) -> [n, vocab] float32`.
+
+    `fp8`: the attention and MLP projections keep FP8 weights and multiply in FP8
+    (kernels/fp8.py); otherwise an FP8 checkpoint is dequantized at load."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup.single()):
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup.single(),
+                 fp8: bool = False):
         super().__init__()
         sharding.check_divisible(cfg, tp.size)
         self.cfg, self.tp, self.dtype, self.device = cfg, tp, dtype, torch.device(device)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling, self.device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype, device, rotary)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype, device, rotary, fp8)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
@@ -233,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         attn, mlp = self.layers[layer].self_attn, self.layers[layer].mlp
         mlp = getattr(mlp, "shared_expert", mlp)   # a mixture of experts' dense MLP
         return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
-                "down": mlp.down_proj}[group].weight
+                "down": mlp.down_proj}[group].dense_weight()
 
     def load_weights(self, model_dir) -> None:
         """Load this rank's shard of every tensor from the model directory's safetensors;

@@ -31,7 +31,9 @@ class LoadedAdapter:
 class AdapterCommands:
     """Owns the name -> (path, id) view of what this engine was told to load."""
 
-    def __init__(self, engine, reader_threads: int = 2):
+    def __init__(self, engine, reader_threads: int = 8):
+        """`reader_threads`: loads read at once (the control plane sends loads of
+        different names concurrently; reads and conversions release the GIL)."""
         self._engine = engine
         self.loaded: dict[str, LoadedAdapter] = {}
         self._reader = ThreadPoolExecutor(reader_threads, thread_name_prefix="adapter-read")

@@ -3,8 +3,10 @@ over the registry, the engine replicas' links and the table publisher.
 
 An adapter is placed on every replica, or on the replicas its load named. Commands go to
 the placed replicas that are up; a replica that is down (or restarts) is brought to the
-desired state by the replay when it (re)connects. Mutations are serialized by one lock, so
-a replay never interleaves with an admin call. Errors are AdminError(status code, message)."""
+desired state by the replay when it (re)connects. Mutations of different names run
+concurrently (file validation and engine reads overlap), those of one name one at a time,
+and a replay alone (services/control/locks.py), so a replay never interleaves with an admin
+call. Errors are AdminError(status code, message)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +19,7 @@ from loramux.v1 import adapter_admin_pb2 as pb
 from loramux_core.v1 import engine_pb2
 from services.common.messages import bounded
 from services.control.engine_link import EngineLink, EngineUnavailable
+from services.control.locks import AdminLocks
 from services.control.paths import AdapterRoots, PathRefused, check_name
 from services.control.registry import AdapterRecord, Registry
 from services.control.table_publisher import TablePublisher
@@ -54,7 +57,7 @@ class AdapterManager:
         """`links`: one per engine replica, by replica index."""
         self.registry, self.roots, self.validator = registry, roots, validator
         self.links, self.table = links, table
-        self._lock = asyncio.Lock()
+        self._locks = AdminLocks()
         self._log = structlog.get_logger().bind(component="adapters")
 
     def require(self, name: str) -> AdapterRecord:
@@ -87,7 +90,7 @@ class AdapterManager:
         return rec
 
     async def register(self, name: str, path: str) -> AdapterRecord:
-        async with self._lock:
+        async with self._locks.name(name):
             return await self._register(name, path)
 
     async def _register(self, name: str, path: str) -> AdapterRecord:
@@ -130,7 +133,7 @@ class AdapterManager:
         """Register (when `path` is given) and load on `replicas` (None: every replica, or
         the placement a loaded adapter has). `pinned` None keeps the record's pin. A
         refused load changes nothing: a name registered by this call is forgotten."""
-        async with self._lock:
+        async with self._locks.name(name):
             placement = self.placement(replicas)
             before = self.registry.get(name)
             rec = await self._register(name, path) if path else self.require(name)
@@ -177,7 +180,7 @@ class AdapterManager:
             await self._command(replicas, _K.ADAPTER_COMMAND_KIND_UNLOAD, name, optional=True)
 
     async def unload(self, name: str) -> AdapterRecord:
-        async with self._lock:
+        async with self._locks.name(name):
             rec = self.require(name)
             if rec.state == REGISTERED:
                 raise AdminError(grpc.StatusCode.FAILED_PRECONDITION, f"adapter {name!r} is not loaded")
@@ -196,7 +199,7 @@ class AdapterManager:
             return rec
 
     async def unregister(self, name: str) -> None:
-        async with self._lock:
+        async with self._locks.name(name):
             rec = self.require(name)
             if rec.state != REGISTERED:
                 raise AdminError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -206,7 +209,7 @@ class AdapterManager:
             self._log.info("unregistered", adapter=name)
 
     async def set_pinned(self, name: str, pinned: bool) -> AdapterRecord:
-        async with self._lock:
+        async with self._locks.name(name):
             rec = self.require(name)
             if rec.state == LOADED and rec.pinned != pinned:
                 kind = _K.ADAPTER_COMMAND_KIND_PIN if pinned else _K.ADAPTER_COMMAND_KIND_UNPIN
@@ -245,7 +248,7 @@ class AdapterManager:
         """Bring a (re)connected replica to the desired state: load every LOADED adapter
         placed on it (with its pin), unload every UNLOADING one and every one no longer
         placed on it."""
-        async with self._lock:
+        async with self._locks.everything():
             for rec in self.registry.all():
                 if rec.state == LOADED and replica in self.placed(rec):
                     await self._replay_load(replica, rec)
@@ -278,6 +281,6 @@ class AdapterManager:
         held = {a.name for link in self.links if link.up for a in link.last_event.adapters}
         held |= {a.name for a in ev.adapters}
         for rec in self.registry.all():
-            if rec.state == UNLOADING and rec.name not in held and not self._lock.locked():
+            if rec.state == UNLOADING and rec.name not in held and not self._locks.busy(rec.name):
                 self._save(rec.evolve(state=REGISTERED, adapter_id=0))
                 self._log.info("unloaded", adapter=rec.name)
