@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,12 +128,18 @@ def _num_requests(args, load: Load) -> int:
     return 4 * load.concurrency if load.rate is None else max(32, int(load.rate * 30))
 
 
-def _meta(args, argv: list[str], config: dict | None) -> dict:
+def _device_name() -> str:
+    """Asked once the service has stopped: a CUDA context in this process must not take
+    GPU memory beside the service's engine."""
     try:
         import torch
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001 - metadata only
-        device = "unknown"
+        return "unknown"
+
+
+def _meta(args, argv: list[str], config: dict | None) -> dict:
+    device = args.device
     commit = os.environ.get("LORAMUX_COMMIT", "")
     if not commit:
         try:
@@ -198,10 +205,16 @@ def main(argv: list[str] | None = None) -> int:
                               args.cold_first)
     args.load_reports, args.startup_s, args.warmup_s = {}, {}, {}
     args.loaded = 0
+    args.device = None  # known after the service part
     config = run_service_points(args, files, serve_argv, work, budget,
                                 lambda: save(args, argv))
+    args.device = _device_name()
     if not args.no_offline:
-        run_offline_points(args, files, config, budget, lambda: save(args, argv, config))
+        try:
+            run_offline_points(args, files, config, budget, lambda: save(args, argv, config))
+        except Exception:  # noqa: BLE001 - the service's rows are still worth a table
+            traceback.print_exc()
+            print("offline: failed; the table has the service's points only", flush=True)
     result = save(args, argv, config)
     text = report.table(args.points, result["meta"])
     (args.out / "table.md").write_text(text + "\n")

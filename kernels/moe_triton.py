@@ -37,7 +37,10 @@ def align(group: torch.Tensor, num_groups: int, block_m: int = BLOCK_M) -> Align
     """Lay the pairs out by group (negative groups dropped). Device ops only."""
     P, dev = group.numel(), group.device
     key = torch.where(group < 0, num_groups, group.long())
-    counts = torch.bincount(key, minlength=num_groups + 1)[:num_groups]
+    # scatter_add, not bincount: bincount sizes its output from the data (a host sync,
+    # which a CUDA graph capture refuses)
+    counts = torch.zeros(num_groups + 1, dtype=torch.long, device=dev)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_groups]
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded
     first = torch.cumsum(counts, 0) - counts

@@ -169,3 +169,37 @@ def test_limits_bound_a_service_point(tmp_path):
         short = make_workload(2, [None], None, (4, 8), (4, 4), range(3, 50), None, 1)
         again, _ = run_service(c.gateway_address, short, 2, Limits(send_s=30, drain_s=30))
         assert all(r.end_s is not None and r.tokens == 4 and not r.cut for r in again)
+
+
+def test_points_run_load_by_load_and_skip_what_cannot_run(capsys):
+    """Points nest load > adapter count > popularity (one adapter: one popularity); a
+    point needing more adapters than were loaded, or one that could not end before the
+    deadline, is skipped and marked so."""
+    import math
+    import time
+    from types import SimpleNamespace
+
+    from benchmarks.serving.drivers import Limits
+    from benchmarks.serving.phases import _points_to_run
+    from benchmarks.serving.plan import Budget, Load, make_points
+
+    names = tuple(f"a{i}" for i in range(8))
+    points = make_points([1, 8], [("uniform", None), ("zipf:1", 1.0)],
+                         [Load(4.0, None), Load(None, 2)], lambda load: 3, names, (2, 3),
+                         (2, 3), range(3, 50), 0, repeat_first=True)
+    assert [(p["rate"], p["concurrency"], p["adapters"], p["popularity"], p["round"])
+            for p in points] == [
+        (4.0, None, 1, "uniform", "first"), (4.0, None, 1, "uniform", "steady"),
+        (4.0, None, 8, "uniform", None), (4.0, None, 8, "zipf:1", None),
+        (None, 2, 1, "uniform", None), (None, 2, 8, "uniform", None),
+        (None, 2, 8, "zipf:1", None)]
+    args = SimpleNamespace(points=points, loaded=4)
+    ran = [p["adapters"] for p in _points_to_run(args, "service", Budget(Limits(1, 1)))]
+    assert ran == [1, 1, 1] and all(p["skipped"] == {"service": "adapters not loaded"}
+                                    for p in points if p["adapters"] == 8)
+    soon = Budget(Limits(send_s=10, drain_s=5), deadline=time.monotonic() + 12)
+    assert list(_points_to_run(args, "offline", soon)) == []
+    assert points[0]["skipped"] == {"offline": "deadline"}
+    assert "offline: skipped (deadline) 1 adapters, uniform, 4 req/s" in capsys.readouterr().out
+    unbounded = Budget(Limits(), deadline=time.monotonic() + 1)  # no worst case known
+    assert unbounded.fits() and not Budget(Limits(), deadline=-math.inf).fits()

@@ -159,6 +159,8 @@ def plot_rate_sweep(points: list[dict], path: Path) -> bool:
         for n, pop in groups:
             for system in ("service", "offline"):
                 pts = [p for p in points if p.get(system) and (p["adapters"], p["popularity"]) == (n, pop)]
+                if not pts:
+                    continue
                 x = [p[system]["output_tok_per_s"] for p in pts]
                 tag = system + (f", {n} adapters {pop}" if len(groups) > 1 else "")
                 for q, style in (("p50", "o-"), ("p99", "s--")):

@@ -14,9 +14,9 @@ and per end target (lm_head, embed_tokens; allocated at the first adapter with o
 a [max_loras, max_lora_rank, K], b [max_loras, N, max_lora_rank] (engine/model/
 lora_targets.py END_TARGETS gives K and N).
 
-and, for a mixture-of-experts model, per (layer, fused expert parameter) (lora_targets.py
-EXPERT_TARGETS): a [max_loras, E, max_lora_rank, K], b [max_loras, E, N, max_lora_rank]
-(this rank's K and N), allocated with the pool.
+and, for a mixture-of-experts model, per (layer, fused expert parameter) (the
+architecture's expert_targets): a [max_loras, E, max_lora_rank, K],
+b [max_loras, E, N, max_lora_rank] (this rank's K and N), allocated with the pool.
 
 Each group's a (and b) of every layer are views of one tensor stacked over the layers,
 [L, max_loras, S, max_lora_rank, K]: a slot of one group across all layers is one
@@ -41,10 +41,11 @@ from collections.abc import Callable
 
 import torch
 
+from engine.lora import dora
 from engine.lora.weights import LoRAWeights
 from engine.model.archs import architecture
-from engine.model.lora_targets import (GROUPS, ROW_PARALLEL_GROUPS, expert_shard_shape,
-                                       lora_group_shapes)
+from engine.model.lora_targets import (expert_roles, expert_shard_shape, groups,
+                                       lora_group_shapes, row_parallel_groups)
 from loramux_core.errors import AdapterError
 
 
@@ -54,35 +55,43 @@ class LoRASlotPool:
     def __init__(self, model_cfg, max_loras: int, max_lora_rank: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  tp_size: int = 1,
-                 base_weight: Callable[[int, str], torch.Tensor] | None = None):
+                 base_weight: Callable[[int, str], torch.Tensor] | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """`base_weight(layer, group)`: this rank's merged base weight [N, K] of a group
-        (the model's `lora_base_weight`), needed by DoRA adapters only."""
+        (the model's `lora_base_weight`), needed by DoRA adapters only; `all_reduce`: the
+        tensor-parallel sum (DoRA on row-parallel groups at TP > 1: `settle_dora`)."""
         assert max_loras >= 1 and max_lora_rank >= 1, (max_loras, max_lora_rank)
         self._base_weight = base_weight
         self._scale: dict = {}           # DoRA: (layer, group) -> [max_loras + 1, N]
+        self._dora_pending = dora.PendingNorms()
+        self._all_reduce = all_reduce
         self.dora_slots: set[int] = set()
         self._ends: dict = {}            # end target -> (a, b), see the module docstring
         self.end_slots: set[int] = set()
         self.expert_slots: set[int] = set()
         self._experts = _expert_buffers(model_cfg, max_loras, max_lora_rank, dtype,
                                         torch.device(device), tp_size)
+        # (gate|up, down) fused expert parameters, as the architecture declares them
+        self.expert_params = expert_roles(model_cfg) if self._experts else (None, None)
         self.num_layers = model_cfg.num_layers
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.device = torch.device(device)
         self.tp_size = tp_size
+        self.groups = groups(model_cfg)   # as the architecture declares them
+        self._row_parallel = row_parallel_groups(model_cfg)
         self.shapes = lora_group_shapes(model_cfg, tp_size)
         self._offsets = {g: _offsets(s.out_features) for g, s in self.shapes.items()}
         self._a, self._b, self._ranks = {}, {}, {}
-        keys = [(layer, group) for layer in range(self.num_layers) for group in GROUPS]
+        keys = [(layer, group) for layer in range(self.num_layers) for group in self.groups]
         # one tensor for every ranks vector: a load writes a slot's column at once
         self._all_ranks = torch.zeros(len(keys), max_loras, dtype=torch.int32, device=self.device)
         self._key_index = {key: i for i, key in enumerate(keys)}
         # per slot: rank columns of each group that may be nonzero in some layer (0 = none)
-        self._dirty = [dict.fromkeys(GROUPS, 0) for _ in range(max_loras)]
+        self._dirty = [dict.fromkeys(self.groups, 0) for _ in range(max_loras)]
         self._stack_a, self._stack_b = {}, {}  # group -> [L, max_loras, ...] (docstring)
-        for group in GROUPS:
+        for group in self.groups:
             shape = self.shapes[group]
             self._stack_a[group] = torch.zeros(
                 self.num_layers, max_loras, len(shape.out_features), max_lora_rank,
@@ -123,11 +132,11 @@ class LoRASlotPool:
         assert (weights.num_layers, weights.tp_size, dict(weights.shapes)) == \
             (self.num_layers, self.tp_size, self.shapes), "adapter built for another model/TP layout"
         if weights.use_dora and (self._base_weight is None or self.tp_size > 1 and any(
-                g.magnitude is not None and key[1] in ROW_PARALLEL_GROUPS
-                for key, g in weights.groups.items())):
+                g.magnitude is not None and key[1] in self._row_parallel
+                for key, g in weights.groups.items()) and self._all_reduce is None):
             raise AdapterError("use_dora=true: DoRA needs the base weights' rows, and on "
-                               "row-parallel groups tensor-parallel size 1",
-                               feature="use_dora", file=weights.source)
+                               "row-parallel groups at tensor-parallel size > 1 the ranks' "
+                               "all-reduce", feature="use_dora", file=weights.source)
         with _on_stream(stream):
             non_blocking = self.device.type == "cuda" and weights.pinned
             if weights.stacked:
@@ -150,7 +159,7 @@ class LoRASlotPool:
         """Zero `slot` everywhere (its tokens would then add nothing)."""
         self._check_slot(slot)
         with _on_stream(stream):
-            for group in GROUPS:
+            for group in self.groups:
                 self._zero_columns(slot, group, 0)
             self._write_ranks(slot, [0] * len(self._a))
             self._write_dora(slot, None)
@@ -161,7 +170,7 @@ class LoRASlotPool:
         """The slot's contents are unknown (written from outside): the next load or clear
         zeroes every column it does not write."""
         self._check_slot(slot)
-        self._dirty[slot] = dict.fromkeys(GROUPS, self.max_lora_rank)
+        self._dirty[slot] = dict.fromkeys(self.groups, self.max_lora_rank)
 
     def dora_scale(self, layer: int, group: str) -> torch.Tensor | None:
         """[max_loras + 1, N] per-row factors of one (layer, group) (index a token's slot,
@@ -208,9 +217,16 @@ class LoRASlotPool:
             b[slot, :, :wb.shape[1]].copy_(wb)
             self.end_slots.add(slot)
 
+    def settle_dora(self) -> None:
+        """Finish the DoRA factors of row-parallel groups loaded at TP > 1 (one
+        all-reduce; engine/lora/dora.py). Every rank calls it at the same point of the
+        same step (a step that reads LoRA), whether anything is pending or not."""
+        if self._dora_pending:
+            self._dora_pending.settle(self._all_reduce, self._scale)
+
     def _write_dora(self, slot: int, weights: LoRAWeights | None) -> None:
-        """DoRA (PEFT's DoraLinearLayer): the wrapped layer's output, base plus LoRA term
-        and before the bias, is multiplied per output row by m / ||W + B·A·scaling||."""
+        """DoRA's per-row factors of the slot (engine/lora/dora.py)."""
+        self._dora_pending.drop(slot)
         if weights is None or not weights.use_dora:
             if slot in self.dora_slots:
                 for scale in self._scale.values():
@@ -223,8 +239,13 @@ class LoRASlotPool:
         for key, scale in self._scale.items():
             scale[slot].fill_(1.0)
             gw = weights.groups.get(key)
-            if gw is not None:
-                _dora_rows(scale[slot], gw, self._base_weight(*key), self.shapes[key[1]])
+            if gw is None:
+                continue
+            base, shape = self._base_weight(*key), self.shapes[key[1]]
+            if self.tp_size > 1 and key[1] in self._row_parallel:
+                self._dora_pending.add(slot, key, gw, base, shape)
+            else:
+                dora.write_factors(scale[slot], gw, base, shape)
         self.dora_slots.add(slot)
 
     def _write_ranks(self, slot: int, ranks: list[int]) -> None:
@@ -239,7 +260,7 @@ class LoRASlotPool:
         sources = dict(weights.stacked)
         if self.device.type == "cuda":
             sources = self._staged(weights, non_blocking)
-        for group in GROUPS:
+        for group in self.groups:
             src = sources.get(group)
             r = src[0].shape[2] if src is not None else 0
             self._zero_columns(slot, group, r)
@@ -279,7 +300,7 @@ class LoRASlotPool:
     def _copy_groups(self, slot: int, groups, non_blocking: bool) -> None:
         """Write every (layer, group) of the slot from weights without stacked tensors
         (e.g. a pin_memory() copy): two copies per (layer, group)."""
-        for group in GROUPS:
+        for group in self.groups:
             dirty, wrote = self._dirty[slot][group], 0
             for layer in range(self.num_layers):
                 a, b = self._a[(layer, group)][slot], self._b[(layer, group)][slot]
@@ -313,18 +334,6 @@ def _expert_buffers(model_cfg, max_loras: int, rank: int, dtype, device, tp_size
                 torch.zeros(max_loras, E, rank, k, dtype=dtype, device=device),
                 torch.zeros(max_loras, E, n, rank, dtype=dtype, device=device))
     return out
-
-
-def _dora_rows(out: torch.Tensor, gw, base: torch.Tensor, shape) -> None:
-    """out[rows of each wrapped slice] = magnitude / row norm of (W + B·A), in float32."""
-    offset = 0
-    for s, width in enumerate(shape.out_features):
-        r = gw.slice_ranks[s]
-        if r:
-            rows = slice(offset, offset + width)
-            w = base[rows].float() + gw.b[rows, :r].float() @ gw.a[s, :r].float()
-            out[rows] = (gw.magnitude[rows].float() / torch.linalg.norm(w, dim=1)).to(out.dtype)
-        offset += width
 
 
 def _offsets(widths: tuple[int, ...]) -> tuple[int, ...]:

@@ -41,8 +41,8 @@ import torch
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.safetensors_buffer import tensor
-from engine.model.lora_targets import (END_GROUP, GROUPS, LORA_TARGETS, GroupShape,
-                                       expert_factors, lora_group_shapes, lora_shard)
+from engine.model.lora_targets import (END_GROUP, GroupShape, expert_factors,
+                                       lora_group_shapes, lora_shard, target)
 from engine.parallel import TPGroup
 from loramux_core.errors import AdapterChangedError, AdapterError
 
@@ -81,7 +81,7 @@ class LoRAWeights:
     stacked: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     # LoRA on the ends (engine/model/lora_targets.py END_TARGETS): module -> (A, B * scaling)
     ends: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
-    # LoRA on fused expert weights (lora_targets.py EXPERT_TARGETS): (layer, param) ->
+    # LoRA on fused expert weights (the architecture's expert_targets): (layer, param) ->
     # (a [E, r, in], b [E, out, r] * scaling), this rank's part
     experts: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
 
@@ -147,8 +147,7 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
     anything that is not a plain LoRA fitting the model, or when the files' version is
     not `expected_version`; nothing is kept on error. `reference_path`: the adapter is
     served by the CPU reference path, which alone serves DoRA and LoRA on lm_head /
-    embed_tokens (refused otherwise). At tensor-parallel size > 1, DoRA on a row-parallel
-    module (o_proj, down_proj) is refused: its row norms span every rank's columns."""
+    embed_tokens (refused otherwise)."""
     pool = buffers if buffers is not None else HostBufferPool()
     reads: list[HostBuffer] = []
 
@@ -160,8 +159,6 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
         if plan.config.use_dora and not reference_path:
             raise AdapterError("use_dora=true: DoRA adapters are served on the CPU only for "
                                "now", feature="use_dora", file=plan.config.file)
-        if plan.config.use_dora and tp.size > 1:
-            _check_dora_sharded(plan, model_cfg, tp)
         _check_ends_served(plan, reference_path)
         # converted while the last chunks of the files still hash on other threads
         weights = weights_from_plan(plan, model_cfg, tp, dtype, pool)
@@ -185,8 +182,8 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     for mp in plan.modules:
         if mp.layer == END_GROUP or mp.expert_param is not None:
             continue
-        group, s = LORA_TARGETS[mp.module]
-        by_group.setdefault((mp.layer, group), {})[s] = mp
+        t = target(model_cfg, mp.module)
+        by_group.setdefault((mp.layer, t.group), {})[t.slice] = mp
     layout, gaps, nbytes = _layout(by_group, shapes, model_cfg.num_layers, dtype,
                                    plan.config.use_dora)
     ends = _end_weights(plan, dtype)
@@ -229,16 +226,6 @@ def _check_ends_served(plan: AdapterPlan, served: bool) -> None:
         if mp.layer == END_GROUP and not served:
             raise AdapterError(f"LoRA on {mp.module} is served on the CPU only for now",
                                feature=mp.module, file=plan.config.file)
-
-
-def _check_dora_sharded(plan: AdapterPlan, model_cfg, tp: TPGroup) -> None:
-    """DoRA's row norm ||W + B·A|| of a row-parallel module needs every rank's columns of
-    W; a column-parallel module's rows are whole on one rank (served exactly)."""
-    for mp in plan.modules:
-        if mp.m_key is not None and lora_shard(model_cfg, mp.module, 0, tp.size).factor == "A":
-            raise AdapterError(f"use_dora=true on {mp.module}: DoRA on row-parallel modules "
-                               f"(o_proj, down_proj) is served at tensor-parallel size 1 only",
-                               feature="use_dora", file=plan.config.file)
 
 
 def _end_weights(plan: AdapterPlan, dtype: torch.dtype) -> dict:
@@ -289,7 +276,7 @@ def _layout(by_group: dict, shapes: dict, num_layers: int, dtype: torch.dtype,
     for (_, group), slices in by_group.items():
         ranks[group] = max(ranks.get(group, 0), *(mp.rank for mp in slices.values()))
     out, gaps, at = {}, [], 0
-    for group in GROUPS:
+    for group in shapes:   # the architecture's groups, in declaration order
         if group not in ranks:
             continue
         shape, r, n = shapes[group], ranks[group], sum(shapes[group].out_features)

@@ -6,6 +6,7 @@ that activations stay finite in bfloat16 through dozens of layers:
     embeddings           N(0, 1)
     norm weights         1
     biases               0
+    FP8 matrices         N(0, 1) in float8_e4m3fn, row scales 1/sqrt(in)  (the same law)
 """
 from __future__ import annotations
 
@@ -21,7 +22,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         gen = gens.get(p.device)
         if gen is None:
             gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-        if name.endswith("bias"):
+        if p.dtype == torch.float8_e4m3fn:
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device))
+        elif name.endswith("weight_scale"):   # the rows of an FP8 matrix [out, in]
+            weight = model.get_parameter(name.removesuffix("_scale"))
+            p.fill_(weight.shape[-1] ** -0.5)
+        elif name.endswith("bias"):
             p.zero_()
         elif p.dim() == 1:              # RMSNorm scales
             p.fill_(1.0)

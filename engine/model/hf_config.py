@@ -47,6 +47,7 @@ class ModelConfig:
     sliding_window: int | None = None  # attend to the last N positions only (Mistral)
     moe: MoeFields | None = None   # mixture-of-experts MLP (Qwen2-MoE); intermediate_size
                                    # is then the shared expert's width
+    quant: str | None = None       # "fp8": FP8 weights with scales (engine/model/loader.py)
 
     @property
     def q_size(self) -> int:
@@ -80,6 +81,7 @@ def parse_config(raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Mode
         raise ModelLoadError(f"config.json: architectures={archs!r} is not supported; "
                              f"expected one of {list(SUPPORTED_ARCHS)}")
     _check_unsupported_features(raw)
+    quant = _quantization(raw.get("quantization_config"))
     arch_fields = ARCHITECTURES[arch].fields(raw)
     hidden = f.int("hidden_size")
     heads = f.int("num_attention_heads")
@@ -116,6 +118,7 @@ def parse_config(raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Mode
         qk_norm=arch_fields.qk_norm,
         sliding_window=arch_fields.sliding_window,
         moe=arch_fields.moe,
+        quant=quant,
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         eos_token_ids=_token_ids(eos, "eos_token_id"),
         bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
@@ -145,6 +148,26 @@ def _check_unsupported_features(raw: dict[str, Any]) -> None:
         raise ModelLoadError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
     if raw.get("mlp_bias"):
         raise ModelLoadError("config.json: mlp_bias=true is not supported")
+
+
+def _quantization(qc: Any) -> str | None:
+    """"fp8" for per-tensor / per-channel FP8 weights (quant_method "fp8", float8_e4m3fn,
+    `weight_scale` tensors); None without quantization; anything else refused."""
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        raise ModelLoadError(f"config.json: quantization_config.quant_method={method!r} is not "
+                             f"supported (only 'fp8', per-tensor or per-channel scales)")
+    if qc.get("weight_block_size") is not None:
+        raise ModelLoadError(f"config.json: quantization_config.weight_block_size="
+                             f"{qc['weight_block_size']!r}: block-wise FP8 scales are not "
+                             f"supported (per-tensor or per-channel only)")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ModelLoadError(f"config.json: quantization_config.activation_scheme={scheme!r} "
+                             f"is not supported ('dynamic' or 'static')")
+    return "fp8"
 
 
 def _rope(raw: dict[str, Any], max_pos: int) -> tuple[float, MappingProxyType | None]:

@@ -8,7 +8,9 @@
     ParallelLMHead         rows of the vocabulary per rank; all-gather of the logits.
 
 Weights are loaded one Hugging Face tensor at a time from a WeightSource, each rank
-reading only its own part. Every `load_*` checks the full tensor's shape first and raises
+reading only its own part. With `fp8=True` a linear layer keeps its weight in
+float8_e4m3fn with one float32 scale per row and multiplies in FP8 (kernels/fp8.py);
+otherwise FP8 checkpoint weights arrive dequantized (engine/model/loader.py). Every `load_*` checks the full tensor's shape first and raises
 ModelLoadError naming the tensor and its file.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine.model.loader import WeightSource
 from engine.model.sharding import Shard
 from engine.parallel import TPGroup
 from kernels.elementwise import add_rms_norm, rms_norm
+from kernels.fp8 import FP8, fp8_linear, quantize_rows
 from loramux_core.errors import ModelLoadError
 
 
@@ -37,6 +40,35 @@ def check_shape(src: WeightSource, name: str, expected: tuple[int, ...]) -> None
                              f"expected {list(expected)}")
 
 
+def _weight(shape, dtype, device, fp8: bool):
+    """(weight, per-row scale or None): FP8 weights keep one float32 scale per row."""
+    if not fp8:
+        return _param(shape, dtype, device), None
+    weight = nn.Parameter(torch.zeros(shape, dtype=FP8, device=device), requires_grad=False)
+    return weight, _param(shape[:1], torch.float32, device)
+
+
+def _load_fp8(src: WeightSource, name: str, weight, scale, rows: slice, shard, cols) -> None:
+    """Rows `rows` of an FP8 layer from tensor `name` (its rows `shard`, columns `cols`);
+    a checkpoint tensor that is not FP8 is quantized per row here."""
+    if src.is_fp8(name):
+        raw, s = src.read_fp8(name, rows=shard, cols=cols)
+    else:
+        raw, s = quantize_rows(src.read(name, rows=shard, cols=cols, dtype=torch.float32))
+    weight.data[rows] = raw.to(weight.device)
+    scale.data[rows] = s.reshape(-1).to(scale.device)
+
+
+def _matmul(x: torch.Tensor, weight, scale) -> torch.Tensor:
+    return F.linear(x, weight) if scale is None else fp8_linear(x, weight, scale)
+
+
+def _dense(weight, scale, dtype) -> torch.Tensor:
+    if scale is None:
+        return weight
+    return (weight.float() * scale.unsqueeze(1)).to(dtype)
+
+
 class ColumnParallelLinear(nn.Module):
     """x [T, in] -> [T, sum(per-rank widths)]; output i is rows `shards[i]` of HF tensor i.
 
@@ -44,22 +76,27 @@ class ColumnParallelLinear(nn.Module):
     each by (tp.rank, tp.size) and is given explicitly for replicated KV heads."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device, shards: list[Shard] | None = None):
+                 dtype: torch.dtype, device, shards: list[Shard] | None = None,
+                 fp8: bool = False):
         super().__init__()
-        self.in_features = in_features
+        self.in_features, self.dtype = in_features, dtype
         self.output_sizes = list(output_sizes)
         self.shards = shards or [sharding.even_shard(n, tp.rank, tp.size) for n in output_sizes]
         widths = [s.length for s in self.shards]
         self.offsets = [sum(widths[:i]) for i in range(len(widths))]
         self.out_widths = tuple(widths)
-        self.weight = _param((sum(widths), in_features), dtype, device)
+        self.weight, self.weight_scale = _weight((sum(widths), in_features), dtype, device, fp8)
         self.bias = _param((sum(widths),), dtype, device) if bias else None
 
     def load_weight(self, src: WeightSource, idx: int, name: str) -> None:
         """Load HF weight `name` (e.g. k_proj.weight) into output slice `idx`."""
         shard, off = self.shards[idx], self.offsets[idx]
         check_shape(src, name, (self.output_sizes[idx], self.in_features))
-        self.weight.data[off:off + shard.length] = src.read(name, rows=shard, dtype=self.weight.dtype)
+        rows = slice(off, off + shard.length)
+        if self.weight_scale is not None:
+            _load_fp8(src, name, self.weight, self.weight_scale, rows, shard, None)
+        else:
+            self.weight.data[rows] = src.read(name, rows=shard, dtype=self.weight.dtype)
 
     def load_bias(self, src: WeightSource, idx: int, name: str) -> None:
         """Load HF bias `name` into output slice `idx`."""
@@ -69,7 +106,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias.data[off:off + shard.length] = src.read(name, rows=shard, dtype=self.bias.dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return _matmul(x, self.weight, self.weight_scale)
+
+    def dense_weight(self) -> torch.Tensor:
+        """This rank's weight in the model dtype (dequantized when FP8)."""
+        return _dense(self.weight, self.weight_scale, self.dtype)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
@@ -89,17 +130,22 @@ class RowParallelLinear(nn.Module):
     and then adds the bias (once, not once per rank)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device, in_shard: Shard | None = None):
+                 dtype: torch.dtype, device, in_shard: Shard | None = None, fp8: bool = False):
         super().__init__()
-        self.tp = tp
+        self.tp, self.dtype = tp, dtype
         self.in_features, self.out_features = in_features, out_features
         self.in_shard = in_shard or sharding.even_shard(in_features, tp.rank, tp.size)
-        self.weight = _param((out_features, self.in_shard.length), dtype, device)
+        self.weight, self.weight_scale = _weight((out_features, self.in_shard.length), dtype,
+                                                 device, fp8)
         self.bias = _param((out_features,), dtype, device) if bias else None
 
     def load_weight(self, src: WeightSource, name: str) -> None:
         check_shape(src, name, (self.out_features, self.in_features))
-        self.weight.data.copy_(src.read(name, cols=self.in_shard, dtype=self.weight.dtype))
+        if self.weight_scale is not None:
+            _load_fp8(src, name, self.weight, self.weight_scale, slice(None), None,
+                      self.in_shard)
+        else:
+            self.weight.data.copy_(src.read(name, cols=self.in_shard, dtype=self.weight.dtype))
 
     def load_bias(self, src: WeightSource, name: str) -> None:
         assert self.bias is not None
@@ -107,7 +153,11 @@ class RowParallelLinear(nn.Module):
         self.bias.data.copy_(src.read(name, dtype=self.bias.dtype))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return _matmul(x, self.weight, self.weight_scale)
+
+    def dense_weight(self) -> torch.Tensor:
+        """This rank's weight in the model dtype (dequantized when FP8)."""
+        return _dense(self.weight, self.weight_scale, self.dtype)
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(y)

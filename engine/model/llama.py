@@ -41,7 +41,7 @@ Loader = Callable[[WeightSource, str], None]
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding, fp8: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = cfg.head_dim
@@ -53,9 +53,12 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, tp,
-            dtype, device, shards=[q_rows, kv_rows, kv_rows])
+            dtype, device, shards=[q_rows, kv_rows, kv_rows], fp8=fp8)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, dtype, device,
-                                        in_shard=q_rows)
+                                        in_shard=q_rows, fp8=fp8)
+        # checkpoint names of the projections, as the architecture declares them
+        self._names = {g: [t.module for t in lora_targets.group_targets(cfg, g)]
+                       for g in ("qkv", "o")}
         self.sliding_window = cfg.sliding_window
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
@@ -86,13 +89,14 @@ class LlamaAttention(nn.Module):
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         out: dict[str, Loader] = {}
-        for idx, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        for idx, name in enumerate(self._names["qkv"]):
             out[f"{prefix}.{name}.weight"] = _col_weight(self.qkv_proj, idx)
             if self.qkv_proj.bias is not None:
                 out[f"{prefix}.{name}.bias"] = _col_bias(self.qkv_proj, idx)
-        out[f"{prefix}.o_proj.weight"] = self.o_proj.load_weight
+        (o_name,) = self._names["o"]
+        out[f"{prefix}.{o_name}.weight"] = self.o_proj.load_weight
         if self.o_proj.bias is not None:
-            out[f"{prefix}.o_proj.bias"] = self.o_proj.load_bias
+            out[f"{prefix}.{o_name}.bias"] = self.o_proj.load_bias
         if self.q_norm is not None:
             out[f"{prefix}.q_norm.weight"] = self.q_norm.load
             out[f"{prefix}.k_norm.weight"] = self.k_norm.load
@@ -100,12 +104,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
+                 fp8: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         inter = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp, dtype, device)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp,
+                                                 dtype, device, fp8=fp8)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device,
+                                           fp8=fp8)
+        # checkpoint names of the projections, as the architecture declares them
+        self._names = {g: [t.module for t in lora_targets.group_targets(cfg, g)]
+                       for g in ("gate_up", "down")}
 
     def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
         return self.down_proj.reduce(self.partial(x, lora))
@@ -122,19 +132,19 @@ class LlamaMLP(nn.Module):
         return y
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
-        return {
-            f"{prefix}.gate_proj.weight": _col_weight(self.gate_up_proj, 0),
-            f"{prefix}.up_proj.weight": _col_weight(self.gate_up_proj, 1),
-            f"{prefix}.down_proj.weight": self.down_proj.load_weight,
-        }
+        (down,) = self._names["down"]
+        out: dict[str, Loader] = {f"{prefix}.{down}.weight": self.down_proj.load_weight}
+        for idx, name in enumerate(self._names["gate_up"]):
+            out[f"{prefix}.{name}.weight"] = _col_weight(self.gate_up_proj, idx)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding, fp8: bool = False):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype, device, rotary)
-        self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype, device, rotary, fp8)
+        self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device, fp8)
         if cfg.moe is not None:  # the dense MLP serves as the shared expert, if any
             self.mlp = SparseMoeBlock(cfg, layer_idx, tp, dtype, device,
                                       self.mlp if cfg.moe.shared_expert else None)
@@ -169,17 +179,21 @@ class LlamaForCausalLM(nn.Module):
     `forward(input_ids [T], attn, kv_caches, lora=None) -> hidden [T, hidden]` runs one
     flat mixed prefill/decode step (engine/model/batch.py) and writes the new tokens' K/V
     into `kv_caches` (one (k, v) pair per layer, from `make_kv_caches`).
-    `compute_logits(hidden [n, hidden]) -> [n, vocab] float32`."""
+    `compute_logits(hidden [n, hidden]) -> [n, vocab] float32`.
+
+    `fp8`: the attention and MLP projections keep FP8 weights and multiply in FP8
+    (kernels/fp8.py); otherwise an FP8 checkpoint is dequantized at load."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup.single()):
+                 device: torch.device | str = "cpu", tp: TPGroup = TPGroup.single(),
+                 fp8: bool = False):
         super().__init__()
         sharding.check_divisible(cfg, tp.size)
         self.cfg, self.tp, self.dtype, self.device = cfg, tp, dtype, torch.device(device)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling, self.device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype, device, rotary)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype, device, rotary, fp8)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
@@ -233,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         attn, mlp = self.layers[layer].self_attn, self.layers[layer].mlp
         mlp = getattr(mlp, "shared_expert", mlp)   # a mixture of experts' dense MLP
         return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
-                "down": mlp.down_proj}[group].weight
+                "down": mlp.down_proj}[group].dense_weight()
 
     def load_weights(self, model_dir) -> None:
         """Load this rank's shard of every tensor from the model directory's safetensors;

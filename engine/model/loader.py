@@ -5,6 +5,14 @@ One file (`model.safetensors`) or many (`model-0000i-of-0000n.safetensors` with
 `safe_open(...).get_slice(...)`, so a tensor-parallel rank reads only its own rows or
 columns and never materialises a full tensor it does not need. Pickle checkpoints
 (*.bin, *.pt, *.pth) are refused: loading them can execute arbitrary code.
+
+FP8 checkpoints (config.json `quantization_config.quant_method: "fp8"`) store a linear
+weight as float8_e4m3fn next to a float32 `{module}.weight_scale`: one value for the
+tensor ([] or [1]) or one per output row ([out] or [out, 1]); W = W_fp8 · scale.
+`read` returns such a weight dequantized (the CPU reference path), `read_fp8` the raw
+FP8 rows with their per-row scales (the FP8 GEMM on the GPU). Scale tensors (and static
+activation scales, `input_scale`, which the dynamic per-token path does not use) are not
+listed by `names`.
 """
 from __future__ import annotations
 
@@ -52,7 +60,11 @@ class WeightSource:
         self._handles.clear()
 
     def names(self) -> set[str]:
-        return set(self._file_of)
+        """Every tensor but the FP8 scales (module docstring)."""
+        return {n for n in self._file_of if not _is_scale(n, self._file_of)}
+
+    def is_fp8(self, name: str) -> bool:
+        return self._slice(name).get_dtype().startswith("F8")
 
     def file_of(self, name: str) -> str:
         return self._file_of[name]
@@ -63,13 +75,46 @@ class WeightSource:
     def read(self, name: str, rows: Shard | None = None, cols: Shard | None = None,
              dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor `name`, restricted to `rows` (dim 0) and/or `cols` (dim 1), in `dtype`."""
+        if self.is_fp8(name):
+            raw, scale = self.read_fp8(name, rows, cols)
+            t = raw.float() * scale.unsqueeze(1)
+            return t.to(dtype) if dtype is not None else t
+        t = self._read(name, rows, cols)
+        return t.to(dtype) if dtype is not None else t
+
+    def read_fp8(self, name: str, rows: Shard | None = None,
+                 cols: Shard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float8_e4m3fn rows of FP8 weight `name`, restricted like `read`; float32 scale
+        per returned row)."""
+        dtype = self._slice(name).get_dtype()
+        if dtype != "F8_E4M3":
+            raise ModelLoadError(f"tensor {name!r} in {self.file_of(name)} has dtype {dtype}; "
+                                 f"FP8 weights are served as float8_e4m3fn only")
+        scale_name = name.removesuffix("weight") + "weight_scale"
+        if scale_name not in self._file_of:
+            raise ModelLoadError(f"FP8 tensor {name!r} in {self.file_of(name)} has no "
+                                 f"{scale_name!r} beside it")
+        out_rows = self.shape(name)[0]
+        shape = self.shape(scale_name)
+        if shape in ((), (1,)):
+            scale = self._read(scale_name, None, None).float().reshape(1)
+        elif shape in ((out_rows,), (out_rows, 1)):
+            scale = self._read(scale_name, rows, None).float().reshape(-1)
+        else:
+            raise ModelLoadError(f"tensor {scale_name!r} in {self.file_of(scale_name)} has "
+                                 f"shape {list(shape)}: FP8 scales are per tensor ([] or [1]) "
+                                 f"or per output channel ([{out_rows}] or [{out_rows}, 1])")
+        raw = self._read(name, rows, cols)
+        return raw, scale.expand(raw.shape[0]).contiguous()
+
+    def _read(self, name: str, rows: Shard | None, cols: Shard | None) -> torch.Tensor:
         sl = self._slice(name)
+        if not sl.get_shape():   # a scalar (a per-tensor scale)
+            return sl[()]
         r = slice(rows.start, rows.stop) if rows is not None else slice(None)
         if cols is not None:
-            t = sl[r, cols.start:cols.stop]
-        else:
-            t = sl[r]
-        return t.to(dtype) if dtype is not None else t
+            return sl[r, cols.start:cols.stop]
+        return sl[r]
 
     def _slice(self, name: str):
         file = self._file_of[name]
@@ -81,6 +126,14 @@ class WeightSource:
                 raise ModelLoadError(f"{file}: not a readable safetensors file: {e}") from e
             self._handles[file] = handle
         return handle.get_slice(name)
+
+
+def _is_scale(name: str, names) -> bool:
+    """An FP8 scale: `{module}.weight_scale` or `{module}.input_scale` beside a weight."""
+    for suffix in ("weight_scale", "input_scale"):
+        if name.endswith("." + suffix) and name.removesuffix(suffix) + "weight" in names:
+            return True
+    return False
 
 
 def _read_index(index: Path) -> dict[str, str]:

@@ -21,7 +21,8 @@ def architecture(cfg) -> Architecture:
 
 
 def build_model(cfg, dtype, device, tp, max_model_len: int | None = None):
-    """This rank's model for `cfg`, weights not loaded yet. Refuses (ModelLoadError) a
+    """This rank's model for `cfg`, weights not loaded yet (FP8 GEMMs for an FP8
+    checkpoint on CUDA). Refuses (ModelLoadError) a
     sliding window on CUDA when sequences may be longer than it: the CUDA attention
     kernels do not mask to a window (the CPU path does)."""
     window = cfg.sliding_window
@@ -31,7 +32,10 @@ def build_model(cfg, dtype, device, tp, max_model_len: int | None = None):
             f"config.json: sliding_window={window}: the CUDA attention kernels do not mask "
             f"to a sliding window; serve with max_model_len <= {window} (now "
             f"{max_model_len or cfg.max_position_embeddings}) or on the CPU")
-    return architecture(cfg).build(cfg, dtype, device, tp)
+    # FP8 checkpoints multiply in FP8 on CUDA; elsewhere they are dequantized at load
+    # (the reference path)
+    on_cuda = getattr(device, "type", str(device)).startswith("cuda")
+    return architecture(cfg).build(cfg, dtype, device, tp, fp8=cfg.quant == "fp8" and on_cuda)
 
 
 __all__ = ["ARCHITECTURES", "Architecture", "ArchFields", "MoeFields", "architecture", "build_model"]

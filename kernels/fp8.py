@@ -1,0 +1,38 @@
+"""Linear layers over FP8 weights: y = x · (W_fp8 · s_w)ᵀ with one float32 scale per
+weight row (a per-tensor scale is the same value on every row).
+
+`fp8_linear` quantizes x per token (dynamic: s_x = max|x_t| / 448) and runs the FP8
+GEMM with both row-wise scales (torch._scaled_mm; Hopper's FP8 tensor cores on CUDA);
+`dequant_linear_ref` is the plain reference: the weight dequantized, x unquantized.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)   # 448
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_fp8 [M, K], scale [M, 1] float32) with x ≈ x_fp8 · scale, one scale per row."""
+    scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] · (weight [N, K] fp8 · weight_scale [N])ᵀ -> [M, N] in x's dtype."""
+    N, K = weight.shape
+    if K % 16 or N % 16 or x.shape[0] == 0:   # _scaled_mm's alignment
+        return dequant_linear_ref(x, weight, weight_scale)
+    xq, xs = quantize_rows(x)
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
+                         out_dtype=out_dtype)
+    return y.to(x.dtype)
+
+
+def dequant_linear_ref(x: torch.Tensor, weight: torch.Tensor,
+                       weight_scale: torch.Tensor) -> torch.Tensor:
+    """The same product with the weight dequantized and x as it is."""
+    w = weight.float() * weight_scale.float().unsqueeze(1)
+    return torch.nn.functional.linear(x, w.to(x.dtype))
