@@ -1,6 +1,7 @@
 """docker-compose.yml: validated as a file, then each CPU-profile service's command run as a
 local process with the compose environment (container hostnames, ports and volumes mapped
-to loopback, free ports and temporary directories), checked to serve together."""
+to loopback, free ports and temporary directories), checked to serve together: control
+plane, gateway and two engine replicas."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 _VAR = re.compile(r"\$\{([A-Z0-9_]+)(:-([^}]*)|:\?([^}]*))?\}")
 # the only variables compose requires (`${NAME:?why}`), and what the local run uses
 REQUIRED = {"LORAMUX_ADMIN_TOKEN": "compose-test-token"}
+REPLICAS = (("engine-0", "engine-cpu-0"), ("engine-1", "engine-cpu-1"))  # GPU, CPU service
+ENGINES = tuple(name for pair in REPLICAS for name in pair)
 
 
 @pytest.fixture(scope="module")
@@ -39,23 +42,30 @@ def interpolate(value: str) -> str:
 
 def test_compose_file_is_valid(compose):
     services = compose["services"]
-    assert {"keys", "setup", "engine", "engine-cpu", "control", "gateway"} <= set(services)
+    assert {"keys", "setup", *ENGINES, "control", "gateway"} <= set(services)
     assert set(compose["volumes"]) >= {"models", "adapters", "state", "zmq-keys"}
-    gpu = services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
-    assert services["engine"]["profiles"] == ["gpu"] and services["engine-cpu"]["profiles"] == ["cpu"]
-    assert "deploy" not in services["engine-cpu"]
-    assert services["engine-cpu"]["networks"]["default"]["aliases"] == ["engine"]
-    for name in ("engine", "engine-cpu", "control", "gateway"):
+    for i, (gpu_name, cpu_name) in enumerate(REPLICAS):
+        gpu, cpu = services[gpu_name], services[cpu_name]
+        device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert interpolate(gpu["environment"]["CUDA_VISIBLE_DEVICES"]) == str(i)  # GPU i
+        assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+        assert "deploy" not in cpu
+        assert cpu["networks"]["default"]["aliases"] == [gpu_name]
+        assert cpu["depends_on"]["setup"]["condition"] == "service_completed_successfully"
+    for name in ("control", "gateway"):  # both know both replicas, in replica order
+        env = services[name]["environment"]
+        assert env["LORAMUX_ENGINE_INPUT"] == "tcp://engine-0:5555,tcp://engine-1:5555"
+        assert env["LORAMUX_ENGINE_OUTPUT"] == "tcp://engine-0:5556,tcp://engine-1:5556"
+    for name in (*ENGINES, "control", "gateway"):
         svc = services[name]
         assert svc["healthcheck"]["test"][0] == "CMD", name
         for vol in svc["volumes"]:
             assert vol.split(":")[0] in compose["volumes"], (name, vol)
     deps = services["gateway"]["depends_on"]
     assert deps["control"]["condition"] == "service_healthy"
-    assert deps["engine"]["condition"] == deps["engine-cpu"]["condition"] == "service_healthy"
-    assert services["engine-cpu"]["depends_on"]["setup"]["condition"] == "service_completed_successfully"
-    for name in ("engine", "engine-cpu", "control", "gateway"):  # ZMQ keys, read-only
+    assert all(deps[name]["condition"] == "service_healthy" for name in ENGINES)
+    for name in (*ENGINES, "control", "gateway"):  # ZMQ keys, read-only
         svc = services[name]
         assert svc["depends_on"]["keys"]["condition"] == "service_completed_successfully", name
         assert "zmq-keys:/keys:ro" in svc["volumes"] and svc["environment"]["LORAMUX_ZMQ_KEYS"] == "/keys"
@@ -101,41 +111,56 @@ def test_docker_compose_config():
 
 
 class LocalCompose:
-    """Runs compose services as local processes: hostnames -> 127.0.0.1, every port in an
-    address -> a free local port, container paths -> directories under `root`."""
+    """Runs compose services as local processes: hostnames -> 127.0.0.1, every (host, port)
+    -> a free local port (a service's own 0.0.0.0/127.0.0.1 is its network name, so two
+    replicas on the same container port get two local ports), container paths ->
+    directories under `root`."""
 
     def __init__(self, compose: dict, root: Path):
         self.compose = compose
-        self.ports: dict[str, str] = {}
+        self.ports: dict[tuple[str, str], str] = {}
         self.paths = {p: str(root / p.strip("/")) for p in ("/models", "/adapters", "/state", "/keys")}
         for p in self.paths.values():
             os.makedirs(p, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self.logs = root
 
-    def map(self, value: str) -> str:
+    def host(self, service: str | None) -> str:
+        """The name other containers reach `service` by."""
+        if service is None:
+            return ""
+        aliases = self.compose["services"][service].get("networks", {}).get("default", {})
+        return (aliases or {}).get("aliases", [service])[0]
+
+    def port(self, host: str, port: str) -> str:
+        return self.ports.setdefault((host, port), str(free_port()))
+
+    def map(self, value: str, service: str | None = None) -> str:
         value = interpolate(str(value))
-        value = re.sub(r"//(engine|control|0\.0\.0\.0)(?=:)", "//127.0.0.1", value)
-        value = re.sub(r"^(0\.0\.0\.0)(?=:)", "127.0.0.1", value)
-        value = re.sub(r"(?<=:)(\d{4,5})\b", lambda m: self.ports.setdefault(m.group(1), str(free_port())), value)
+        own = self.host(service)
+
+        def address(m):
+            host = own if m.group(2) in ("0.0.0.0", "127.0.0.1") else m.group(2)
+            return f"{m.group(1)}127.0.0.1:{self.port(host, m.group(3))}"
+        value = re.sub(r"(//|^|,)([a-z0-9.-]+):(\d{4,5})\b", address, value)
         for container, local in self.paths.items():
             value = re.sub(rf"(?<![\w/]){re.escape(container)}(?=/|:|$)", local, value)
         return value
 
     def env(self, name: str) -> dict:
-        env = {k: self.map(v) for k, v in self.compose["services"][name].get("environment", {}).items()}
+        env = {k: self.map(v, name) for k, v in self.compose["services"][name].get("environment", {}).items()}
         for key, value in env.items():  # a bare port number (the metrics port): a free one too
             if key.endswith("_PORT") and value.isdigit():
-                env[key] = self.ports.setdefault(value, str(free_port()))
+                env[key] = self.port(self.host(name), value)
         return {**os.environ, **env, "OMP_NUM_THREADS": "1"}
 
-    def argv(self, cmd: list[str]) -> list[str]:
-        cmd = [self.map(c) for c in cmd]
+    def argv(self, cmd: list[str], service: str) -> list[str]:
+        cmd = [self.map(c, service) for c in cmd]
         return [sys.executable if c == "python" else c for c in cmd]
 
     def start(self, name: str) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "wb")
-        proc = subprocess.Popen(self.argv(self.compose["services"][name]["command"]),
+        proc = subprocess.Popen(self.argv(self.compose["services"][name]["command"], name),
                                 env=self.env(name), stdout=log, stderr=log, cwd=REPO)
         self.procs.append(proc)
         return proc
@@ -144,7 +169,7 @@ class LocalCompose:
         test = self.compose["services"][name]["healthcheck"]["test"]
         assert test[0] == "CMD"
         deadline = time.monotonic() + timeout_s
-        while subprocess.run(self.argv(test[1:]), env=self.env(name), cwd=REPO,
+        while subprocess.run(self.argv(test[1:], name), env=self.env(name), cwd=REPO,
                              capture_output=True).returncode != 0:
             assert time.monotonic() < deadline, (self.logs / f"{name}.log").read_text()[-3000:]
             time.sleep(0.5)
@@ -165,9 +190,10 @@ def test_compose_services_serve_together(compose, tmp_path):
     try:
         for name in ("keys", "setup"):
             assert local.start(name).wait(120) == 0, (tmp_path / f"{name}.log").read_text()
-        for name in ("engine-cpu", "control", "gateway"):  # as compose would, all at once
+        services = ("engine-cpu-0", "engine-cpu-1", "control", "gateway")
+        for name in services:  # as compose would, all at once
             local.start(name)
-        for name in ("engine-cpu", "control", "gateway"):
+        for name in services:
             local.healthy(name)
         env = local.env("gateway")
         gateway = env["LORAMUX_GATEWAY_LISTEN"]
@@ -175,8 +201,10 @@ def test_compose_services_serve_together(compose, tmp_path):
         with AdminClient(control, token=REQUIRED["LORAMUX_ADMIN_TOKEN"]) as admin:
             a = admin.load("demo-a", local.map("/models/demo/adapters/demo-a"))
             assert a.path.startswith(local.paths["/models"]) and a.rank == 8
+            assert [(r.replica, r.up, r.placed) for r in a.replicas] == [(0, True, True), (1, True, True)]
         with GenerateClient(gateway) as gen:
-            out = gen.generate("hello", "demo-a", temperature=0.0, max_tokens=5)
-            assert len(out.token_ids) == 5 or out.finish_reason == "eos"
+            for _ in range(2):
+                out = gen.generate("hello", "demo-a", temperature=0.0, max_tokens=5)
+                assert len(out.token_ids) == 5 or out.finish_reason == "eos"
     finally:
         local.close()

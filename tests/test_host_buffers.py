@@ -40,15 +40,15 @@ def same(w1, w2) -> bool:
 def reference(path, cfg, tp=TPGroup.single(), dtype=torch.float32):
     """The host layout computed the plain way, from the whole file, in float32 math."""
     from engine.lora.plan import plan_adapter
-    from engine.model.lora_targets import LORA_TARGETS, lora_group_shapes, lora_shard
+    from engine.model.lora_targets import lora_group_shapes, lora_shard, target
 
     plan = plan_adapter(path, cfg, 16)
     tensors = load_file(path / WEIGHTS)
     shapes = lora_group_shapes(cfg, tp.size)
     out = {}
     for mp in plan.modules:
-        group, s = LORA_TARGETS[mp.module]
-        out.setdefault((mp.layer, group), {})[s] = mp
+        t = target(cfg, mp.module)
+        out.setdefault((mp.layer, t.group), {})[t.slice] = mp
     ref = {}
     for (layer, group), slices in out.items():
         shape = shapes[group]

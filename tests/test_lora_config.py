@@ -12,11 +12,12 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.other import get_pattern_key
 
 from engine.lora.config import parse_adapter_config, read_adapter_config
-from engine.lora.plan import module_name
-from engine.model.lora_targets import LORA_TARGETS
+from engine.model.archs.llama import DECODER_TARGETS
 from loramux_core.errors import AdapterError
 
-NAMES = [module_name(i, m) for i in range(12) for m in LORA_TARGETS] + \
+LORA_TARGETS = [t.module for t in DECODER_TARGETS]
+NAMES = [f"model.layers.{i}.{t.parent}.{t.module}"
+         for i in range(12) for t in DECODER_TARGETS] + \
     ["lm_head", "model.embed_tokens", "model.layers.3.input_layernorm"]
 
 CASES = [

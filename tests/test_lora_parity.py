@@ -12,11 +12,15 @@ from peft import PeftModel
 
 from engine.lora import LoRABatch, LoRASlotPool, load_lora
 from engine.model.hf_config import ModelConfig
-from engine.model.lora_targets import (GROUPS, LORA_TARGETS, full_shape, lora_group_shapes,
-                                       lora_shard)
+from engine.model.archs.llama import DECODER_TARGETS
+from engine.model.lora_targets import full_shape, lora_group_shapes, lora_shard
 from engine.parallel import TPGroup
 from tests.support.tiny import (AdapterSpec, load_hf_model, make_adapter, make_model, read_json,
                                 write_json)
+
+# the tiny model is a Llama: its declared targets, by module and by group
+LORA_TARGETS = {t.module: (t.group, t.slice) for t in DECODER_TARGETS}
+GROUPS = tuple(dict.fromkeys(t.group for t in DECODER_TARGETS))
 
 MAX_RANK = 32
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

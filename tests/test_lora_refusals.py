@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 from engine.lora import LoRASlotPool, load_lora, validate_lora
 from engine.lora.config import _MATH_CHANGING_FLAGS
 from engine.model.hf_config import ModelConfig
-from engine.model.lora_targets import GROUPS
 from loramux_core.errors import AdapterError
 from tests.support.tiny import AdapterSpec, make_adapter, make_model, read_json, write_json
 
@@ -248,7 +247,7 @@ def test_non_finite_values(base, adapter):
 
 
 def pool_state(pool):
-    return [t.clone() for layer in range(pool.num_layers) for g in GROUPS
+    return [t.clone() for layer in range(pool.num_layers) for g in pool.groups
             for t in pool.weights(layer, g)[:3]]
 
 

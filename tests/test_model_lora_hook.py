@@ -33,7 +33,7 @@ def lora_factors(cfg, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for layer in range(cfg.num_layers):
-        for module in lora_targets.LORA_TARGETS:
+        for module in (t.module for t in lora_targets.decoder_targets(cfg)):
             fin, fout = lora_targets.full_shape(cfg, module)
             out[f"{layer}.{module}"] = (torch.randn(RANK_R, fin, generator=gen) * 0.1,
                                         torch.randn(fout, RANK_R, generator=gen) * 0.1)
@@ -55,9 +55,10 @@ class MergedDeltaLora:
         self.calls.append((layer_idx, group))
         assert x.shape[1] == self.shapes[group].in_features
         assert y.shape[1] == sum(self.shapes[group].out_features)
-        for module, (g, idx) in lora_targets.LORA_TARGETS.items():
-            if g != group:
+        for t in lora_targets.decoder_targets(self.cfg):
+            if t.group != group:
                 continue
+            module, idx = t.module, t.slice
             a, b = self.factors[f"{layer_idx}.{module}"]
             cut = lora_targets.lora_shard(self.cfg, module, self.tp.rank, self.tp.size)
             s = cut.shard

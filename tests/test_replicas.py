@@ -12,6 +12,7 @@ import urllib.request
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loramux import AdminClient, GenerateClient, LoramuxError
 from loramux.aio import AsyncGenerateClient
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
@@ -91,14 +92,30 @@ def gauge(cluster, name: str) -> dict[str, float]:
             for s in f.samples if s.name == name}
 
 
+def health(address: str, service: str):
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
 def delta(after: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
+def wait_resident(admin, names, timeout_s: float = 30.0) -> None:
+    """Until every replica each adapter is placed on is up and reports holding it (the
+    engines' stats follow a load within one stats interval)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(r.up and r.residency != admin_pb2.RESIDENCY_UNSPECIFIED
+                  for name in names for r in admin.get(name).replicas if r.placed):
+        assert time.monotonic() < deadline, [admin.get(name) for name in names]
+        time.sleep(0.1)
+
+
 def test_adapters_are_placed_and_reported_per_replica(cluster, admin):
+    wait_resident(admin, ADAPTERS)
     both, solo1 = admin.get("both"), admin.get("solo1")
     assert [(r.replica, r.up, r.placed) for r in both.replicas] == [(0, True, True), (1, True, True)]
-    assert all(r.residency != admin_pb2.RESIDENCY_UNSPECIFIED for r in both.replicas)
     assert [(r.replica, r.placed) for r in solo1.replicas] == [(0, False), (1, True)]
     assert solo1.replicas[0].residency == admin_pb2.RESIDENCY_UNSPECIFIED
     assert solo1.replicas[1].residency in (admin_pb2.RESIDENCY_HOST, admin_pb2.RESIDENCY_DEVICE,
@@ -190,16 +207,15 @@ def test_replica_killed_under_50_streams(cluster, admin, offline):
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
         assert "replica" in info.value.details
     assert [r.up for r in admin.get("both").replicas] == [False, True]
+    # one replica up: the gateway stays ready; the liveness service is SERVING throughout
+    assert health(cluster.gateway_address, "") == health(cluster.gateway_address, "liveness") == \
+        health_pb2.HealthCheckResponse.SERVING
 
 
 def test_restarted_replica_rejoins_with_its_adapters(cluster, admin, offline):
     cluster.start("engine-0")
     cluster.wait_ready("engine-0")
-    deadline = time.monotonic() + 30
-    while not all(r.up and r.residency != admin_pb2.RESIDENCY_UNSPECIFIED
-                  for name in ("both", "solo0") for r in admin.get(name).replicas if r.placed):
-        assert time.monotonic() < deadline, (admin.get("both"), admin.get("solo0"))
-        time.sleep(0.1)
+    wait_resident(admin, ("both", "solo0"))  # the control plane replayed it
     before = routed(cluster)
     with GenerateClient(cluster.gateway_address) as gen:
         for name in ("solo0", "both"):

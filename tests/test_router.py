@@ -21,7 +21,17 @@ def test_the_best_tier_wins_over_load():
                 view(2, {"a": SLOT}, waiting=3, inflight=20)]
     assert choose(replicas, "a", spill_waiting=4) == Choice(2, "slot")
     assert choose(replicas[:2], "a", spill_waiting=4) == Choice(1, "host")
-    assert choose([view(0), view(1, {"b": SLOT})], "a", spill_waiting=4) == Choice(0, "cold")
+    assert choose([view(0, {"a": DISK}, waiting=3), view(1, {"a": DISK})], "a",
+                  spill_waiting=4) == Choice(1, "cold")
+
+
+def test_a_replica_not_listing_the_adapter_only_when_none_does():
+    """A restarted replica (its replay not done) gets no request for an adapter another
+    replica lists, even saturated; when none lists it (a load acked a moment ago), any."""
+    restarted = view(0, {}, waiting=0)
+    assert choose([restarted, view(1, {"a": DISK}, waiting=9)], "a", spill_waiting=4) == Choice(1, "cold")
+    assert choose([view(0, {"b": SLOT}), view(1, {"b": SLOT}, inflight=1)], "a",
+                  spill_waiting=4) == Choice(0, "cold")
 
 
 def test_within_a_tier_the_least_waiting_then_the_fewest_inflight():

@@ -13,7 +13,6 @@ from engine.adapters.copier import StreamCopier
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.hf_config import ModelConfig
-from engine.model.lora_targets import GROUPS
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 MAX_RANK = 16
@@ -46,7 +45,7 @@ def per_layer(w):
 def slot_contents(pool: LoRASlotPool, slot: int) -> list[torch.Tensor]:
     out = []
     for layer in range(pool.num_layers):
-        for group in GROUPS:
+        for group in pool.groups:
             a, b, ranks, _ = pool.weights(layer, group)
             out += [a[slot].cpu(), b[slot].cpu(), ranks[slot].cpu()]
     return out
@@ -54,7 +53,7 @@ def slot_contents(pool: LoRASlotPool, slot: int) -> list[torch.Tensor]:
 
 def poison(pool: LoRASlotPool, slot: int) -> None:
     for layer in range(pool.num_layers):
-        for group in GROUPS:
+        for group in pool.groups:
             a, b, _, _ = pool.weights(layer, group)
             a[slot].fill_(float("nan"))
             b[slot].fill_(float("nan"))
@@ -92,7 +91,7 @@ def test_stacked_load_equals_the_per_layer_load_in_fewer_copies(family, first, t
             pool.load(slot, convert(w[then]))
             copies = pool.num_copies - before
             if pool is stacked:
-                assert copies <= 2 * 2 * len(GROUPS) + 1, copies   # fills included
+                assert copies <= 2 * 2 * len(pool.groups) + 1, copies   # fills included
     for slot in (1, 2):
         got, want = slot_contents(stacked, slot), slot_contents(layered, slot)
         assert all(torch.equal(g, h) for g, h in zip(got, want))

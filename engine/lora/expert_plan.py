@@ -1,5 +1,5 @@
 """LoRA on the fused expert weights of a mixture of experts, as PEFT saves it
-(`target_parameters`, engine/model/lora_targets.py EXPERT_TARGETS): which parameters an
+(`target_parameters`, the architecture's `expert_targets`): which parameters an
 adapter wraps, and which saved tensors hold their factors.
 
 PEFT wraps each targeted parameter of a layer's experts module in one more ParamWrapper,

@@ -23,13 +23,12 @@ from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config,
 from engine.lora.patterns import dotted_suffixes
 from engine.lora.safetensors_buffer import TensorInfo, is_float, parse_header
 from engine.model.archs import architecture
-from engine.model.lora_targets import (DECODER_TARGETS, END_GROUP, END_TARGETS, LoraTarget,
+from engine.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
                                        expert_full_shape, full_shape)
 from loramux_core.errors import AdapterError
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-_PARENT = {t.module: t.parent for t in DECODER_TARGETS}
 # PEFT strips the adapter name when saving; older files may keep it (`lora_A.default.weight`).
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>[\w.]+?)\."
                   r"(?P<module>\w+)\.lora_(?P<factor>[AB])(?:\.[\w\-]+)?\.weight$")
@@ -63,17 +62,16 @@ _FACTOR_KEYS = {"A": "lora_A.weight", "B": "lora_B.weight", "M": "lora_magnitude
 
 def module_name(layer: int, module: str, model_cfg=None) -> str:
     """The module's name in the Hugging Face model, as PEFT matches it (layer END_GROUP:
-    an end target, lm_head or embed_tokens); parents as `model_cfg`'s architecture
-    declares them (Llama's when None)."""
+    an end target, lm_head or embed_tokens, needs no `model_cfg`); parents as
+    `model_cfg`'s architecture declares them."""
     if layer == END_GROUP:
         return END_TARGETS[module]
-    parent = _lora_targets(model_cfg)[module].parent if model_cfg is not None else _PARENT[module]
-    return f"model.layers.{layer}.{parent}.{module}"
+    return f"model.layers.{layer}.{_lora_targets(model_cfg)[module].parent}.{module}"
 
 
 def _lora_targets(model_cfg) -> dict[str, LoraTarget]:
     """The model's LoRA targets by HF module name, as its architecture declares them."""
-    return {t.module: t for t in architecture(model_cfg).lora_targets}
+    return {t.module: t for t in decoder_targets(model_cfg)}
 
 
 @dataclass(frozen=True)

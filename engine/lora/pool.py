@@ -14,9 +14,9 @@ and per end target (lm_head, embed_tokens; allocated at the first adapter with o
 a [max_loras, max_lora_rank, K], b [max_loras, N, max_lora_rank] (engine/model/
 lora_targets.py END_TARGETS gives K and N).
 
-and, for a mixture-of-experts model, per (layer, fused expert parameter) (lora_targets.py
-EXPERT_TARGETS): a [max_loras, E, max_lora_rank, K], b [max_loras, E, N, max_lora_rank]
-(this rank's K and N), allocated with the pool.
+and, for a mixture-of-experts model, per (layer, fused expert parameter) (the
+architecture's expert_targets): a [max_loras, E, max_lora_rank, K],
+b [max_loras, E, N, max_lora_rank] (this rank's K and N), allocated with the pool.
 
 Each group's a (and b) of every layer are views of one tensor stacked over the layers,
 [L, max_loras, S, max_lora_rank, K]: a slot of one group across all layers is one
@@ -43,8 +43,8 @@ import torch
 
 from engine.lora.weights import LoRAWeights
 from engine.model.archs import architecture
-from engine.model.lora_targets import (GROUPS, ROW_PARALLEL_GROUPS, expert_shard_shape,
-                                       lora_group_shapes)
+from engine.model.lora_targets import (expert_shard_shape, groups, lora_group_shapes,
+                                       row_parallel_groups)
 from loramux_core.errors import AdapterError
 
 
@@ -72,17 +72,19 @@ class LoRASlotPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.tp_size = tp_size
+        self.groups = groups(model_cfg)   # as the architecture declares them
+        self._row_parallel = row_parallel_groups(model_cfg)
         self.shapes = lora_group_shapes(model_cfg, tp_size)
         self._offsets = {g: _offsets(s.out_features) for g, s in self.shapes.items()}
         self._a, self._b, self._ranks = {}, {}, {}
-        keys = [(layer, group) for layer in range(self.num_layers) for group in GROUPS]
+        keys = [(layer, group) for layer in range(self.num_layers) for group in self.groups]
         # one tensor for every ranks vector: a load writes a slot's column at once
         self._all_ranks = torch.zeros(len(keys), max_loras, dtype=torch.int32, device=self.device)
         self._key_index = {key: i for i, key in enumerate(keys)}
         # per slot: rank columns of each group that may be nonzero in some layer (0 = none)
-        self._dirty = [dict.fromkeys(GROUPS, 0) for _ in range(max_loras)]
+        self._dirty = [dict.fromkeys(self.groups, 0) for _ in range(max_loras)]
         self._stack_a, self._stack_b = {}, {}  # group -> [L, max_loras, ...] (docstring)
-        for group in GROUPS:
+        for group in self.groups:
             shape = self.shapes[group]
             self._stack_a[group] = torch.zeros(
                 self.num_layers, max_loras, len(shape.out_features), max_lora_rank,
@@ -123,7 +125,7 @@ class LoRASlotPool:
         assert (weights.num_layers, weights.tp_size, dict(weights.shapes)) == \
             (self.num_layers, self.tp_size, self.shapes), "adapter built for another model/TP layout"
         if weights.use_dora and (self._base_weight is None or self.tp_size > 1 and any(
-                g.magnitude is not None and key[1] in ROW_PARALLEL_GROUPS
+                g.magnitude is not None and key[1] in self._row_parallel
                 for key, g in weights.groups.items())):
             raise AdapterError("use_dora=true: DoRA needs the base weights' rows, and on "
                                "row-parallel groups tensor-parallel size 1",
@@ -150,7 +152,7 @@ class LoRASlotPool:
         """Zero `slot` everywhere (its tokens would then add nothing)."""
         self._check_slot(slot)
         with _on_stream(stream):
-            for group in GROUPS:
+            for group in self.groups:
                 self._zero_columns(slot, group, 0)
             self._write_ranks(slot, [0] * len(self._a))
             self._write_dora(slot, None)
@@ -161,7 +163,7 @@ class LoRASlotPool:
         """The slot's contents are unknown (written from outside): the next load or clear
         zeroes every column it does not write."""
         self._check_slot(slot)
-        self._dirty[slot] = dict.fromkeys(GROUPS, self.max_lora_rank)
+        self._dirty[slot] = dict.fromkeys(self.groups, self.max_lora_rank)
 
     def dora_scale(self, layer: int, group: str) -> torch.Tensor | None:
         """[max_loras + 1, N] per-row factors of one (layer, group) (index a token's slot,
@@ -239,7 +241,7 @@ class LoRASlotPool:
         sources = dict(weights.stacked)
         if self.device.type == "cuda":
             sources = self._staged(weights, non_blocking)
-        for group in GROUPS:
+        for group in self.groups:
             src = sources.get(group)
             r = src[0].shape[2] if src is not None else 0
             self._zero_columns(slot, group, r)
@@ -279,7 +281,7 @@ class LoRASlotPool:
     def _copy_groups(self, slot: int, groups, non_blocking: bool) -> None:
         """Write every (layer, group) of the slot from weights without stacked tensors
         (e.g. a pin_memory() copy): two copies per (layer, group)."""
-        for group in GROUPS:
+        for group in self.groups:
             dirty, wrote = self._dirty[slot][group], 0
             for layer in range(self.num_layers):
                 a, b = self._a[(layer, group)][slot], self._b[(layer, group)][slot]

@@ -41,8 +41,8 @@ import torch
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.safetensors_buffer import tensor
-from engine.model.lora_targets import (END_GROUP, GROUPS, LORA_TARGETS, GroupShape,
-                                       expert_factors, lora_group_shapes, lora_shard)
+from engine.model.lora_targets import (END_GROUP, GroupShape, expert_factors,
+                                       lora_group_shapes, lora_shard, target)
 from engine.parallel import TPGroup
 from loramux_core.errors import AdapterChangedError, AdapterError
 
@@ -81,7 +81,7 @@ class LoRAWeights:
     stacked: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     # LoRA on the ends (engine/model/lora_targets.py END_TARGETS): module -> (A, B * scaling)
     ends: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
-    # LoRA on fused expert weights (lora_targets.py EXPERT_TARGETS): (layer, param) ->
+    # LoRA on fused expert weights (the architecture's expert_targets): (layer, param) ->
     # (a [E, r, in], b [E, out, r] * scaling), this rank's part
     experts: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
 
@@ -183,8 +183,8 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     for mp in plan.modules:
         if mp.layer == END_GROUP or mp.expert_param is not None:
             continue
-        group, s = LORA_TARGETS[mp.module]
-        by_group.setdefault((mp.layer, group), {})[s] = mp
+        t = target(model_cfg, mp.module)
+        by_group.setdefault((mp.layer, t.group), {})[t.slice] = mp
     layout, gaps, nbytes = _layout(by_group, shapes, model_cfg.num_layers, dtype,
                                    plan.config.use_dora)
     ends = _end_weights(plan, dtype)
@@ -287,7 +287,7 @@ def _layout(by_group: dict, shapes: dict, num_layers: int, dtype: torch.dtype,
     for (_, group), slices in by_group.items():
         ranks[group] = max(ranks.get(group, 0), *(mp.rank for mp in slices.values()))
     out, gaps, at = {}, [], 0
-    for group in GROUPS:
+    for group in shapes:   # the architecture's groups, in declaration order
         if group not in ranks:
             continue
         shape, r, n = shapes[group], ranks[group], sum(shapes[group].out_features)

@@ -1,8 +1,14 @@
 """Where LoRA deltas enter the base model: the contract between the model and the LoRA pool.
 
-The model runs four merged projection groups per decoder layer and, when given a LoRA
-object, calls `lora.apply(layer_idx, group, x, y)` once per group; `apply` must add the
-delta of every adapter in the batch into `y` in place.
+Each architecture declares its targets in its own module (engine/model/archs/): the HF
+modules LoRA may wrap, their (in, out) dims, their tensor-parallel split and the merged
+group and slice each sits in. Everything here (shapes per rank, which factor a rank
+cuts, the groups) is computed from that declaration, and the LoRA pool, loader, planner
+and sharding ask here, so adding a target or an architecture is one file.
+
+The Llama-family model runs four merged projection groups per decoder layer and, when
+given a LoRA object, calls `lora.apply(layer_idx, group, x, y)` once per group; `apply`
+must add the delta of every adapter in the batch into `y` in place.
 
     group     HF modules (slice index)         parallel   x given to apply           y given to apply
     "qkv"     q_proj 0, k_proj 1, v_proj 2      column     normed hidden [T, hidden]   merged q|k|v output, before bias
@@ -24,7 +30,7 @@ added to the partial product before the all-reduce, the reduction also sums the 
 `lora_shard` says which factor each rank cuts and where.
 
 Mixture-of-experts layers (engine/model/moe.py) take LoRA on their fused expert weights
-as PEFT's `target_parameters` expresses it (EXPERT_TARGETS below): per layer and
+as PEFT's `target_parameters` expresses it (engine/model/archs/qwen2_moe.py): per layer and
 parameter, with E experts and rank r, PEFT stores lora_A [E·r, in] (expert-major rows)
 and lora_B [out, r·E] (column j·E + e is rank j of expert e). The pool keeps, scaling
 folded in, a [E, r, in_rank] and b [E, out_rank, r] per slot (`expert_factors`), and
@@ -40,56 +46,10 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from engine.model import sharding
+from engine.model.archs import architecture
+from engine.model.archs.base import ExpertTarget, LoraTarget
 from engine.model.sharding import Shard
 
-GROUPS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
-ROW_PARALLEL_GROUPS = frozenset({"o", "down"})
-
-
-@dataclass(frozen=True)
-class LoraTarget:
-    """One Hugging Face module LoRA may wrap, as an architecture declares it.
-
-    `parent` is its parent module inside a decoder layer (`model.layers.{i}.{parent}.
-    {module}`), `group`/`slice` where its output sits in the merged projection the model
-    runs, `parallel` how the base weight is split under tensor parallelism ("column": by
-    output rows; "row": by input columns). `dims` names the (in, out) widths as config
-    quantities: "hidden", "q" (all query heads), "kv" (all KV heads), "inter"."""
-    module: str
-    parent: str
-    group: str
-    slice: int
-    parallel: str
-    dims: tuple[str, str]
-
-
-# The seven projections of a Llama-family decoder layer, in group and slice order.
-DECODER_TARGETS: tuple[LoraTarget, ...] = (
-    LoraTarget("q_proj", "self_attn", "qkv", 0, "column", ("hidden", "q")),
-    LoraTarget("k_proj", "self_attn", "qkv", 1, "column", ("hidden", "kv")),
-    LoraTarget("v_proj", "self_attn", "qkv", 2, "column", ("hidden", "kv")),
-    LoraTarget("o_proj", "self_attn", "o", 0, "row", ("q", "hidden")),
-    LoraTarget("gate_proj", "mlp", "gate_up", 0, "column", ("hidden", "inter")),
-    LoraTarget("up_proj", "mlp", "gate_up", 1, "column", ("hidden", "inter")),
-    LoraTarget("down_proj", "mlp", "down", 0, "row", ("inter", "hidden")),
-)
-_BY_MODULE = MappingProxyType({t.module: t for t in DECODER_TARGETS})
-
-@dataclass(frozen=True)
-class ExpertTarget:
-    """A fused expert parameter LoRA may wrap (PEFT `target_parameters` entry
-    `{parent}.{param}`), in the order the experts module registers its parameters (PEFT
-    nests one wrapper per targeted parameter in that order: the saved keys of the i-th of
-    n targeted parameters carry n-1-i `.base_layer` segments)."""
-    param: str          # "gate_up_proj" [E, 2·inter, hidden] or "down_proj" [E, hidden, inter]
-    parent: str         # the experts module inside a decoder layer
-    parallel: str       # "column" (gate_up) or "row" (down)
-
-
-EXPERT_TARGETS: tuple[ExpertTarget, ...] = (
-    ExpertTarget("gate_up_proj", "mlp.experts", "column"),
-    ExpertTarget("down_proj", "mlp.experts", "row"),
-)
 
 
 def expert_full_shape(cfg, param: str) -> tuple[int, int]:
@@ -129,8 +89,29 @@ def expert_factors(cfg, param: str, lora_a, lora_b, rank: int, tp_rank: int, tp_
 END_TARGETS = MappingProxyType({"lm_head": "lm_head", "embed_tokens": "model.embed_tokens"})
 END_GROUP = -1   # the `layer` of an end target in (layer, module) keys
 
-# HF module name -> (group, slice index inside the group's merged output)
-LORA_TARGETS = MappingProxyType({t.module: (t.group, t.slice) for t in DECODER_TARGETS})
+
+
+def decoder_targets(cfg) -> tuple[LoraTarget, ...]:
+    """The decoder modules LoRA may wrap, as the model's architecture declares them."""
+    return architecture(cfg).lora_targets
+
+
+def target(cfg, module: str) -> LoraTarget:
+    """The declaration of one decoder module (KeyError when it is not a target)."""
+    for t in architecture(cfg).lora_targets:
+        if t.module == module:
+            return t
+    raise KeyError(f"not a LoRA target module: {module!r}")
+
+
+def groups(cfg) -> tuple[str, ...]:
+    """The merged projection groups of a decoder layer, in declaration order."""
+    return tuple(dict.fromkeys(t.group for t in architecture(cfg).lora_targets))
+
+
+def row_parallel_groups(cfg) -> frozenset[str]:
+    """The groups whose base weight is split by input columns under tensor parallelism."""
+    return frozenset(t.group for t in architecture(cfg).lora_targets if t.parallel == "row")
 
 
 def _width(cfg, dim: str) -> int:
@@ -172,18 +153,16 @@ def full_shape(cfg, module: str) -> tuple[int, int]:
         return cfg.hidden_size, cfg.vocab_size
     if module == "embed_tokens":
         return cfg.vocab_size, cfg.hidden_size
-    k_in, n_out = _BY_MODULE[module].dims
+    k_in, n_out = target(cfg, module).dims
     return _width(cfg, k_in), _width(cfg, n_out)
 
 
 def lora_shard(cfg, module: str, rank: int, size: int) -> LoraShard:
     """The part of `module`'s LoRA weights that rank `rank` of `size` holds."""
-    target = _BY_MODULE.get(module)
-    if target is None:
-        raise KeyError(f"not a LoRA target module: {module!r}")
-    if target.parallel == "column":
-        return LoraShard("B", _shard_of(cfg, target.dims[1], rank, size))
-    return LoraShard("A", _shard_of(cfg, target.dims[0], rank, size))
+    t = target(cfg, module)
+    if t.parallel == "column":
+        return LoraShard("B", _shard_of(cfg, t.dims[1], rank, size))
+    return LoraShard("A", _shard_of(cfg, t.dims[0], rank, size))
 
 
 def lora_group_shapes(cfg, tp_size: int = 1) -> dict[str, GroupShape]:
@@ -192,7 +171,7 @@ def lora_group_shapes(cfg, tp_size: int = 1) -> dict[str, GroupShape]:
         return _shard_of(cfg, dim, 0, tp_size).length if split else _width(cfg, dim)
 
     out: dict[str, list] = {}
-    for t in DECODER_TARGETS:
+    for t in architecture(cfg).lora_targets:
         k_in, n_out = t.dims
         k = width(k_in, t.parallel == "row")
         entry = out.setdefault(t.group, [k, []])

@@ -34,6 +34,16 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     return servicer
 
 
+# A health "service" that is SERVING from start to the graceful shutdown, whatever the
+# server's readiness: for liveness probes (an orchestrator restarts a process that stops
+# answering it, not one that waits for its engines).
+LIVENESS = "liveness"
+
+
+async def mark_alive(servicer) -> None:
+    await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+
+
 async def set_serving(servicer, service_names: list[str], serving: bool) -> None:
     status = (health_pb2.HealthCheckResponse.SERVING if serving
               else health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -108,6 +108,7 @@ async def serve(args) -> int:
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
     address = grpc_server.bind(server, args.listen, args.tls)
     await server.start()
+    await grpc_server.mark_alive(health)
     table.start()
     table.publish(registry.all())
     for link in links:

@@ -73,8 +73,6 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
                 r.residency, r.slot, r.id = status.residency, status.slot, status.id
                 r.in_flight_requests = status.in_flight_requests
                 live.append(status)
-            elif rec.state == pb.ADAPTER_STATE_LOADED and r.placed and link.up:
-                r.residency = pb.RESIDENCY_DISK
         if live:
             best = min(live, key=lambda a: _RESIDENCY_ORDER.get(a.residency, len(_RESIDENCY_ORDER)))
             out.residency, out.slot = best.residency, best.slot

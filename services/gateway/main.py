@@ -145,6 +145,7 @@ async def serve(args) -> int:
     await engine.start()
     await table.start()
     await server.start()
+    await grpc_server.mark_alive(health)
     if http is not None:
         await http.start()
     health_task = asyncio.create_task(_track_health(health, engine))

@@ -1,5 +1,7 @@
 """What an architecture module declares: its Hugging Face class name, the ModelConfig
-fields that differ between architectures (read from config.json), and its LoRA targets.
+fields that differ between architectures (read from config.json), and its LoRA targets
+(module, in/out dims, tensor-parallel split, fused slices) that the LoRA pool, loader,
+planner and sharding read (through engine/model/lora_targets.py).
 
 Declarations only: nothing here imports torch, so a process that only parses a model's
 config (the control plane, the gateway) can use the registry.
@@ -10,8 +12,35 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.model.lora_targets import DECODER_TARGETS, END_TARGETS, ExpertTarget, LoraTarget
 from loramux_core.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One Hugging Face module LoRA may wrap, as an architecture declares it.
+
+    `parent` is its parent module inside a decoder layer (`model.layers.{i}.{parent}.
+    {module}`), `group`/`slice` where its output sits in the merged projection the model
+    runs, `parallel` how the base weight is split under tensor parallelism ("column": by
+    output rows; "row": by input columns). `dims` names the (in, out) widths as config
+    quantities: "hidden", "q" (all query heads), "kv" (all KV heads), "inter"."""
+    module: str
+    parent: str
+    group: str
+    slice: int
+    parallel: str
+    dims: tuple[str, str]
+
+
+@dataclass(frozen=True)
+class ExpertTarget:
+    """A fused expert parameter LoRA may wrap (PEFT `target_parameters` entry
+    `{parent}.{param}`), in the order the experts module registers its parameters (PEFT
+    nests one wrapper per targeted parameter in that order: the saved keys of the i-th of
+    n targeted parameters carry n-1-i `.base_layer` segments)."""
+    param: str          # "gate_up_proj" [E, 2·inter, hidden] or "down_proj" [E, hidden, inter]
+    parent: str         # the experts module inside a decoder layer
+    parallel: str       # "column" (gate_up) or "row" (down)
 
 
 @dataclass(frozen=True)
@@ -51,8 +80,8 @@ class Architecture:
     a flag adds (qk_norm: `self_attn.q_norm`, `self_attn.k_norm`) are loaded by the model."""
     hf_name: str
     fields: Callable[[dict[str, Any]], ArchFields]
-    lora_targets: tuple[LoraTarget, ...] = DECODER_TARGETS
-    end_targets: tuple[str, ...] = tuple(END_TARGETS)   # lm_head, embed_tokens
+    lora_targets: tuple[LoraTarget, ...]
+    end_targets: tuple[str, ...] = ("lm_head", "embed_tokens")
     expert_targets: tuple[ExpertTarget, ...] = ()
 
     def build(self, cfg, dtype, device, tp, fp8: bool = False):

@@ -2,6 +2,7 @@
 layer attends to the last `sliding_window` positions only (transformers' mask: key
 position > query position - sliding_window)."""
 from engine.model.archs.base import Architecture, ArchFields
+from engine.model.archs.llama import DECODER_TARGETS
 from loramux_core.errors import ModelLoadError
 
 
@@ -14,4 +15,4 @@ def _fields(raw: dict) -> ArchFields:
     return ArchFields(sliding_window=window)
 
 
-ARCH = Architecture("MistralForCausalLM", _fields)
+ARCH = Architecture("MistralForCausalLM", _fields, DECODER_TARGETS)  # Llama's layer layout

@@ -1,5 +1,6 @@
 """Qwen2 (Qwen2ForCausalLM): q/k/v biases always, no o bias; full attention only."""
 from engine.model.archs.base import Architecture, ArchFields, refuse_sliding_window
+from engine.model.archs.llama import DECODER_TARGETS
 
 
 def _fields(raw: dict) -> ArchFields:
@@ -7,4 +8,4 @@ def _fields(raw: dict) -> ArchFields:
     return ArchFields(qkv_bias=True)
 
 
-ARCH = Architecture("Qwen2ForCausalLM", _fields)
+ARCH = Architecture("Qwen2ForCausalLM", _fields, DECODER_TARGETS)  # Llama's layer layout

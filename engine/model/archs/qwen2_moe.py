@@ -12,12 +12,17 @@ module each (`mlp.experts.{e}.gate_proj.weight`, ...), as transformers writes th
 """
 from dataclasses import replace
 
-from engine.model.archs.base import Architecture, ArchFields, MoeFields, refuse_sliding_window
-from engine.model.lora_targets import DECODER_TARGETS, EXPERT_TARGETS
+from engine.model.archs.base import (Architecture, ArchFields, ExpertTarget, MoeFields,
+                                     refuse_sliding_window)
+from engine.model.archs.llama import DECODER_TARGETS
 from loramux_core.errors import ModelLoadError
 
 _TARGETS = tuple(replace(t, parent="mlp.shared_expert") if t.parent == "mlp" else t
                  for t in DECODER_TARGETS)
+EXPERT_TARGETS: tuple[ExpertTarget, ...] = (
+    ExpertTarget("gate_up_proj", "mlp.experts", "column"),
+    ExpertTarget("down_proj", "mlp.experts", "row"),
+)
 
 
 def _positive(raw: dict, name: str) -> int:

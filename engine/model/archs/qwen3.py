@@ -2,6 +2,7 @@
 between the projection and rotary; `attention_bias` gives q, k, v and o biases; full
 attention only."""
 from engine.model.archs.base import Architecture, ArchFields, refuse_sliding_window
+from engine.model.archs.llama import DECODER_TARGETS
 
 
 def _fields(raw: dict) -> ArchFields:
@@ -10,4 +11,4 @@ def _fields(raw: dict) -> ArchFields:
     return ArchFields(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
-ARCH = Architecture("Qwen3ForCausalLM", _fields)
+ARCH = Architecture("Qwen3ForCausalLM", _fields, DECODER_TARGETS)  # Llama's layer layout
