@@ -28,6 +28,7 @@ class LoRABatch:
         self.token_slots = token_slots
         self.meta = meta if meta is not None else lora_kernels.build_meta(token_slots,
                                                                           pool.max_loras)
+        pool.settle_dora()
 
     @property
     def num_tokens(self) -> int:
