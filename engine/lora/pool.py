@@ -44,8 +44,8 @@ import torch
 from engine.lora import dora
 from engine.lora.weights import LoRAWeights
 from engine.model.archs import architecture
-from engine.model.lora_targets import (expert_shard_shape, groups, lora_group_shapes,
-                                       row_parallel_groups)
+from engine.model.lora_targets import (expert_roles, expert_shard_shape, groups,
+                                       lora_group_shapes, row_parallel_groups)
 from loramux_core.errors import AdapterError
 
 
@@ -71,6 +71,8 @@ class LoRASlotPool:
         self.expert_slots: set[int] = set()
         self._experts = _expert_buffers(model_cfg, max_loras, max_lora_rank, dtype,
                                         torch.device(device), tp_size)
+        # (gate|up, down) fused expert parameters, as the architecture declares them
+        self.expert_params = expert_roles(model_cfg) if self._experts else (None, None)
         self.num_layers = model_cfg.num_layers
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
