@@ -21,7 +21,8 @@ from engine.adapters.safe_files import (AdapterDir, AdapterRoots, Alloc, FileRea
 from engine.lora import expert_plan
 from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
 from engine.lora.patterns import dotted_suffixes
-from engine.lora.safetensors_buffer import MAX_HEADER_BYTES, TensorInfo, is_float, parse_header
+from engine.lora.safetensors_buffer import (MAX_HEADER_BYTES, TensorInfo, check_factor,
+                                            parse_header)
 from engine.model.archs import architecture
 from engine.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
                                        expert_full_shape, full_shape)
@@ -301,14 +302,7 @@ def _module_plan(cfg: AdapterConfig, model_cfg, layer: int, module: str, found: 
     k_in, n_out = full_shape(model_cfg, module)
     wants = {"A": (r, k_in), "B": (n_out, r), "M": (n_out,)}
     for factor in factors:
-        want = wants[factor]
-        info = shapes[keys[factor]]
-        if info.shape != want:
-            raise AdapterError(f"tensor {keys[factor]!r} has shape {list(info.shape)}, expected "
-                               f"{list(want)} (rank {r}, base module {name})",
-                               feature="shape", file=file)
-        if not is_float(info):
-            raise AdapterError(f"tensor {keys[factor]!r} has dtype {info.dtype}, expected a "
-                               f"floating type", feature="dtype", file=file)
+        check_factor(keys[factor], shapes[keys[factor]], wants[factor],
+                     f"rank {r}, base module {name}", file)
     return ModulePlan(layer, module, r, cfg.scaling_of(name), keys["A"], keys["B"],
                       keys.get("M"))

@@ -97,6 +97,18 @@ def is_float(info: TensorInfo) -> bool:
     return info.dtype in _FLOATS
 
 
+def check_factor(key: str, info: TensorInfo, want: tuple[int, ...], what: str,
+                 file: str) -> None:
+    """AdapterError unless the tensor `key` has the shape `want` and a floating dtype;
+    `what` says where the expected shape comes from (rank, base module)."""
+    if info.shape != want:
+        raise AdapterError(f"tensor {key!r} has shape {list(info.shape)}, expected "
+                           f"{list(want)} ({what})", feature="shape", file=file)
+    if not is_float(info):
+        raise AdapterError(f"tensor {key!r} has dtype {info.dtype}, expected a floating type",
+                           feature="dtype", file=file)
+
+
 def tensor(buf, info: TensorInfo):
     """The tensor `info` describes, as a read-only view into `buf` (copy before writing).
     Only floating dtypes are supported (the planner refuses the others first)."""
