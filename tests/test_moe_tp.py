@@ -2,11 +2,11 @@
 transformers + PEFT, greedy float32, token for token: Qwen2-MoE with its experts split
 along their intermediate dim, in one mixed batch of base requests, expert LoRA (PEFT
 `target_parameters`, beside attention and shared-expert LoRA), lm_head LoRA, embed_tokens
-LoRA and DoRA on column-parallel modules; DoRA on a row-parallel module is refused at
-TP=2, naming it (its row norms span both ranks' columns)."""
+LoRA and DoRA (on column-parallel modules, whose rows are whole on a rank, and on
+row-parallel ones, whose row norms are summed across the ranks)."""
 import pytest
 
-from engine import AdapterError, Engine, EngineConfig
+from engine import Engine, EngineConfig
 from tests.conftest import TinyFamily
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 from tests.test_engine_parity import GREEDY, assert_matches, prompts_of
@@ -23,9 +23,13 @@ SPECS = {
     "dora_cols": (AdapterSpec(r=4, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj",
                                                                   "gate_proj", "up_proj"),
                               seed=74), {"use_dora": True}),
+    "dora_rows": (AdapterSpec(r=4, lora_alpha=8, target_modules=("v_proj", "o_proj",
+                                                                  "down_proj"), seed=75),
+                  {"use_dora": True}),
 }
-LENGTHS = [9, 1, 17, 30, 5, 12, 23, 8]
-ADAPTERS = ["moe", None, "ends", "moe_gate_up", "dora_cols", "moe", "ends", "dora_cols"]
+LENGTHS = [9, 1, 17, 30, 5, 12, 23, 8, 14]
+ADAPTERS = ["moe", None, "ends", "moe_gate_up", "dora_cols", "dora_rows", "ends",
+            "dora_rows", "moe"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,7 @@ def family(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(family):
     eng = Engine(EngineConfig(model=str(family.model_dir), tp_size=2, device="cpu",
-                              dtype="float32", max_loras=4, max_lora_rank=16, block_size=8,
+                              dtype="float32", max_loras=6, max_lora_rank=16, block_size=8,
                               num_kv_blocks=128, max_num_batched_tokens=32))
     try:
         for name, path in family.adapters.items():
@@ -56,12 +60,3 @@ def test_mixed_batch_matches_peft(family, engine):
     assert_matches(engine.generate(prompts, GREEDY, ADAPTERS), refs)
     pool = engine.lora_pool
     assert pool.expert_slots and pool.dora_slots and pool.end_weights("embed_tokens") is not None
-
-
-def test_row_parallel_dora_refused(family, engine, tmp_path):
-    d = make_adapter(tmp_path / "dora_o", family.model_dir,
-                     AdapterSpec(r=4, target_modules=("q_proj", "o_proj"), seed=75),
-                     use_dora=True)
-    with pytest.raises(AdapterError) as ei:
-        engine.add_adapter("dora_o", d)
-    assert ei.value.feature == "use_dora" and "o_proj" in str(ei.value)

@@ -41,10 +41,11 @@ from collections.abc import Callable
 
 import torch
 
+from engine.lora import dora
 from engine.lora.weights import LoRAWeights
 from engine.model.archs import architecture
-from engine.model.lora_targets import (expert_shard_shape, groups, lora_group_shapes,
-                                       row_parallel_groups)
+from engine.model.lora_targets import (expert_roles, expert_shard_shape, groups,
+                                       lora_group_shapes, row_parallel_groups)
 from loramux_core.errors import AdapterError
 
 
@@ -54,18 +55,24 @@ class LoRASlotPool:
     def __init__(self, model_cfg, max_loras: int, max_lora_rank: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  tp_size: int = 1,
-                 base_weight: Callable[[int, str], torch.Tensor] | None = None):
+                 base_weight: Callable[[int, str], torch.Tensor] | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """`base_weight(layer, group)`: this rank's merged base weight [N, K] of a group
-        (the model's `lora_base_weight`), needed by DoRA adapters only."""
+        (the model's `lora_base_weight`), needed by DoRA adapters only; `all_reduce`: the
+        tensor-parallel sum (DoRA on row-parallel groups at TP > 1: `settle_dora`)."""
         assert max_loras >= 1 and max_lora_rank >= 1, (max_loras, max_lora_rank)
         self._base_weight = base_weight
         self._scale: dict = {}           # DoRA: (layer, group) -> [max_loras + 1, N]
+        self._dora_pending = dora.PendingNorms()
+        self._all_reduce = all_reduce
         self.dora_slots: set[int] = set()
         self._ends: dict = {}            # end target -> (a, b), see the module docstring
         self.end_slots: set[int] = set()
         self.expert_slots: set[int] = set()
         self._experts = _expert_buffers(model_cfg, max_loras, max_lora_rank, dtype,
                                         torch.device(device), tp_size)
+        # (gate|up, down) fused expert parameters, as the architecture declares them
+        self.expert_params = expert_roles(model_cfg) if self._experts else (None, None)
         self.num_layers = model_cfg.num_layers
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -126,10 +133,10 @@ class LoRASlotPool:
             (self.num_layers, self.tp_size, self.shapes), "adapter built for another model/TP layout"
         if weights.use_dora and (self._base_weight is None or self.tp_size > 1 and any(
                 g.magnitude is not None and key[1] in self._row_parallel
-                for key, g in weights.groups.items())):
+                for key, g in weights.groups.items()) and self._all_reduce is None):
             raise AdapterError("use_dora=true: DoRA needs the base weights' rows, and on "
-                               "row-parallel groups tensor-parallel size 1",
-                               feature="use_dora", file=weights.source)
+                               "row-parallel groups at tensor-parallel size > 1 the ranks' "
+                               "all-reduce", feature="use_dora", file=weights.source)
         with _on_stream(stream):
             non_blocking = self.device.type == "cuda" and weights.pinned
             if weights.stacked:
@@ -181,11 +188,7 @@ class LoRASlotPool:
         return self._experts.get((layer, param), (None, None))
 
     def _write_experts(self, slot: int, experts) -> None:
-        if slot in self.expert_slots:
-            for a, b in self._experts.values():
-                a[slot].zero_()
-                b[slot].zero_()
-            self.expert_slots.discard(slot)
+        _clear_slot(slot, self._experts.values(), self.expert_slots)
         for key, (wa, wb) in experts.items():
             a, b = self._experts[key]
             r = wa.shape[1]
@@ -194,11 +197,7 @@ class LoRASlotPool:
             self.expert_slots.add(slot)
 
     def _write_ends(self, slot: int, ends) -> None:
-        if slot in self.end_slots:
-            for a, b in self._ends.values():
-                a[slot].zero_()
-                b[slot].zero_()
-            self.end_slots.discard(slot)
+        _clear_slot(slot, self._ends.values(), self.end_slots)
         for module, (wa, wb) in ends.items():
             if module not in self._ends:
                 r = self.max_lora_rank
@@ -210,9 +209,16 @@ class LoRASlotPool:
             b[slot, :, :wb.shape[1]].copy_(wb)
             self.end_slots.add(slot)
 
+    def settle_dora(self) -> None:
+        """Finish the DoRA factors of row-parallel groups loaded at TP > 1 (one
+        all-reduce; engine/lora/dora.py). Every rank calls it at the same point of the
+        same step (a step that reads LoRA), whether anything is pending or not."""
+        if self._dora_pending:
+            self._dora_pending.settle(self._all_reduce, self._scale)
+
     def _write_dora(self, slot: int, weights: LoRAWeights | None) -> None:
-        """DoRA (PEFT's DoraLinearLayer): the wrapped layer's output, base plus LoRA term
-        and before the bias, is multiplied per output row by m / ||W + B·A·scaling||."""
+        """DoRA's per-row factors of the slot (engine/lora/dora.py)."""
+        self._dora_pending.drop(slot)
         if weights is None or not weights.use_dora:
             if slot in self.dora_slots:
                 for scale in self._scale.values():
@@ -225,8 +231,13 @@ class LoRASlotPool:
         for key, scale in self._scale.items():
             scale[slot].fill_(1.0)
             gw = weights.groups.get(key)
-            if gw is not None:
-                _dora_rows(scale[slot], gw, self._base_weight(*key), self.shapes[key[1]])
+            if gw is None:
+                continue
+            base, shape = self._base_weight(*key), self.shapes[key[1]]
+            if self.tp_size > 1 and key[1] in self._row_parallel:
+                self._dora_pending.add(slot, key, gw, base, shape)
+            else:
+                dora.write_factors(scale[slot], gw, base, shape)
         self.dora_slots.add(slot)
 
     def _write_ranks(self, slot: int, ranks: list[int]) -> None:
@@ -302,6 +313,15 @@ class LoRASlotPool:
             raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
 
 
+def _clear_slot(slot: int, buffers, used: set[int]) -> None:
+    """Zero `slot` of every (a, b) in `buffers` if it holds anything (`used`)."""
+    if slot in used:
+        for a, b in buffers:
+            a[slot].zero_()
+            b[slot].zero_()
+        used.discard(slot)
+
+
 def _expert_buffers(model_cfg, max_loras: int, rank: int, dtype, device, tp_size: int) -> dict:
     """{(layer, param): (a, b)} zeroed, for every fused expert parameter of the model."""
     out = {}
@@ -315,18 +335,6 @@ def _expert_buffers(model_cfg, max_loras: int, rank: int, dtype, device, tp_size
                 torch.zeros(max_loras, E, rank, k, dtype=dtype, device=device),
                 torch.zeros(max_loras, E, n, rank, dtype=dtype, device=device))
     return out
-
-
-def _dora_rows(out: torch.Tensor, gw, base: torch.Tensor, shape) -> None:
-    """out[rows of each wrapped slice] = magnitude / row norm of (W + B·A), in float32."""
-    offset = 0
-    for s, width in enumerate(shape.out_features):
-        r = gw.slice_ranks[s]
-        if r:
-            rows = slice(offset, offset + width)
-            w = base[rows].float() + gw.b[rows, :r].float() @ gw.a[s, :r].float()
-            out[rows] = (gw.magnitude[rows].float() / torch.linalg.norm(w, dim=1)).to(out.dtype)
-        offset += width
 
 
 def _offsets(widths: tuple[int, ...]) -> tuple[int, ...]:

@@ -126,12 +126,14 @@ class LoRAWeights:
                            experts=MappingProxyType(experts))
 
 
-def validate_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None) -> AdapterPlan:
+def validate_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None,
+                  header_only: bool = False) -> AdapterPlan:
     """Check an adapter directory against the base model without building tensors
     (config, tensor names, shapes; files read and hashed once: plan.version); raises
     AdapterError. Same checks as `load_lora`, except the values, which depend on the
-    serving dtype."""
-    return plan_adapter(path, model_cfg, max_lora_rank, roots)
+    serving dtype. `header_only`: the weights file's tensors are neither read nor hashed
+    (no version: for a caller whose engines read and hash the files next)."""
+    return plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=header_only)
 
 
 def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPGroup.single(),
@@ -145,8 +147,7 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
     anything that is not a plain LoRA fitting the model, or when the files' version is
     not `expected_version`; nothing is kept on error. `reference_path`: the adapter is
     served by the CPU reference path, which alone serves DoRA and LoRA on lm_head /
-    embed_tokens (refused otherwise). At tensor-parallel size > 1, DoRA on a row-parallel
-    module (o_proj, down_proj) is refused: its row norms span every rank's columns."""
+    embed_tokens (refused otherwise)."""
     pool = buffers if buffers is not None else HostBufferPool()
     reads: list[HostBuffer] = []
 
@@ -158,8 +159,6 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
         if plan.config.use_dora and not reference_path:
             raise AdapterError("use_dora=true: DoRA adapters are served on the CPU only for "
                                "now", feature="use_dora", file=plan.config.file)
-        if plan.config.use_dora and tp.size > 1:
-            _check_dora_sharded(plan, model_cfg, tp)
         _check_ends_served(plan, reference_path)
         # converted while the last chunks of the files still hash on other threads
         weights = weights_from_plan(plan, model_cfg, tp, dtype, pool)
@@ -227,16 +226,6 @@ def _check_ends_served(plan: AdapterPlan, served: bool) -> None:
         if mp.layer == END_GROUP and not served:
             raise AdapterError(f"LoRA on {mp.module} is served on the CPU only for now",
                                feature=mp.module, file=plan.config.file)
-
-
-def _check_dora_sharded(plan: AdapterPlan, model_cfg, tp: TPGroup) -> None:
-    """DoRA's row norm ||W + B·A|| of a row-parallel module needs every rank's columns of
-    W; a column-parallel module's rows are whole on one rank (served exactly)."""
-    for mp in plan.modules:
-        if mp.m_key is not None and lora_shard(model_cfg, mp.module, 0, tp.size).factor == "A":
-            raise AdapterError(f"use_dora=true on {mp.module}: DoRA on row-parallel modules "
-                               f"(o_proj, down_proj) is served at tensor-parallel size 1 only",
-                               feature="use_dora", file=plan.config.file)
 
 
 def _end_weights(plan: AdapterPlan, dtype: torch.dtype) -> dict:

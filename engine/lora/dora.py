@@ -1,0 +1,68 @@
+"""DoRA's per-row factors for the slot pool (PEFT's DoraLinearLayer): the wrapped layer's
+output, base plus LoRA term and before the bias, is multiplied per output row by
+m / ||W + B·A·scaling||, the norm over the row's whole input width.
+
+A column-parallel group holds whole rows on each rank, so its factors are computed at
+load. A row-parallel group (o, down) holds only this rank's columns of every row: the
+load keeps each row's partial sum of squares, and `PendingNorms.settle` adds them across
+the ranks with one all-reduce, inside the first step that reads LoRA after the load. Every
+rank loads the same adapters into the same slots before that step and runs that step,
+so they all join that all-reduce.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def _slices(gw, shape):
+    """(slice index, rank, rows) of each wrapped slice of a group."""
+    offset = 0
+    for s, width in enumerate(shape.out_features):
+        if gw.slice_ranks[s]:
+            yield s, gw.slice_ranks[s], slice(offset, offset + width)
+        offset += width
+
+
+def _rows(gw, base: torch.Tensor, s: int, r: int, rows: slice) -> torch.Tensor:
+    return base[rows].float() + gw.b[rows, :r].float() @ gw.a[s, :r].float()
+
+
+def write_factors(out: torch.Tensor, gw, base: torch.Tensor, shape) -> None:
+    """out[rows of each wrapped slice] = magnitude / row norm of (W + B·A), in float32
+    (whole rows: a column-parallel group, or any group at TP = 1)."""
+    for s, r, rows in _slices(gw, shape):
+        norm = torch.linalg.norm(_rows(gw, base, s, r, rows), dim=1)
+        out[rows] = (gw.magnitude[rows].float() / norm).to(out.dtype)
+
+
+class PendingNorms:
+    """Partial squared row norms of row-parallel groups, per slot, until `settle`."""
+
+    def __init__(self):
+        self._parts: dict[int, list] = {}   # slot -> [(key, rows, sum of squares, m)]
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def add(self, slot: int, key, gw, base: torch.Tensor, shape) -> None:
+        for s, r, rows in _slices(gw, shape):
+            sq = _rows(gw, base, s, r, rows).square().sum(dim=1)
+            self._parts.setdefault(slot, []).append((key, rows, sq, gw.magnitude[rows]))
+
+    def drop(self, slot: int) -> None:
+        self._parts.pop(slot, None)
+
+    def settle(self, all_reduce: Callable[[torch.Tensor], torch.Tensor], scales: dict) -> None:
+        """Sum every pending partial across the ranks (one all-reduce) and write the
+        factors into `scales[key][slot]`."""
+        order = [(slot, part) for slot in sorted(self._parts) for part in self._parts[slot]]
+        total = all_reduce(torch.cat([sq for _, (_, _, sq, _) in order]))
+        at = 0
+        for slot, (key, rows, sq, m) in order:
+            n = sq.numel()
+            norm = total[at:at + n].sqrt()
+            scales[key][slot, rows] = (m.float() / norm).to(scales[key].dtype)
+            at += n
+        self._parts.clear()
