@@ -1,12 +1,10 @@
 """The control plane's placement over several engine replicas (services/control/manager.py)
-with scripted engine links in place of the ZMQ ones, and the registry's placement column:
-commands reach the placed replicas that are up, a replica that is down gets the desired
-state from its replay, a refused load is undone where it succeeded, and a registry file
-written before placements existed opens with every adapter on every replica."""
+with scripted engine links in place of the ZMQ ones: commands reach the placed replicas that are up, a replica that is down gets the desired
+state from its replay, and a refused load is undone where it succeeded (the registry's
+placement column: tests/test_services_units.py)."""
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 
 import grpc
 import pytest
@@ -127,21 +125,3 @@ def test_unloading_ends_when_no_live_replica_holds_it(make):
     r1.up = False  # a dead replica holds nothing
     m.on_event(engine_pb2.EngineEvent())
     assert m.registry.get("a").state == pb.ADAPTER_STATE_REGISTERED
-
-
-def test_a_registry_from_before_placements_opens_with_every_replica(tmp_path):
-    path = str(tmp_path / "old.sqlite")
-    db = sqlite3.connect(path)
-    db.execute("CREATE TABLE adapters (name TEXT PRIMARY KEY, path TEXT NOT NULL, state INTEGER "
-               "NOT NULL, pinned INTEGER NOT NULL DEFAULT 0, adapter_id INTEGER NOT NULL DEFAULT 0, "
-               "rank INTEGER NOT NULL DEFAULT 0, target_modules TEXT NOT NULL DEFAULT '[]', "
-               "loads INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL)")
-    db.execute("INSERT INTO adapters VALUES ('a', '/x/a', 2, 1, 3, 8, '[\"q_proj\"]', 1, 1.0)")
-    db.commit()
-    db.close()
-    registry = Registry(path)
-    rec = registry.get("a")
-    assert (rec.state, rec.pinned, rec.version, rec.replicas) == (pb.ADAPTER_STATE_LOADED, True, "", ())
-    registry.put(rec.evolve(replicas=(1,)))
-    assert registry.get("a").replicas == (1,)
-    registry.close()
