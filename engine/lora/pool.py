@@ -188,11 +188,7 @@ class LoRASlotPool:
         return self._experts.get((layer, param), (None, None))
 
     def _write_experts(self, slot: int, experts) -> None:
-        if slot in self.expert_slots:
-            for a, b in self._experts.values():
-                a[slot].zero_()
-                b[slot].zero_()
-            self.expert_slots.discard(slot)
+        _clear_slot(slot, self._experts.values(), self.expert_slots)
         for key, (wa, wb) in experts.items():
             a, b = self._experts[key]
             r = wa.shape[1]
@@ -201,11 +197,7 @@ class LoRASlotPool:
             self.expert_slots.add(slot)
 
     def _write_ends(self, slot: int, ends) -> None:
-        if slot in self.end_slots:
-            for a, b in self._ends.values():
-                a[slot].zero_()
-                b[slot].zero_()
-            self.end_slots.discard(slot)
+        _clear_slot(slot, self._ends.values(), self.end_slots)
         for module, (wa, wb) in ends.items():
             if module not in self._ends:
                 r = self.max_lora_rank
@@ -319,6 +311,15 @@ class LoRASlotPool:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:
             raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
+
+
+def _clear_slot(slot: int, buffers, used: set[int]) -> None:
+    """Zero `slot` of every (a, b) in `buffers` if it holds anything (`used`)."""
+    if slot in used:
+        for a, b in buffers:
+            a[slot].zero_()
+            b[slot].zero_()
+        used.discard(slot)
 
 
 def _expert_buffers(model_cfg, max_loras: int, rank: int, dtype, device, tp_size: int) -> dict:
