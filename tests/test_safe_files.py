@@ -162,10 +162,17 @@ def _st(header: dict, data: bytes) -> bytes:
      "needs"),
     (_st({"__metadata__": {"a": 1}}, b""), "__metadata__"),
 ])
-def test_lying_safetensors_headers(buf, why):
-    with pytest.raises(AdapterError) as ei:
-        parse_header(buf, "w.safetensors")
-    assert ei.value.feature == "safetensors" and why in str(ei.value), str(ei.value)
+def test_lying_safetensors_headers(buf, why, tmp_path):
+    """Refused alike from the whole file and from its head alone (read_head: what the
+    control plane checks before the engines read the file)."""
+    (tmp_path / "w.safetensors").write_bytes(buf)
+    with open_adapter_dir(str(tmp_path), None) as d:
+        head, size = d.read_head("w.safetensors", 1 << 20, 1 << 20)
+    assert size == len(buf) and buf.startswith(head)
+    for args in ((buf,), (head, size)):
+        with pytest.raises(AdapterError) as ei:
+            parse_header(args[0], "w.safetensors", *args[1:])
+        assert ei.value.feature == "safetensors" and why in str(ei.value), str(ei.value)
 
 
 def test_header_of_a_real_file_matches_safetensors(tmp_path):
