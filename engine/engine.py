@@ -53,10 +53,10 @@ from engine.resolve import MachineFacts, describe, resolve_config
 from engine.sampling import RequestSeeds, SamplingState
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
-from engine.tokenizer import Tokenizer
 from engine.warmup import WarmupReport, warm_up
 from loramux_core.errors import EngineDeadError, InvalidRequestError
 from loramux_core.sampling import SamplingParams
+from loramux_core.tokenizer import Tokenizer
 
 
 class Engine:

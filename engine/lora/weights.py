@@ -126,12 +126,14 @@ class LoRAWeights:
                            experts=MappingProxyType(experts))
 
 
-def validate_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None) -> AdapterPlan:
+def validate_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None,
+                  header_only: bool = False) -> AdapterPlan:
     """Check an adapter directory against the base model without building tensors
     (config, tensor names, shapes; files read and hashed once: plan.version); raises
     AdapterError. Same checks as `load_lora`, except the values, which depend on the
-    serving dtype."""
-    return plan_adapter(path, model_cfg, max_lora_rank, roots)
+    serving dtype. `header_only`: the weights file's tensors are neither read nor hashed
+    (no version: for a caller whose engines read and hash the files next)."""
+    return plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=header_only)
 
 
 def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPGroup.single(),

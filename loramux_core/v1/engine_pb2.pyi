@@ -126,18 +126,20 @@ class StepBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
 
 class AdapterAck(_message.Message):
-    __slots__ = ("command_id", "ok", "code", "message", "adapter_id")
+    __slots__ = ("command_id", "ok", "code", "message", "adapter_id", "version")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     ok: bool
     code: ErrorCode
     message: str
     adapter_id: int
-    def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., adapter_id: _Optional[int] = ...) -> None: ...
+    version: str
+    def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., adapter_id: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
 
 class AdapterStatus(_message.Message):
     __slots__ = ("name", "id", "path", "residency", "slot", "pinned", "unloading", "in_flight_requests", "loads", "evictions", "rank", "running_requests", "waiting_requests")

@@ -134,6 +134,36 @@ class AdapterDir:
         """All bytes of the regular file `name` in this directory, read once (into a
         buffer from `alloc` when given), and their digest. AdapterError when it is absent,
         not a regular file, larger than `max_bytes`, or changed while being read."""
+        fd, st, where = self._open(name, max_bytes)
+        try:
+            return _read_whole(fd, st, name, where, alloc)
+        except OSError as e:  # e.g. EIO, or a directory swapped in (EISDIR)
+            raise AdapterError(f"{name} cannot be read ({os.strerror(e.errno)})",
+                               feature="not_a_file", file=where) from None
+        finally:
+            os.close(fd)
+
+    def read_head(self, name: str, max_bytes: int, max_head: int) -> tuple[bytes, int]:
+        """The first bytes of the regular file `name` (as `read` checks it) up to the end
+        of its safetensors header (8-byte length + that many bytes, at most `max_head`;
+        only the 8 bytes when the length is larger), and the file's size. Nothing is
+        hashed: for checks that do not name a version."""
+        fd, st, where = self._open(name, max_bytes)
+        try:
+            head = os.pread(fd, 8, 0)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            if 0 < n <= min(max_head, st.st_size - 8):
+                head += os.pread(fd, n, 8)
+            return head, st.st_size
+        except OSError as e:
+            raise AdapterError(f"{name} cannot be read ({os.strerror(e.errno)})",
+                               feature="not_a_file", file=where) from None
+        finally:
+            os.close(fd)
+
+    def _open(self, name: str, max_bytes: int) -> tuple[int, os.stat_result, str]:
+        """(fd, stat, path for messages) of the regular file `name`, opened without
+        following a link; AdapterError when absent, not a regular file or too large."""
         _check_name(name)
         where = f"{self.shown}/{name}"
         try:
@@ -150,17 +180,10 @@ class AdapterDir:
             raise AdapterError(f"{name} is {st.st_size} bytes, more than the {max_bytes} an "
                                "adapter of this model can need", feature="file_size", file=where)
         try:
-            fd = os.open(name, _FILE_FLAGS, dir_fd=self._fd)
+            return os.open(name, _FILE_FLAGS, dir_fd=self._fd), st, where
         except OSError as e:
             raise AdapterError(f"{name} cannot be opened ({os.strerror(e.errno)})",
                                feature="not_a_file", file=where) from None
-        try:
-            return _read_whole(fd, st, name, where, alloc)
-        except OSError as e:  # e.g. EIO, or a directory swapped in (EISDIR)
-            raise AdapterError(f"{name} cannot be read ({os.strerror(e.errno)})",
-                               feature="not_a_file", file=where) from None
-        finally:
-            os.close(fd)
 
 
 def _read_whole(fd: int, before: os.stat_result, name: str, where: str,
