@@ -8,8 +8,8 @@ from engine.output_processor import OutputProcessor, token_stop
 from engine.outputs import FinishReason
 from engine.request import Request
 from engine.scheduler import Sampled
-from engine.tokenizer import Tokenizer
 from loramux_core.sampling import SamplingParams
+from loramux_core.tokenizer import Tokenizer
 from tests.support.tiny import build_tokenizer, write_json
 
 EOS = 2
