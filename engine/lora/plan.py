@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from engine.adapters.safe_files import (AdapterDir, AdapterRoots, Alloc, FileRead,
-                                        combined_version, open_adapter_dir)
+from engine.adapters.file_digest import FileRead, combined_version
+from engine.adapters.safe_files import AdapterDir, AdapterRoots, Alloc, open_adapter_dir
 from engine.lora import expert_plan
 from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
 from engine.lora.patterns import dotted_suffixes
