@@ -17,7 +17,6 @@ import torch
 
 from engine.adapters.host_cache import HostCache
 from engine.adapters.loader import DiskLoader
-from engine.adapters.safe_files import AdapterRoots
 from engine.adapters.pins import Pins
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.residency import AdapterResidency
@@ -35,6 +34,7 @@ from engine.parallel import TPGroup
 from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
 from engine.sampling import Sampler
+from loramux_core.safe_files import AdapterRoots
 
 
 @dataclass(frozen=True)

@@ -319,7 +319,7 @@ def test_version_is_the_hash_of_the_bytes_served(base, adapter):
 
 
 def test_linked_files_inside_a_root_are_refused(base, adapter, tmp_path):
-    from engine.adapters.safe_files import AdapterRoots
+    from loramux_core.safe_files import AdapterRoots
     cfg = base[0]
     roots = AdapterRoots([str(tmp_path)])
     assert load_lora("adapter", cfg, MAX_RANK, roots=roots).max_rank == 8

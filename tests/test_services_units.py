@@ -174,7 +174,7 @@ def test_demo_model_matches_transformers_and_peft(tmp_path):
     assert len(ours.token_ids) == 8 or ours.finish_reason == "eos"
 
 
-def test_registry_written_before_versions_opens_and_records_them(tmp_path):
+def test_registry_written_before_versions_and_placements_opens_and_records_them(tmp_path):
     import sqlite3
     db = str(tmp_path / "old.sqlite")
     con = sqlite3.connect(db)
@@ -187,6 +187,7 @@ def test_registry_written_before_versions_opens_and_records_them(tmp_path):
     con.close()
     reg = Registry(db)
     assert reg.get("a").version == ""          # unknown: the engine does not check it
-    reg.put(reg.get("a").evolve(version="ab" * 32))
+    assert reg.get("a").replicas == ()         # placed on every engine replica
+    reg.put(reg.get("a").evolve(version="ab" * 32, replicas=(1,)))
     reg.close()
-    assert Registry(db).get("a").version == "ab" * 32
+    assert (Registry(db).get("a").version, Registry(db).get("a").replicas) == ("ab" * 32, (1,))

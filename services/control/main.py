@@ -8,9 +8,9 @@ import sys
 
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
-from engine.adapters.safe_files import roots_from, roots_problem
 from loramux_core import curve
 from loramux_core.options import OneLineErrors, positive_float, positive_int
+from loramux_core.safe_files import roots_from, roots_problem
 from services.common import grpc_server, replicas, tls
 from services.common.logs import configure_logging
 

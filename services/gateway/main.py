@@ -115,7 +115,7 @@ async def _drain(grace_s: float, engine, health, health_task, log) -> None:
 
 async def serve(args) -> int:
     from engine.model.hf_config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from loramux_core.tokenizer import Tokenizer
     from services.gateway.adapter_table import AdapterTable
     from services.gateway.engine_client import EngineClient
     from services.gateway.engine_metrics import EngineCollector
@@ -124,7 +124,7 @@ async def serve(args) -> int:
     from services.gateway.servicer import GenerateServicer
 
     log = configure_logging("gateway", args.log_level)
-    from engine.adapters.safe_files import AdapterRoots, roots_from
+    from loramux_core.safe_files import AdapterRoots, roots_from
     roots = roots_from(args.adapter_root, os.environ)
     prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model,
                             adapter_roots=AdapterRoots(roots) if roots else None)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
               file=sys.stderr)
         return 2
-    from engine.adapters.safe_files import roots_from, roots_problem
+    from loramux_core.safe_files import roots_from, roots_problem
     if (why := roots_problem(roots_from(args.adapter_root, os.environ))) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2

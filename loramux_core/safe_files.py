@@ -9,7 +9,7 @@ use (`AdapterFiles.version`). A file whose size or modification time moves durin
 is refused instead of being half-read.
 
 Each chunk of a file is handed to the hashing threads as soon as it is read
-(engine/adapters/file_digest.py), so the caller parses and converts the bytes while the
+(loramux_core/file_digest.py), so the caller parses and converts the bytes while the
 last chunks still hash (`FileRead.digest` waits for them).
 
 Messages name paths only as the caller gave them (relative to the adapter directory or the
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
 
-from engine.adapters.file_digest import CHUNK, HASH_THREADS, FileRead, chunk_sha256, chunk_spans
+from loramux_core.file_digest import CHUNK, HASH_THREADS, FileRead, chunk_sha256, chunk_spans
 
 from loramux_core.errors import AdapterChangedError, AdapterError, AdapterPathError as PathRefused
 

@@ -1,6 +1,6 @@
 """The version digest of adapter files: a sha256 over each file's size and the sha256 of
 each 4 MiB chunk, so the chunks hash on several threads (hashlib releases the GIL), each as
-soon as it is read (engine/adapters/safe_files.py), and the caller converts the bytes while
+soon as it is read (loramux_core/safe_files.py), and the caller converts the bytes while
 the last ones finish. The control plane and the engines use this one function, so a file
 changed between registration and load hashes otherwise. `legacy_sha256` is the plain
 sha256 that versions were before, to honour versions recorded then."""
