@@ -58,7 +58,7 @@ def _chunked_sha256(data: bytes, chunk: int = 4 << 20) -> str:
 def test_large_files_hash_in_chunks_into_a_given_buffer(tmp_path, size):
     """Files of several chunks hash on threads while being read; the digest is the same
     function whatever the buffer, and one changed byte anywhere changes it."""
-    from loramux_core.safe_files import file_digest, legacy_sha256
+    from loramux_core.file_digest import file_digest, legacy_sha256
     data = random.Random(size).randbytes(size)
     (tmp_path / "f").write_bytes(data)
     given = bytearray(size + 100)

@@ -25,8 +25,8 @@ from engine.model.archs import architecture
 from engine.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
                                        expert_full_shape, full_shape)
 from loramux_core.errors import AdapterError
-from loramux_core.safe_files import (AdapterDir, AdapterRoots, Alloc, FileRead, combined_version,
-                                     open_adapter_dir)
+from loramux_core.file_digest import FileRead, combined_version
+from loramux_core.safe_files import AdapterDir, AdapterRoots, Alloc, open_adapter_dir
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
