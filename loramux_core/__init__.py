@@ -4,6 +4,9 @@
   protos/loramux_core/v1; the public API's messages stay in the client SDK, `loramux.v1`);
 - `sampling`: SamplingParams, as the engine takes them, and their wire conversion;
 - `errors`: the typed error hierarchy and the gRPC status code each maps to;
+- `safe_files` (with `file_digest`): reading adapter files inside the adapter roots, and
+  the version hash the control plane and the engines agree on;
+- `tokenizer`: text <-> token ids (the gateway encodes, the engine decodes);
 - `curve`: the CURVE keys that guard the engine's ZMQ sockets;
 - `probe`: waiting for an engine's output socket (launcher, health checks);
 - `options`: command-line option tables (the engine's flags, which `loramux serve`
