@@ -9,8 +9,13 @@ slot swaps, and decode step time with and without swaps, on a Llama-3-8B-shaped 
 - breakdown: one AddAdapter of the full 84 MB adapter, stage by stage (read into a reused
           buffer, the chunked hash on threads, header parse and plan, the one-pass
           conversion into the host buffer, the whole-buffer finiteness check; each alone)
-          and end to end (stages overlap: the hash runs beside the conversion), plus what
-          the control plane adds per LoadAdapter (its own validation of the files).
+          and end to end (stages overlap: the hash runs beside the conversion), and the
+          control plane's own full validation (what RegisterAdapter still runs).
+- control plane: LoadAdapter over real gRPC through a control plane and an engine
+          process (services/launcher.py; the engine process on the CPU, so this part
+          measures the admin path, reads and conversion, not the GPU), new names, one at
+          a time and 16 at once, beside the engine's own read of the same adapter (a
+          2-layer model as wide as Llama-3-8B with rank-256 adapters: also 84 MB).
 - read:   load_lora of one adapter into a reused host buffer (page-locked on CUDA),
           validation included; first read allocates, the later ones reuse.
 - add:    Engine.add_adapter (what AddAdapter / LoadAdapter run), validation included.
@@ -91,7 +96,8 @@ def read_raw(path: Path, into: memoryview) -> int:
 def bench_breakdown(model_dir: Path, path: Path, device: torch.device, log) -> dict:
     """One AddAdapter's read of the full adapter, stage by stage, each alone (median of 5),
     then end to end; and the control plane's own validation (services/control)."""
-    from engine.adapters.safe_files import HASH_THREADS, AdapterRoots, file_digest
+    from loramux_core.file_digest import HASH_THREADS, file_digest
+    from loramux_core.safe_files import AdapterRoots
     from engine.lora import load_lora
     from engine.lora.host_buffers import HostBufferPool
     from engine.lora.plan import WEIGHTS_NAME, plan_adapter
@@ -126,6 +132,82 @@ def bench_breakdown(model_dir: Path, path: Path, device: torch.device, log) -> d
     }
     for name, sec in out.items():
         log(f"breakdown {name}: {ms(sec)} ms")
+    return {k: ms(v) for k, v in out.items()}
+
+
+def wide_model_dir(path: Path, layers: int = 2) -> Path:
+    """A Llama-3-8B-wide model of `layers` layers and a 1,024-token vocabulary: small
+    enough for a second engine process, while its rank-256 adapters are 84 MB like a
+    32-layer rank-16 one (the read, hash and conversion cost the same bytes)."""
+    import json as _json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from benchmarks.llama8b import LLAMA3_8B
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(LLAMA3_8B, num_hidden_layers=layers, vocab_size=1024, bos_token_id=1,
+               eos_token_id=2)
+    (path / "config.json").write_text(_json.dumps(cfg, indent=2))
+    (path / "generation_config.json").write_text(_json.dumps({"eos_token_id": 2}))
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(1024)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def bench_control_plane(tmp: Path, device: torch.device, log, burst: int = BURST) -> dict:
+    """LoadAdapter over real gRPC through a control plane and an engine process (services/
+    launcher.py), 84 MB adapters of new names: one at a time, then `burst` at once; and
+    the engine's own read of the same adapter, so the difference is what the control
+    plane adds."""
+    import asyncio
+
+    from loramux.aio import AsyncAdminClient
+
+    from engine.lora import load_lora
+    from engine.lora.host_buffers import HostBufferPool
+    from engine.model.hf_config import ModelConfig
+    from services.launcher import Cluster, ClusterConfig
+
+    rank = 256
+    model = wide_model_dir(tmp / "wide")
+    roots = tmp / "wide_adapters"
+    paths = [write_adapter(roots / f"w{i}", model, rank, seed=i) for i in range(4)]
+    mc = ModelConfig.from_dir(model)
+    pool = HostBufferPool(pin=device.type == "cuda")
+    read = timed(lambda: load_lora(paths[0], mc, rank, dtype=torch.bfloat16, buffers=pool))
+    cfg = ClusterConfig(model=str(model), adapter_roots=(str(roots),), workdir=str(tmp / "run"),
+                        engine_args=("--device", device.type, "--dtype", "bfloat16",
+                                     "--load-format", "dummy", "--max-lora-rank", str(rank),
+                                     "--max-loras", "4", "--max-cpu-loras", str(3 * burst),
+                                     "--max-num-seqs", "8", "--max-model-len", "256"),
+                        control_args=("--max-lora-rank", str(rank)))
+    cluster = Cluster(cfg)
+
+    async def loads() -> tuple[list[float], float]:
+        async with AsyncAdminClient(cluster.control_address) as admin:
+            one = []
+            for i in range(6):
+                t = time.perf_counter()
+                await admin.load(f"one{i}", paths[i % len(paths)].name)
+                one.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await asyncio.gather(*(admin.load(f"burst{i}", paths[i % len(paths)].name)
+                                   for i in range(burst)))
+            return one[1:], (time.perf_counter() - t) / burst
+
+    cluster.start("engine", "control")
+    try:
+        cluster.wait_ready("engine", "control", timeout_s=300)
+        one, per = asyncio.run(loads())
+    finally:
+        cluster.close()
+    out = {"engine read (load_lora)": read, "LoadAdapter, one at a time": statistics.median(one),
+           f"LoadAdapter, {burst} at once, per adapter": per}
+    out["control plane + engine server overhead"] = out["LoadAdapter, one at a time"] - read
+    for name, sec in out.items():
+        log(f"control plane {name}: {ms(sec)} ms")
     return {k: ms(v) for k, v in out.items()}
 
 
@@ -251,7 +333,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--swaps", type=int, default=10)
     ap.add_argument("--breakdown-only", action="store_true",
-                    help="only the AddAdapter breakdown (no engine)")
+                    help="only the AddAdapter breakdown and the control plane (no engine)")
+    ap.add_argument("--no-control-plane", action="store_true",
+                    help="skip LoadAdapter through a control plane and engine process")
     args = ap.parse_args()
     if args.device == "cpu":
         args.batch = min(args.batch, 4)
@@ -275,6 +359,9 @@ def main() -> None:
                                     device, log)
         summary = {"device": args.device, "adapter_mb_full": round(mb_full, 1),
                    "breakdown_ms": breakdown}
+        if not args.no_control_plane:  # the engine process on the CPU: see the docstring
+            summary["control_plane_ms"] = bench_control_plane(Path(tmp), torch.device("cpu"),
+                                                              log)
         if not args.breakdown_only:
             summary.update(engine_parts(Path(tmp), args, device, log))
     (out / "adapter_pipeline.json").write_text(json.dumps(summary, indent=2))
@@ -318,6 +405,11 @@ def table(summary: dict, log) -> None:
         f"({summary['device']}):")
     for name, value in summary["breakdown_ms"].items():
         log(f"  {name:<44}{value:>10} ms")
+    if "control_plane_ms" in summary:
+        log("LoadAdapter over gRPC, control plane + engine process (on the CPU), 84 MB "
+            "adapters of new names:")
+        for name, value in summary["control_plane_ms"].items():
+            log(f"  {name:<44}{value:>10} ms")
     if "step_ms" not in summary:
         return
     rows = [("read (first, allocates)", summary["read_first_ms"], ""),

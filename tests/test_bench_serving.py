@@ -95,15 +95,16 @@ def test_tiny_run_writes_the_report(tmp_path):
             assert s["movement"]["swaps_per_s"] == pytest.approx(
                 eng["adapter_slot_loads"] / s["wall_s"])
         assert p["service_over_offline"] > 0
-        assert all(p["service"]["cpu_busy"][k] > 0 for k in ("client", "gateway", "engine"))
+        busy = p["service"]["cpu_busy"]  # from /proc, in 10 ms ticks: a short point may
+        assert busy["engine"] > 0 and busy["gateway"] >= 0 and busy["client"] >= 0  # show 0
     # 6 adapters over 2 slots: the 6-adapter points move adapters in and out of slots
     assert all(p[s]["engine"]["adapter_slot_loads"] > 0 for p in points[3:]
                for s in ("service", "offline"))
     for system in ("service", "offline"):
         loads = meta["loads"][system]
         assert loads["adapters"] == 6 and loads["workers"] == 6
-        # loads overlapped: a load's own latency exceeds the wall time per adapter
-        assert loads["latency_ms"]["p50"] > loads["per_adapter_ms"] > 0, loads
+        assert loads["max_in_flight"] > 1, loads  # loads overlapped
+        assert loads["latency_ms"]["p99"] >= loads["latency_ms"]["p50"] > 0
     assert meta["warmup_s"] == {} and set(meta["startup_s"]) == {"service", "offline"}
     assert meta["first_round_over_steady"] > 0 and meta["adapter_bytes"] > 0
     assert {"engine.log", "gateway.log", "control.log"} <= {f.name for f in (out / "logs").iterdir()}

@@ -7,7 +7,9 @@ benchmarks/bench_adapter_pipeline.py, never asserted here.)"""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -68,6 +70,33 @@ def test_concurrent_loads_all_succeed_and_registry_and_engine_agree(cluster):
     registry = {a.name: a.id for a in listed}
     assert registry == {a.name: a.id for a in loaded}
     assert engine_ids(cluster) == registry
+
+
+def test_versions_come_from_the_engine_read_and_survive_a_replay(cluster, tmp_path):
+    """A LoadAdapter of a new name does not read and hash the files in the control plane
+    (the engine does, once): the version it records is the digest of the files, and an
+    engine that restarts gets the loads replayed with it and accepts them."""
+    from engine.lora import validate_lora
+    from engine.model.hf_config import ModelConfig
+
+    cfg = ModelConfig.from_dir(cluster.cfg.model)
+    root = Path(cluster.cfg.adapter_roots[0])
+    with sqlite3.connect(f"file:{cluster.db}?mode=ro", uri=True) as con:
+        recorded = dict(con.execute("SELECT name, version FROM adapters"))
+    assert set(recorded) == {f"n{i}" for i in range(N)}
+    for i in range(N):
+        assert recorded[f"n{i}"] == validate_lora(root / f"f{i}", cfg, 8).version != ""
+    cluster.stop("engine")
+    cluster.start("engine")
+    cluster.wait_ready("engine")
+    deadline = time.monotonic() + 60
+    while len(held := engine_ids(cluster)) < N:
+        assert time.monotonic() < deadline, f"replay brought back {sorted(held)}"
+
+    async def listed():
+        async with AsyncAdminClient(cluster.control_address) as admin:
+            return {a.name: a.id for a in await admin.list()}
+    assert run(listed()) == held
 
 
 def test_one_name_in_flight_many_times_stays_consistent(cluster):

@@ -44,9 +44,15 @@ def edit_tensors(d, fn):
     save_file(tensors, d / WEIGHTS, metadata={"format": "pt"})
 
 
+def _validate_header_only(d, cfg, max_rank):
+    """The control plane's check before it lets the engines read and hash the files."""
+    return validate_lora(d, cfg, max_rank, header_only=True)
+
+
 def refused(cfg, d, feature, file_name, max_rank=MAX_RANK, header_only=True):
-    """Both entry points raise AdapterError(feature) whose message names the file."""
-    calls = [load_lora] + ([validate_lora] if header_only else [])
+    """Every entry point raises AdapterError(feature) whose message names the file
+    (`header_only` False: a refusal of the values, which only load_lora reads)."""
+    calls = [load_lora] + ([validate_lora, _validate_header_only] if header_only else [])
     for fn in calls:
         with pytest.raises(AdapterError) as ei:
             fn(d, cfg, max_rank)
@@ -57,8 +63,12 @@ def refused(cfg, d, feature, file_name, max_rank=MAX_RANK, header_only=True):
 
 def test_good_adapter_loads(base, adapter):
     cfg = base[0]
-    assert validate_lora(adapter, cfg, MAX_RANK).max_rank == 8
-    assert load_lora(adapter, cfg, MAX_RANK).max_rank == 8
+    full, head = validate_lora(adapter, cfg, MAX_RANK), _validate_header_only(adapter, cfg, MAX_RANK)
+    assert full.max_rank == head.max_rank == load_lora(adapter, cfg, MAX_RANK).max_rank == 8
+    assert full.target_modules == head.target_modules and full.modules == head.modules
+    assert full.version and head.version == ""     # the header-only check hashes nothing
+    size = (adapter / WEIGHTS).stat().st_size
+    assert len(head.weights) < size and len(full.weights) == size
 
 
 def test_missing_config(base, adapter):
@@ -308,8 +318,32 @@ def test_version_is_the_hash_of_the_bytes_served(base, adapter):
     assert validate_lora(adapter, cfg, MAX_RANK).version != version
 
 
+def test_versions_recorded_as_plain_sha256_are_still_honoured(base, adapter):
+    """A registry written when versions were the plain sha256 of each file: the same
+    bytes load under that version, changed bytes do not."""
+    import hashlib
+
+    from loramux_core.errors import AdapterChangedError
+    cfg = base[0]
+
+    def plain_version() -> str:
+        h = hashlib.sha256()
+        for name in (CONFIG, WEIGHTS):
+            h.update(f"{name}\0{hashlib.sha256((adapter / name).read_bytes()).hexdigest()}\n"
+                     .encode())
+        return h.hexdigest()
+    old = plain_version()
+    assert old != validate_lora(adapter, cfg, MAX_RANK).version
+    assert load_lora(adapter, cfg, MAX_RANK, expected_version=old).max_rank == 8
+    data = bytearray((adapter / WEIGHTS).read_bytes())
+    data[-1] ^= 1
+    (adapter / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(AdapterChangedError):
+        load_lora(adapter, cfg, MAX_RANK, expected_version=old)
+
+
 def test_linked_files_inside_a_root_are_refused(base, adapter, tmp_path):
-    from engine.adapters.safe_files import AdapterRoots
+    from loramux_core.safe_files import AdapterRoots
     cfg = base[0]
     roots = AdapterRoots([str(tmp_path)])
     assert load_lora("adapter", cfg, MAX_RANK, roots=roots).max_rank == 8

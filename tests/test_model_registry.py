@@ -64,3 +64,28 @@ def test_planner_follows_the_declaration(attention_only, llama_family):
     assert {g for _, g in w.groups} == {"qkv", "o"}
     with pytest.raises(AdapterError, match="gate_proj|up_proj|down_proj"):
         load_lora(llama_family.adapters["rs4"], attn, MAX_RANK)      # wraps the MLP too
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2_moe"])
+def test_the_model_loads_its_projections_under_the_declared_names(arch, tmp_path):
+    """The declaration is also the projections' weight-name mapping: every declared
+    target's weight is one the model loads (and a checkpoint written by transformers
+    has), for every registered family."""
+    import torch
+    from safetensors import safe_open
+
+    from engine.model.archs import build_model
+    from engine.parallel import TPGroup
+    from tests.support.tiny import TinySpec, make_model
+
+    model_dir = make_model(tmp_path / arch, TinySpec(arch=arch, seed=3))
+    cfg = ModelConfig.from_dir(model_dir)
+    model = build_model(cfg, torch.float32, torch.device("cpu"), TPGroup.single())
+    expected = set(model._loaders())
+    with safe_open(str(next(model_dir.glob("*.safetensors"))), "pt") as f:
+        written = set(f.keys())
+    for layer in range(cfg.num_layers):
+        for t in lora_targets.decoder_targets(cfg):
+            name = f"model.layers.{layer}.{t.parent}.{t.module}.weight"
+            assert name in expected and name in written, name
+    model.load_weights(model_dir)   # and nothing is missing or left over

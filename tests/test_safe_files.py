@@ -1,4 +1,4 @@
-"""engine/adapters/safe_files.py: reads that cannot leave the adapter roots, hashed once,
+"""loramux_core/safe_files.py: reads that cannot leave the adapter roots, hashed once,
 and engine/lora/safetensors_buffer.py: headers that cannot lie."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import struct
 
 import pytest
 
-from engine.adapters import safe_files
-from engine.adapters.safe_files import AdapterRoots, PathRefused, open_adapter_dir
 from engine.lora.safetensors_buffer import parse_header
+from loramux_core import safe_files
 from loramux_core.errors import AdapterError
+from loramux_core.safe_files import AdapterRoots, PathRefused, open_adapter_dir
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def _chunked_sha256(data: bytes, chunk: int = 4 << 20) -> str:
 def test_large_files_hash_in_chunks_into_a_given_buffer(tmp_path, size):
     """Files of several chunks hash on threads while being read; the digest is the same
     function whatever the buffer, and one changed byte anywhere changes it."""
-    from engine.adapters.safe_files import file_digest, legacy_sha256
+    from loramux_core.file_digest import file_digest, legacy_sha256
     data = random.Random(size).randbytes(size)
     (tmp_path / "f").write_bytes(data)
     given = bytearray(size + 100)
@@ -162,10 +162,17 @@ def _st(header: dict, data: bytes) -> bytes:
      "needs"),
     (_st({"__metadata__": {"a": 1}}, b""), "__metadata__"),
 ])
-def test_lying_safetensors_headers(buf, why):
-    with pytest.raises(AdapterError) as ei:
-        parse_header(buf, "w.safetensors")
-    assert ei.value.feature == "safetensors" and why in str(ei.value), str(ei.value)
+def test_lying_safetensors_headers(buf, why, tmp_path):
+    """Refused alike from the whole file and from its head alone (read_head: what the
+    control plane checks before the engines read the file)."""
+    (tmp_path / "w.safetensors").write_bytes(buf)
+    with open_adapter_dir(str(tmp_path), None) as d:
+        head, size = d.read_head("w.safetensors", 1 << 20, 1 << 20)
+    assert size == len(buf) and buf.startswith(head)
+    for args in ((buf,), (head, size)):
+        with pytest.raises(AdapterError) as ei:
+            parse_header(args[0], "w.safetensors", *args[1:])
+        assert ei.value.feature == "safetensors" and why in str(ei.value), str(ei.value)
 
 
 def test_header_of_a_real_file_matches_safetensors(tmp_path):
@@ -183,7 +190,7 @@ def test_header_of_a_real_file_matches_safetensors(tmp_path):
 
 
 def test_roots_from_flags_or_environment(tmp_path):
-    from engine.adapters.safe_files import roots_from, roots_problem
+    from loramux_core.safe_files import roots_from, roots_problem
     assert roots_from(["/a", "/b"], {"LORAMUX_ADAPTER_ROOTS": "/c"}) == ("/a", "/b")
     assert roots_from(None, {"LORAMUX_ADAPTER_ROOTS": "/c::/d"}) == ("/c", "/d")
     assert roots_from(None, {}) == ()

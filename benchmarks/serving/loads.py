@@ -17,13 +17,15 @@ from benchmarks.serving.workload import percentile
 @dataclass(frozen=True)
 class LoadReport:
     adapters: int
-    workers: int                 # loads in flight at once
+    workers: int                 # loads allowed in flight at once
     wall_s: float
     latency_s: tuple[float, ...]  # each load's own time, call to reply
+    max_in_flight: int = 0        # the most loads that were in flight at once
 
     def summary(self) -> dict:
         lat = list(self.latency_s)
         return {"adapters": self.adapters, "workers": self.workers, "wall_s": self.wall_s,
+                "max_in_flight": self.max_in_flight,
                 "per_adapter_ms": 1e3 * self.wall_s / self.adapters if self.adapters else None,
                 "latency_ms": {f"p{q}": 1e3 * percentile(lat, q) if lat else None
                                for q in (50, 99)}}
@@ -38,15 +40,23 @@ class LoadReport:
 
 
 class _Progress:
-    """A line every `every_s` seconds while loads go on (a long load is not a hang)."""
+    """Loads in flight (and the most at once), and a line every `every_s` seconds while
+    loads go on (a long load is not a hang)."""
 
     def __init__(self, total: int, label: str, every_s: float = 10.0):
         self.total, self.label, self.every_s = total, label, every_s
         self.done, self._next = 0, time.monotonic() + every_s
+        self.in_flight = self.max_in_flight = 0
         self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
     def tick(self) -> None:
         with self._lock:
+            self.in_flight -= 1
             self.done += 1
             if time.monotonic() >= self._next:
                 self._next = time.monotonic() + self.every_s
@@ -69,6 +79,7 @@ def load_service(control_address: str, names: list[str], workers: int,
         t = time.perf_counter()
         if t > stop:
             return None
+        progress.start()
         admin.load(name, name)
         progress.tick()
         return time.perf_counter() - t
@@ -84,7 +95,7 @@ def load_service(control_address: str, names: list[str], workers: int,
     if loaded < len(names):
         print(f"  service: loads stopped after {within_s:g} s: {loaded} of {len(names)} "
               f"adapters", flush=True)
-    return LoadReport(loaded, workers, wall, tuple(x for x in latency[:loaded]))
+    return LoadReport(loaded, workers, wall, tuple(latency[:loaded]), progress.max_in_flight)
 
 
 def load_offline(engine, root: Path, names: list[str], workers: int) -> LoadReport:
@@ -95,6 +106,7 @@ def load_offline(engine, root: Path, names: list[str], workers: int) -> LoadRepo
 
     def read(name: str):
         t = time.perf_counter()
+        progress.start()
         return engine.read_adapter(name, str(root / name)), t
 
     latency = []
@@ -110,4 +122,5 @@ def load_offline(engine, root: Path, names: list[str], workers: int) -> LoadRepo
                 engine.register_adapter(adapter)
                 latency.append(time.perf_counter() - t)
                 progress.tick()
-    return LoadReport(len(names), workers, time.perf_counter() - t0, tuple(latency))
+    return LoadReport(len(names), workers, time.perf_counter() - t0, tuple(latency),
+                      progress.max_in_flight)

@@ -62,8 +62,9 @@ class LoRABatch:
         (on CUDA always given, so that a captured graph serves adapters loaded later)."""
         if not self.pool.expert_slots and not self.token_slots.is_cuda:
             return None
-        a13, b13 = self.pool.expert_weights(layer_idx, "gate_up_proj")
-        a2, b2 = self.pool.expert_weights(layer_idx, "down_proj")
+        gate_up, down = self.pool.expert_params
+        a13, b13 = self.pool.expert_weights(layer_idx, gate_up)
+        a2, b2 = self.pool.expert_weights(layer_idx, down)
         if a13 is None and a2 is None:
             return None
         return ExpertLoRA(self.token_slots, a13, b13, a2, b2)

@@ -14,7 +14,7 @@ import re
 
 from engine.lora.config import AdapterConfig
 from engine.lora.patterns import dotted_suffixes
-from engine.lora.safetensors_buffer import is_float
+from engine.lora.safetensors_buffer import check_factor
 from engine.model.archs import architecture
 from engine.model.lora_targets import ExpertTarget, expert_full_shape
 from loramux_core.errors import AdapterError
@@ -89,12 +89,6 @@ def check_shapes(cfg: AdapterConfig, model_cfg, layer: int, target: ExpertTarget
     r, E = cfg.rank_of(name), model_cfg.moe.num_experts
     k_in, n_out = expert_full_shape(model_cfg, target.param)
     for factor, want in (("A", (E * r, k_in)), ("B", (n_out, r * E))):
-        info = shapes[keys[factor]]
-        if info.shape != want:
-            raise AdapterError(f"tensor {keys[factor]!r} has shape {list(info.shape)}, expected "
-                               f"{list(want)} (rank {r}, {E} experts, parameter {name})",
-                               feature="shape", file=file)
-        if not is_float(info):
-            raise AdapterError(f"tensor {keys[factor]!r} has dtype {info.dtype}, expected a "
-                               f"floating type", feature="dtype", file=file)
+        check_factor(keys[factor], shapes[keys[factor]], want,
+                     f"rank {r}, {E} experts, parameter {name}", file)
     return r

@@ -1,7 +1,7 @@
 """Check a PEFT adapter directory against the base model, before any tensor is built.
 
 `plan_adapter` reads adapter_config.json and adapter_model.safetensors once each, through
-engine/adapters/safe_files.py (inside the adapter roots, no link followed, hashed: the
+loramux_core/safe_files.py (inside the adapter roots, no link followed, hashed: the
 hash is the adapter's version), decides which modules of which layers the adapter wraps
 (PEFT's own matching rules, engine/lora/config.py), and checks the safetensors header
 (engine/lora/safetensors_buffer.py) so that every such module has exactly its
@@ -16,16 +16,17 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from engine.adapters.safe_files import (AdapterDir, AdapterRoots, Alloc, FileRead,
-                                        combined_version, open_adapter_dir)
 from engine.lora import expert_plan
 from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
 from engine.lora.patterns import dotted_suffixes
-from engine.lora.safetensors_buffer import TensorInfo, is_float, parse_header
+from engine.lora.safetensors_buffer import (MAX_HEADER_BYTES, TensorInfo, check_factor,
+                                            parse_header)
 from engine.model.archs import architecture
 from engine.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
                                        expert_full_shape, full_shape)
 from loramux_core.errors import AdapterError
+from loramux_core.file_digest import FileRead, combined_version
+from loramux_core.safe_files import AdapterDir, AdapterRoots, Alloc, open_adapter_dir
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -95,14 +96,16 @@ class AdapterPlan:
     config: AdapterConfig
     weights_file: str                       # for messages: the path as the caller gave it
     modules: tuple[ModulePlan, ...]
-    weights: bytes | memoryview             # adapter_model.safetensors, whole
+    weights: bytes | memoryview             # adapter_model.safetensors, whole (its header
+                                            # only, for a header-only plan)
     tensors: dict[str, TensorInfo]          # its checked header
     files: tuple[tuple[str, FileRead], ...] = field(repr=False, compare=False, default=())
 
     @cached_property
     def version(self) -> str:
-        """The digest over both files (combined_version); waits for the hashing threads."""
-        return combined_version(list(self.files))
+        """The digest over both files (combined_version); waits for the hashing threads.
+        Empty for a header-only plan (plan_adapter)."""
+        return combined_version(list(self.files)) if self.files else ""
 
     def has_version(self, version: str) -> bool:
         """`version` names these files: their version, or the plain-sha256 version that
@@ -136,20 +139,28 @@ def max_weights_bytes(model_cfg, max_lora_rank: int) -> int:
 
 
 def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
-                 roots: AdapterRoots | None = None, alloc: Alloc | None = None) -> AdapterPlan:
+                 roots: AdapterRoots | None = None, alloc: Alloc | None = None,
+                 header_only: bool = False) -> AdapterPlan:
     """Read `adapter_dir` (below `roots` when given; the weights file into a buffer from
     `alloc` when given) and check its config, safetensors header and shapes against
     `model_cfg`; raise AdapterError naming the feature and the file on the first problem
     (PathRefused when the path leaves the roots). The version may still be hashing when
-    this returns (AdapterPlan.version waits)."""
+    this returns (AdapterPlan.version waits). `header_only`: the weights file is read
+    only through its header, nothing is hashed (the plan has no version and no tensor
+    bytes): the same refusals, for a caller that lets the engine read and hash."""
     with open_adapter_dir(str(adapter_dir), roots) as d:
         config = read_config_bytes(d)
         cfg = parse_adapter_config(config.data, max_lora_rank, f"{d.shown}/{CONFIG_NAME}")
         weights_file = _check_weights_file(d)
         params = expert_plan.targeted_parameters(cfg, model_cfg)
         targets = _targeted_modules(cfg, model_cfg, bool(params))
-        weights = d.read(WEIGHTS_NAME, max_weights_bytes(model_cfg, max_lora_rank), alloc)
-    shapes = parse_header(weights.data, weights_file)
+        limit = max_weights_bytes(model_cfg, max_lora_rank)
+        if header_only:
+            weights, (data, size) = None, d.read_head(WEIGHTS_NAME, limit, MAX_HEADER_BYTES)
+        else:
+            weights = d.read(WEIGHTS_NAME, limit, alloc)
+            data, size = weights.data, len(weights.data)
+    shapes = parse_header(data, weights_file, size)
     found, found_experts = _index_keys(shapes, model_cfg, weights_file, cfg.use_dora)
     modules = []
     for layer, module in targets:
@@ -166,8 +177,8 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
         raise AdapterError(f"tensor {key!r} is for {module_name(layer, module, model_cfg)}, which "
                            f"target_modules does not select", feature="tensor",
                            file=weights_file)
-    return AdapterPlan(cfg, weights_file, tuple(modules), weights.data, shapes,
-                       ((CONFIG_NAME, config), (WEIGHTS_NAME, weights)))
+    files = () if weights is None else ((CONFIG_NAME, config), (WEIGHTS_NAME, weights))
+    return AdapterPlan(cfg, weights_file, tuple(modules), data, shapes, files)
 
 
 def _check_weights_file(d: AdapterDir) -> str:
@@ -291,14 +302,7 @@ def _module_plan(cfg: AdapterConfig, model_cfg, layer: int, module: str, found: 
     k_in, n_out = full_shape(model_cfg, module)
     wants = {"A": (r, k_in), "B": (n_out, r), "M": (n_out,)}
     for factor in factors:
-        want = wants[factor]
-        info = shapes[keys[factor]]
-        if info.shape != want:
-            raise AdapterError(f"tensor {keys[factor]!r} has shape {list(info.shape)}, expected "
-                               f"{list(want)} (rank {r}, base module {name})",
-                               feature="shape", file=file)
-        if not is_float(info):
-            raise AdapterError(f"tensor {keys[factor]!r} has dtype {info.dtype}, expected a "
-                               f"floating type", feature="dtype", file=file)
+        check_factor(keys[factor], shapes[keys[factor]], wants[factor],
+                     f"rank {r}, base module {name}", file)
     return ModulePlan(layer, module, r, cfg.scaling_of(name), keys["A"], keys["B"],
                       keys.get("M"))

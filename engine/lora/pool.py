@@ -44,8 +44,8 @@ import torch
 from engine.lora import dora
 from engine.lora.weights import LoRAWeights
 from engine.model.archs import architecture
-from engine.model.lora_targets import (expert_shard_shape, groups, lora_group_shapes,
-                                       row_parallel_groups)
+from engine.model.lora_targets import (expert_roles, expert_shard_shape, groups,
+                                       lora_group_shapes, row_parallel_groups)
 from loramux_core.errors import AdapterError
 
 
@@ -71,6 +71,8 @@ class LoRASlotPool:
         self.expert_slots: set[int] = set()
         self._experts = _expert_buffers(model_cfg, max_loras, max_lora_rank, dtype,
                                         torch.device(device), tp_size)
+        # (gate|up, down) fused expert parameters, as the architecture declares them
+        self.expert_params = expert_roles(model_cfg) if self._experts else (None, None)
         self.num_layers = model_cfg.num_layers
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -101,7 +103,10 @@ class LoRASlotPool:
             self._a[key] = self._stack_a[key[1]][key[0]]
             self._b[key] = self._stack_b[key[1]][key[0]]
             self._ranks[key] = self._all_ranks[self._key_index[key]]
-        self._staging: torch.Tensor | None = None   # CUDA: the host copy, on the device
+        # CUDA: an adapter's host copy, on the device (allocated with the pool, so memory
+        # sizing sees it; grown only for a host copy larger than one slot, e.g. DoRA's)
+        self._staging = (torch.empty(self._slot_bytes(), dtype=torch.uint8, device=self.device)
+                         if self.device.type == "cuda" else None)
         self._staging_free = None                   # event: its last reader completed
         self.num_copies = 0                          # copies and fills queued by loads
 
@@ -186,11 +191,7 @@ class LoRASlotPool:
         return self._experts.get((layer, param), (None, None))
 
     def _write_experts(self, slot: int, experts) -> None:
-        if slot in self.expert_slots:
-            for a, b in self._experts.values():
-                a[slot].zero_()
-                b[slot].zero_()
-            self.expert_slots.discard(slot)
+        _clear_slot(slot, self._experts.values(), self.expert_slots)
         for key, (wa, wb) in experts.items():
             a, b = self._experts[key]
             r = wa.shape[1]
@@ -199,11 +200,7 @@ class LoRASlotPool:
             self.expert_slots.add(slot)
 
     def _write_ends(self, slot: int, ends) -> None:
-        if slot in self.end_slots:
-            for a, b in self._ends.values():
-                a[slot].zero_()
-                b[slot].zero_()
-            self.end_slots.discard(slot)
+        _clear_slot(slot, self._ends.values(), self.end_slots)
         for module, (wa, wb) in ends.items():
             if module not in self._ends:
                 r = self.max_lora_rank
@@ -267,7 +264,7 @@ class LoRASlotPool:
                 self._stack_b[group][:, slot, :, :r].copy_(src[1], non_blocking=non_blocking)
                 self._dirty[slot][group] = r
                 self.num_copies += 2
-        if self._staging is not None and self.device.type == "cuda":
+        if self.device.type == "cuda":
             self._staging_free = torch.cuda.Event()
             self._staging_free.record()
 
@@ -277,7 +274,7 @@ class LoRASlotPool:
         nbytes = weights.buffer_bytes
         if self._staging_free is not None:  # the previous load's copies read it
             torch.cuda.current_stream(self.device).wait_event(self._staging_free)
-        if self._staging is None or self._staging.numel() < nbytes:
+        if self._staging.numel() < nbytes:
             self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._staging[:nbytes].copy_(weights.buffer.data[:nbytes], non_blocking=non_blocking)
         self.num_copies += 1
@@ -285,6 +282,15 @@ class LoRASlotPool:
         return {group: tuple(self._staging[t.data_ptr() - base:][:t.nbytes].view(t.dtype)
                              .view(t.shape) for t in ab)
                 for group, ab in weights.stacked.items()}
+
+    def _slot_bytes(self) -> int:
+        """Bytes of one slot's stacked tensors, laid out as a host copy at max_lora_rank
+        (engine/lora/weights.py: 256-byte aligned)."""
+        size = 0
+        for group in self.groups:
+            for t in (self._stack_a[group][:, 0], self._stack_b[group][:, 0]):
+                size += -(-t.numel() * t.element_size() // 256) * 256
+        return size
 
     def _zero_columns(self, slot: int, group: str, r: int) -> None:
         """Zero the slot's rank columns r.. of `group` that may be nonzero."""
@@ -317,6 +323,15 @@ class LoRASlotPool:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:
             raise IndexError(f"slot {slot} out of range [0, {self.max_loras})")
+
+
+def _clear_slot(slot: int, buffers, used: set[int]) -> None:
+    """Zero `slot` of every (a, b) in `buffers` if it holds anything (`used`)."""
+    if slot in used:
+        for a, b in buffers:
+            a[slot].zero_()
+            b[slot].zero_()
+        used.discard(slot)
 
 
 def _expert_buffers(model_cfg, max_loras: int, rank: int, dtype, device, tp_size: int) -> dict:

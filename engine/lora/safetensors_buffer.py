@@ -34,14 +34,16 @@ def _bad(why: str, file: str) -> AdapterError:
     return AdapterError(f"not a valid safetensors file: {why}", feature="safetensors", file=file)
 
 
-def parse_header(buf: bytes, file: str) -> dict[str, TensorInfo]:
-    """{name: TensorInfo} of the safetensors bytes `buf`; AdapterError(feature=
-    "safetensors") naming the first lie or inconsistency."""
-    if len(buf) < 8:
-        raise _bad(f"{len(buf)} bytes, shorter than the 8-byte header length", file)
+def parse_header(buf: bytes, file: str, size: int | None = None) -> dict[str, TensorInfo]:
+    """{name: TensorInfo} of the safetensors bytes `buf` (the whole file, or its first
+    bytes through the header when `size`, the file's size, is given);
+    AdapterError(feature="safetensors") naming the first lie or inconsistency."""
+    size = len(buf) if size is None else size
+    if size < 8:
+        raise _bad(f"{size} bytes, shorter than the 8-byte header length", file)
     n = int.from_bytes(buf[:8], "little")
-    if n > min(MAX_HEADER_BYTES, len(buf) - 8):
-        raise _bad(f"header length {n} exceeds the file ({len(buf)} bytes) or the "
+    if n > min(MAX_HEADER_BYTES, size - 8) or len(buf) < 8 + n:
+        raise _bad(f"header length {n} exceeds the file ({size} bytes) or the "
                    f"{MAX_HEADER_BYTES}-byte limit", file)
     try:
         header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
@@ -54,7 +56,7 @@ def parse_header(buf: bytes, file: str) -> dict[str, TensorInfo]:
         raise _bad("__metadata__ must map strings to strings", file)
     base = 8 + n
     infos = {name: _entry(name, e, base, file) for name, e in header.items()}
-    _check_tiling(infos, base, len(buf), file)
+    _check_tiling(infos, base, size, file)
     return infos
 
 
@@ -93,6 +95,18 @@ def _check_tiling(infos: dict[str, TensorInfo], base: int, size: int, file: str)
 
 def is_float(info: TensorInfo) -> bool:
     return info.dtype in _FLOATS
+
+
+def check_factor(key: str, info: TensorInfo, want: tuple[int, ...], what: str,
+                 file: str) -> None:
+    """AdapterError unless the tensor `key` has the shape `want` and a floating dtype;
+    `what` says where the expected shape comes from (rank, base module)."""
+    if info.shape != want:
+        raise AdapterError(f"tensor {key!r} has shape {list(info.shape)}, expected "
+                           f"{list(want)} ({what})", feature="shape", file=file)
+    if not is_float(info):
+        raise AdapterError(f"tensor {key!r} has dtype {info.dtype}, expected a floating type",
+                           feature="dtype", file=file)
 
 
 def tensor(buf, info: TensorInfo):

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from engine.model import lora_targets, sharding
-from engine.model.batch import AttentionMetadata
 from engine.model.hf_config import ModelConfig
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                  RowParallelLinear, VocabParallelEmbedding)
@@ -32,6 +31,7 @@ from engine.model.moe import SparseMoeBlock
 from engine.model.rotary import RotaryEmbedding
 from engine.parallel import TPGroup
 from kernels.attention import paged_attention
+from kernels.attention_metadata import AttentionMetadata
 from kernels.elementwise import silu_mul
 from loramux_core.errors import ModelLoadError
 
@@ -56,6 +56,9 @@ class LlamaAttention(nn.Module):
             dtype, device, shards=[q_rows, kv_rows, kv_rows], fp8=fp8)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, dtype, device,
                                         in_shard=q_rows, fp8=fp8)
+        # checkpoint names of the projections, as the architecture declares them
+        self._names = {g: [t.module for t in lora_targets.group_targets(cfg, g)]
+                       for g in ("qkv", "o")}
         self.sliding_window = cfg.sliding_window
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
@@ -86,13 +89,14 @@ class LlamaAttention(nn.Module):
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         out: dict[str, Loader] = {}
-        for idx, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        for idx, name in enumerate(self._names["qkv"]):
             out[f"{prefix}.{name}.weight"] = _col_weight(self.qkv_proj, idx)
             if self.qkv_proj.bias is not None:
                 out[f"{prefix}.{name}.bias"] = _col_bias(self.qkv_proj, idx)
-        out[f"{prefix}.o_proj.weight"] = self.o_proj.load_weight
+        (o_name,) = self._names["o"]
+        out[f"{prefix}.{o_name}.weight"] = self.o_proj.load_weight
         if self.o_proj.bias is not None:
-            out[f"{prefix}.o_proj.bias"] = self.o_proj.load_bias
+            out[f"{prefix}.{o_name}.bias"] = self.o_proj.load_bias
         if self.q_norm is not None:
             out[f"{prefix}.q_norm.weight"] = self.q_norm.load
             out[f"{prefix}.k_norm.weight"] = self.k_norm.load
@@ -109,6 +113,9 @@ class LlamaMLP(nn.Module):
                                                  dtype, device, fp8=fp8)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device,
                                            fp8=fp8)
+        # checkpoint names of the projections, as the architecture declares them
+        self._names = {g: [t.module for t in lora_targets.group_targets(cfg, g)]
+                       for g in ("gate_up", "down")}
 
     def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
         return self.down_proj.reduce(self.partial(x, lora))
@@ -125,11 +132,11 @@ class LlamaMLP(nn.Module):
         return y
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
-        return {
-            f"{prefix}.gate_proj.weight": _col_weight(self.gate_up_proj, 0),
-            f"{prefix}.up_proj.weight": _col_weight(self.gate_up_proj, 1),
-            f"{prefix}.down_proj.weight": self.down_proj.load_weight,
-        }
+        (down,) = self._names["down"]
+        out: dict[str, Loader] = {f"{prefix}.{down}.weight": self.down_proj.load_weight}
+        for idx, name in enumerate(self._names["gate_up"]):
+            out[f"{prefix}.{name}.weight"] = _col_weight(self.gate_up_proj, idx)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):

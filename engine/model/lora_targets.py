@@ -52,16 +52,36 @@ from engine.model.sharding import Shard
 
 
 
+def expert_target(cfg, param: str) -> ExpertTarget:
+    """The declaration of one fused expert parameter (KeyError when it is not a target)."""
+    for t in architecture(cfg).expert_targets:
+        if t.param == param:
+            return t
+    raise KeyError(f"not a LoRA target parameter: {param!r}")
+
+
+def expert_roles(cfg) -> tuple[str, str]:
+    """(the column-parallel gate|up parameter, the row-parallel down parameter) of the
+    experts, as declared: what the expert LoRA kernel (kernels/moe.py) takes them as."""
+    by = {t.parallel: t.param for t in architecture(cfg).expert_targets}
+    return by["column"], by["row"]
+
+
+def _expert_width(cfg, dim: str) -> int:
+    return {"hidden": cfg.hidden_size, "expert_inter": cfg.moe.intermediate_size}[dim]
+
+
 def expert_full_shape(cfg, param: str) -> tuple[int, int]:
     """(in_features, out_features) of one expert's matrix of a fused parameter."""
-    inter = cfg.moe.intermediate_size
-    return (cfg.hidden_size, 2 * inter) if param == "gate_up_proj" else (inter, cfg.hidden_size)
+    t = expert_target(cfg, param)
+    return _expert_width(cfg, t.dims[0]), t.slices * _expert_width(cfg, t.dims[1])
 
 
 def expert_shard_shape(cfg, param: str, tp_size: int) -> tuple[int, int]:
     """(in_features, out_features) of one expert's matrix on one rank."""
     k, n = expert_full_shape(cfg, param)
-    return (k, n // tp_size) if param == "gate_up_proj" else (k // tp_size, n)
+    column = expert_target(cfg, param).parallel == "column"
+    return (k, n // tp_size) if column else (k // tp_size, n)
 
 
 def expert_factors(cfg, param: str, lora_a, lora_b, rank: int, tp_rank: int, tp_size: int):
@@ -74,8 +94,10 @@ def expert_factors(cfg, param: str, lora_a, lora_b, rank: int, tp_rank: int, tp_
     cut = sharding.even_shard(inter, tp_rank, tp_size)
     if tp_size == 1:
         return a, b
-    if param == "gate_up_proj":   # gate rows then up rows, each cut
-        rows = [*range(cut.start, cut.stop), *range(inter + cut.start, inter + cut.stop)]
+    t = expert_target(cfg, param)
+    if t.parallel == "column":   # each slice's rows cut (gate rows, then up rows)
+        rows = [i for s in range(t.slices) for i in range(s * inter + cut.start,
+                                                           s * inter + cut.stop)]
         return a, b[:, rows, :]
     return a[:, :, cut.start:cut.stop], b
 
@@ -102,6 +124,13 @@ def target(cfg, module: str) -> LoraTarget:
         if t.module == module:
             return t
     raise KeyError(f"not a LoRA target module: {module!r}")
+
+
+def group_targets(cfg, group: str) -> tuple[LoraTarget, ...]:
+    """The declared modules of one group, in slice order (the model names their weights
+    `model.layers.{i}.{parent}.{module}.weight` after them)."""
+    return tuple(sorted((t for t in architecture(cfg).lora_targets if t.group == group),
+                        key=lambda t: t.slice))
 
 
 def groups(cfg) -> tuple[str, ...]:

@@ -80,12 +80,14 @@ class AdapterCommands:
                 and (have is None or have.path != cmd.path
                      or cmd.version not in ("", have.version)))
 
-    @staticmethod
-    def _ack(cmd: engine_pb2.AdapterCommand, run) -> _Ack:
-        """Run one command; every failure becomes a not-ok ack with a status code."""
+    def _ack(self, cmd: engine_pb2.AdapterCommand, run) -> _Ack:
+        """Run one command; every failure becomes a not-ok ack with a status code. A LOAD
+        acks the version of the files it holds under the name."""
         ack = _Ack(command_id=cmd.command_id, ok=True)
         try:
             ack.adapter_id = run()
+            if cmd.kind == _Kind.ADAPTER_COMMAND_KIND_LOAD:
+                ack.version = self.loaded[cmd.name].version
         except Exception as exc:  # noqa: BLE001 - reported to the caller, engine keeps going
             ack.ok = False
             ack.code = error_code(exc)

@@ -8,9 +8,9 @@ import sys
 
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
-from engine.adapters.safe_files import roots_from, roots_problem
 from loramux_core import curve
 from loramux_core.options import OneLineErrors, positive_float, positive_int
+from loramux_core.safe_files import roots_from, roots_problem
 from services.common import grpc_server, replicas, tls
 from services.common.logs import configure_logging
 
@@ -50,17 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_validator(model_dir: str, max_lora_rank: int, roots):
+def make_validator(model_dir: str, max_lora_rank: int, roots, header_only: bool = False):
     """The engine's own adapter validator, bound to the base model and the adapter roots:
-    path -> (rank, target modules, sha256 version)."""
-    from engine.lora import validate_lora
+    path -> (rank, target modules, version); `header_only`: path -> (rank, target
+    modules), the tensors neither read nor hashed (the engines do that on load)."""
+    # the plan and the registry are the torch-free part of the engine (engine/lazy.py)
+    from engine.lora.plan import plan_adapter
     from engine.model.hf_config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(model_dir)
 
-    def validate(path: str) -> tuple[int, tuple[str, ...], str]:
-        plan = validate_lora(path, model_cfg, max_lora_rank, roots)
-        return int(plan.max_rank), tuple(sorted(plan.target_modules)), plan.version
+    def validate(path: str):
+        plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=header_only)
+        found = int(plan.max_rank), tuple(sorted(plan.target_modules))
+        return found if header_only else (*found, plan.version)
     return validate
 
 
@@ -99,7 +102,9 @@ async def serve(args) -> int:
     adapter_roots = AdapterRoots(roots)
     manager = AdapterManager(registry, adapter_roots,
                              make_validator(args.model, args.max_lora_rank, adapter_roots),
-                             links, table)
+                             links, table,
+                             make_validator(args.model, args.max_lora_rank, adapter_roots,
+                                            header_only=True))
     manager_box.append(manager)
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = grpc_server.make_server(interceptors=interceptors)

@@ -53,9 +53,13 @@ def _ack_error(ack: engine_pb2.AdapterAck, what: str) -> AdminError:
 
 class AdapterManager:
     def __init__(self, registry: Registry, roots: AdapterRoots, validator: Validator,
-                 links: list[EngineLink], table: TablePublisher):
-        """`links`: one per engine replica, by replica index."""
+                 links: list[EngineLink], table: TablePublisher, checker: Checker | None = None):
+        """`links`: one per engine replica, by replica index. `checker`: when given, a
+        LoadAdapter that registers a new name checks the files with it and lets the
+        engines read and hash them once (the version comes back in their acks) instead
+        of reading and hashing them here first."""
         self.registry, self.roots, self.validator = registry, roots, validator
+        self.checker = checker
         self.links, self.table = links, table
         self._locks = AdminLocks()
         self._log = structlog.get_logger().bind(component="adapters")
@@ -93,7 +97,8 @@ class AdapterManager:
         async with self._locks.name(name):
             return await self._register(name, path)
 
-    async def _register(self, name: str, path: str) -> AdapterRecord:
+    async def _register(self, name: str, path: str, check_only: bool = False) -> AdapterRecord:
+        """`check_only`: a new name whose version the engines' load acks will give."""
         if (why := check_name(name)) is not None:
             raise AdminError(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
@@ -104,7 +109,7 @@ class AdapterManager:
         if have is not None and have.path != real:
             raise AdminError(grpc.StatusCode.ALREADY_EXISTS,
                              f"adapter {name!r} is already registered from {have.path!r}")
-        rank, targets, version = await self._validate(name, real)
+        rank, targets, version = await self._validate(name, real, check_only and have is None)
         if have is not None:  # registering again: the files as they are now are the version
             if have.version == version:
                 return have
@@ -114,10 +119,14 @@ class AdapterManager:
         return self._save(AdapterRecord(name, real, rank=rank, target_modules=targets,
                                         version=version))
 
-    async def _validate(self, name: str, path: str) -> tuple[int, tuple[str, ...], str]:
-        """The validator, off the event loop; its refusals as AdminErrors."""
+    async def _validate(self, name: str, path: str,
+                        check_only: bool = False) -> tuple[int, tuple[str, ...], str]:
+        """The validator (the checker, with no version, when `check_only`), off the event
+        loop; its refusals as AdminErrors."""
         from loramux_core.errors import AdapterError
         try:
+            if check_only:
+                return (*await asyncio.to_thread(self.checker, path), "")
             return await asyncio.to_thread(self.validator, path)
         except PathRefused as err:
             raise AdminError(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
@@ -136,7 +145,8 @@ class AdapterManager:
         async with self._locks.name(name):
             placement = self.placement(replicas)
             before = self.registry.get(name)
-            rec = await self._register(name, path) if path else self.require(name)
+            check_only = self.checker is not None and before is None
+            rec = await self._register(name, path, check_only) if path else self.require(name)
             fresh = before is None or before.version != rec.version
             try:
                 return await self._load(rec, rec.pinned if pinned is None else pinned, fresh,
@@ -164,6 +174,8 @@ class AdapterManager:
             await self._undo_loads([i for i, ack in acks.items() if ack.ok and i not in before], rec.name)
             raise _ack_error(refused[0][1], f"loading adapter {rec.name!r} failed"
                              + (f" on replica {refused[0][0]}" if len(self.links) > 1 else ""))
+        if not rec.version:  # the engines read and hashed the files: their version
+            target = target.evolve(version=await self._acked_version(acks, rec.name, before))
         dropped = sorted(before - set(self.placed(target)))
         if dropped:
             await self._command(dropped, _K.ADAPTER_COMMAND_KIND_UNLOAD, rec.name, optional=True)
@@ -173,6 +185,17 @@ class AdapterManager:
                        replicas=sorted(acks))
         return self._save(target.evolve(state=LOADED, pinned=pinned, adapter_id=adapter_id,
                                         loads=loads))
+
+    async def _acked_version(self, acks: dict, name: str, before: set[int]) -> str:
+        """The one version the replicas' acks name; when they read different files (the
+        files changed meanwhile), the load is undone and refused."""
+        versions = {ack.version for ack in acks.values()}
+        if len(versions) == 1 and "" not in versions:
+            return versions.pop()
+        await self._undo_loads([i for i in acks if i not in before], name)
+        raise AdminError(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"adapter {name!r}: the engine replicas read different files (they "
+                         "changed while being loaded); load it again")
 
     async def _undo_loads(self, replicas: list[int], name: str) -> None:
         """A refused load leaves no replica holding what it loaded (best effort)."""

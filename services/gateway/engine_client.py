@@ -56,12 +56,11 @@ class EngineClient:
         self.draining = False  # set on shutdown: new requests are refused, live ones go on
         self.replicas: list[Replica] = []
         for index, (input_address, output_address) in enumerate(engines):
-            replica = Replica(index, None)
-            replica.conn = EngineConnection(
+            conn = EngineConnection(
                 input_address, output_address, heartbeat_timeout_s=heartbeat_timeout_s,
-                keys=keys, on_output=lambda msg, r=replica: self._output(r, msg),
-                on_down=lambda reason, r=replica: self._down(r, reason))
-            self.replicas.append(replica)
+                keys=keys, on_output=lambda msg, i=index: self._output(self.replicas[i], msg),
+                on_down=lambda reason, i=index: self._down(self.replicas[i], reason))
+            self.replicas.append(Replica(index, conn))
 
     @property
     def inflight(self) -> int:

@@ -38,9 +38,13 @@ class ExpertTarget:
     `{parent}.{param}`), in the order the experts module registers its parameters (PEFT
     nests one wrapper per targeted parameter in that order: the saved keys of the i-th of
     n targeted parameters carry n-1-i `.base_layer` segments)."""
-    param: str          # "gate_up_proj" [E, 2·inter, hidden] or "down_proj" [E, hidden, inter]
+    param: str          # e.g. "gate_up_proj" [E, 2·inter, hidden], "down_proj" [E, hidden, inter]
     parent: str         # the experts module inside a decoder layer
-    parallel: str       # "column" (gate_up) or "row" (down)
+    parallel: str       # "column" (split by output rows) or "row" (by input columns)
+    # one expert's (in, out) widths as config quantities: "hidden", "expert_inter"; the
+    # output is `slices` such widths side by side (gate | up), each cut under TP
+    dims: tuple[str, str] = ("hidden", "expert_inter")
+    slices: int = 1
 
 
 @dataclass(frozen=True)

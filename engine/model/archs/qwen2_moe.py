@@ -20,8 +20,8 @@ from loramux_core.errors import ModelLoadError
 _TARGETS = tuple(replace(t, parent="mlp.shared_expert") if t.parent == "mlp" else t
                  for t in DECODER_TARGETS)
 EXPERT_TARGETS: tuple[ExpertTarget, ...] = (
-    ExpertTarget("gate_up_proj", "mlp.experts", "column"),
-    ExpertTarget("down_proj", "mlp.experts", "row"),
+    ExpertTarget("gate_up_proj", "mlp.experts", "column", ("hidden", "expert_inter"), slices=2),
+    ExpertTarget("down_proj", "mlp.experts", "row", ("expert_inter", "hidden")),
 )
 
 
