@@ -161,3 +161,14 @@ def test_dummy_weights_fill_fp8_layers(pair):
     attn = make_attention_metadata([[0, 1]], [0], [5], 4)
     hidden = model(torch.tensor([3, 4, 5, 6, 7]), attn, model.make_kv_caches(4, 4))
     assert torch.isfinite(hidden).all()
+
+
+def test_memory_sizing_counts_fp8_bytes(pair):
+    """engine/resolve.py's weight estimate equals the FP8-GEMM model's parameters (one byte
+    per projection weight, a float32 scale per row; biases left out as for every model)."""
+    from engine.resolve import weight_bytes
+
+    cfg = ModelConfig.from_dir(pair[0].model_dir)
+    model = LlamaForCausalLM(cfg, fp8=True)
+    want = sum(p.nbytes for name, p in model.named_parameters() if not name.endswith("bias"))
+    assert weight_bytes(cfg, EngineConfig(model="m", dtype="float32")) == want
