@@ -1,13 +1,14 @@
 """The folders are the layers, and every import arrow points down (docs/ARCHITECTURE.md):
 
-    clients/python (loramux)    services/            engine/  ->  kernels/
-              \\                   |                  /             |
-               `-> loramux.v1 <- loramux_core <------'          torch, triton
+    services/, engine/  ──▶  loramux_core/  ──▶  loramux.v1 (the public protos, in the SDK)
+    engine/  ──▶  kernels/  ──▶  torch, triton
+    clients/python (the SDK and CLI)  ──▶  itself only
 
 - the processes that only route or administer (gateway, control plane) and the SDK with
-  its command line load neither torch, nor triton, nor any engine module when imported;
-- kernels import nothing of loramux; loramux_core imports only the public protos;
-  the SDK nothing but itself; the engine nothing of services or the SDK;
+  its command line load neither torch, nor triton, nor any engine module when imported,
+  and the running gateway and control plane map no torch;
+- kernels import nothing of loramux; loramux_core only the public protos; the SDK nothing
+  of the server; the engine nothing of services or the SDK but the public protos;
 - services import the engine only where ENGINE_CROSSINGS says, each with its reason.
 """
 from __future__ import annotations
@@ -25,8 +26,10 @@ SDK = ROOT / "clients" / "python"
 
 # (file, engine module imported there): why the service still needs the engine's own code.
 # Each entry imports lazily (inside a function), so importing the service loads no engine.
+# The first three are the torch-free part of the engine (engine/lazy.py): the running
+# gateway and control plane load no torch (test_running_services_map_no_torch).
 ENGINE_CROSSINGS = {
-    ("services/control/main.py", "engine.lora"):
+    ("services/control/main.py", "engine.lora.plan"):
         "the adapter validator plans an adapter against the model registry (engine/model)",
     ("services/control/main.py", "engine.model.hf_config"):
         "the base model's config, read through the model registry, for that validator",
@@ -110,7 +113,7 @@ def test_the_check_sees_a_forbidden_import(tmp_path):
         "kernels/k.py": "from engine.model.batch import AttentionMetadata\n",
         "engine/e.py": "def f():\n    from services.serve import main\n",
         "services/s.py": "from engine.server.curve import ZmqKeys\n",
-        "services/control/main.py": "import engine.lora\n",  # a listed crossing, but eager
+        "services/control/main.py": "import engine.lora.plan\n",  # listed, but eager
         "clients/python/loramux/c.py": "from loramux_core.v1 import engine_pb2\n",
         "loramux_core/x.py": "from loramux import client\n",
         "engine/p.py": "from loramux.v1 import engine_pb2, generate_pb2\n",
@@ -179,10 +182,46 @@ def test_importing_loads_no_torch_triton_or_engine(process):
 
 
 def test_the_import_probe_sees_torch():
-    """The probe can fail: importing the engine's entry point is reported."""
+    """The probe can fail: importing the engine itself is reported."""
     env = {"PYTHONPATH": f"{ROOT}:{SDK}", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=set(HEAVY)),
-                          "engine.server.main"], cwd=ROOT, env=env, capture_output=True,
+                          "engine.engine"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert {"torch", "engine"} <= set(json.loads(out.stdout))
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether the process has torch's native library mapped."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+def test_running_services_map_no_torch(tmp_path):
+    """At run time too: after the control plane has validated and loaded an adapter and
+    the gateway has tokenized and streamed a call with it, neither process has torch's
+    library mapped; the engine, the check's witness, has."""
+    from loramux.client import AdminClient, GenerateClient
+
+    from services.launcher import Cluster, ClusterConfig, wait_serving
+    from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
+
+    model = make_model(tmp_path / "model", TinySpec())
+    make_adapter(tmp_path / "adapters" / "a1", model, AdapterSpec(seed=5))
+    cfg = ClusterConfig(model=str(tmp_path / "model"), adapter_roots=(str(tmp_path / "adapters"),),
+                        workdir=str(tmp_path / "run"), env={"OMP_NUM_THREADS": "1"})
+    with Cluster(cfg) as cluster:
+        cluster.start()
+        cluster.wait_ready()
+        wait_serving(cluster.gateway_address)
+        with AdminClient(cluster.control_address) as admin:
+            admin.register("a1", "a1")
+            admin.load("a1", "a1")
+        with GenerateClient(cluster.gateway_address) as gen:
+            assert len(gen.generate("hello there", "a1", max_tokens=3, temperature=0.0)
+                       .token_ids) == 3
+        pids = {name: cluster.procs[name].pid for name in cluster.services}
+        assert _maps_torch(pids[cluster.engine_names[0]])
+        assert not _maps_torch(pids["control"])
+        assert not _maps_torch(pids["gateway"])

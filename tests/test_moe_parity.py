@@ -11,7 +11,7 @@ import torch
 from engine.model.batch import make_attention_metadata
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from tests.conftest import HFOracle, TinyFamily
+from tests.conftest import TEST_DEVICE, HFOracle, TinyFamily
 from tests.support.tiny import AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model
 from tests.test_engine_parity import GREEDY, MAX_NEW, assert_matches, make_engine, prompts_of
 
@@ -45,6 +45,8 @@ def family(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(family):
+    if TEST_DEVICE != "cpu":  # the CUDA engine: tests/test_cuda_moe.py
+        pytest.skip("DoRA and lm_head LoRA in this batch are served on the CPU path only")
     return make_engine(family)
 
 
@@ -54,18 +56,23 @@ def test_config(family):
     assert cfg.moe.shared_expert and cfg.intermediate_size == 48 and cfg.qkv_bias
 
 
-def test_logits_match_transformers(family):
-    """Prefill all but the last token, then decode it, against one HF forward."""
-    cfg = ModelConfig.from_dir(family.model_dir)
+@pytest.mark.parametrize("renormalized", [False, True], ids=["softmax_topk", "norm_topk_prob"])
+def test_logits_match_transformers(family, tmp_path, renormalized):
+    """Prefill all but the last token, then decode it, against one HF forward; routing
+    weights as they are and renormalised over the top k."""
+    model_dir = family.model_dir if not renormalized else make_model(
+        tmp_path / "norm", TinySpec(arch="qwen2_moe", norm_topk_prob=True, top_k=3, seed=56))
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.moe.norm_topk_prob == renormalized
     model = LlamaForCausalLM(cfg)
-    model.load_weights(family.model_dir)
+    model.load_weights(model_dir)
     kv = model.make_kv_caches(8, 4)
     out = []
     for done, new in ((0, len(PROMPT) - 1), (len(PROMPT) - 1, 1)):
         attn = make_attention_metadata([[5, 2, 7, 1]], [done], [new], 4)
         out.append(model.compute_logits(model(torch.tensor(PROMPT[done:done + new]), attn, kv)))
     with torch.no_grad():
-        ref = load_hf_model(family.model_dir)(torch.tensor([PROMPT])).logits[0]
+        ref = load_hf_model(model_dir)(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(torch.cat(out), ref, atol=1e-4, rtol=0)
 
 

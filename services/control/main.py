@@ -54,13 +54,14 @@ def make_validator(model_dir: str, max_lora_rank: int, roots, header_only: bool 
     """The engine's own adapter validator, bound to the base model and the adapter roots:
     path -> (rank, target modules, version); `header_only`: path -> (rank, target
     modules), the tensors neither read nor hashed (the engines do that on load)."""
-    from engine.lora import validate_lora
+    # the plan and the registry are the torch-free part of the engine (engine/lazy.py)
+    from engine.lora.plan import plan_adapter
     from engine.model.hf_config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(model_dir)
 
     def validate(path: str):
-        plan = validate_lora(path, model_cfg, max_lora_rank, roots, header_only=header_only)
+        plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=header_only)
         found = int(plan.max_rank), tuple(sorted(plan.target_modules))
         return found if header_only else (*found, plan.version)
     return validate

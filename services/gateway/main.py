@@ -20,8 +20,9 @@ SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 # The gateway's tunables; `loramux serve` takes the same flags (loramux_core/options.py).
 GATEWAY_OPTIONS = (
     Option("max_inflight", "--max-inflight", positive_int,
-           "admission limit: calls beyond it get RESOURCE_EXHAUSTED (default: 256)",
-           env="LORAMUX_MAX_INFLIGHT", default=256),
+           "admission limit: calls beyond it get RESOURCE_EXHAUSTED (default: 1024, four "
+           "times the engine's default batch, so bursts wait in the engine's queue)",
+           env="LORAMUX_MAX_INFLIGHT", default=1024),
     Option("max_message_bytes", "--max-message-bytes", positive_int,
            "largest request accepted, gRPC message and HTTP body, in bytes; bigger ones are "
            f"refused (default: {grpc_server.DEFAULT_MAX_MESSAGE_BYTES})",
