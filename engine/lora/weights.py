@@ -184,12 +184,12 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
             continue
         t = target(model_cfg, mp.module)
         by_group.setdefault((mp.layer, t.group), {})[t.slice] = mp
-    layout, gaps, used = _layout(by_group, shapes, model_cfg.num_layers, dtype,
-                                 plan.config.use_dora)
+    layout, gaps, nbytes = _layout(by_group, shapes, model_cfg.num_layers, dtype,
+                                   plan.config.use_dora)
     ends = _end_weights(plan, dtype)
     experts = _expert_weights(plan, model_cfg, tp, dtype)
     pool = buffers if buffers is not None else HostBufferPool()
-    buf = pool.acquire(max(used, 256))
+    buf = pool.acquire(max(nbytes, 256))
     try:
         stacked, groups = {}, {}
         for group, parts in layout.items():
@@ -207,9 +207,7 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
                                                      tp, shapes[group], slices)
         for start, end in gaps:
             buf.data[start:end].zero_()
-        # only the bytes written above: a reused (or page-locked, never zeroed) buffer
-        # holds anything past them, e.g. all of it for an adapter on experts only
-        if not _all_within_bounds(buf.data[:used].view(dtype)):
+        if not _all_within_bounds(buf.data[:nbytes].view(dtype)):
             _check_groups(groups, by_group, shapes, plan.weights_file)
     except BaseException:
         pool.release(buf)
@@ -272,7 +270,7 @@ def _layout(by_group: dict, shapes: dict, num_layers: int, dtype: torch.dtype,
     """{group: ((a offset, a dims), (b offset, b dims)[, (m offset, m dims)])} of the
     stacked tensors (module docstring) in one buffer, each 256-byte aligned, for every
     group the adapter wraps in some layer; the (start, end) byte gaps alignment leaves;
-    and the bytes used (0 when it wraps no group)."""
+    and the bytes used (0 for an adapter on experts or ends only)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     ranks: dict[str, int] = {}
     for (_, group), slices in by_group.items():
