@@ -144,11 +144,6 @@ class EngineClient:
         if abort:
             replica.conn.send(engine_pb2.EngineInput(abort=engine_pb2.EngineAbort(request_ids=[rid])))
 
-    def replica_of(self, rid: str) -> int | None:
-        """The index of the replica running `rid`, while it is live."""
-        entry = self._streams.get(rid)
-        return None if entry is None else entry[0].index
-
     def _output(self, replica: Replica, msg: engine_pb2.EngineOutput) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "event":
