@@ -96,7 +96,8 @@ def read_raw(path: Path, into: memoryview) -> int:
 def bench_breakdown(model_dir: Path, path: Path, device: torch.device, log) -> dict:
     """One AddAdapter's read of the full adapter, stage by stage, each alone (median of 5),
     then end to end; and the control plane's own validation (services/control)."""
-    from engine.adapters.safe_files import HASH_THREADS, AdapterRoots, file_digest
+    from loramux_core.file_digest import HASH_THREADS, file_digest
+    from loramux_core.safe_files import AdapterRoots
     from engine.lora import load_lora
     from engine.lora.host_buffers import HostBufferPool
     from engine.lora.plan import WEIGHTS_NAME, plan_adapter

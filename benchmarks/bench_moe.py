@@ -3,14 +3,19 @@ top 4, expert width 1408): the Triton grouped-GEMM path (kernels/moe_triton.py),
 with expert LoRA (4 slots of rank 16, tokens spread over them and base), against a bf16
 loop over the experts present as transformers runs them, across token counts.
 
-    python benchmarks/bench_moe.py --out DIR [--quick]
+    python benchmarks/bench_moe.py --out DIR [--quick] [--no-engine]
 
 Measures the device copy bandwidth in the same run; for every case checks the Triton
 result against the float32 torch reference (kernels/moe_ref.py) first, then times
 (triton.testing.do_bench, median, L2 flushed). The floor is the expert weights the batch
 touches read once (distinct experts x 3 x hidden x width x 2 bytes; LoRA factors left
 out), divided by the measured bandwidth. Writes moe.csv to DIR and prints a short table.
-Needs CUDA.
+
+Then the whole model through the engine: a Qwen1.5-MoE-A2.7B-shaped model (24 layers,
+random bf16 weights, load_format="dummy") decoding at several batch sizes with no
+adapter, one rank-16 adapter on attention + every expert (PEFT target_parameters) for all
+requests, and 4 such adapters spread over the requests: tokens/s and ms per step
+(engine.csv, a second table). Needs CUDA.
 """
 from __future__ import annotations
 
@@ -25,6 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import copy_bandwidth, time_do_bench  # noqa: E402
 from kernels import moe, moe_triton  # noqa: E402
 from kernels.moe_ref import route_ref  # noqa: E402
+
+QWEN15_MOE = dict(
+    architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=151936,
+    hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+    shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+    num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, head_dim=128,
+    max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True,
+    tie_word_embeddings=False, torch_dtype="bfloat16", hidden_act="silu",
+    use_sliding_window=False, bos_token_id=151643, eos_token_id=151643)
 
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 60, 4, 1408
 SLOTS, RANK = 4, 16
@@ -105,12 +120,76 @@ def run(out_dir: Path, quick: bool) -> list[dict]:
     return rows
 
 
+def write_expert_adapter(path: Path, cfg: dict, rank: int = RANK, seed: int = 0) -> Path:
+    """A random rank-`rank` adapter in PEFT layout on q/k/v/o and on both fused expert
+    parameters (target_parameters: PEFT nests gate_up_proj's wrapper one level deeper)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    h, q, E, inter = cfg["hidden_size"], cfg["num_attention_heads"] * cfg["head_dim"], \
+        cfg["num_experts"], cfg["moe_intermediate_size"]
+
+    def pair(key, fin, fout, r):
+        for f, shape in (("A", (r, fin)), ("B", (fout, r))):
+            tensors[f"{key}.lora_{f}.weight"] = (torch.randn(shape, generator=gen) * 0.01).bfloat16()
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"base_model.model.model.layers.{layer}"
+        for mod, fout in (("q_proj", q), ("k_proj", q), ("v_proj", q)):
+            pair(f"{p}.self_attn.{mod}", h, fout, rank)
+        pair(f"{p}.self_attn.o_proj", q, h, rank)
+        pair(f"{p}.mlp.experts.base_layer", h, 2 * inter, rank * E)  # gate_up_proj
+        pair(f"{p}.mlp.experts", inter, h, rank * E)                 # down_proj
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "lora_dropout": 0.0,
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}))
+    return path
+
+
+def engine_rows(out_dir: Path, batches: list[int], steps: int = 20, prompt_len: int = 128):
+    """Decode tokens/s of the MoE model through the engine (module docstring)."""
+    from benchmarks.bench_decode import HostTimer, make_engine, time_decode
+    from benchmarks.llama8b import write_model_dir
+
+    model_dir = write_model_dir(out_dir / "qwen15_moe", base=QWEN15_MOE)
+    files = [write_expert_adapter(out_dir / f"expert_lora{i}", QWEN15_MOE, seed=i)
+             for i in range(4)]
+    eng = make_engine(model_dir, 4, max(batches), False, prompt_len, steps)
+    for i, f in enumerate(files):
+        eng.add_adapter(f"a{i}", str(f))
+    timer, gen, rows = HostTimer(eng), torch.Generator().manual_seed(0), []
+    for b in batches:
+        for mode, names in (("base", [None] * b), ("one", ["a0"] * b),
+                            ("four", [f"a{i % 4}" for i in range(b)])):
+            t = time_decode(eng, timer, b, names, prompt_len, steps, gen)
+            rows.append(dict(batch=b, mode=mode, step_ms=t["step"] * 1e3,
+                             tokens_per_s=b / t["step"], gpu_ms=t["gpu"] * 1e3))
+    eng.close()
+    with open(out_dir / "engine.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"{'batch':>5} {'adapters':>8} {'ms/step':>8} {'tokens/s':>9} {'graph ms':>9}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['mode']:>8} {r['step_ms']:>8.2f} {r['tokens_per_s']:>9.0f} "
+              f"{r['gpu_ms']:>9.2f}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-engine", action="store_true", help="the MoE layer table only")
     args = ap.parse_args()
     run(args.out, args.quick)
+    if not args.no_engine:
+        engine_rows(args.out, [1, 16] if args.quick else [1, 16, 64, 128])
 
 
 if __name__ == "__main__":

@@ -153,6 +153,7 @@ def _meta(args, argv: list[str], config: dict | None) -> dict:
             "commit": commit, "argv": argv, "engine_config": config,
             "adapters_loaded": args.loaded, "adapter_bytes": args.adapter_bytes,
             "loads": args.load_reports, "startup_s": args.startup_s, "warmup_s": args.warmup_s,
+            "engine_warmup": args.engine_warmup,
             "first_round_over_steady": report.first_over_steady(first, steady),
             "order": "service: every point after one start"
                      + ("" if args.no_offline else "; then the offline engine")
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                               args.input_len, args.output_len, files.vocab, args.seed,
                               args.cold_first)
     args.load_reports, args.startup_s, args.warmup_s = {}, {}, {}
-    args.loaded = 0
+    args.loaded, args.engine_warmup = 0, None
     args.device = None  # known after the service part
     config = run_service_points(args, files, serve_argv, work, budget,
                                 lambda: save(args, argv))

@@ -19,13 +19,14 @@ LLAMA3_8B = dict(
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_model_dir(path: Path, num_layers: int | None = None) -> Path:
-    """config.json, generation_config.json and a word-level tokenizer.json covering the
-    whole vocabulary (benchmarks send token ids; the tokenizer only has to load)."""
+def write_model_dir(path: Path, num_layers: int | None = None, base: dict = LLAMA3_8B) -> Path:
+    """config.json (`base`, Llama-3-8B by default), generation_config.json and a word-level
+    tokenizer.json covering the whole vocabulary (benchmarks send token ids; the tokenizer
+    only has to load)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     path.mkdir(parents=True, exist_ok=True)
-    cfg = dict(LLAMA3_8B)
+    cfg = dict(base)
     if num_layers is not None:
         cfg["num_hidden_layers"] = num_layers
     (path / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.tokenizer import Tokenizer
 from loramux_core.errors import InvalidRequestError, PromptTooLongError
 from loramux_core.sampling import SamplingParams
+from loramux_core.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

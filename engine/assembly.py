@@ -17,7 +17,6 @@ import torch
 
 from engine.adapters.host_cache import HostCache
 from engine.adapters.loader import DiskLoader
-from engine.adapters.safe_files import AdapterRoots
 from engine.adapters.pins import Pins
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.residency import AdapterResidency
@@ -35,6 +34,7 @@ from engine.parallel import TPGroup
 from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
 from engine.sampling import Sampler
+from loramux_core.safe_files import AdapterRoots
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,9 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
         model, kv_caches, lora_pool, config.block_size, device, sampler=sampler,
         graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
         max_model_len=length)
-    buffers = HostBufferPool(pin=device.type == "cuda")  # where adapter reads land
+    # where adapter reads land; one spare made ahead, so adding an adapter of a shape
+    # already seen does not wait for the driver to pin its buffer
+    buffers = HostBufferPool(pin=device.type == "cuda", spares=1)
     return ModelParts(model, lora_pool, blocks, runner, adapter_reader(config, mc, tp, buffers))
 
 

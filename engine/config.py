@@ -50,13 +50,13 @@ class EngineConfig:
     # with tp_size > 1 (opt-in: not yet measured on GPUs; only steps after all-greedy
     # steps overlap, others fall back to sync).
     async_scheduling: bool | None = None
-    # directories adapters may be read from (engine/adapters/safe_files.py); empty: each
+    # directories adapters may be read from (loramux_core/safe_files.py); empty: each
     # adapter directory named to add_adapter is trusted as its own root
     adapter_roots: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "adapter_roots", tuple(self.adapter_roots))
-        from engine.adapters.safe_files import roots_problem
+        from loramux_core.safe_files import roots_problem
         if (why := roots_problem(self.adapter_roots)) is not None:
             raise InvalidRequestError(why)
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from engine.lora import LoRABatch, LoRASlotPool
-from engine.model.batch import AttentionMetadata
 from engine.scheduler import ScheduledRequest
+from kernels.attention_metadata import AttentionMetadata
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:

@@ -3,8 +3,11 @@
 Step-level API (what the engine server drives): `add_request`, `step`, `abort`,
 `has_unfinished`, `flush`, `add_adapter`, `remove_adapter`, `stats`. `generate` is the
 offline convenience on top of it. The parts are built in engine/assembly.py, request
-checks live in engine/admission.py, adapter operations in engine/adapters/service.py,
-where a step runs (this process, or a tensor-parallel group) in engine/executor.py.
+checks live in engine/admission.py, adapter operations in engine/adapters/service.py (pins
+in engine/adapters/pins.py), where a step runs (this process, or a tensor-parallel group)
+in engine/executor.py, and text, logprobs and stop checks in engine/output_processor.py.
+One step: schedule (engine/scheduler.py), launch through the executor, read the tokens,
+append them (scheduler.update), let the output processor decide who stops.
 
 Async scheduling (`EngineConfig.async_scheduling`). A sync step schedules, runs the
 forward pass, waits for the sampled tokens and updates the requests; the device idles
@@ -50,10 +53,10 @@ from engine.resolve import MachineFacts, describe, resolve_config
 from engine.sampling import RequestSeeds, SamplingState
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
-from engine.tokenizer import Tokenizer
 from engine.warmup import WarmupReport, warm_up
 from loramux_core.errors import EngineDeadError, InvalidRequestError
 from loramux_core.sampling import SamplingParams
+from loramux_core.tokenizer import Tokenizer
 
 
 class Engine:

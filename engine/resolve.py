@@ -148,15 +148,23 @@ def usable_gpu_bytes(c: EngineConfig, facts: MachineFacts) -> int:
 
 
 def weight_bytes(mc, c: EngineConfig) -> int:
-    """Base weights on one tensor-parallel rank."""
+    """Base weights on one tensor-parallel rank (of an FP8 checkpoint: the attention and
+    MLP projections in one byte per weight plus a float32 scale per row, as the GPU keeps
+    them)."""
     tp, h = c.tp_size, mc.hidden_size
-    per_layer = (h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h
-                 + 3 * h * mc.intermediate_size) // tp + 2 * h
+    projections = (h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h
+                   + 3 * h * mc.intermediate_size) // tp
+    per_layer = 2 * h
+    if mc.quant == "fp8":
+        rows = (mc.q_size + 2 * mc.kv_size + 2 * mc.intermediate_size) // tp + 2 * h
+        extra = (projections + 4 * rows) * mc.num_layers
+    else:
+        per_layer, extra = per_layer + projections, 0
     if mc.moe is not None:  # routed experts (split along their width), router, shared gate
         m = mc.moe
         per_layer += m.num_experts * 3 * h * m.intermediate_size // tp + (m.num_experts + 1) * h
     vocab = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2) // tp
-    return (mc.num_layers * per_layer + vocab + h) * _elem(c)
+    return (mc.num_layers * per_layer + vocab + h) * _elem(c) + extra
 
 
 def adapter_bytes(mc, c: EngineConfig) -> int:

@@ -33,11 +33,12 @@ import torch
 
 from engine.cuda_graph import CudaGraphRunner, graph_key, greedy_pick, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
-from engine.model.batch import AttentionMetadata, make_attention_metadata
+from engine.model.batch import make_attention_metadata
 from engine.pending import PendingSample
 from engine.request import Request
 from engine.sampling import Sampler
 from engine.scheduler import Sampled, ScheduledRequest, SchedulerOutput
+from kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass

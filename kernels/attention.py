@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from engine.model.batch import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from kernels.attention_ref import paged_attention_ref, store_kv_ref
 
 

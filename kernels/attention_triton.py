@@ -16,8 +16,8 @@ import math
 import torch
 import triton
 
-from engine.model.batch import AttentionMetadata
 from kernels import attention_kernels_triton as K
+from kernels.attention_metadata import AttentionMetadata
 
 _TARGET_PROGRAMS = 264          # about two programs per SM on an H100 (132 SMs)
 _MAX_SPLITS = 64

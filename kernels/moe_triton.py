@@ -10,7 +10,9 @@ of BLOCK_M so that every row block belongs to one group and reads one weight til
     block_group  [ 0      1      2      -1  ]     group of each row block, -1 = nothing
 
 The sizes are static upper bounds (ceil(P / BLOCK_M) + G blocks), so nothing syncs with
-the host and surplus programs return at once. Expert LoRA uses the same kernel with
+the host and surplus programs return at once. BLOCK_M is 16 while groups hold few pairs
+(decode: padding stays small) and 64 once they average 32 or more (prefill: each weight
+tile is then read by fewer row blocks). Expert LoRA uses the same kernel with
 groups (adapter slot, expert) over A and B viewed as [slots·experts, ...].
 """
 from __future__ import annotations
@@ -23,19 +25,25 @@ import triton.language as tl
 
 from kernels.dot_triton import dot_f32
 
-BLOCK_M = 16
 
 
 class Alignment(NamedTuple):
     """Pairs laid out by group for `grouped_gemm` (module docstring)."""
-    sorted_ids: torch.Tensor    # [num_blocks * BLOCK_M] int32 pair ids, num_pairs = padding
+    sorted_ids: torch.Tensor    # [num_blocks * block_m] int32 pair ids, num_pairs = padding
     block_group: torch.Tensor   # [num_blocks] int32 group of each row block, -1 = none
     num_pairs: int
+    block_m: int
 
 
-def align(group: torch.Tensor, num_groups: int, block_m: int = BLOCK_M) -> Alignment:
+def block_m_for(num_pairs: int, num_groups: int) -> int:
+    """Rows per block (module docstring), from static sizes only."""
+    return 64 if num_pairs >= 32 * num_groups else 16
+
+
+def align(group: torch.Tensor, num_groups: int, block_m: int | None = None) -> Alignment:
     """Lay the pairs out by group (negative groups dropped). Device ops only."""
     P, dev = group.numel(), group.device
+    block_m = block_m or block_m_for(P, num_groups)
     key = torch.where(group < 0, num_groups, group.long())
     # scatter_add, not bincount: bincount sizes its output from the data (a host sync,
     # which a CUDA graph capture refuses)
@@ -57,7 +65,7 @@ def align(group: torch.Tensor, num_groups: int, block_m: int = BLOCK_M) -> Align
     blocks = torch.arange(num_blocks, device=dev)
     block_group = torch.searchsorted(block_end, blocks, right=True)
     block_group = torch.where(block_group < num_groups, block_group, -1).to(torch.int32)
-    return Alignment(sorted_ids[:-1], block_group, P)
+    return Alignment(sorted_ids[:-1], block_group, P, block_m)
 
 
 @triton.jit
@@ -109,6 +117,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, alignment: Alignment, a_row_d
     grouped_gemm_kernel[grid](
         a, w, out, alignment.sorted_ids, alignment.block_group, alignment.num_pairs, N, K,
         a_row_div, a.stride(0), a.stride(1), *w.stride(), out.stride(0), out.stride(1),
-        ACCUMULATE=accumulate, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        ACCUMULATE=accumulate, BLOCK_M=alignment.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=precision, UPCAST=a.is_cpu)
     return out

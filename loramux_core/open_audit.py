@@ -3,7 +3,7 @@
 With LORAMUX_TEST_OPEN_AUDIT=<prefix> in its environment, a service process appends one
 JSON line `[path, flags]` per open to `<prefix>.<process>.<pid>`: builtins.open and os.open
 both raise the "open" audit event before the system call, with the path as passed (relative
-to a directory handle for engine/adapters/safe_files.py, whose opens carry O_NOFOLLOW).
+to a directory handle for loramux_core/safe_files.py, whose opens carry O_NOFOLLOW).
 tests/test_hostile_adapters.py reads these files to show that no open names a path outside
 the adapter roots. Unset (always, outside tests), nothing is installed.
 """

@@ -158,7 +158,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            env="LORAMUX_TP_SIZE"),
     Option("max_loras", "--max-loras", auto_positive_int,
            "adapter slots on the device, also the most distinct adapters in one batch "
-           "(default: auto: as many as 40% of the GPU memory left after weights and "
+           "(default: auto: as many as 40%% of the GPU memory left after weights and "
            "activations holds, at most 512; 4 on the CPU)", env="LORAMUX_MAX_LORAS"),
     Option("max_cpu_loras", "--max-cpu-loras", auto_positive_int,
            "adapter copies kept in host memory, >= --max-loras (default: auto: as many as "

@@ -108,3 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         _drain(cluster, args.shutdown_grace, stop.serving)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,7 @@ from loramux.v1 import generate_pb2
 from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
-from engine.tokenizer import Tokenizer
+from loramux_core.tokenizer import Tokenizer
 from loramux_core.v1 import engine_pb2
 from services.common.chat_template import ChatTemplate, ChatTemplateError
 from services.gateway.errors import Rejected

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from loramux_core.tokenizer import Tokenizer
 from tests.support.tiny import build_tokenizer, write_json
 
 TEXTS = [

@@ -101,7 +101,7 @@ def is_idle(msg) -> bool:
         return False
     ev = msg.event
     return (ev.running_requests == 0 and ev.waiting_requests == 0
-            and ev.stats["free_kv_blocks"] == ev.stats["num_kv_blocks"]
+            and ev.counters.kv_blocks_free == ev.counters.kv_blocks_total
             and all(a.in_flight_requests == 0 for a in ev.adapters))
 
 

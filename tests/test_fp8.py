@@ -1,7 +1,7 @@
 """FP8 base weights (quant_method "fp8": float8_e4m3fn weights with float32 per-tensor or
 per-channel `weight_scale`): the CPU reference path dequantizes them at load and is
 token for token equal to transformers + PEFT over the dequantized float32 model (LoRA in
-the batch, Llama per channel, Qwen2-MoE per tensor with its experts); the FP8 GEMM
+the batch, Llama per channel, Qwen2-MoE per tensor with its experts; one rank and two); the FP8 GEMM
 (torch._scaled_mm, per-token activation scales; Hopper's path) against its reference and,
 as a whole model, close to the dequantized one; malformed FP8 checkpoints refused."""
 import json
@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loramux_core.errors import ModelLoadError
+from engine import Engine, EngineConfig
 from engine.model.batch import make_attention_metadata
 from engine.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -49,6 +50,23 @@ def test_reference_path_matches_the_dequantized_model(pair):
     prompts = prompts_of(LENGTHS, seed=14)
     refs = _oracle_each(dense, prompts, ADAPTERS)  # PEFT batches no adapters over MoE
     assert_matches(make_engine(fp8).generate(prompts, GREEDY, ADAPTERS), refs)
+
+
+def test_reference_path_over_two_ranks(pair):
+    """Each rank dequantizes only its rows / columns (per-channel scales cut with the
+    rows): two gloo ranks still equal transformers over the dequantized model."""
+    fp8, dense = pair
+    prompts = prompts_of(LENGTHS[:4], seed=18)
+    refs = _oracle_each(dense, prompts, ADAPTERS[:4])
+    eng = Engine(EngineConfig(model=str(fp8.model_dir), tp_size=2, device="cpu",
+                              dtype="float32", max_loras=2, max_lora_rank=16, block_size=8,
+                              num_kv_blocks=128, max_num_batched_tokens=32))
+    try:
+        for name, path in fp8.adapters.items():
+            eng.add_adapter(name, path)
+        assert_matches(eng.generate(prompts, GREEDY, ADAPTERS[:4]), refs)
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 64, 32), (7, 128, 96), (33, 64, 64)])
@@ -143,3 +161,14 @@ def test_dummy_weights_fill_fp8_layers(pair):
     attn = make_attention_metadata([[0, 1]], [0], [5], 4)
     hidden = model(torch.tensor([3, 4, 5, 6, 7]), attn, model.make_kv_caches(4, 4))
     assert torch.isfinite(hidden).all()
+
+
+def test_memory_sizing_counts_fp8_bytes(pair):
+    """engine/resolve.py's weight estimate equals the FP8-GEMM model's parameters (one byte
+    per projection weight, a float32 scale per row; biases left out as for every model)."""
+    from engine.resolve import weight_bytes
+
+    cfg = ModelConfig.from_dir(pair[0].model_dir)
+    model = LlamaForCausalLM(cfg, fp8=True)
+    want = sum(p.nbytes for name, p in model.named_parameters() if not name.endswith("bias"))
+    assert weight_bytes(cfg, EngineConfig(model="m", dtype="float32")) == want

@@ -147,3 +147,21 @@ def test_refused_adapter_gives_its_buffer_back(base, tmp_path):
         load_lora(d, cfg, 16, buffers=pool)
     assert ei.value.feature == "non_finite" and f"{Q0}.lora_B.weight" in str(ei.value)
     assert pool.num_free == 1
+
+
+def test_a_spare_buffer_is_made_ahead_for_the_next_adapter(base):
+    """With spares=1, after a buffer of a size is handed out another of that size is made
+    in the background, so the next adapter of that shape reuses instead of allocating;
+    the spare is a distinct buffer and the adapter built in it is whole."""
+    cfg, dirs = base
+    pool = HostBufferPool(spares=1)
+    w = load_lora(dirs["a"], cfg, 16, buffers=pool)
+    pool.wait_spares()
+    assert pool.num_free == 1 and pool.num_spares_made == 1 and pool.num_allocations == 1
+    w2 = load_lora(dirs["b"], cfg, 16, buffers=pool)        # w still alive
+    assert pool.num_reuses == 1 and pool.num_allocations == 1
+    assert w2.buffer.data.data_ptr() != w.buffer.data.data_ptr()
+    assert same(w2, load_lora(dirs["b"], cfg, 16)) and same(w, load_lora(dirs["a"], cfg, 16))
+    pool.wait_spares()
+    assert pool.num_free == 1 and pool.num_spares_made == 2  # the next one is ready too
+    assert pool.allocated_bytes == 3 * pool.size_class(w.buffer.nbytes)

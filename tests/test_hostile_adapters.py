@@ -338,7 +338,7 @@ def test_audit_hook_would_see_a_stray_open(tmp_path):
 
 _READ_ALL = """
 import sys
-from engine.adapters.safe_files import AdapterRoots
+from loramux_core.safe_files import AdapterRoots
 from loramux_core.errors import AdapterError
 from engine.lora import load_lora
 from engine.model.hf_config import ModelConfig

@@ -37,7 +37,8 @@ def test_align_covers_every_pair_once(P, G):
     assert kept.tolist() == (group >= 0).nonzero().flatten().tolist()
 
 
-@pytest.mark.parametrize("T,E,k,H,I", [(1, 4, 2, 32, 16), (19, 8, 2, 64, 48), (37, 6, 3, 40, 24)])
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 4, 2, 32, 16), (19, 8, 2, 64, 48), (37, 6, 3, 40, 24),
+                                         (150, 3, 2, 32, 16)])   # 100 pairs a group: 64-row blocks
 def test_grouped_gemm_matches_reference(T, E, k, H, I):
     gen = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=gen)

@@ -318,8 +318,32 @@ def test_version_is_the_hash_of_the_bytes_served(base, adapter):
     assert validate_lora(adapter, cfg, MAX_RANK).version != version
 
 
+def test_versions_recorded_as_plain_sha256_are_still_honoured(base, adapter):
+    """A registry written when versions were the plain sha256 of each file: the same
+    bytes load under that version, changed bytes do not."""
+    import hashlib
+
+    from loramux_core.errors import AdapterChangedError
+    cfg = base[0]
+
+    def plain_version() -> str:
+        h = hashlib.sha256()
+        for name in (CONFIG, WEIGHTS):
+            h.update(f"{name}\0{hashlib.sha256((adapter / name).read_bytes()).hexdigest()}\n"
+                     .encode())
+        return h.hexdigest()
+    old = plain_version()
+    assert old != validate_lora(adapter, cfg, MAX_RANK).version
+    assert load_lora(adapter, cfg, MAX_RANK, expected_version=old).max_rank == 8
+    data = bytearray((adapter / WEIGHTS).read_bytes())
+    data[-1] ^= 1
+    (adapter / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(AdapterChangedError):
+        load_lora(adapter, cfg, MAX_RANK, expected_version=old)
+
+
 def test_linked_files_inside_a_root_are_refused(base, adapter, tmp_path):
-    from engine.adapters.safe_files import AdapterRoots
+    from loramux_core.safe_files import AdapterRoots
     cfg = base[0]
     roots = AdapterRoots([str(tmp_path)])
     assert load_lora("adapter", cfg, MAX_RANK, roots=roots).max_rank == 8

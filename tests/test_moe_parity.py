@@ -54,18 +54,23 @@ def test_config(family):
     assert cfg.moe.shared_expert and cfg.intermediate_size == 48 and cfg.qkv_bias
 
 
-def test_logits_match_transformers(family):
-    """Prefill all but the last token, then decode it, against one HF forward."""
-    cfg = ModelConfig.from_dir(family.model_dir)
+@pytest.mark.parametrize("renormalized", [False, True], ids=["softmax_topk", "norm_topk_prob"])
+def test_logits_match_transformers(family, tmp_path, renormalized):
+    """Prefill all but the last token, then decode it, against one HF forward; routing
+    weights as they are and renormalised over the top k."""
+    model_dir = family.model_dir if not renormalized else make_model(
+        tmp_path / "norm", TinySpec(arch="qwen2_moe", norm_topk_prob=True, top_k=3, seed=56))
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.moe.norm_topk_prob == renormalized
     model = LlamaForCausalLM(cfg)
-    model.load_weights(family.model_dir)
+    model.load_weights(model_dir)
     kv = model.make_kv_caches(8, 4)
     out = []
     for done, new in ((0, len(PROMPT) - 1), (len(PROMPT) - 1, 1)):
         attn = make_attention_metadata([[5, 2, 7, 1]], [done], [new], 4)
         out.append(model.compute_logits(model(torch.tensor(PROMPT[done:done + new]), attn, kv)))
     with torch.no_grad():
-        ref = load_hf_model(family.model_dir)(torch.tensor([PROMPT])).logits[0]
+        ref = load_hf_model(model_dir)(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(torch.cat(out), ref, atol=1e-4, rtol=0)
 
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 from loramux import AdminClient, GenerateClient, LoramuxError
 
-from engine.tokenizer import Tokenizer
+from loramux_core.tokenizer import Tokenizer
 from services.common.chat_template import ChatTemplate
 from services.launcher import free_port, wait_serving
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model

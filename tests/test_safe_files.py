@@ -1,4 +1,4 @@
-"""engine/adapters/safe_files.py: reads that cannot leave the adapter roots, hashed once,
+"""loramux_core/safe_files.py: reads that cannot leave the adapter roots, hashed once,
 and engine/lora/safetensors_buffer.py: headers that cannot lie."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import struct
 
 import pytest
 
-from engine.adapters import safe_files
-from engine.adapters.safe_files import AdapterRoots, PathRefused, open_adapter_dir
 from engine.lora.safetensors_buffer import parse_header
+from loramux_core import safe_files
 from loramux_core.errors import AdapterError
+from loramux_core.safe_files import AdapterRoots, PathRefused, open_adapter_dir
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def _chunked_sha256(data: bytes, chunk: int = 4 << 20) -> str:
 def test_large_files_hash_in_chunks_into_a_given_buffer(tmp_path, size):
     """Files of several chunks hash on threads while being read; the digest is the same
     function whatever the buffer, and one changed byte anywhere changes it."""
-    from engine.adapters.safe_files import file_digest, legacy_sha256
+    from loramux_core.file_digest import file_digest, legacy_sha256
     data = random.Random(size).randbytes(size)
     (tmp_path / "f").write_bytes(data)
     given = bytearray(size + 100)
@@ -190,7 +190,7 @@ def test_header_of_a_real_file_matches_safetensors(tmp_path):
 
 
 def test_roots_from_flags_or_environment(tmp_path):
-    from engine.adapters.safe_files import roots_from, roots_problem
+    from loramux_core.safe_files import roots_from, roots_problem
     assert roots_from(["/a", "/b"], {"LORAMUX_ADAPTER_ROOTS": "/c"}) == ("/a", "/b")
     assert roots_from(None, {"LORAMUX_ADAPTER_ROOTS": "/c::/d"}) == ("/c", "/d")
     assert roots_from(None, {}) == ()

@@ -167,6 +167,17 @@ def test_bad_values_are_one_line_naming_the_flag(tmp_path, capsys):
         _one_line_error(_serve_cli(*argv), flag)
 
 
+def test_serve_help_through_the_sdk_command():
+    """`loramux serve` hands over to the server's launcher (same process); every flag's
+    help renders (a bare % in one once broke --help)."""
+    proc = _serve_cli("serve", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: loramux serve")
+    assert "as many as 40% of the GPU memory" in " ".join(proc.stdout.split())
+    for flag in ("--max-loras", "--replicas", "--gateway-port", "--config"):
+        assert flag in proc.stdout, flag
+
+
 def test_engine_server_bad_environment_is_one_line(model):
     proc = subprocess.run(
         [sys.executable, "-m", "engine.server", "--model", model, "--input", "tcp://127.0.0.1:1",

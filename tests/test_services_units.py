@@ -75,6 +75,26 @@ def test_sampling_conversion_and_error_codes():
     assert error_code(RuntimeError("x")) == 13
 
 
+def test_engine_event_counters_are_typed():
+    """Every counter of an Engine.stats() snapshot reaches its EngineCounters field."""
+    from engine.server.events import engine_event
+
+    stats = {"num_kv_blocks": 900, "free_kv_blocks": 850, "running": 3, "waiting": 2,
+             "slots_used": 2, "host_copies": 5, "pending_evictions": 1,
+             "base_cached_token_hits": 64, "max_loras": 4,
+             "adapters": {7: {"name": "a", "state": "slot", "slot": 0, "loads": 3,
+                              "evictions": 1, "disk_reads": 2, "host_evictions": 1},
+                          9: {"name": "b", "state": "host", "loads": 1, "disk_reads": 1}}}
+    ev = engine_event(stats, {})
+    c = ev.counters
+    assert (c.kv_blocks_total, c.kv_blocks_free, c.max_loras, c.slots_used, c.host_copies,
+            c.pending_evictions, c.base_cached_token_hits) == (900, 850, 4, 2, 5, 1, 64)
+    assert (c.adapter_slot_loads, c.adapter_slot_evictions, c.adapter_disk_reads,
+            c.adapter_host_evictions) == (4, 1, 3, 1)
+    assert (ev.running_requests, ev.waiting_requests) == (3, 2)
+    assert [a.name for a in ev.adapters] == ["a", "b"]
+
+
 def test_gateway_rejections_one_code_per_condition_and_bounded():
     import grpc
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from engine.tokenizer import Tokenizer
 from loramux_core.errors import ModelLoadError
+from loramux_core.tokenizer import Tokenizer
 from tests.support.tiny import BOS_ID, EOS_ID, build_tokenizer, make_model, write_json
 
 TEXT = "héllo wörld, 你好 🙂🚀 the quick brown fox"
@@ -125,7 +125,7 @@ def test_tokenizer_and_detokenizer_import_without_torch(tmp_path):
     code = ("import sys, importlib.util, types\n"
             "pkg = types.ModuleType('engine'); pkg.__path__ = ['engine']\n"
             "sys.modules['engine'] = pkg\n"
-            "import engine.tokenizer, engine.detokenizer\n"
+            "import loramux_core.tokenizer, engine.detokenizer\n"
             "print(json.dumps('torch' in sys.modules))")
     out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True,
                          text=True, check=True)

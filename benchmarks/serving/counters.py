@@ -25,7 +25,8 @@ def _from_histograms(items) -> dict[str, float]:
 
 def from_event(event) -> dict[str, float]:
     """Counters carried by one engine_pb2.EngineEvent."""
-    out = {k: v for k, v in event.stats.items() if k.startswith("adapter_")}
+    out = {f.name: float(getattr(event.counters, f.name))
+           for f in event.counters.DESCRIPTOR.fields if f.name.startswith("adapter_")}
     out.update(_from_histograms((h.name, sum(h.bucket_counts), h.sum) for h in event.histograms))
     return out
 

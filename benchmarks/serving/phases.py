@@ -63,6 +63,12 @@ def _finish(args, p: dict, system: str, records, wall: float, delta: dict | None
     print(report.row(p, args.points), flush=True)
 
 
+def _warmup_line(log: str) -> str | None:
+    """The engine server's start-up warm-up report ("engine warm-up 231.2 s: ...")."""
+    lines = [ln for ln in log.splitlines() if ln.startswith("engine warm-up")]
+    return lines[-1].removeprefix("engine ") if lines else None
+
+
 def _warmup(args, files):
     """The untimed warm-up round over the adapters loaded (None with --cold-first); the
     same workload for both halves."""
@@ -98,6 +104,8 @@ def run_service_points(args, files, serve_argv: list[str], work: Path, budget,
             args.startup_s["service"] = time.perf_counter() - t
             print(f"service: serving {args.startup_s['service']:.1f} s after start; engine: "
                   f"{ready['engine'].get('config')}", flush=True)
+            args.engine_warmup = _warmup_line(cluster.log_tail("engine", 1_000_000))
+            print(f"service: {args.engine_warmup or 'no engine warm-up (CPU)'}", flush=True)
             used = list(files.names[:max(p["adapters"] for p in args.points)])
             loads = load_service(cluster.control_address, used, args.load_workers, args.load_s)
             args.load_reports["service"] = loads.summary()

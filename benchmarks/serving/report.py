@@ -110,6 +110,8 @@ def table(points: list[dict], meta: dict) -> str:
     lines.append("start-up s: " + (", ".join(f"{k} {v:.1f}" for k, v in starts.items()) or "-")
                  + "; warm-up round s: " + (", ".join(f"{k} {v:.1f}" for k, v in warm.items())
                                             or "none"))
+    if meta.get("engine_warmup"):
+        lines.append(f"service engine start-up {meta['engine_warmup']}")
     ratio = meta.get("first_round_over_steady")
     if ratio is not None:
         lines.append(f"first round after start / steady state: {ratio:.3f} "

@@ -1,7 +1,7 @@
 """The disk tier: reading an adapter's files into host memory off the step path.
 
 Reads run on a few background threads (the file is read once through
-engine/adapters/safe_files.py and converted straight into a reused, page-locked host
+loramux_core/safe_files.py and converted straight into a reused, page-locked host
 buffer: engine/lora/weights.py; CPU work the step loop should not wait for), so several
 adapters are read at once. Each loaded version remembers the sha256 version of its files
 (the bytes are read once and hashed, and the weights are built from those very bytes); a

@@ -1,9 +1,13 @@
 """LoRA adapters: PEFT loading and validation (config.py, plan.py, weights.py), the device
-slot pool (pool.py), and the per-step batch that applies every token's adapter (batch.py)."""
-from engine.lora.batch import LoRABatch
-from engine.lora.plan import AdapterPlan
-from engine.lora.pool import LoRASlotPool
-from engine.lora.weights import GroupWeights, LoRAWeights, load_lora, validate_lora
+slot pool (pool.py), and the per-step batch that applies every token's adapter (batch.py).
+The exports import on first use, so that plan.py and config.py import without torch."""
+from engine.lazy import lazy_exports
+
+_EXPORTS = {"LoRABatch": "engine.lora.batch", "AdapterPlan": "engine.lora.plan",
+            "LoRASlotPool": "engine.lora.pool", "GroupWeights": "engine.lora.weights",
+            "LoRAWeights": "engine.lora.weights", "load_lora": "engine.lora.weights",
+            "validate_lora": "engine.lora.weights"}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = ["AdapterPlan", "GroupWeights", "LoRABatch", "LoRASlotPool", "LoRAWeights",
            "load_lora", "validate_lora"]

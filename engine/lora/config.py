@@ -122,8 +122,8 @@ def _pattern_value(compiled: tuple, pattern: tuple, module: str, default):
 
 def read_adapter_config(adapter_dir, max_lora_rank: int) -> AdapterConfig:
     """Parse and check `adapter_dir/adapter_config.json` (read through
-    engine/adapters/safe_files.py); see `parse_adapter_config`."""
-    from engine.adapters.safe_files import open_adapter_dir
+    loramux_core/safe_files.py); see `parse_adapter_config`."""
+    from loramux_core.safe_files import open_adapter_dir
 
     with open_adapter_dir(str(adapter_dir), None) as d:
         return parse_adapter_config(read_config_bytes(d).data, max_lora_rank,

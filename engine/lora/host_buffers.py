@@ -16,6 +16,11 @@ a host copy (the host cache, a copy in flight, a worker's shard cache) keep the
 On CUDA a buffer is ordinary host memory registered with the driver (cudaHostRegister),
 falling back to torch's pinned allocator where registration fails.
 
+With `spares`, the pool keeps that many free buffers of the size last asked for, made on
+a background thread (allocated, pages touched, registered): a new adapter of a shape
+already seen then gets a ready buffer instead of waiting for the driver to pin one, the
+slowest part of adding it.
+
 `scratch` holds the buffers adapter files are read into before conversion, never pinned:
 reusing them spares the page faults of fresh memory on every read (most of a read's
 time), and the bytes are only needed until the host copy is built.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -70,8 +76,12 @@ class HostBuffer:
 class HostBufferPool:
     """Free lists of host buffers by size; thread-safe (disk reads run on several threads)."""
 
-    def __init__(self, pin: bool = False):
+    def __init__(self, pin: bool = False, spares: int = 0):
         self.pin = pin
+        self.spares = spares
+        self._making: dict[int, Future] = {}  # size -> spare being made
+        self._maker: ThreadPoolExecutor | None = None
+        self.num_spares_made = 0
         self._free: dict[int, list[HostBuffer]] = {}
         self._fenced: list[HostBuffer] = []   # released, a device copy may still read it
         self._lock = threading.Lock()
@@ -100,10 +110,47 @@ class HostBufferPool:
             free = self._free.get(size)
             if free:
                 self.num_reuses += 1
-                return free.pop()
-            self.num_allocations += 1
+                buf = free.pop()
+            else:
+                self.num_allocations += 1
+                self.allocated_bytes += size
+                buf = None
+            self._make_spares(size)
+        return buf if buf is not None else self._allocate(size)
+
+    def _make_spares(self, size: int) -> None:
+        """Start making a spare of `size` unless `spares` are free or one is being made
+        (under the lock)."""
+        if len(self._free.get(size, ())) >= self.spares or size in self._making:
+            return
+        if self._maker is None:
+            self._maker = ThreadPoolExecutor(1, thread_name_prefix="host-buffers")
+        self._making[size] = self._maker.submit(self._make_spare, size)
+
+    def _make_spare(self, size: int) -> None:
+        try:
+            buf = self._allocate(size)
+            if not buf.pinned:
+                buf.data.zero_()  # fault the pages in now, not during a read
+        except BaseException:
+            with self._lock:  # out of memory: no spare; acquire allocates as before
+                del self._making[size]
+            raise
+        with self._lock:
+            self._free.setdefault(size, []).append(buf)
             self.allocated_bytes += size
-        return self._allocate(size)
+            self.num_spares_made += 1
+            del self._making[size]
+            self._make_spares(size)
+
+    def wait_spares(self) -> None:
+        """Block until the spares being made are free (tests, benchmarks)."""
+        while True:
+            with self._lock:
+                making = list(self._making.values())
+            if not making:
+                return
+            wait(making)
 
     def attach(self, owner, buf: HostBuffer) -> None:
         """Return `buf` to the pool when `owner` is garbage collected."""

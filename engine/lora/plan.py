@@ -1,7 +1,7 @@
 """Check a PEFT adapter directory against the base model, before any tensor is built.
 
 `plan_adapter` reads adapter_config.json and adapter_model.safetensors once each, through
-engine/adapters/safe_files.py (inside the adapter roots, no link followed, hashed: the
+loramux_core/safe_files.py (inside the adapter roots, no link followed, hashed: the
 hash is the adapter's version), decides which modules of which layers the adapter wraps
 (PEFT's own matching rules, engine/lora/config.py), and checks the safetensors header
 (engine/lora/safetensors_buffer.py) so that every such module has exactly its
@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from engine.adapters.safe_files import (AdapterDir, AdapterRoots, Alloc, FileRead,
-                                        combined_version, open_adapter_dir)
 from engine.lora import expert_plan
 from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
 from engine.lora.patterns import dotted_suffixes
@@ -27,6 +25,8 @@ from engine.model.archs import architecture
 from engine.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
                                        expert_full_shape, full_shape)
 from loramux_core.errors import AdapterError
+from loramux_core.file_digest import FileRead, combined_version
+from loramux_core.safe_files import AdapterDir, AdapterRoots, Alloc, open_adapter_dir
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")

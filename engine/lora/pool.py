@@ -103,7 +103,10 @@ class LoRASlotPool:
             self._a[key] = self._stack_a[key[1]][key[0]]
             self._b[key] = self._stack_b[key[1]][key[0]]
             self._ranks[key] = self._all_ranks[self._key_index[key]]
-        self._staging: torch.Tensor | None = None   # CUDA: the host copy, on the device
+        # CUDA: an adapter's host copy, on the device (allocated with the pool, so memory
+        # sizing sees it; grown only for a host copy larger than one slot, e.g. DoRA's)
+        self._staging = (torch.empty(self._slot_bytes(), dtype=torch.uint8, device=self.device)
+                         if self.device.type == "cuda" else None)
         self._staging_free = None                   # event: its last reader completed
         self.num_copies = 0                          # copies and fills queued by loads
 
@@ -261,7 +264,7 @@ class LoRASlotPool:
                 self._stack_b[group][:, slot, :, :r].copy_(src[1], non_blocking=non_blocking)
                 self._dirty[slot][group] = r
                 self.num_copies += 2
-        if self._staging is not None and self.device.type == "cuda":
+        if self.device.type == "cuda":
             self._staging_free = torch.cuda.Event()
             self._staging_free.record()
 
@@ -271,7 +274,7 @@ class LoRASlotPool:
         nbytes = weights.buffer_bytes
         if self._staging_free is not None:  # the previous load's copies read it
             torch.cuda.current_stream(self.device).wait_event(self._staging_free)
-        if self._staging is None or self._staging.numel() < nbytes:
+        if self._staging.numel() < nbytes:
             self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._staging[:nbytes].copy_(weights.buffer.data[:nbytes], non_blocking=non_blocking)
         self.num_copies += 1
@@ -279,6 +282,15 @@ class LoRASlotPool:
         return {group: tuple(self._staging[t.data_ptr() - base:][:t.nbytes].view(t.dtype)
                              .view(t.shape) for t in ab)
                 for group, ab in weights.stacked.items()}
+
+    def _slot_bytes(self) -> int:
+        """Bytes of one slot's stacked tensors, laid out as a host copy at max_lora_rank
+        (engine/lora/weights.py: 256-byte aligned)."""
+        size = 0
+        for group in self.groups:
+            for t in (self._stack_a[group][:, 0], self._stack_b[group][:, 0]):
+                size += -(-t.numel() * t.element_size() // 256) * 256
+        return size
 
     def _zero_columns(self, slot: int, group: str, r: int) -> None:
         """Zero the slot's rank columns r.. of `group` that may be nonzero."""

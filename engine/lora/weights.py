@@ -17,10 +17,10 @@ host buffer, so a slot load is one copy of the buffer and one strided copy per g
 after the cast to the serving dtype and with the scaling folded in, every element of A
 and of B·scaling must be finite and at most MAX_ABS_WEIGHT in magnitude (trained LoRA
 factors are of order 1 or below; far larger values, e.g. from a huge lora_alpha, turn
-activations into inf/NaN), otherwise AdapterError names the tensor. Tensor parallelism follows DESIGN.md:
-column-parallel groups (qkv, gate_up) keep A whole and cut B's rows like the base weight;
-row-parallel groups (o, down) cut A's columns and keep B whole, so each rank's partial
-delta is summed by the layer's existing all-reduce.
+activations into inf/NaN), otherwise AdapterError names the tensor. Tensor parallelism
+follows docs/ARCHITECTURE.md: column-parallel groups (qkv, gate_up) keep A whole and cut
+B's rows like the base weight; row-parallel groups (o, down) cut A's columns and keep B
+whole, so each rank's partial delta is summed by the layer's existing all-reduce.
 
 The conversion (dtype, scaling, TP cut, layout) runs once per adapter, in one pass from
 the file's bytes (read once by the plan) straight into one host buffer per adapter,

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from engine.model import lora_targets, sharding
-from engine.model.batch import AttentionMetadata
 from engine.model.hf_config import ModelConfig
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                  RowParallelLinear, VocabParallelEmbedding)
@@ -32,6 +31,7 @@ from engine.model.moe import SparseMoeBlock
 from engine.model.rotary import RotaryEmbedding
 from engine.parallel import TPGroup
 from kernels.attention import paged_attention
+from kernels.attention_metadata import AttentionMetadata
 from kernels.elementwise import silu_mul
 from loramux_core.errors import ModelLoadError
 

@@ -31,14 +31,21 @@ def engine_event(stats: dict, loaded: dict, histograms=()) -> engine_pb2.EngineE
         waiting_requests=int(stats.get("num_waiting", stats.get("waiting", 0)) or 0))
     for h in histograms:
         ev.histograms.add(name=h.name, bounds=h.bounds, bucket_counts=h.counts, sum=h.sum)
-    for key, value in stats.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            ev.stats[key] = float(value)
-    for key, value in adapter_totals(stats).items():
-        ev.stats[key] = float(value)
+    ev.counters.CopyFrom(engine_counters(stats))
     for entry in _adapter_entries(stats):
         ev.adapters.append(_adapter_status(entry, loaded))
     return ev
+
+
+def engine_counters(stats: dict) -> engine_pb2.EngineCounters:
+    """The typed counters of one stats() snapshot."""
+    def count(key: str) -> int:
+        return int(stats.get(key, 0) or 0)
+    return engine_pb2.EngineCounters(
+        kv_blocks_total=count("num_kv_blocks"), kv_blocks_free=count("free_kv_blocks"),
+        max_loras=count("max_loras"), slots_used=count("slots_used"),
+        host_copies=count("host_copies"), pending_evictions=count("pending_evictions"),
+        base_cached_token_hits=count("base_cached_token_hits"), **adapter_totals(stats))
 
 
 _TOTALS = {"loads": "adapter_slot_loads", "evictions": "adapter_slot_evictions",

@@ -56,7 +56,7 @@ def engine_config(args, environ=None):
     argparse.ArgumentTypeError (a bad environment value)."""
     from engine.config import EngineConfig
 
-    from engine.adapters.safe_files import roots_from
+    from loramux_core.safe_files import roots_from
 
     return EngineConfig(model=args.model, adapter_roots=roots_from(args.adapter_root, environ),
                         **given(args, ENGINE_OPTIONS, environ))

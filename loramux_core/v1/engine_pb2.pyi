@@ -183,26 +183,45 @@ class HistogramSnapshot(_message.Message):
     sum: float
     def __init__(self, name: _Optional[str] = ..., bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...
 
+class EngineCounters(_message.Message):
+    __slots__ = ("kv_blocks_total", "kv_blocks_free", "max_loras", "slots_used", "host_copies", "pending_evictions", "base_cached_token_hits", "adapter_slot_loads", "adapter_slot_evictions", "adapter_disk_reads", "adapter_host_evictions")
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_COPIES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    BASE_CACHED_TOKEN_HITS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SLOT_LOADS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SLOT_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_DISK_READS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    kv_blocks_total: int
+    kv_blocks_free: int
+    max_loras: int
+    slots_used: int
+    host_copies: int
+    pending_evictions: int
+    base_cached_token_hits: int
+    adapter_slot_loads: int
+    adapter_slot_evictions: int
+    adapter_disk_reads: int
+    adapter_host_evictions: int
+    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., max_loras: _Optional[int] = ..., slots_used: _Optional[int] = ..., host_copies: _Optional[int] = ..., pending_evictions: _Optional[int] = ..., base_cached_token_hits: _Optional[int] = ..., adapter_slot_loads: _Optional[int] = ..., adapter_slot_evictions: _Optional[int] = ..., adapter_disk_reads: _Optional[int] = ..., adapter_host_evictions: _Optional[int] = ...) -> None: ...
+
 class EngineEvent(_message.Message):
-    __slots__ = ("adapters", "running_requests", "waiting_requests", "stats", "histograms")
-    class StatsEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: float
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    __slots__ = ("adapters", "running_requests", "waiting_requests", "histograms", "counters")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    STATS_FIELD_NUMBER: _ClassVar[int]
     HISTOGRAMS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterStatus]
     running_requests: int
     waiting_requests: int
-    stats: _containers.ScalarMap[str, float]
     histograms: _containers.RepeatedCompositeFieldContainer[HistogramSnapshot]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterStatus, _Mapping]]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., stats: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Iterable[_Union[HistogramSnapshot, _Mapping]]] = ...) -> None: ...
+    counters: EngineCounters
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterStatus, _Mapping]]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., histograms: _Optional[_Iterable[_Union[HistogramSnapshot, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("instance_id", "seq", "max_model_len", "vocab_size", "in_flight_requests", "unix_time")

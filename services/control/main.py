@@ -8,9 +8,9 @@ import sys
 
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
-from engine.adapters.safe_files import roots_from, roots_problem
 from loramux_core import curve
 from loramux_core.options import OneLineErrors, positive_float, positive_int
+from loramux_core.safe_files import roots_from, roots_problem
 from services.common import grpc_server, replicas, tls
 from services.common.logs import configure_logging
 
@@ -54,13 +54,14 @@ def make_validator(model_dir: str, max_lora_rank: int, roots, header_only: bool 
     """The engine's own adapter validator, bound to the base model and the adapter roots:
     path -> (rank, target modules, version); `header_only`: path -> (rank, target
     modules), the tensors neither read nor hashed (the engines do that on load)."""
-    from engine.lora import validate_lora
+    # the plan and the registry are the torch-free part of the engine (engine/lazy.py)
+    from engine.lora.plan import plan_adapter
     from engine.model.hf_config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(model_dir)
 
     def validate(path: str):
-        plan = validate_lora(path, model_cfg, max_lora_rank, roots, header_only=header_only)
+        plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=header_only)
         found = int(plan.max_rank), tuple(sorted(plan.target_modules))
         return found if header_only else (*found, plan.version)
     return validate

@@ -1,15 +1,15 @@
 """Adapter names, and where adapters may be read from.
 
-The path policy is the engine's own (engine/adapters/safe_files.py), so the control plane
-and the engines refuse exactly the same paths: every adapter directory lies below a
-configured root, reached without following any link; a refusal is PathRefused (gRPC
+The path policy is one module shared with the engines (loramux_core/safe_files.py), so the
+control plane and the engines refuse exactly the same paths: every adapter directory lies
+below a configured root, reached without following any link; a refusal is PathRefused (gRPC
 PERMISSION_DENIED) and names the path only as given."""
 from __future__ import annotations
 
 import re
 
-from engine.adapters.safe_files import AdapterRoots
 from loramux_core.errors import AdapterPathError as PathRefused
+from loramux_core.safe_files import AdapterRoots
 
 __all__ = ["AdapterRoots", "PathRefused", "check_name"]
 

@@ -83,15 +83,15 @@ class EngineCollector:
                   ev.running_requests)
         out.gauge("loramux:num_requests_waiting", "Requests waiting to be scheduled", label,
                   ev.waiting_requests)
-        self._kv(out, label, ev.stats)
+        self._kv(out, label, ev.counters)
         self._adapters(out, label, ev)
         for h in ev.histograms:
             if h.name in _HISTOGRAMS:
                 out.histogram(*_HISTOGRAMS[h.name], label["replica"], h)
 
-    def _kv(self, out: _Families, label: dict, stats) -> None:
-        total = stats.get("num_kv_blocks", 0.0)
-        used = total - stats.get("free_kv_blocks", total)
+    def _kv(self, out: _Families, label: dict, counters) -> None:
+        total = counters.kv_blocks_total
+        used = total - counters.kv_blocks_free
         out.gauge("loramux:kv_cache_blocks_total", "KV cache blocks", label, total)
         out.gauge("loramux:kv_cache_blocks_used", "KV cache blocks in use", label, used)
         out.gauge("loramux:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
@@ -105,10 +105,10 @@ class EngineCollector:
         for tier, n in counts.items():
             out.gauge("loramux:adapters", "Adapters by residency tier (slot: in a GPU slot, "
                       "host: host memory, disk)", {**label, "tier": tier}, n)
-        max_loras = int(ev.stats.get("max_loras", 0))
+        max_loras = ev.counters.max_loras
         out.gauge("loramux:max_loras", "GPU adapter slots (max_loras)", label, max_loras)
         out.gauge("loramux:adapter_slots_used", "GPU adapter slots in use", label,
-                  ev.stats.get("slots_used", 0.0))
+                  ev.counters.slots_used)
         running = sorted(a.name for a in ev.adapters if a.running_requests and a.name)
         waiting = sorted(a.name for a in ev.adapters if a.waiting_requests and a.name)
         out.gauge("loramux:lora_requests_info", "Adapters with running and waiting requests "

@@ -20,8 +20,9 @@ SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 # The gateway's tunables; `loramux serve` takes the same flags (loramux_core/options.py).
 GATEWAY_OPTIONS = (
     Option("max_inflight", "--max-inflight", positive_int,
-           "admission limit: calls beyond it get RESOURCE_EXHAUSTED (default: 256)",
-           env="LORAMUX_MAX_INFLIGHT", default=256),
+           "admission limit: calls beyond it get RESOURCE_EXHAUSTED (default: 1024, four "
+           "times the engine's default batch, so bursts wait in the engine's queue)",
+           env="LORAMUX_MAX_INFLIGHT", default=1024),
     Option("max_message_bytes", "--max-message-bytes", positive_int,
            "largest request accepted, gRPC message and HTTP body, in bytes; bigger ones are "
            f"refused (default: {grpc_server.DEFAULT_MAX_MESSAGE_BYTES})",
@@ -115,7 +116,7 @@ async def _drain(grace_s: float, engine, health, health_task, log) -> None:
 
 async def serve(args) -> int:
     from engine.model.hf_config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from loramux_core.tokenizer import Tokenizer
     from services.gateway.adapter_table import AdapterTable
     from services.gateway.engine_client import EngineClient
     from services.gateway.engine_metrics import EngineCollector
@@ -124,7 +125,7 @@ async def serve(args) -> int:
     from services.gateway.servicer import GenerateServicer
 
     log = configure_logging("gateway", args.log_level)
-    from engine.adapters.safe_files import AdapterRoots, roots_from
+    from loramux_core.safe_files import AdapterRoots, roots_from
     roots = roots_from(args.adapter_root, os.environ)
     prompts = PromptBuilder(Tokenizer.from_dir(args.model), args.model,
                             adapter_roots=AdapterRoots(roots) if roots else None)
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
               file=sys.stderr)
         return 2
-    from engine.adapters.safe_files import roots_from, roots_problem
+    from loramux_core.safe_files import roots_from, roots_problem
     if (why := roots_problem(roots_from(args.adapter_root, os.environ))) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Prompts to token ids, off the event loop: text, token ids, or chat messages rendered by
 the chat template of the adapter (when its directory has one) or of the base model.
 An adapter's files are read inside the adapter roots, without following links, like the
-control plane and the engine read them (engine/adapters/safe_files.py).
+control plane and the engine read them (loramux_core/safe_files.py).
 
 Tokenizing a prompt of megabytes takes seconds; done on the event loop it would stall every
 other stream, so it runs in a small thread pool (the tokenizer releases the GIL while it
@@ -36,7 +36,7 @@ def _bad(message: str, field: str) -> Rejected:
 class PromptBuilder:
     def __init__(self, tokenizer, model_dir: str, *, workers: int | None = None,
                  adapter_roots=None):
-        """`adapter_roots`: an engine.adapters.safe_files.AdapterRoots; None: an adapter's
+        """`adapter_roots`: an loramux_core.safe_files.AdapterRoots; None: an adapter's
         directory is trusted as named by the control plane (its files are still never
         read through a link)."""
         self.tokenizer = tokenizer

@@ -145,14 +145,25 @@ def run_adapters(args) -> int:
     return 0
 
 
+SERVE_MODULE = "services.serve"  # the server package's launcher, run as `python -m`
+
+
 def run_serve(serve_args: list[str]) -> int:
+    """`loramux serve` is the server package's launcher: it replaces this process (same
+    pid, so signals reach it), and the SDK imports none of the server's code."""
+    import importlib.util
+
     try:
-        from services.serve import main as serve_main
-    except ImportError as err:
-        print(f"loramux serve needs the loramux server package (pip install loramux): {err}",
+        found = importlib.util.find_spec(SERVE_MODULE) is not None
+    except ImportError:  # no `services` package at all
+        found = False
+    if not found:
+        print("loramux serve needs the loramux server package (pip install loramux)",
               file=sys.stderr)
         return 2
-    return serve_main(serve_args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", SERVE_MODULE, *serve_args])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,12 +8,9 @@ is read; what the caller parses is exactly what was hashed, so the hash names th
 use (`AdapterFiles.version`). A file whose size or modification time moves during the read
 is refused instead of being half-read.
 
-The digest of a file (`file_digest`) is a sha256 over the sha256 of each 4 MiB chunk: the
-chunks hash on several threads (hashlib releases the GIL), each as soon as it is read, and
-the caller parses and converts the bytes while the last ones finish (`FileRead.digest`
-waits for them). The control plane and the engines use this one function, so a file
-changed between registration and load hashes otherwise. `legacy_sha256` is the plain
-sha256 that versions were before, to honour versions recorded then.
+Each chunk of a file is handed to the hashing threads as soon as it is read
+(loramux_core/file_digest.py), so the caller parses and converts the bytes while the
+last chunks still hash (`FileRead.digest` waits for them).
 
 Messages name paths only as the caller gave them (relative to the adapter directory or the
 root), never what lies beyond a link, so a refusal reveals nothing outside the roots.
@@ -26,69 +23,21 @@ root), never what lies beyond a link, so a refusal reveals nothing outside the r
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
+
+from loramux_core.file_digest import CHUNK, HASH_THREADS, FileRead, chunk_sha256, chunk_spans
 
 from loramux_core.errors import AdapterChangedError, AdapterError, AdapterPathError as PathRefused
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-_CHUNK = 4 << 20        # read and hashed in pieces of this size
-HASH_THREADS = max(1, min(8, (os.cpu_count() or 1) - 1))
-_DIGEST_TAG = b"loramux chunked sha256 v1\n"
 # `alloc(nbytes)`: a writable buffer of at least nbytes to read a file into
 Alloc = Callable[[int], memoryview]
-
-
-def file_digest(data, threads: int = 1) -> str:
-    """The version digest of a file's bytes: sha256 over its size and the sha256 of each
-    _CHUNK-byte chunk (what AdapterDir.read computes while reading), chunks hashed on
-    `threads` threads."""
-    view = memoryview(data)
-    chunks = [view[o:o + _CHUNK] for o in _spans(len(view))]
-    if threads <= 1 or len(chunks) == 1:
-        return _combine(len(view), map(_sha256, chunks))
-    with ThreadPoolExecutor(threads) as pool:
-        return _combine(len(view), list(pool.map(_sha256, chunks)))
-
-
-def legacy_sha256(data) -> str:
-    """The plain sha256 of a file's bytes: the digest versions were recorded with before
-    file_digest (combined_version(..., legacy=True) accepts them)."""
-    return hashlib.sha256(memoryview(data)).hexdigest()
-
-
-def _spans(size: int) -> range:
-    return range(0, max(size, 1), _CHUNK)
-
-
-def _combine(size: int, chunk_digests) -> str:
-    return hashlib.sha256(_DIGEST_TAG + size.to_bytes(8, "little")
-                          + b"".join(chunk_digests)).hexdigest()
-
-
-class FileRead:
-    """The bytes of one file (`data`, exactly the file's size; the buffer read into,
-    handed over, not copied: readers never write it) and their digest, which may still
-    be computing on other threads (`digest` waits for it)."""
-
-    def __init__(self, data: bytearray | memoryview, chunks: list[Future] | list[bytes]):
-        self.data = data
-        self._chunks = chunks
-        self._digest: str | None = None
-
-    @property
-    def digest(self) -> str:
-        """file_digest(data)."""
-        if self._digest is None:
-            parts = [c.result() if isinstance(c, Future) else c for c in self._chunks]
-            self._digest = _combine(len(self.data), parts)
-        return self._digest
 
 
 class AdapterDir:
@@ -196,18 +145,18 @@ def _read_whole(fd: int, before: os.stat_result, name: str, where: str,
     size = st.st_size
     data = bytearray(size) if alloc is None else memoryview(alloc(size))[:size]
     view = memoryview(data)
-    spans = _spans(size)
+    spans = chunk_spans(size)
     hasher = ThreadPoolExecutor(min(HASH_THREADS, len(spans))) if len(spans) > 1 else None
     chunks: list = []   # one digest (or Future of one) per span read so far
     got = 0
     try:
         while True:
-            while len(chunks) < len(spans) and min(spans[len(chunks)] + _CHUNK, size) <= got:
-                chunk = view[spans[len(chunks)]:spans[len(chunks)] + _CHUNK]
-                chunks.append(hasher.submit(_sha256, chunk) if hasher else _sha256(chunk))
+            while len(chunks) < len(spans) and min(spans[len(chunks)] + CHUNK, size) <= got:
+                chunk = view[spans[len(chunks)]:spans[len(chunks)] + CHUNK]
+                chunks.append(hasher.submit(chunk_sha256, chunk) if hasher else chunk_sha256(chunk))
             if got >= size:
                 break
-            n = os.readv(fd, [view[got:got + _CHUNK]])
+            n = os.readv(fd, [view[got:got + CHUNK]])
             if n == 0:
                 break
             got += n
@@ -218,10 +167,6 @@ def _read_whole(fd: int, before: os.stat_result, name: str, where: str,
     if got != size or os.read(fd, 1) or _moved(st, after):
         raise AdapterChangedError(f"{name} changed while being read", file=where)
     return FileRead(data, chunks)
-
-
-def _sha256(chunk: memoryview) -> bytes:
-    return hashlib.sha256(chunk).digest()
 
 
 def _moved(a: os.stat_result, b: os.stat_result) -> bool:
@@ -361,13 +306,3 @@ def open_adapter_dir(path: str, roots: AdapterRoots | None) -> AdapterDir:
         raise AdapterError(f"adapter directory {path!r} cannot be opened "
                            f"({os.strerror(e.errno)})", feature="adapter_dir") from None
     return AdapterDir(fd, str(path))
-
-
-def combined_version(files: list[tuple[str, FileRead]], legacy: bool = False) -> str:
-    """One sha256 over (name, digest) of each file: the adapter version. `legacy`: over
-    each file's plain sha256, as versions were recorded before file_digest."""
-    h = hashlib.sha256()
-    for name, fr in files:
-        digest = legacy_sha256(fr.data) if legacy else fr.digest
-        h.update(f"{name}\0{digest}\n".encode())
-    return h.hexdigest()

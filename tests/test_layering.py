@@ -1,0 +1,226 @@
+"""The folders are the layers, and every import arrow points down (docs/ARCHITECTURE.md):
+
+    clients/python (loramux)    services/            engine/  ->  kernels/
+              \\                   |                  /             |
+               `-> loramux.v1 <- loramux_core <------'          torch, triton
+
+- the processes that only route or administer (gateway, control plane) and the SDK with
+  its command line load neither torch, nor triton, nor any engine module when imported;
+- kernels import nothing of loramux; loramux_core imports only the public protos;
+  the SDK nothing but itself; the engine nothing of services or the SDK;
+- services import the engine only where ENGINE_CROSSINGS says, each with its reason.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SDK = ROOT / "clients" / "python"
+
+# (file, engine module imported there): why the service still needs the engine's own code.
+# Each entry imports lazily (inside a function), so importing the service loads no engine.
+# The first three are the torch-free part of the engine (engine/lazy.py): the running
+# gateway and control plane load no torch (test_running_services_map_no_torch).
+ENGINE_CROSSINGS = {
+    ("services/control/main.py", "engine.lora.plan"):
+        "the adapter validator plans an adapter against the model registry (engine/model)",
+    ("services/control/main.py", "engine.model.hf_config"):
+        "the base model's config, read through the model registry, for that validator",
+    ("services/gateway/main.py", "engine.model.hf_config"):
+        "the context length used before the first engine heartbeat carries it",
+    ("services/serve_args.py", "engine.config"):
+        "`loramux serve` checks EngineConfig's cross-field rules before any process starts",
+}
+
+# layer (a folder) -> import roots it must not use; the SDK's root is `loramux`, its
+# public protos `loramux.v1` are the one part of it others may import.
+FORBIDDEN = {
+    "kernels": ("engine", "services", "loramux", "loramux_core"),
+    "loramux_core": ("engine", "services", "kernels", "loramux"),
+    "clients/python/loramux": ("engine", "services", "kernels", "loramux_core"),
+    "engine": ("services", "loramux"),
+    "services": ("engine", "kernels"),
+}
+# The public protos, generated into the SDK (scripts/gen_protos.sh): the one part of the
+# SDK that the engine and the contract may import.
+PUBLIC_PROTOS = ("generate", "adapter_admin")
+ALLOWED = tuple(f"loramux.v1.{p}_pb2{grpc}" for p in PUBLIC_PROTOS for grpc in ("", "_grpc"))
+
+
+def imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, absolute module, at module level) for every import statement in `path`."""
+    tree = ast.parse(path.read_text(), str(path))
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # each name as its full path: `from loramux.v1 import engine_pb2` is
+            # loramux.v1.engine_pb2, which a check of the module alone would let pass
+            found += [(node.lineno, f"{node.module}.{a.name}", id(node) in top)
+                      for a in node.names]
+    return found
+
+
+def _under(module: str, root: str) -> bool:
+    return module == root or module.startswith(root + ".")
+
+
+def violations(layer: str, roots=ROOT) -> list[str]:
+    bad = []
+    for path in sorted((roots / layer).rglob("*.py")):
+        rel = path.relative_to(roots).as_posix()
+        for line, module, module_level in imports(path):
+            hits = [r for r in FORBIDDEN[layer] if _under(module, r)
+                    and not any(_under(module, a) for a in ALLOWED)]
+            if not hits:
+                continue
+            crossing = (rel, ".".join(module.split(".")[:3]))
+            if layer == "services" and not module_level and (
+                    crossing in ENGINE_CROSSINGS or (rel, ".".join(module.split(".")[:2]))
+                    in ENGINE_CROSSINGS):
+                continue
+            bad.append(f"{rel}:{line} imports {module}")
+    return bad
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_imports_point_down(layer):
+    assert violations(layer) == []
+
+
+def test_every_listed_crossing_still_exists():
+    """A crossing that is gone leaves the list, so the list only shrinks."""
+    seen = set()
+    for path in (ROOT / "services").rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        for _, module, _ in imports(path):
+            seen |= {(rel, ".".join(module.split(".")[:n])) for n in (2, 3)}
+    assert set(ENGINE_CROSSINGS) <= seen, set(ENGINE_CROSSINGS) - seen
+
+
+def test_the_check_sees_a_forbidden_import(tmp_path):
+    """The layering check can fail: one planted import of each kind is reported."""
+    planted = {
+        "kernels/k.py": "from engine.model.batch import AttentionMetadata\n",
+        "engine/e.py": "def f():\n    from services.serve import main\n",
+        "services/s.py": "from engine.server.curve import ZmqKeys\n",
+        "services/control/main.py": "import engine.lora.plan\n",  # listed, but eager
+        "clients/python/loramux/c.py": "from loramux_core.v1 import engine_pb2\n",
+        "loramux_core/x.py": "from loramux import client\n",
+        "engine/p.py": "from loramux.v1 import engine_pb2, generate_pb2\n",
+    }
+    for rel, text in planted.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    reported = [v for layer in FORBIDDEN for v in violations(layer, tmp_path)]
+    assert sorted(v.split(":")[0] for v in reported) == sorted(planted)
+
+
+def test_the_sdk_ships_only_the_public_protos():
+    assert {p.stem for p in (ROOT / "protos/loramux/v1").glob("*.proto")} == set(PUBLIC_PROTOS)
+    generated = {p.name for p in (SDK / "loramux/v1").glob("*_pb2*.py")}
+    assert generated == {m.removeprefix("loramux.v1.") + ".py" for m in ALLOWED}
+    assert not list((SDK / "loramux").rglob("engine_pb2*"))
+    assert (ROOT / "loramux_core/v1/engine_pb2.py").is_file()
+
+
+# ---- what importing a process's code loads -------------------------------------------------
+
+def _packages(*names: str) -> list[str]:
+    """Every module of the given packages (services.gateway -> services.gateway.servicer, ...)."""
+    found = []
+    for name in names:
+        base = ROOT / name.replace(".", "/")
+        found += [".".join((name, *p.relative_to(base).with_suffix("").parts))
+                  .removesuffix(".__init__") for p in sorted(base.rglob("*.py"))
+                  if p.name != "__main__.py"]
+    return found
+
+
+PROCESSES = {
+    "gateway": _packages("services.gateway", "services.common"),
+    "control plane": _packages("services.control", "services.common"),
+    "SDK": ["loramux", "loramux.client", "loramux.aio", "loramux.tls", "loramux.v1.generate_pb2",
+            "loramux.v1.generate_pb2_grpc", "loramux.v1.adapter_admin_pb2",
+            "loramux.v1.adapter_admin_pb2_grpc"],
+    "CLI": ["loramux.cli"],
+    "contract": _packages("loramux_core"),
+}
+HEAVY = ("torch", "triton", "engine")
+
+_PROBE = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+if "loramux.cli" in sys.argv[1:]:
+    sys.modules["loramux.cli"].build_parser().parse_args(["adapters", "list"])
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in {heavy!r})
+print(json.dumps(heavy))
+"""
+
+
+@pytest.mark.parametrize("process", sorted(PROCESSES))
+def test_importing_loads_no_torch_triton_or_engine(process):
+    """A fresh interpreter imports every module of the process's code, then lists what of
+    torch, triton and engine came with them: nothing."""
+    modules = PROCESSES[process]
+    assert modules
+    env = {"PYTHONPATH": f"{ROOT}:{SDK}", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=set(HEAVY)), *modules],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == [], f"{process} loads {json.loads(out.stdout)[:10]}"
+
+
+def test_the_import_probe_sees_torch():
+    """The probe can fail: importing the engine itself is reported."""
+    env = {"PYTHONPATH": f"{ROOT}:{SDK}", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=set(HEAVY)),
+                          "engine.engine"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert {"torch", "engine"} <= set(json.loads(out.stdout))
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether the process has torch's native library mapped."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+def test_running_services_map_no_torch(tmp_path):
+    """At run time too: after the control plane has validated and loaded an adapter and
+    the gateway has tokenized and streamed a call with it, neither process has torch's
+    library mapped; the engine, the check's witness, has."""
+    from loramux.client import AdminClient, GenerateClient
+
+    from services.launcher import Cluster, ClusterConfig, wait_serving
+    from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
+
+    model = make_model(tmp_path / "model", TinySpec())
+    make_adapter(tmp_path / "adapters" / "a1", model, AdapterSpec(seed=5))
+    cfg = ClusterConfig(model=str(tmp_path / "model"), adapter_roots=(str(tmp_path / "adapters"),),
+                        workdir=str(tmp_path / "run"), env={"OMP_NUM_THREADS": "1"})
+    with Cluster(cfg) as cluster:
+        cluster.start()
+        cluster.wait_ready()
+        wait_serving(cluster.gateway_address)
+        with AdminClient(cluster.control_address) as admin:
+            admin.register("a1", "a1")
+            admin.load("a1", "a1")
+        with GenerateClient(cluster.gateway_address) as gen:
+            assert len(gen.generate("hello there", "a1", max_tokens=3, temperature=0.0)
+                       .token_ids) == 3
+        pids = {name: cluster.procs[name].pid for name in cluster.services}
+        assert _maps_torch(pids[cluster.engine_names[0]])
+        assert not _maps_torch(pids["control"])
+        assert not _maps_torch(pids["gateway"])
