@@ -82,3 +82,14 @@ def test_model_configs_refused(base, tmp_path, change):
     with pytest.raises(ModelLoadError) as ei:
         ModelConfig.from_dir(tmp_path)
     assert next(iter(change)) in str(ei.value)
+
+
+def test_per_expert_module_lora_refused(base, adapter):
+    """LoRA saved per expert module (transformers 4's layout, `experts.3.gate_proj`) does
+    not fit the fused experts: refused by name, never half applied."""
+    import torch
+
+    edit_tensors(adapter, lambda t: t.update({
+        "base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight":
+            torch.ones(4, 64)}))
+    assert "experts.3.gate_proj" in refused(base[0], adapter, "tensor", WEIGHTS)
