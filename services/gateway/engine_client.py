@@ -107,7 +107,8 @@ class EngineClient:
 
     def _route(self, adapter: str, placement: tuple[int, ...]) -> Replica:
         allowed = set(placement) if placement else None
-        live = [r.view() for r in self.replicas if r.up and (allowed is None or r.index in allowed)]
+        live = [r.view() for r in self.replicas
+                if r.up and r.conn.writable and (allowed is None or r.index in allowed)]
         choice = choose(live, adapter, self.spill_waiting)
         if choice is None:
             if not self.up:
