@@ -1,13 +1,14 @@
 """The folders are the layers, and every import arrow points down (docs/ARCHITECTURE.md):
 
-    clients/python (loramux)    services/            engine/  ->  kernels/
-              \\                   |                  /             |
-               `-> loramux.v1 <- loramux_core <------'          torch, triton
+    services/, engine/  ──▶  loramux_core/  ──▶  loramux.v1 (the public protos, in the SDK)
+    engine/  ──▶  kernels/  ──▶  torch, triton
+    clients/python (the SDK and CLI)  ──▶  itself only
 
 - the processes that only route or administer (gateway, control plane) and the SDK with
-  its command line load neither torch, nor triton, nor any engine module when imported;
-- kernels import nothing of loramux; loramux_core imports only the public protos;
-  the SDK nothing but itself; the engine nothing of services or the SDK;
+  its command line load neither torch, nor triton, nor any engine module when imported,
+  and the running gateway and control plane map no torch;
+- kernels import nothing of loramux; loramux_core only the public protos; the SDK nothing
+  of the server; the engine nothing of services or the SDK but the public protos;
 - services import the engine only where ENGINE_CROSSINGS says, each with its reason.
 """
 from __future__ import annotations
@@ -34,8 +35,6 @@ ENGINE_CROSSINGS = {
         "the base model's config, read through the model registry, for that validator",
     ("services/gateway/main.py", "engine.model.hf_config"):
         "the context length used before the first engine heartbeat carries it",
-    ("services/serve_args.py", "engine.config"):
-        "`loramux serve` checks EngineConfig's cross-field rules before any process starts",
 }
 
 # layer (a folder) -> import roots it must not use; the SDK's root is `loramux`, its

@@ -88,4 +88,9 @@ def test_the_model_loads_its_projections_under_the_declared_names(arch, tmp_path
         for t in lora_targets.decoder_targets(cfg):
             name = f"model.layers.{layer}.{t.parent}.{t.module}.weight"
             assert name in expected and name in written, name
+        for t in archs.architecture(cfg).expert_targets:   # the experts' own tensors
+            for e in range(cfg.moe.num_experts):
+                for module in t.modules:
+                    name = f"model.layers.{layer}.{t.parent}.{e}.{module}.weight"
+                    assert name in expected and name in written, name
     model.load_weights(model_dir)   # and nothing is missing or left over

@@ -275,6 +275,8 @@ class LoRASlotPool:
         if self._staging_free is not None:  # the previous load's copies read it
             torch.cuda.current_stream(self.device).wait_event(self._staging_free)
         if self._staging.numel() < nbytes:
+            # the old buffer goes back to the allocator only after this stream's work
+            self._staging.record_stream(torch.cuda.current_stream(self.device))
             self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._staging[:nbytes].copy_(weights.buffer.data[:nbytes], non_blocking=non_blocking)
         self.num_copies += 1

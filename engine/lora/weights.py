@@ -189,7 +189,7 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     ends = _end_weights(plan, dtype)
     experts = _expert_weights(plan, model_cfg, tp, dtype)
     pool = buffers if buffers is not None else HostBufferPool()
-    buf = pool.acquire(nbytes)
+    buf = pool.acquire(max(nbytes, 256))
     try:
         stacked, groups = {}, {}
         for group, parts in layout.items():
@@ -270,7 +270,7 @@ def _layout(by_group: dict, shapes: dict, num_layers: int, dtype: torch.dtype,
     """{group: ((a offset, a dims), (b offset, b dims)[, (m offset, m dims)])} of the
     stacked tensors (module docstring) in one buffer, each 256-byte aligned, for every
     group the adapter wraps in some layer; the (start, end) byte gaps alignment leaves;
-    and the bytes used."""
+    and the bytes used (0 for an adapter on experts or ends only)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     ranks: dict[str, int] = {}
     for (_, group), slices in by_group.items():
@@ -290,7 +290,7 @@ def _layout(by_group: dict, shapes: dict, num_layers: int, dtype: torch.dtype,
             if at > end:
                 gaps.append((end, at))
         out[group] = tuple(parts)
-    return out, gaps, max(at, 256)
+    return out, gaps, at
 
 
 def _view(buf: HostBuffer, at: tuple[int, tuple[int, ...]], dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,8 @@ Each rank holds every expert's slice of the experts' intermediate dim (gate and 
 cut like the dense MLP's gate/up, down's columns likewise), so the routed sum and the
 shared expert are partial sums that one all-reduce completes; the router and the shared
 gate are replicated. Weights load from the per-expert tensors of the checkpoint
-(`{prefix}.experts.{e}.gate_proj.weight`, ...).
+(`{prefix}.experts.{e}.{module}.weight`, the modules the architecture's expert targets
+name).
 
 LoRA: the shared expert is the layer's dense MLP for `lora.apply` ("gate_up", "down");
 the experts' own LoRA comes from `lora.expert_lora(layer_idx)` (engine/model/lora_targets.py).
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model import sharding
+from engine.model.archs import architecture
 from engine.model.layers import _param, check_shape
 from engine.model.loader import WeightSource
 from engine.parallel import TPGroup
@@ -38,6 +40,7 @@ class SparseMoeBlock(nn.Module):
         self.w13 = _param((E, 2 * inter, cfg.hidden_size), dtype, device)
         self.w2 = _param((E, cfg.hidden_size, inter), dtype, device)
         self.shared_expert = shared_mlp
+        self._targets = architecture(cfg).expert_targets   # the fused parameters, declared
         self.shared_expert_gate = (_param((1, cfg.hidden_size), dtype, device)
                                    if moe.shared_expert else None)
 
@@ -52,11 +55,11 @@ class SparseMoeBlock(nn.Module):
 
     def loaders(self, prefix: str) -> dict:
         out = {f"{prefix}.gate.weight": self._load_router}
-        for e in range(self.moe.num_experts):
-            p = f"{prefix}.experts.{e}"
-            out[f"{p}.gate_proj.weight"] = _expert(self._load_gate_up, e, 0)
-            out[f"{p}.up_proj.weight"] = _expert(self._load_gate_up, e, 1)
-            out[f"{p}.down_proj.weight"] = _expert(self._load_down, e, 0)
+        for t in self._targets:   # per expert, the modules each fused parameter stacks
+            load = self._load_gate_up if t.parallel == "column" else self._load_down
+            for e in range(self.moe.num_experts):
+                for half, module in enumerate(t.modules):
+                    out[f"{prefix}.experts.{e}.{module}.weight"] = _expert(load, e, half)
         if self.shared_expert is not None:
             out.update(self.shared_expert.loaders(f"{prefix}.shared_expert"))
             out[f"{prefix}.shared_expert_gate.weight"] = self._load_shared_gate

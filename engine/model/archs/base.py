@@ -45,6 +45,8 @@ class ExpertTarget:
     # output is `slices` such widths side by side (gate | up), each cut under TP
     dims: tuple[str, str] = ("hidden", "expert_inter")
     slices: int = 1
+    # the per-expert checkpoint modules it stacks, in slice order (`{parent}.{e}.{module}`)
+    modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,10 @@ from loramux_core.errors import ModelLoadError
 _TARGETS = tuple(replace(t, parent="mlp.shared_expert") if t.parent == "mlp" else t
                  for t in DECODER_TARGETS)
 EXPERT_TARGETS: tuple[ExpertTarget, ...] = (
-    ExpertTarget("gate_up_proj", "mlp.experts", "column", ("hidden", "expert_inter"), slices=2),
-    ExpertTarget("down_proj", "mlp.experts", "row", ("expert_inter", "hidden")),
+    ExpertTarget("gate_up_proj", "mlp.experts", "column", ("hidden", "expert_inter"), slices=2,
+                 modules=("gate_proj", "up_proj")),
+    ExpertTarget("down_proj", "mlp.experts", "row", ("expert_inter", "hidden"),
+                 modules=("down_proj",)),
 )
 
 
