@@ -141,3 +141,31 @@ def test_memory_sizing_counts_the_experts(family):
                     if not k.endswith(".bias"))
     cfg = EngineConfig(model=str(family.model_dir), dtype="float32")
     assert weight_bytes(ModelConfig.from_dir(family.model_dir), cfg) == 4 * total
+
+
+def test_partial_adapters_load_over_poisoned_host_buffers(family, tmp_path, monkeypatch):
+    """Host buffers hold anything when handed out (page-locked ones on CUDA come from
+    torch.empty; reused ones hold the last adapter): every buffer is filled with NaN bytes
+    before use, and adapters that fill only part of the host layout (attention only,
+    expert down_proj only, ranks below the largest) still load and match PEFT. Only the
+    bytes an adapter writes may be checked for finite values."""
+    from engine.lora.host_buffers import HostBufferPool
+
+    acquire = HostBufferPool.acquire
+
+    def poisoned(self, nbytes):
+        buf = acquire(self, nbytes)
+        buf.data.fill_(0xFF)   # NaN in float32, bfloat16 and float16
+        return buf
+    monkeypatch.setattr(HostBufferPool, "acquire", poisoned)
+    small = make_adapter(tmp_path / "small", family.model_dir,
+                         AdapterSpec(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
+                                     rank_pattern={"v_proj": 1}, seed=57))
+    names = {"attn": family.adapters["attn"], "moe_down": family.adapters["moe_down"],
+             "small": small}
+    fam = TinyFamily(family.arch, family.model_dir, names)
+    eng = make_engine(fam, max_loras=3)
+    adapters = ["moe_down", "attn", "small", None, "small", "moe_down"]
+    prompts = prompts_of([7, 12, 5, 9, 16, 3], seed=13)
+    refs = _oracle_each(fam, prompts, adapters)
+    assert_matches(eng.generate(prompts, GREEDY, adapters), refs)
