@@ -11,6 +11,8 @@
 - `tokenizer`: text <-> token ids (the gateway encodes, the engine decodes);
 - `curve`: the CURVE keys that guard the engine's ZMQ sockets;
 - `probe`: waiting for an engine's output socket (launcher, health checks);
+- `engine_config`: the engine's configuration as plain values (EngineSettings) and the
+  rules it is checked by, which `loramux serve` applies before any process starts;
 - `options`: command-line option tables (the engine's flags, which `loramux serve`
   forwards) and their parsing helpers;
 - `open_audit`: a test-only audit of the files a process opens.

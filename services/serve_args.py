@@ -147,13 +147,13 @@ def client_tls(args):
 
 
 def _check_engine(parser, args) -> None:
-    """What EngineConfig refuses across fields (max_cpu_loras < max_loras, ...), said
+    """What the engine's config refuses across fields (max_cpu_loras < max_loras, ...), said
     before any process starts."""
-    from engine.config import EngineConfig
+    from loramux_core.engine_config import EngineSettings
     from loramux_core.errors import InvalidRequestError
 
     try:
-        EngineConfig(model=args.model or "", **args.engine)
+        EngineSettings(model=args.model or "", **args.engine)
     except InvalidRequestError as err:
         parser.error(config_error_message(str(err)))
 

@@ -35,8 +35,6 @@ ENGINE_CROSSINGS = {
         "the base model's config, read through the model registry, for that validator",
     ("services/gateway/main.py", "engine.model.hf_config"):
         "the context length used before the first engine heartbeat carries it",
-    ("services/serve_args.py", "engine.config"):
-        "`loramux serve` checks EngineConfig's cross-field rules before any process starts",
 }
 
 # layer (a folder) -> import roots it must not use; the SDK's root is `loramux`, its
