@@ -51,6 +51,7 @@ def test_copy_waits_for_readers_and_step_waits_for_copy(llama_family):
 
 def test_host_buffers_are_pinned_and_reused_after_the_copy(llama_family):
     cfg, pool, buffers, w = setup_pool(llama_family)
+    buffers.wait_registered()          # page-locked in the background after the load
     assert w["rs4"].pinned and w["rs4"].buffer.pinned
     copier = StreamCopier(torch.device("cuda"))
     first = w.pop("rs4")

@@ -3,6 +3,7 @@ conversion, buffers reused only once nothing reads them."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -165,3 +166,37 @@ def test_a_spare_buffer_is_made_ahead_for_the_next_adapter(base):
     pool.wait_spares()
     assert pool.num_free == 1 and pool.num_spares_made == 2  # the next one is ready too
     assert pool.allocated_bytes == 3 * pool.size_class(w.buffer.nbytes)
+
+
+class SlowDriver:
+    """Stands in for torch.cuda.cudart(): registration waits until `go` is set, as a
+    driver serializing slow page-locking would."""
+
+    def __init__(self):
+        self.go = threading.Event()
+        self.registered: list[int] = []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        assert self.go.wait(30)
+        self.registered.append(ptr)
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        return 0
+
+
+def test_loads_do_not_wait_for_page_locking(base, monkeypatch):
+    """A pinning pool hands out buffers at once and registers them afterwards, off the
+    caller's thread: adapters load (whole) while registration is held up, and their
+    buffers become pinned once it proceeds."""
+    driver = SlowDriver()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    cfg, dirs = base
+    pool = HostBufferPool(pin=True)
+    loaded = [load_lora(dirs[n], cfg, 16, buffers=pool) for n in ("a", "b")]
+    assert not any(w.pinned for w in loaded) and driver.registered == []
+    assert same(loaded[1], load_lora(dirs["b"], cfg, 16))
+    driver.go.set()
+    pool.wait_registered()
+    assert all(w.pinned for w in loaded)
+    assert sorted(driver.registered) == sorted(w.buffer.data.data_ptr() for w in loaded)

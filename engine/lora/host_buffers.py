@@ -13,8 +13,12 @@ records an event for each copy it queues from a buffer (`HostBuffer.fence`). Hol
 a host copy (the host cache, a copy in flight, a worker's shard cache) keep the
 `LoRAWeights` alive, so no buffer is reused while anything may still read it.
 
-On CUDA a buffer is ordinary host memory registered with the driver (cudaHostRegister),
-falling back to torch's pinned allocator where registration fails.
+On CUDA a buffer is ordinary host memory registered with the driver (cudaHostRegister)
+on a background thread, after it is handed out: registration is slow (on a GPU host with
+an IOMMU, ~150 ms for 84 MB) and the driver serializes it, so loads that waited for it
+ran one at a time whatever the number of reader threads. Until its registration lands, a
+buffer is pageable (`pinned` is False) and slot loads copy from it synchronously; where
+registration fails it stays so.
 
 With `spares`, the pool keeps that many free buffers of the size last asked for, made on
 a background thread (allocated, pages touched, registered): a new adapter of a shape
@@ -54,6 +58,19 @@ class HostBuffer:
         memory, so copies must not decide on it.)"""
         return self._registered_ptr is not None or self.data.is_pinned()
 
+    def register(self) -> bool:
+        """Page-lock the buffer in place (cudaHostRegister); True when it is now pinned.
+        Copies that read `pinned` afterwards may be asynchronous."""
+        if self._registered_ptr is None:
+            ptr = self.data.data_ptr()
+            try:
+                ok = int(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)) == 0
+            except Exception:  # no CUDA, or no such binding in this torch build
+                ok = False
+            if ok:
+                self._registered_ptr = ptr
+        return self.pinned
+
     def fence(self, event) -> None:
         """A device copy reading this buffer was queued; `event` completes after it."""
         with self._lock:
@@ -82,6 +99,8 @@ class HostBufferPool:
         self._making: dict[int, Future] = {}  # size -> spare being made
         self._maker: ThreadPoolExecutor | None = None
         self.num_spares_made = 0
+        self._pinner: ThreadPoolExecutor | None = None
+        self._registering: list[Future] = []
         self._free: dict[int, list[HostBuffer]] = {}
         self._fenced: list[HostBuffer] = []   # released, a device copy may still read it
         self._lock = threading.Lock()
@@ -178,18 +197,20 @@ class HostBufferPool:
             return sum(len(v) for v in self._free.values())
 
     def _allocate(self, size: int) -> HostBuffer:
-        if not self.pin:
-            return HostBuffer(_aligned(size), size, None)
-        data = _aligned(size)
-        ptr = data.data_ptr()
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-            ok = int(err) == 0
-        except Exception:  # no such binding in this torch build
-            ok = False
-        if ok:
-            return HostBuffer(data, size, ptr)
-        return HostBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=True), size, None)
+        buf = HostBuffer(_aligned(size), size, None)
+        if self.pin:  # registered later, off the caller's path (module docstring)
+            with self._lock:
+                if self._pinner is None:
+                    self._pinner = ThreadPoolExecutor(1, thread_name_prefix="host-pin")
+                self._registering = [f for f in self._registering if not f.done()]
+                self._registering.append(self._pinner.submit(buf.register))
+        return buf
+
+    def wait_registered(self) -> None:
+        """Block until every buffer handed out so far went through registration."""
+        with self._lock:
+            pending, self._registering = self._registering, []
+        wait(pending)
 
 
 def _aligned(size: int) -> torch.Tensor:
