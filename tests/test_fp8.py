@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from loramux_core.errors import ModelLoadError
 from engine import Engine, EngineConfig
 from engine.model.batch import make_attention_metadata
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from kernels.fp8 import FP8_MAX, dequant_linear_ref, fp8_linear, quantize_rows
 from tests.conftest import TEST_DEVICE, TinyFamily
