@@ -7,7 +7,9 @@ per-token activation scales, torch._scaled_mm) in one command.
 1. GEMMs: every projection shape (qkv, o, gate_up, down) at several token counts: bf16
    F.linear against fp8_linear (activation quantization included), both timed with
    triton.testing.do_bench (median, L2 flushed); relative L2 error of the FP8 output
-   against the bf16 product on the same data.
+   against the bf16 product on the same data. Beside them, the bare torch._scaled_mm on
+   already quantized activations (default accumulation, and use_fast_accum=True) and the
+   kernels one fp8_linear call launches: what the GEMM costs apart from the quantization.
 2. The model: a bf16 model with dummy weights and its FP8 twin (every projection
    quantized per output row from the bf16 weights; embeddings, norms and head shared):
    prefill logits on random prompts (relative L2 error, top-1 agreement with bf16), and one
@@ -29,14 +31,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import time_do_bench  # noqa: E402
+from benchmarks.common import count_launches, time_do_bench  # noqa: E402
 from benchmarks.llama8b import write_model_dir  # noqa: E402
 from engine.model.batch import make_attention_metadata  # noqa: E402
 from engine.model.dummy import init_dummy_weights  # noqa: E402
 from loramux_core.model.hf_config import ModelConfig  # noqa: E402
 from engine.model.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from engine.model.llama import LlamaForCausalLM  # noqa: E402
-from kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402
+from kernels.fp8 import FP8_MAX, fp8_linear, quantize_rows  # noqa: E402
+from kernels.fp8_triton import quantize_rows as quantize_rows_kernel  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 BLOCK = 16
@@ -59,8 +62,15 @@ def gemm_rows(tokens: list[int]) -> list[dict]:
             err = rel_err(fp8_linear(x, wq, ws), ref)
             t_bf16 = time_do_bench(lambda: F.linear(x, w))
             t_fp8 = time_do_bench(lambda: fp8_linear(x, wq, ws))
+            xq, xs = quantize_rows_kernel(x, FP8_MAX)
+            bare = {fast: time_do_bench(lambda fast=fast: torch._scaled_mm(
+                xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
+                use_fast_accum=fast)) for fast in (False, True)}
+            launches = count_launches(lambda: fp8_linear(x, wq, ws)) if M == tokens[0] else -1
             rows.append(dict(gemm=name, tokens=M, bf16_us=t_bf16 * 1e6, fp8_us=t_fp8 * 1e6,
-                             speedup=t_bf16 / t_fp8, rel_err=err))
+                             speedup=t_bf16 / t_fp8, rel_err=err,
+                             scaled_mm_us=bare[False] * 1e6, fast_accum_us=bare[True] * 1e6,
+                             launches=launches))
     return rows
 
 
@@ -152,10 +162,12 @@ def main() -> None:
     write_csv(args.out / "gemm.csv", gemms)
     write_csv(args.out / "model.csv", models)
     print(torch.cuda.get_device_name())
-    print(f"{'gemm':>8} {'tokens':>6} {'bf16 us':>9} {'fp8 us':>9} {'speedup':>8} {'rel err':>8}")
+    print(f"{'gemm':>8} {'tokens':>6} {'bf16 us':>9} {'fp8 us':>9} {'speedup':>8} {'rel err':>8}"
+          f" {'mm us':>8} {'fast us':>8} {'launches':>8}")
     for r in gemms:
         print(f"{r['gemm']:>8} {r['tokens']:>6} {r['bf16_us']:>9.1f} {r['fp8_us']:>9.1f} "
-              f"{r['speedup']:>8.2f} {r['rel_err']:>8.4f}")
+              f"{r['speedup']:>8.2f} {r['rel_err']:>8.4f} {r['scaled_mm_us']:>8.1f} "
+              f"{r['fast_accum_us']:>8.1f} {r['launches'] if r['launches'] >= 0 else '':>8}")
     print(f"{'model':>6} {'layers':>6} {'weights GB':>10} {'decode b64 ms':>13} "
           f"{'logits err':>10} {'top-1 agree':>11}")
     for r in models:

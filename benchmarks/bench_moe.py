@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import copy_bandwidth, time_do_bench  # noqa: E402
+from benchmarks.common import copy_bandwidth, count_launches, time_do_bench  # noqa: E402
 from kernels import moe, moe_triton  # noqa: E402
 from kernels.moe_ref import route_ref  # noqa: E402
 
@@ -99,6 +99,10 @@ def run(out_dir: Path, quick: bool) -> list[dict]:
         t_triton = time_do_bench(lambda: moe._run(moe_triton, x, w13, w2, weights, ids, None))
         t_lora = time_do_bench(lambda: moe._run(moe_triton, *lora_case))
         t_hf = time_do_bench(lambda: hf_loop(x, w13, w2, weights, ids))
+        if not rows:   # kernels one call launches, at the smallest batch
+            launches = (count_launches(lambda: moe._run(moe_triton, x, w13, w2, weights, ids,
+                                                        None)),
+                        count_launches(lambda: moe._run(moe_triton, *lora_case)))
         floor = floor_bytes(ids) / bw
         rows.append(dict(tokens=T, triton_us=t_triton * 1e6, triton_lora_us=t_lora * 1e6,
                          lora_overhead_pct=100 * (t_lora / t_triton - 1),
@@ -110,7 +114,9 @@ def run(out_dir: Path, quick: bool) -> list[dict]:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}; kernels "
+          f"launched per call at {rows[0]['tokens']} token(s): {launches[0]}, with LoRA "
+          f"{launches[1]}")
     print(f"{'tokens':>6} {'triton us':>10} {'+LoRA us':>9} {'LoRA %':>7} {'HF loop us':>11} "
           f"{'speedup':>8} {'floor us':>9} {'% floor':>8}")
     for r in rows:
