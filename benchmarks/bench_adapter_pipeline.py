@@ -100,10 +100,10 @@ def bench_breakdown(model_dir: Path, path: Path, device: torch.device, log) -> d
     from loramux_core.safe_files import AdapterRoots
     from engine.lora import load_lora
     from engine.lora.host_buffers import HostBufferPool
-    from engine.lora.plan import WEIGHTS_NAME, plan_adapter
-    from engine.lora.safetensors_buffer import parse_header
+    from loramux_core.adapter.plan import WEIGHTS_NAME, plan_adapter
+    from loramux_core.adapter.safetensors_buffer import parse_header
     from engine.lora.weights import _all_within_bounds, weights_from_plan
-    from engine.model.hf_config import ModelConfig
+    from loramux_core.model.hf_config import ModelConfig
     from services.control.main import make_validator
 
     mc = ModelConfig.from_dir(model_dir)
@@ -167,7 +167,7 @@ def bench_control_plane(tmp: Path, device: torch.device, log, burst: int = BURST
 
     from engine.lora import load_lora
     from engine.lora.host_buffers import HostBufferPool
-    from engine.model.hf_config import ModelConfig
+    from loramux_core.model.hf_config import ModelConfig
     from services.launcher import Cluster, ClusterConfig
 
     rank = 256
@@ -214,7 +214,7 @@ def bench_control_plane(tmp: Path, device: torch.device, log, burst: int = BURST
 def bench_read(model_dir: Path, paths: list[Path], device: torch.device, log) -> list[float]:
     from engine.lora import load_lora
     from engine.lora.host_buffers import HostBufferPool
-    from engine.model.hf_config import ModelConfig
+    from loramux_core.model.hf_config import ModelConfig
 
     mc = ModelConfig.from_dir(model_dir)
     pool = HostBufferPool(pin=device.type == "cuda")

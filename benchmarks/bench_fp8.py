@@ -33,7 +33,7 @@ from benchmarks.common import time_do_bench  # noqa: E402
 from benchmarks.llama8b import write_model_dir  # noqa: E402
 from engine.model.batch import make_attention_metadata  # noqa: E402
 from engine.model.dummy import init_dummy_weights  # noqa: E402
-from engine.model.hf_config import ModelConfig  # noqa: E402
+from loramux_core.model.hf_config import ModelConfig  # noqa: E402
 from engine.model.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from engine.model.llama import LlamaForCausalLM  # noqa: E402
 from kernels.fp8 import fp8_linear, quantize_rows  # noqa: E402

@@ -28,8 +28,8 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
-from engine.model.archs import build_model
-from engine.model.hf_config import ModelConfig
+from engine.model.build import build_model
+from loramux_core.model.hf_config import ModelConfig
 from engine.parallel import TPGroup
 from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
@@ -40,7 +40,7 @@ from loramux_core.safe_files import AdapterRoots
 @dataclass(frozen=True)
 class ModelParts:
     """One rank's shard: what rank 0 and every tensor-parallel worker build alike."""
-    model: torch.nn.Module  # the architecture's model (engine/model/archs)
+    model: torch.nn.Module  # the architecture's model (loramux_core/model/archs)
     lora_pool: LoRASlotPool
     num_kv_blocks: int
     runner: ModelRunner

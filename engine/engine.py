@@ -44,7 +44,7 @@ from engine.assembly import build_adapter_parts, build_model_parts, max_model_le
 from engine.config import EngineConfig
 from engine.executor import make_executor
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.output_processor import OutputProcessor
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.pending import PendingSample

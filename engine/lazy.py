@@ -2,9 +2,9 @@
 
 `engine` and `engine.lora` re-export their torch-heavy classes (Engine, LoRASlotPool, ...)
 for callers' convenience; imported eagerly, those would load torch into every process that
-reads one of the torch-free modules beside them: the model registry (engine/model/archs,
-hf_config.py) and the adapter plan (engine/lora/plan.py), which the control plane and the
-gateway use at start (docs/ARCHITECTURE.md)."""
+imports one of the torch-free modules beside them (engine/lora/host_buffers.py's
+callers, a test reading one module); the parts the control plane and the gateway read (the
+model registry, the adapter plan) live in loramux_core/ (docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
 import sys

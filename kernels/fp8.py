@@ -4,10 +4,21 @@ weight row (a per-tensor scale is the same value on every row).
 `fp8_linear` quantizes x per token (dynamic: s_x = max|x_t| / 448) and runs the FP8
 GEMM with both row-wise scales (torch._scaled_mm; Hopper's FP8 tensor cores on CUDA);
 `dequant_linear_ref` is the plain reference: the weight dequantized, x unquantized.
+
+On CUDA the activation quantization is one Triton launch (kernels/fp8_triton.py), not the
+nine small torch ops of `quantize_rows`: at decode sizes a GEMM is a few microseconds of
+GPU work, and the launches around it would cost more than the GEMM. The weight needs no
+work per call: it is kept [N, K] row-major, so `weight.t()` is the column-major [K, N]
+operand _scaled_mm wants, and its float32 scale [N] is viewed as [1, N].
 """
 from __future__ import annotations
 
 import torch
+
+try:  # the Triton module is optional: absent on machines without Triton
+    from kernels import fp8_triton as _triton
+except ImportError:
+    _triton = None
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
@@ -24,11 +35,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     N, K = weight.shape
     if K % 16 or N % 16 or x.shape[0] == 0:   # _scaled_mm's alignment
         return dequant_linear_ref(x, weight, weight_scale)
-    xq, xs = quantize_rows(x)
+    xq, xs = (_triton.quantize_rows(x, FP8_MAX) if x.is_cuda and _triton is not None
+              else quantize_rows(x))
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
                          out_dtype=out_dtype)
-    return y.to(x.dtype)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def dequant_linear_ref(x: torch.Tensor, weight: torch.Tensor,

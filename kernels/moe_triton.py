@@ -9,8 +9,10 @@ of BLOCK_M so that every row block belongs to one group and reads one weight til
     sorted_ids   [ 1  4 | 3  P | 0  2 | P  P ]    pair ids by group, P = padding
     block_group  [ 0      1      2      -1  ]     group of each row block, -1 = nothing
 
-The sizes are static upper bounds (ceil(P / BLOCK_M) + G blocks), so nothing syncs with
-the host and surplus programs return at once. BLOCK_M is 16 while groups hold few pairs
+The sizes are static upper bounds (ceil(P / BLOCK_M) + min(G, P) blocks: at most P
+groups hold pairs, and each adds at most one partly filled block), so nothing syncs with
+the host and surplus programs return at once; a decode step of one token over 60 experts
+launches 5 row blocks, not 61. BLOCK_M is 16 while groups hold few pairs
 (decode: padding stays small) and 64 once they average 32 or more (prefill: each weight
 tile is then read by fewer row blocks). Expert LoRA uses the same kernel with
 groups (adapter slot, expert) over A and B viewed as [slots·experts, ...].
@@ -52,7 +54,7 @@ def align(group: torch.Tensor, num_groups: int, block_m: int | None = None) -> A
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded
     first = torch.cumsum(counts, 0) - counts
-    num_blocks = triton.cdiv(P, block_m) + num_groups
+    num_blocks = triton.cdiv(P, block_m) + min(num_groups, P)
     order = torch.sort(key, stable=True).indices
     key_sorted = key[order]
     valid = key_sorted < num_groups
@@ -113,6 +115,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, alignment: Alignment, a_row_d
     block_n = min(64, max(16, triton.next_power_of_2(N)))
     block_k = min(64, max(16, triton.next_power_of_2(K)))
     grid = (alignment.block_group.numel(), triton.cdiv(N, block_n))
+    if grid[0] == 0:   # no pairs
+        return out
     precision = "ieee" if w.dtype == torch.float32 else "tf32"
     grouped_gemm_kernel[grid](
         a, w, out, alignment.sorted_ids, alignment.block_group, alignment.num_pairs, N, K,

@@ -13,6 +13,10 @@
 - `probe`: waiting for an engine's output socket (launcher, health checks);
 - `engine_config`: the engine's configuration as plain values (EngineSettings) and the
   rules it is checked by, which `loramux serve` applies before any process starts;
+- `model`: the model registry (one module per architecture: config fields, LoRA targets),
+  config.json read into a ModelConfig, the LoRA targets' shapes and tensor-parallel split;
+- `adapter`: a PEFT adapter's config, safetensors header and plan, checked against the
+  model (the control plane's validator; the engine loads from the same plan);
 - `options`: command-line option tables (the engine's flags, which `loramux serve`
   forwards) and their parsing helpers;
 - `open_audit`: a test-only audit of the files a process opens.

@@ -1,8 +1,9 @@
 """Runs control plane, engine replicas and gateway as separate local processes (`loramux
 serve`, and the end-to-end tests). Each process can be stopped, killed and restarted alone
 on the same addresses. With one replica its process is "engine"; with N, "engine-0" ..
-"engine-{N-1}", each on its own devices (consecutive GPUs, a tensor-parallel group each). Each Cluster makes fresh CURVE keys for the ZMQ sockets in
-`<workdir>/zmq-keys` (0700), so only its own processes can use them."""
+"engine-{N-1}", each on its own devices (consecutive GPUs, a tensor-parallel group each).
+Each Cluster makes fresh CURVE keys for the ZMQ sockets in `<workdir>/zmq-keys` (0700), so
+only its own processes can use them."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loramux_core.curve import ZmqKeys, generate_keys
-
 
 
 def engine_names(replicas: int) -> tuple[str, ...]:

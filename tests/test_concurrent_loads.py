@@ -77,7 +77,7 @@ def test_versions_come_from_the_engine_read_and_survive_a_replay(cluster, tmp_pa
     (the engine does, once): the version it records is the digest of the files, and an
     engine that restarts gets the loads replayed with it and accepts them."""
     from engine.lora import validate_lora
-    from engine.model.hf_config import ModelConfig
+    from loramux_core.model.hf_config import ModelConfig
 
     cfg = ModelConfig.from_dir(cluster.cfg.model)
     root = Path(cluster.cfg.adapter_roots[0])

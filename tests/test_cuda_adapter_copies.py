@@ -10,7 +10,7 @@ import torch
 from engine.adapters.copier import StreamCopier
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.host_buffers import HostBufferPool
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -74,7 +74,7 @@ def test_staging_matches_eager_metadata_and_pads():
 def test_staging_runs_the_model_like_eager(llama_family):
     """The model on the staging buffers (CPU, padded bucket) gives the eager hidden
     states for the real rows: padding rows neither write KV nor disturb real ones."""
-    from engine.model.hf_config import ModelConfig
+    from loramux_core.model.hf_config import ModelConfig
     from engine.model.llama import LlamaForCausalLM
 
     cfg = ModelConfig.from_dir(llama_family.model_dir)

@@ -8,7 +8,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.model.batch import make_attention_metadata
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from tests.conftest import TinyFamily
 from tests.support.fp8 import make_fp8_pair

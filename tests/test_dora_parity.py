@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.lora import LoRASlotPool, load_lora
-from engine.lora.plan import plan_adapter
+from loramux_core.adapter.plan import plan_adapter
 from engine.lora.weights import weights_from_plan
 from engine.parallel import TPGroup
 from loramux_core.errors import AdapterError

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from loramux_core.errors import ModelLoadError
 from engine import Engine, EngineConfig
 from engine.model.batch import make_attention_metadata
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from kernels.fp8 import dequant_linear_ref, fp8_linear, quantize_rows
+from kernels.fp8 import FP8_MAX, dequant_linear_ref, fp8_linear, quantize_rows
 from tests.conftest import TEST_DEVICE, TinyFamily
 from tests.support.fp8 import make_fp8_pair, quantize
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
@@ -179,3 +179,35 @@ def test_memory_sizing_counts_fp8_bytes(pair):
     model = LlamaForCausalLM(cfg, fp8=True)
     want = sum(p.nbytes for name, p in model.named_parameters() if not name.endswith("bias"))
     assert weight_bytes(cfg, EngineConfig(model="m", dtype="float32")) == want
+
+
+def test_quantize_kernel_runs_as_this_machine_needs():
+    from tests.support.triton_mode import check_kernel_mode
+    check_kernel_mode(pytest.importorskip("kernels.fp8_triton"))
+
+
+@pytest.mark.parametrize("M,K", [(1, 64), (5, 300), (3, 2500)])
+def test_quantize_kernel_matches_quantize_rows(M, K):
+    """The one-launch activation quantization (kernels/fp8_triton.py) against the torch
+    ops of quantize_rows: the same scales, the same FP8 values (a zero row included)."""
+    fp8_triton = pytest.importorskip("kernels.fp8_triton")
+    gen = torch.Generator().manual_seed(K)
+    x = (torch.randn(M, K, generator=gen) * 3).bfloat16()
+    if M > 1:
+        x[0] = 0
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, s = fp8_triton.quantize_rows(x.to(dev), FP8_MAX)
+    want_q, want_s = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (M, 1)
+    assert torch.equal(s.cpu(), want_s)
+    got, want = q.cpu().float(), want_q.float()
+    differ = got != want
+    if dev == "cpu":   # Triton's interpreter casts to FP8 its own way (the GPU's cvt rounds
+        # to nearest even): it may land on the neighbouring FP8 value, or drop the carry
+        # when a value rounds up to a power of two (half of it); nothing else
+        w, g = want[differ].abs(), got[differ].abs()
+        carry = (w.log2() % 1 == 0) & (g == w / 2)
+        neighbour = (g - w).abs() <= w * 2 ** -3
+        assert (carry | neighbour).all() and differ.float().mean() < 0.2
+    else:
+        assert not differ.any()

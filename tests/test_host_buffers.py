@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.lora import load_lora
 from engine.lora.host_buffers import HostBufferPool
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.parallel import TPGroup
 from loramux_core.errors import AdapterError
 from tests.support.tiny import AdapterSpec, make_adapter, make_model
@@ -40,8 +40,8 @@ def same(w1, w2) -> bool:
 
 def reference(path, cfg, tp=TPGroup.single(), dtype=torch.float32):
     """The host layout computed the plain way, from the whole file, in float32 math."""
-    from engine.lora.plan import plan_adapter
-    from engine.model.lora_targets import lora_group_shapes, lora_shard, target
+    from loramux_core.adapter.plan import plan_adapter
+    from loramux_core.model.lora_targets import lora_group_shapes, lora_shard, target
 
     plan = plan_adapter(path, cfg, 16)
     tensors = load_file(path / WEIGHTS)

@@ -341,7 +341,7 @@ import sys
 from loramux_core.safe_files import AdapterRoots
 from loramux_core.errors import AdapterError
 from engine.lora import load_lora
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 model, root, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
 mc, roots = ModelConfig.from_dir(model), AdapterRoots([root])
 print("READING", flush=True)

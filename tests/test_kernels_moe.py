@@ -21,12 +21,14 @@ def _routed(T, E, k, H, gen):
     return moe_ref.route_ref(logits, k, norm_topk_prob=False)
 
 
-@pytest.mark.parametrize("P,G", [(1, 4), (7, 3), (40, 8), (33, 1)])
+@pytest.mark.parametrize("P,G", [(1, 4), (7, 3), (40, 8), (33, 1), (3, 60), (9, 240)])
 def test_align_covers_every_pair_once(P, G):
     gen = torch.Generator().manual_seed(P)
     group = torch.randint(-1, G, (P,), generator=gen)
     al = moe_triton.align(group.to(DEV), G, block_m=4)
     al = al._replace(sorted_ids=al.sorted_ids.cpu(), block_group=al.block_group.cpu())
+    # row blocks launched: ceil(P / 4) plus one per group that can hold pairs, not per group
+    assert al.block_group.numel() == -(-P // 4) + min(G, P)
     ids = al.sorted_ids.view(-1, 4)
     for block, g in zip(ids, al.block_group.tolist()):
         real = block[block < P]

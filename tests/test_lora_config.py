@@ -11,8 +11,8 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.other import get_pattern_key
 
-from engine.lora.config import parse_adapter_config, read_adapter_config
-from engine.model.archs.llama import DECODER_TARGETS
+from loramux_core.adapter.config import parse_adapter_config, read_adapter_config
+from loramux_core.model.archs.llama import DECODER_TARGETS
 from loramux_core.errors import AdapterError
 
 LORA_TARGETS = [t.module for t in DECODER_TARGETS]

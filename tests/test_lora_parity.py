@@ -11,9 +11,9 @@ import torch
 from peft import PeftModel
 
 from engine.lora import LoRABatch, LoRASlotPool, load_lora
-from engine.model.hf_config import ModelConfig
-from engine.model.archs.llama import DECODER_TARGETS
-from engine.model.lora_targets import full_shape, lora_group_shapes, lora_shard
+from loramux_core.model.hf_config import ModelConfig
+from loramux_core.model.archs.llama import DECODER_TARGETS
+from loramux_core.model.lora_targets import full_shape, lora_group_shapes, lora_shard
 from engine.parallel import TPGroup
 from tests.support.tiny import (AdapterSpec, load_hf_model, make_adapter, make_model, read_json,
                                 write_json)

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.lora import LoRASlotPool, load_lora, validate_lora
-from engine.lora.config import _MATH_CHANGING_FLAGS
-from engine.model.hf_config import ModelConfig
+from loramux_core.adapter.config import _MATH_CHANGING_FLAGS
+from loramux_core.model.hf_config import ModelConfig
 from loramux_core.errors import AdapterError
 from tests.support.tiny import AdapterSpec, make_adapter, make_model, read_json, write_json
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.model.batch import make_attention_metadata
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.model.rotary import inverse_frequencies
 from tests.support.tiny import TinySpec, load_hf_model, make_model

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
 from loramux_core.errors import ModelLoadError
@@ -160,7 +160,7 @@ def test_sliding_window_refused_on_cuda_beyond_the_window(base_dir, tmp_path):
     """The CUDA attention kernels do not mask to a window: a Mistral model whose window is
     shorter than the sequences it may see is refused at build, naming the limit (checked
     before anything is allocated, so this runs without a GPU)."""
-    from engine.model.archs import build_model
+    from engine.model.build import build_model
 
     path = _copy(base_dir, tmp_path)
     _edit_config(path, architectures=["MistralForCausalLM"], sliding_window=64)

@@ -3,7 +3,7 @@ merged into its weights (W + B·A), on one rank and across two tensor-parallel r
 (gloo on the CPU), including a model whose KV heads are replicated across ranks, Qwen3
 and Mistral with a sliding window shorter than the prompt.
 
-The test LoRA below implements the documented contract of engine/model/lora_targets.py
+The test LoRA below implements the documented contract of loramux_core/model/lora_targets.py
 directly from full PEFT-shaped factors; the engine's own LoRA pool is tested elsewhere.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from engine.model import lora_targets
+from loramux_core.model import lora_targets
 from engine.model.batch import make_attention_metadata
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
 from tests.support.tiny import TinySpec, load_hf_model, make_model
@@ -49,7 +49,7 @@ class MergedDeltaLora:
         self.calls: list[tuple[int, str]] = []
 
     def apply_embedding(self, ids: torch.Tensor, h: torch.Tensor) -> None:
-        """No LoRA on embed_tokens here (engine/model/lora_targets.py END_TARGETS)."""
+        """No LoRA on embed_tokens here (loramux_core/model/lora_targets.py END_TARGETS)."""
 
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         self.calls.append((layer_idx, group))

@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 
 from engine.lora import LoRASlotPool, load_lora
-from engine.model import archs, lora_targets
-from engine.model.archs.base import Architecture
-from engine.model.archs.llama import ARCH as LLAMA
-from engine.model.hf_config import ModelConfig
+from loramux_core.model import archs, lora_targets
+from loramux_core.model.archs.base import Architecture
+from loramux_core.model.archs.llama import ARCH as LLAMA
+from loramux_core.model.hf_config import ModelConfig
 from loramux_core.errors import AdapterError
 
 MAX_RANK = 32
@@ -74,7 +74,7 @@ def test_the_model_loads_its_projections_under_the_declared_names(arch, tmp_path
     import torch
     from safetensors import safe_open
 
-    from engine.model.archs import build_model
+    from engine.model.build import build_model
     from engine.parallel import TPGroup
     from tests.support.tiny import TinySpec, make_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.model.batch import make_attention_metadata
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from tests.conftest import TEST_DEVICE, HFOracle, TinyFamily
 from tests.support.tiny import AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model

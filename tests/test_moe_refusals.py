@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from loramux_core.errors import ModelLoadError
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 from tests.test_lora_refusals import CONFIG, WEIGHTS, edit_config, edit_tensors, refused

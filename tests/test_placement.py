@@ -1,7 +1,8 @@
 """The control plane's placement over several engine replicas (services/control/manager.py)
-with scripted engine links in place of the ZMQ ones: commands reach the placed replicas that are up, a replica that is down gets the desired
-state from its replay, and a refused load is undone where it succeeded (the registry's
-placement column: tests/test_services_units.py)."""
+with scripted engine links in place of the ZMQ ones: commands reach the placed replicas
+that are up, a replica that is down gets the desired state from its replay, and a refused
+load is undone where it succeeded (the registry's placement column:
+tests/test_services_units.py)."""
 from __future__ import annotations
 
 import asyncio

@@ -92,6 +92,13 @@ def gauge(cluster, name: str) -> dict[str, float]:
             for s in f.samples if s.name == name}
 
 
+def adapters_on(cluster, replica: str) -> float:
+    """Adapters the gateway's latest stats of `replica` list (any tier)."""
+    text = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "loramux:adapters" and s.labels["replica"] == replica)
+
+
 def health(address: str, service: str):
     with grpc.insecure_channel(address) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(
@@ -216,6 +223,10 @@ def test_restarted_replica_rejoins_with_its_adapters(cluster, admin, offline):
     cluster.start("engine-0")
     cluster.wait_ready("engine-0")
     wait_resident(admin, ("both", "solo0"))  # the control plane replayed it
+    deadline = time.monotonic() + 10  # and the gateway has the replica's stats since
+    while adapters_on(cluster, "0") < 2:
+        assert time.monotonic() < deadline, "the gateway never saw replica 0's adapters"
+        time.sleep(0.1)
     before = routed(cluster)
     with GenerateClient(cluster.gateway_address) as gen:
         for name in ("solo0", "both"):

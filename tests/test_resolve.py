@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv.sizing import blocks_for_memory
 from engine.lora import LoRASlotPool
-from engine.model.hf_config import ModelConfig, parse_config
+from loramux_core.model.hf_config import ModelConfig, parse_config
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
 from engine.resolve import (MAX_AUTO_LORAS, MachineFacts, adapter_bytes, resolve_config,

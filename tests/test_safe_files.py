@@ -1,5 +1,5 @@
 """loramux_core/safe_files.py: reads that cannot leave the adapter roots, hashed once,
-and engine/lora/safetensors_buffer.py: headers that cannot lie."""
+and loramux_core/adapter/safetensors_buffer.py: headers that cannot lie."""
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from engine.lora.safetensors_buffer import parse_header
+from loramux_core.adapter.safetensors_buffer import parse_header
 from loramux_core import safe_files
 from loramux_core.errors import AdapterError
 from loramux_core.safe_files import AdapterRoots, PathRefused, open_adapter_dir
@@ -179,7 +179,7 @@ def test_header_of_a_real_file_matches_safetensors(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from engine.lora.safetensors_buffer import tensor
+    from engine.lora.tensor_view import tensor
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7, 2).to(torch.bfloat16),
                "c": torch.randn(4).double()}
     save_file(tensors, tmp_path / "w.safetensors", metadata={"format": "pt"})

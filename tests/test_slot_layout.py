@@ -12,7 +12,7 @@ import torch
 from engine.adapters.copier import StreamCopier
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.host_buffers import HostBufferPool
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 MAX_RANK = 16

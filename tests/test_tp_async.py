@@ -21,7 +21,7 @@ from engine.distributed.plan import decode_step, encode_step
 from engine.distributed.tracker import PlanTracker
 from engine.distributed.worker import NoSampling
 from engine.lora import LoRASlotPool
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.runner import ModelRunner

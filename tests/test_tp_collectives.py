@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from engine.distributed import group as pg
 from engine.lora import LoRABatch, LoRASlotPool, load_lora
 from engine.model.batch import make_attention_metadata
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
 

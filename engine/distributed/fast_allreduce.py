@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.group import agree_min
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from loramux_core.errors import InvalidRequestError
 
 MODES = ("auto", "nccl", "symm_mem")

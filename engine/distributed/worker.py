@@ -24,7 +24,7 @@ from engine.distributed.adapters import ShardCache
 from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
                                      SLOT_LOAD, decode_add_adapter, decode_step)
 from engine.distributed.watchdog import exit_with_parent
-from engine.model.hf_config import ModelConfig
+from loramux_core.model.hf_config import ModelConfig
 from engine.sampling.sampler import SamplerOutput
 from loramux_core import open_audit
 

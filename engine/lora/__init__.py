@@ -1,9 +1,10 @@
-"""LoRA adapters: PEFT loading and validation (config.py, plan.py, weights.py), the device
+"""LoRA adapters: PEFT loading (weights.py, from loramux_core/adapter/plan.py), the device
 slot pool (pool.py), and the per-step batch that applies every token's adapter (batch.py).
-The exports import on first use, so that plan.py and config.py import without torch."""
+The exports import on first use (engine/lazy.py); the adapter config and plan they read
+are loramux_core/adapter/."""
 from engine.lazy import lazy_exports
 
-_EXPORTS = {"LoRABatch": "engine.lora.batch", "AdapterPlan": "engine.lora.plan",
+_EXPORTS = {"LoRABatch": "engine.lora.batch", "AdapterPlan": "loramux_core.adapter.plan",
             "LoRASlotPool": "engine.lora.pool", "GroupWeights": "engine.lora.weights",
             "LoRAWeights": "engine.lora.weights", "load_lora": "engine.lora.weights",
             "validate_lora": "engine.lora.weights"}

@@ -1,7 +1,7 @@
 """The LoRA view of one forward step: which slot each token uses, applied layer by layer.
 
 The model calls `apply(layer_idx, group, x, y)` for each LoRA group of each layer (see
-engine/model/lora_targets.py); per-step metadata is built once here, not per layer.
+loramux_core/model/lora_targets.py); per-step metadata is built once here, not per layer.
 """
 from __future__ import annotations
 

@@ -43,9 +43,9 @@ import torch
 
 from engine.lora import dora
 from engine.lora.weights import LoRAWeights
-from engine.model.archs import architecture
-from engine.model.lora_targets import (expert_roles, expert_shard_shape, groups,
-                                       lora_group_shapes, row_parallel_groups)
+from loramux_core.model.archs import architecture
+from loramux_core.model.lora_targets import (expert_roles, expert_shard_shape, groups,
+                                             lora_group_shapes, row_parallel_groups)
 from loramux_core.errors import AdapterError
 
 

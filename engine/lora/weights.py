@@ -1,6 +1,6 @@
 """A LoRA adapter read into host memory, laid out for the slot pool of one tensor-parallel rank.
 
-Per decoder layer and LoRA group (engine/model/lora_targets.py), with S slices, this
+Per decoder layer and LoRA group (loramux_core/model/lora_targets.py), with S slices, this
 rank's input width K and output widths n_0..n_{S-1} (N = sum):
 
     a: [S, R, K]   slice s holds lora_A of its module in rows 0..r_s-1 (zero below)
@@ -39,10 +39,10 @@ import math
 import torch
 
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
-from engine.lora.plan import AdapterPlan, ModulePlan, plan_adapter
-from engine.lora.safetensors_buffer import tensor
-from engine.model.lora_targets import (END_GROUP, GroupShape, expert_factors,
-                                       lora_group_shapes, lora_shard, target)
+from loramux_core.adapter.plan import AdapterPlan, ModulePlan, plan_adapter
+from engine.lora.tensor_view import tensor
+from loramux_core.model.lora_targets import (END_GROUP, GroupShape, expert_factors,
+                                             lora_group_shapes, lora_shard, target)
 from engine.parallel import TPGroup
 from loramux_core.errors import AdapterChangedError, AdapterError
 
@@ -79,7 +79,8 @@ class LoRAWeights:
     # group -> (a [L, S, R, K], b [L, N, R]), the stacked tensors `groups` view (module
     # docstring); empty for weights not built by weights_from_plan
     stacked: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
-    # LoRA on the ends (engine/model/lora_targets.py END_TARGETS): module -> (A, B * scaling)
+    # LoRA on the ends (loramux_core/model/lora_targets.py END_TARGETS):
+    # module -> (A, B * scaling)
     ends: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     # LoRA on fused expert weights (the architecture's expert_targets): (layer, param) ->
     # (a [E, r, in], b [E, out, r] * scaling), this rank's part

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import sharding
+from loramux_core.model import sharding
 from engine.model.loader import WeightSource
-from engine.model.sharding import Shard
+from loramux_core.model.sharding import Shard
 from engine.parallel import TPGroup
 from kernels.elementwise import add_rms_norm, rms_norm
 from kernels.fp8 import FP8, fp8_linear, quantize_rows

@@ -2,18 +2,18 @@
 tensor-parallel.
 
 The family's variations are ModelConfig flags set by each architecture's declaration
-(engine/model/archs/): q/k/v and o biases, RMSNorm over each query and key head before
+(loramux_core/model/archs/): q/k/v and o biases, RMSNorm over each query and key head before
 rotary (qk_norm, Qwen3), attention limited to a sliding window (Mistral), a mixture of
 experts in place of the MLP (moe, Qwen2-MoE: engine/model/moe.py).
 
-Each rank holds its shard (engine/model/sharding.py): merged column-parallel q|k|v and
+Each rank holds its shard (loramux_core/model/sharding.py): merged column-parallel q|k|v and
 gate|up, row-parallel o and down, vocabulary-parallel embedding and head. The numerics
 follow transformers step by step (residual adds and activations in the model dtype,
 RMSNorm in float32, attention softmax in float32) so that float32 runs match it.
 
 LoRA enters through `lora.apply(layer_idx, group, x, y)` on each group's local matmul
 output, before the bias and, for row-parallel layers, before the all-reduce (see
-engine/model/lora_targets.py).
+loramux_core/model/lora_targets.py).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model import lora_targets, sharding
-from engine.model.hf_config import ModelConfig
+from loramux_core.model import lora_targets, sharding
+from loramux_core.model.hf_config import ModelConfig
 from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                  RowParallelLinear, VocabParallelEmbedding)
 from engine.model.loader import WeightSource

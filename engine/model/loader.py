@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.sharding import Shard
+from loramux_core.model.sharding import Shard
 from loramux_core.errors import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -12,7 +12,7 @@ gate are replicated. Weights load from the per-expert tensors of the checkpoint
 name).
 
 LoRA: the shared expert is the layer's dense MLP for `lora.apply` ("gate_up", "down");
-the experts' own LoRA comes from `lora.expert_lora(layer_idx)` (engine/model/lora_targets.py).
+the experts' own LoRA comes from `lora.expert_lora(layer_idx)` (loramux_core/model/lora_targets.py).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import sharding
-from engine.model.archs import architecture
+from loramux_core.model import sharding
+from loramux_core.model.archs import architecture
 from engine.model.layers import _param, check_shape
 from engine.model.loader import WeightSource
 from engine.parallel import TPGroup

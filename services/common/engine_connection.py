@@ -62,6 +62,12 @@ class EngineConnection:
         self._ctx.term()
         self._actx.term()
 
+    @property
+    def writable(self) -> bool:
+        """The input socket has a connection that takes a message now (a restarted
+        engine's heartbeats can arrive before this side has reconnected to its input)."""
+        return bool(self._push.poll(0, zmq.POLLOUT))
+
     def send(self, msg: engine_pb2.EngineInput) -> bool:
         """Send without blocking; False when the engine is down or not connected."""
         if not self.up:

@@ -6,9 +6,10 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 
-
 from loramux_core.v1 import engine_pb2
 from services.common.engine_connection import EngineConnection
+
+_SEND_RETRY_S = 2.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -57,13 +58,25 @@ class EngineLink:
         msg = engine_pb2.EngineInput(adapter_command=engine_pb2.AdapterCommand(
             command_id=cmd_id, kind=kind, name=name, path=path, pinned=pinned, version=version))
         try:
-            if not self.conn.send(msg):
+            if not await self._send(msg):
                 raise EngineUnavailable("the engine is not connected")
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"the engine did not acknowledge within {timeout_s} s") from None
         finally:
             self._pending.pop(cmd_id, None)
+
+    async def _send(self, msg: engine_pb2.EngineInput) -> bool:
+        """Send while the engine is up, retrying for up to _SEND_RETRY_S: a restarted
+        engine's first heartbeat (its output socket) can arrive before this side's input
+        socket has reconnected to it (ZMQ retries every 100 ms), and the replay that the
+        heartbeat starts must not fail for that."""
+        deadline = asyncio.get_running_loop().time() + _SEND_RETRY_S
+        while not self.conn.send(msg):
+            if not self.conn.up or asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     def _output(self, msg: engine_pb2.EngineOutput) -> None:
         kind = msg.WhichOneof("kind")

@@ -51,12 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_validator(model_dir: str, max_lora_rank: int, roots, header_only: bool = False):
-    """The engine's own adapter validator, bound to the base model and the adapter roots:
-    path -> (rank, target modules, version); `header_only`: path -> (rank, target
-    modules), the tensors neither read nor hashed (the engines do that on load)."""
-    # the plan and the registry are the torch-free part of the engine (engine/lazy.py)
-    from engine.lora.plan import plan_adapter
-    from engine.model.hf_config import ModelConfig
+    """The engines' adapter validator (loramux_core/adapter/plan.py), bound to the base
+    model and the adapter roots: path -> (rank, target modules, version); `header_only`:
+    path -> (rank, target modules), the tensors neither read nor hashed (the engines do
+    that on load)."""
+    from loramux_core.adapter.plan import plan_adapter
+    from loramux_core.model.hf_config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(model_dir)
 

@@ -107,7 +107,8 @@ class EngineClient:
 
     def _route(self, adapter: str, placement: tuple[int, ...]) -> Replica:
         allowed = set(placement) if placement else None
-        live = [r.view() for r in self.replicas if r.up and (allowed is None or r.index in allowed)]
+        live = [r.view() for r in self.replicas
+                if r.up and r.conn.writable and (allowed is None or r.index in allowed)]
         choice = choose(live, adapter, self.spill_waiting)
         if choice is None:
             if not self.up:
@@ -143,11 +144,6 @@ class EngineClient:
         replica.streams.discard(rid)
         if abort:
             replica.conn.send(engine_pb2.EngineInput(abort=engine_pb2.EngineAbort(request_ids=[rid])))
-
-    def replica_of(self, rid: str) -> int | None:
-        """The index of the replica running `rid`, while it is live."""
-        entry = self._streams.get(rid)
-        return None if entry is None else entry[0].index
 
     def _output(self, replica: Replica, msg: engine_pb2.EngineOutput) -> None:
         kind = msg.WhichOneof("kind")

@@ -115,7 +115,7 @@ async def _drain(grace_s: float, engine, health, health_task, log) -> None:
 
 
 async def serve(args) -> int:
-    from engine.model.hf_config import ModelConfig
+    from loramux_core.model.hf_config import ModelConfig
     from loramux_core.tokenizer import Tokenizer
     from services.gateway.adapter_table import AdapterTable
     from services.gateway.engine_client import EngineClient

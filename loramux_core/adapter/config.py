@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from engine.lora.patterns import Pattern, check_key_count, dotted_suffixes
+from loramux_core.adapter.patterns import Pattern, check_key_count, dotted_suffixes
 from loramux_core.errors import AdapterError
 
 CONFIG_NAME = "adapter_config.json"

@@ -1,6 +1,6 @@
 """Where LoRA deltas enter the base model: the contract between the model and the LoRA pool.
 
-Each architecture declares its targets in its own module (engine/model/archs/): the HF
+Each architecture declares its targets in its own module (loramux_core/model/archs/): the HF
 modules LoRA may wrap, their (in, out) dims, their tensor-parallel split and the merged
 group and slice each sits in. Everything here (shapes per rank, which factor a rank
 cuts, the groups) is computed from that declaration, and the LoRA pool, loader, planner
@@ -23,14 +23,14 @@ logits)` (END_TARGETS below).
 The slices of a merged column-parallel output are laid side by side along the last dim
 of y, in slice order, with the per-rank widths of `lora_group_shapes(...)[group].out_features`.
 
-Tensor parallelism (see engine/model/sharding.py): for a column-parallel module, A is
+Tensor parallelism (see loramux_core/model/sharding.py): for a column-parallel module, A is
 replicated and B is cut by output rows exactly like the base weight; for a row-parallel
 module, A is cut by input columns and B is replicated. Because the row-parallel delta is
 added to the partial product before the all-reduce, the reduction also sums the LoRA term.
 `lora_shard` says which factor each rank cuts and where.
 
 Mixture-of-experts layers (engine/model/moe.py) take LoRA on their fused expert weights
-as PEFT's `target_parameters` expresses it (engine/model/archs/qwen2_moe.py): per layer and
+as PEFT's `target_parameters` expresses it (loramux_core/model/archs/qwen2_moe.py): per layer and
 parameter, with E experts and rank r, PEFT stores lora_A [E·r, in] (expert-major rows)
 and lora_B [out, r·E] (column j·E + e is rank j of expert e). The pool keeps, scaling
 folded in, a [E, r, in_rank] and b [E, out_rank, r] per slot (`expert_factors`), and
@@ -45,10 +45,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
-from engine.model import sharding
-from engine.model.archs import architecture
-from engine.model.archs.base import ExpertTarget, LoraTarget
-from engine.model.sharding import Shard
+from loramux_core.model import sharding
+from loramux_core.model.archs import architecture
+from loramux_core.model.archs.base import ExpertTarget, LoraTarget
+from loramux_core.model.sharding import Shard
 
 
 

@@ -1,8 +1,8 @@
 """Qwen3 (Qwen3ForCausalLM): RMSNorm over each query and key head (q_norm, k_norm)
 between the projection and rotary; `attention_bias` gives q, k, v and o biases; full
 attention only."""
-from engine.model.archs.base import Architecture, ArchFields, refuse_sliding_window
-from engine.model.archs.llama import DECODER_TARGETS
+from loramux_core.model.archs.base import Architecture, ArchFields, refuse_sliding_window
+from loramux_core.model.archs.llama import DECODER_TARGETS
 
 
 def _fields(raw: dict) -> ArchFields:

@@ -1,6 +1,6 @@
 """The base model's architecture, parsed from a Hugging Face model directory.
 
-Supports the architectures of the model registry (engine/model/archs/: Llama, Qwen2,
+Supports the architectures of the model registry (loramux_core/model/archs/: Llama, Qwen2,
 Qwen3, Mistral, Qwen2-MoE); each decides its own fields (biases, q/k norms, sliding window).
 Reads both the transformers 4 layout (`rope_theta` + `rope_scaling`) and the
 transformers 5 layout (`rope_parameters`). Anything the engine cannot run exactly is
@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from engine.model.archs import ARCHITECTURES, MoeFields
+from loramux_core.model.archs import ARCHITECTURES, MoeFields
 from loramux_core.errors import ModelLoadError
 
 SUPPORTED_ARCHS = tuple(ARCHITECTURES)

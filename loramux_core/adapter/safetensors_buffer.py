@@ -6,7 +6,8 @@ N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__met
 any tensor is built: known dtype, non-negative integer shape, `end - begin` equal to the
 shape's byte size, and the tensors tiling the data exactly (sorted, no gap, no overlap, no
 byte left over), as the safetensors library itself requires. Nothing here imports torch
-except `tensor()`, so the control plane can check headers cheaply.
+(engine/lora/tensor_view.py views the tensors), so the control plane can check headers
+cheaply.
 """
 from __future__ import annotations
 
@@ -107,20 +108,3 @@ def check_factor(key: str, info: TensorInfo, want: tuple[int, ...], what: str,
     if not is_float(info):
         raise AdapterError(f"tensor {key!r} has dtype {info.dtype}, expected a floating type",
                            feature="dtype", file=file)
-
-
-def tensor(buf, info: TensorInfo):
-    """The tensor `info` describes, as a read-only view into `buf` (copy before writing).
-    Only floating dtypes are supported (the planner refuses the others first)."""
-    import torch
-
-    dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-             "F64": torch.float64}[info.dtype]
-    if info.start == info.end:
-        return torch.empty(info.shape, dtype=dtype)
-    view = memoryview(buf)[info.start:info.end]
-    import warnings
-    with warnings.catch_warnings():  # bytes are immutable: the view is never written
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(view, dtype=dtype)
-    return flat.view(info.shape)

@@ -3,8 +3,8 @@
 `plan_adapter` reads adapter_config.json and adapter_model.safetensors once each, through
 loramux_core/safe_files.py (inside the adapter roots, no link followed, hashed: the
 hash is the adapter's version), decides which modules of which layers the adapter wraps
-(PEFT's own matching rules, engine/lora/config.py), and checks the safetensors header
-(engine/lora/safetensors_buffer.py) so that every such module has exactly its
+(PEFT's own matching rules, loramux_core/adapter/config.py), and checks the safetensors header
+(loramux_core/adapter/safetensors_buffer.py) so that every such module has exactly its
 lora_A/lora_B tensors with the shapes the base model needs. The control plane uses it to
 accept or refuse an adapter; `load_lora` builds the weights from the very bytes planned
 here, so both paths refuse exactly the same adapters.
@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from engine.lora import expert_plan
-from engine.lora.config import CONFIG_NAME, AdapterConfig, parse_adapter_config, read_config_bytes
-from engine.lora.patterns import dotted_suffixes
-from engine.lora.safetensors_buffer import (MAX_HEADER_BYTES, TensorInfo, check_factor,
-                                            parse_header)
-from engine.model.archs import architecture
-from engine.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
-                                       expert_full_shape, full_shape)
+from loramux_core.adapter import expert_plan
+from loramux_core.adapter.config import (CONFIG_NAME, AdapterConfig, parse_adapter_config,
+                                         read_config_bytes)
+from loramux_core.adapter.patterns import dotted_suffixes
+from loramux_core.adapter.safetensors_buffer import (MAX_HEADER_BYTES, TensorInfo, check_factor,
+                                                     parse_header)
+from loramux_core.model.archs import architecture
+from loramux_core.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
+                                             expert_full_shape, full_shape)
 from loramux_core.errors import AdapterError
 from loramux_core.file_digest import FileRead, combined_version
 from loramux_core.safe_files import AdapterDir, AdapterRoots, Alloc, open_adapter_dir
@@ -229,7 +230,7 @@ def _show(targets) -> str:
 
 def _index_keys(shapes: dict, model_cfg, file: str, use_dora: bool):
     """({(layer, module): {"A": key, "B": key[, "M": key]}}, and for the experts modules
-    {(layer, parent, depth): {"A": key, "B": key}} (engine/lora/expert_plan.py)); refuses
+    {(layer, parent, depth): {"A": key, "B": key}} (loramux_core/adapter/expert_plan.py)); refuses
     every key we cannot place ("M": DoRA magnitude, only when the config sets use_dora)."""
     num_layers, supported = model_cfg.num_layers, _lora_targets(model_cfg)
     found: dict[tuple[int, str], dict[str, str]] = {}

@@ -1,10 +1,10 @@
 """Llama (LlamaForCausalLM): `attention_bias` gives q, k, v and o biases.
 
 Its decoder layer is the layout the other Llama-family modules here share: seven
-projections, run as four merged groups (engine/model/lora_targets.py says what a group
+projections, run as four merged groups (loramux_core/model/lora_targets.py says what a group
 is), named in checkpoints `model.layers.{i}.{parent}.{module}`.
 """
-from engine.model.archs.base import Architecture, ArchFields, LoraTarget
+from loramux_core.model.archs.base import Architecture, ArchFields, LoraTarget
 
 # The seven projections of a decoder layer, in group and slice order.
 DECODER_TARGETS: tuple[LoraTarget, ...] = (

@@ -1,23 +1,10 @@
-"""The model registry: one module per architecture, looked up by Hugging Face class name.
-
-Adding an architecture is one file here declaring an `Architecture` (engine/model/archs/
-base.py) and one line below.
-"""
+"""The model of a registered architecture (loramux_core/model/archs/), built for one rank:
+every registered family runs on the Llama-family model (engine/model/llama.py), its
+flags (biases, q/k norms, sliding window, experts) read from the ModelConfig."""
 from __future__ import annotations
 
-from types import MappingProxyType
-
-from engine.model.archs import llama, mistral, qwen2, qwen2_moe, qwen3
-from engine.model.archs.base import Architecture, ArchFields, MoeFields
+from engine.model.llama import LlamaForCausalLM
 from loramux_core.errors import ModelLoadError
-
-ARCHITECTURES = MappingProxyType({a.hf_name: a for a in (
-    llama.ARCH, qwen2.ARCH, qwen3.ARCH, mistral.ARCH, qwen2_moe.ARCH)})
-
-
-def architecture(cfg) -> Architecture:
-    """The registered architecture of a ModelConfig."""
-    return ARCHITECTURES[cfg.arch]
 
 
 def build_model(cfg, dtype, device, tp, max_model_len: int | None = None):
@@ -35,7 +22,4 @@ def build_model(cfg, dtype, device, tp, max_model_len: int | None = None):
     # FP8 checkpoints multiply in FP8 on CUDA; elsewhere they are dequantized at load
     # (the reference path)
     on_cuda = getattr(device, "type", str(device)).startswith("cuda")
-    return architecture(cfg).build(cfg, dtype, device, tp, fp8=cfg.quant == "fp8" and on_cuda)
-
-
-__all__ = ["ARCHITECTURES", "Architecture", "ArchFields", "MoeFields", "architecture", "build_model"]
+    return LlamaForCausalLM(cfg, dtype, device, tp, fp8=cfg.quant == "fp8" and on_cuda)

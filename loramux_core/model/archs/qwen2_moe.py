@@ -12,9 +12,9 @@ module each (`mlp.experts.{e}.gate_proj.weight`, ...), as transformers writes th
 """
 from dataclasses import replace
 
-from engine.model.archs.base import (Architecture, ArchFields, ExpertTarget, MoeFields,
-                                     refuse_sliding_window)
-from engine.model.archs.llama import DECODER_TARGETS
+from loramux_core.model.archs.base import (Architecture, ArchFields, ExpertTarget, MoeFields,
+                                           refuse_sliding_window)
+from loramux_core.model.archs.llama import DECODER_TARGETS
 from loramux_core.errors import ModelLoadError
 
 _TARGETS = tuple(replace(t, parent="mlp.shared_expert") if t.parent == "mlp" else t

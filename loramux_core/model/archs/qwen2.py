@@ -1,6 +1,6 @@
 """Qwen2 (Qwen2ForCausalLM): q/k/v biases always, no o bias; full attention only."""
-from engine.model.archs.base import Architecture, ArchFields, refuse_sliding_window
-from engine.model.archs.llama import DECODER_TARGETS
+from loramux_core.model.archs.base import Architecture, ArchFields, refuse_sliding_window
+from loramux_core.model.archs.llama import DECODER_TARGETS
 
 
 def _fields(raw: dict) -> ArchFields:

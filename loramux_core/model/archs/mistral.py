@@ -1,8 +1,8 @@
 """Mistral (MistralForCausalLM): no biases; when config.json sets `sliding_window`, every
 layer attends to the last `sliding_window` positions only (transformers' mask: key
 position > query position - sliding_window)."""
-from engine.model.archs.base import Architecture, ArchFields
-from engine.model.archs.llama import DECODER_TARGETS
+from loramux_core.model.archs.base import Architecture, ArchFields
+from loramux_core.model.archs.llama import DECODER_TARGETS
 from loramux_core.errors import ModelLoadError
 
 

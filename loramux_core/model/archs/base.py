@@ -1,7 +1,7 @@
 """What an architecture module declares: its Hugging Face class name, the ModelConfig
 fields that differ between architectures (read from config.json), and its LoRA targets
 (module, in/out dims, tensor-parallel split, fused slices) that the LoRA pool, loader,
-planner and sharding read (through engine/model/lora_targets.py).
+planner and sharding read (through loramux_core/model/lora_targets.py).
 
 Declarations only: nothing here imports torch, so a process that only parses a model's
 config (the control plane, the gateway) can use the registry.
@@ -81,7 +81,7 @@ class Architecture:
     values it cannot run exactly); `lora_targets` are the decoder modules LoRA may wrap,
     with their geometry, `end_targets` the ends (lm_head, embed_tokens) it may wrap and
     `expert_targets` the fused expert parameters of a mixture of experts (PEFT's
-    `target_parameters`) (engine/model/lora_targets.py). The decoder's weight names follow the
+    `target_parameters`) (loramux_core/model/lora_targets.py). The decoder's weight names follow the
     `model.layers.{i}.{parent}.{module}` layout of the targets' parents; the extra tensors
     a flag adds (qk_norm: `self_attn.q_norm`, `self_attn.k_norm`) are loaded by the model."""
     hf_name: str
@@ -89,13 +89,6 @@ class Architecture:
     lora_targets: tuple[LoraTarget, ...]
     end_targets: tuple[str, ...] = ("lm_head", "embed_tokens")
     expert_targets: tuple[ExpertTarget, ...] = ()
-
-    def build(self, cfg, dtype, device, tp, fp8: bool = False):
-        """This rank's model, weights not loaded yet (`fp8`: FP8 GEMMs, see
-        LlamaForCausalLM)."""
-        from engine.model.llama import LlamaForCausalLM  # torch only where a model is built
-
-        return LlamaForCausalLM(cfg, dtype, device, tp, fp8=fp8)
 
 
 def refuse_sliding_window(raw: dict[str, Any]) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import re
 
-from engine.lora.config import AdapterConfig
-from engine.lora.patterns import dotted_suffixes
-from engine.lora.safetensors_buffer import check_factor
-from engine.model.archs import architecture
-from engine.model.lora_targets import ExpertTarget, expert_full_shape
+from loramux_core.adapter.config import AdapterConfig
+from loramux_core.adapter.patterns import dotted_suffixes
+from loramux_core.adapter.safetensors_buffer import check_factor
+from loramux_core.model.archs import architecture
+from loramux_core.model.lora_targets import ExpertTarget, expert_full_shape
 from loramux_core.errors import AdapterError
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>[\w.]+?)"
