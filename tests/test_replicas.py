@@ -99,6 +99,15 @@ def adapters_on(cluster, replica: str) -> float:
                if s.name == "loramux:adapters" and s.labels["replica"] == replica)
 
 
+def wait_gateway_sees(cluster, counts: dict[str, int], timeout_s: float = 60.0) -> None:
+    """Until the gateway's latest stats of each replica list `counts[replica]` adapters:
+    its routing decisions are then made on the residency the test set up."""
+    deadline = time.monotonic() + timeout_s
+    while any(adapters_on(cluster, r) < n for r, n in counts.items()):
+        assert time.monotonic() < deadline, {r: adapters_on(cluster, r) for r in counts}
+        time.sleep(0.1)
+
+
 def health(address: str, service: str):
     with grpc.insecure_channel(address) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(
@@ -109,7 +118,7 @@ def delta(after: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
-def wait_resident(admin, names, timeout_s: float = 30.0) -> None:
+def wait_resident(admin, names, timeout_s: float = 90.0) -> None:
     """Until every replica each adapter is placed on is up and reports holding it (the
     engines' stats follow a load within one stats interval)."""
     deadline = time.monotonic() + timeout_s
@@ -121,6 +130,7 @@ def wait_resident(admin, names, timeout_s: float = 30.0) -> None:
 
 def test_adapters_are_placed_and_reported_per_replica(cluster, admin):
     wait_resident(admin, ADAPTERS)
+    wait_gateway_sees(cluster, {"0": 2, "1": 2})  # both + solo0; both + solo1
     both, solo1 = admin.get("both"), admin.get("solo1")
     assert [(r.replica, r.up, r.placed) for r in both.replicas] == [(0, True, True), (1, True, True)]
     assert [(r.replica, r.placed) for r in solo1.replicas] == [(0, False), (1, True)]
@@ -223,10 +233,7 @@ def test_restarted_replica_rejoins_with_its_adapters(cluster, admin, offline):
     cluster.start("engine-0")
     cluster.wait_ready("engine-0")
     wait_resident(admin, ("both", "solo0"))  # the control plane replayed it
-    deadline = time.monotonic() + 10  # and the gateway has the replica's stats since
-    while adapters_on(cluster, "0") < 2:
-        assert time.monotonic() < deadline, "the gateway never saw replica 0's adapters"
-        time.sleep(0.1)
+    wait_gateway_sees(cluster, {"0": 2})  # and the gateway has the replica's stats since
     before = routed(cluster)
     with GenerateClient(cluster.gateway_address) as gen:
         for name in ("solo0", "both"):
