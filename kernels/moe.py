@@ -85,6 +85,8 @@ def _slots(lora: ExpertLoRA) -> int:
 def _add_lora(gemm, a, a_row_div, lora_a, lora_b, plan, out) -> None:
     """out[p] += (a[p // div] @ A[s, e]ᵀ) @ B[s, e]ᵀ, the rank-R intermediate in float32."""
     L, E, R, K = lora_a.shape
-    shrunk = torch.zeros(out.shape[0], R, dtype=torch.float32, device=out.device)
+    # rows of pairs outside the plan stay unwritten: the second product reads only the
+    # plan's rows
+    shrunk = torch.empty(out.shape[0], R, dtype=torch.float32, device=out.device)
     gemm(a, lora_a.reshape(L * E, R, K), plan, a_row_div, shrunk)
     gemm(shrunk, lora_b.reshape(L * E, lora_b.shape[2], R), plan, 1, out, accumulate=True)

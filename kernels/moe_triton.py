@@ -42,10 +42,102 @@ def block_m_for(num_pairs: int, num_groups: int) -> int:
     return 64 if num_pairs >= 32 * num_groups else 16
 
 
-def align(group: torch.Tensor, num_groups: int, block_m: int | None = None) -> Alignment:
-    """Lay the pairs out by group (negative groups dropped). Device ops only."""
+# up to this many pairs `align` is one launch (align_kernel, one program: decode and
+# small prefills); beyond, torch ops (their launches are then small against the GEMMs)
+ALIGN_KERNEL_MAX_PAIRS = 2048
+
+
+def align(group: torch.Tensor, num_groups: int, block_m: int | None = None,
+          use_kernel: bool | None = None) -> Alignment:
+    """Lay the pairs out by group (negative groups dropped). Device ops only: one launch
+    of align_kernel up to ALIGN_KERNEL_MAX_PAIRS pairs (`use_kernel` forces either way)."""
     P, dev = group.numel(), group.device
     block_m = block_m or block_m_for(P, num_groups)
+    num_blocks = triton.cdiv(P, block_m) + min(num_groups, P)
+    if use_kernel is None:
+        use_kernel = P <= ALIGN_KERNEL_MAX_PAIRS
+    if use_kernel and P:
+        sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+        block_group = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+        work = torch.empty(3 * num_groups + P, dtype=torch.int32, device=dev)
+        align_kernel[(1,)](group, sorted_ids, block_group, work, P, num_groups, num_blocks,
+                           BLOCK_M=block_m, BLOCK_P=128, BLOCK_G=256,
+                           LOG_G=num_groups.bit_length())
+        return Alignment(sorted_ids, block_group, P, block_m)
+    return _align_torch(group, num_groups, block_m, num_blocks)
+
+
+@triton.jit
+def align_kernel(group_ptr, sorted_ids_ptr, block_group_ptr, work_ptr, P, G, num_blocks,
+                 BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+                 LOG_G: tl.constexpr):
+    """`align` in one program: count each group's pairs (each pair's rank in its group
+    from comparisons within a chunk of pairs, no atomics), pad and scan the counts into
+    each group's first row, write the pair ids there, and find each row block's group by
+    binary search over the groups' cumulative block counts. The work arrays are written
+    and read back by other threads of the program across barriers: their loads are
+    volatile (not served from a stale cache line)."""
+    counts = work_ptr            # [G] pairs seen so far per group
+    starts = work_ptr + G        # [G] first row of each group
+    ends = work_ptr + 2 * G      # [G] row blocks up to and including each group
+    rank = work_ptr + 3 * G      # [P] each pair's rank within its group
+    gi = tl.arange(0, BLOCK_G)
+    pi = tl.arange(0, BLOCK_P)
+    for g0 in range(0, G, BLOCK_G):
+        tl.store(counts + g0 + gi, tl.zeros((BLOCK_G,), tl.int32), mask=g0 + gi < G)
+    rows = num_blocks * BLOCK_M
+    for r0 in range(0, rows, BLOCK_P):
+        tl.store(sorted_ids_ptr + r0 + pi, tl.zeros((BLOCK_P,), tl.int32) + P,
+                 mask=r0 + pi < rows)
+    tl.debug_barrier()
+    for p0 in range(0, P, BLOCK_P):
+        offs = p0 + pi
+        key = tl.load(group_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        valid = key >= 0
+        key = tl.where(valid, key, 0)
+        same = (key[:, None] == key[None, :]) & valid[:, None] & valid[None, :]
+        before = tl.sum((same & (pi[None, :] < pi[:, None])).to(tl.int32), axis=1)
+        after = tl.sum((same & (pi[None, :] > pi[:, None])).to(tl.int32), axis=1)
+        base = tl.load(counts + key, mask=valid, other=0, volatile=True)
+        tl.store(rank + offs, base + before, mask=valid)
+        tl.debug_barrier()   # every count read before the group's last pair writes it
+        tl.store(counts + key, base + before + 1, mask=valid & (after == 0))
+        tl.debug_barrier()
+    carry = tl.sum(tl.zeros((BLOCK_G,), tl.int32), axis=0)
+    for g0 in range(0, G, BLOCK_G):
+        m = g0 + gi < G
+        blocks = (tl.load(counts + g0 + gi, mask=m, other=0, volatile=True) + BLOCK_M - 1) \
+            // BLOCK_M
+        incl = tl.cumsum(blocks, axis=0)
+        tl.store(starts + g0 + gi, (carry + incl - blocks) * BLOCK_M, mask=m)
+        tl.store(ends + g0 + gi, carry + incl, mask=m)
+        carry += tl.sum(blocks, axis=0)
+    tl.debug_barrier()
+    for p0 in range(0, P, BLOCK_P):
+        offs = p0 + pi
+        key = tl.load(group_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+        valid = key >= 0
+        key = tl.where(valid, key, 0)
+        at = (tl.load(starts + key, mask=valid, other=0, volatile=True)
+              + tl.load(rank + offs, mask=valid, other=0, volatile=True))
+        tl.store(sorted_ids_ptr + at, offs, mask=valid)
+    for b0 in range(0, num_blocks, BLOCK_P):
+        b = b0 + pi
+        lo = tl.zeros((BLOCK_P,), tl.int32)
+        hi = lo + G
+        for _ in tl.static_range(LOG_G):   # the first group whose blocks end past b
+            active = lo < hi
+            mid = (lo + hi) // 2
+            e = tl.load(ends + mid, mask=active, other=0, volatile=True)
+            lo = tl.where(active & (e <= b), mid + 1, lo)
+            hi = tl.where(active & (e > b), mid, hi)
+        tl.store(block_group_ptr + b, tl.where(lo < G, lo, -1), mask=b < num_blocks)
+
+
+def _align_torch(group: torch.Tensor, num_groups: int, block_m: int,
+                 num_blocks: int) -> Alignment:
+    """`align` in torch ops (some thirty launches)."""
+    P, dev = group.numel(), group.device
     key = torch.where(group < 0, num_groups, group.long())
     # scatter_add, not bincount: bincount sizes its output from the data (a host sync,
     # which a CUDA graph capture refuses)
@@ -54,7 +146,6 @@ def align(group: torch.Tensor, num_groups: int, block_m: int | None = None) -> A
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded
     first = torch.cumsum(counts, 0) - counts
-    num_blocks = triton.cdiv(P, block_m) + min(num_groups, P)
     order = torch.sort(key, stable=True).indices
     key_sorted = key[order]
     valid = key_sorted < num_groups

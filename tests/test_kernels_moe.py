@@ -21,11 +21,13 @@ def _routed(T, E, k, H, gen):
     return moe_ref.route_ref(logits, k, norm_topk_prob=False)
 
 
-@pytest.mark.parametrize("P,G", [(1, 4), (7, 3), (40, 8), (33, 1), (3, 60), (9, 240)])
-def test_align_covers_every_pair_once(P, G):
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("P,G", [(1, 4), (7, 3), (40, 8), (33, 1), (3, 60), (9, 240),
+                                 (300, 5)])
+def test_align_covers_every_pair_once(P, G, use_kernel):
     gen = torch.Generator().manual_seed(P)
     group = torch.randint(-1, G, (P,), generator=gen)
-    al = moe_triton.align(group.to(DEV), G, block_m=4)
+    al = moe_triton.align(group.to(DEV), G, block_m=4, use_kernel=use_kernel)
     al = al._replace(sorted_ids=al.sorted_ids.cpu(), block_group=al.block_group.cpu())
     # row blocks launched: ceil(P / 4) plus one per group that can hold pairs, not per group
     assert al.block_group.numel() == -(-P // 4) + min(G, P)
@@ -37,6 +39,19 @@ def test_align_covers_every_pair_once(P, G):
         assert (group[real.long()] == g).all()
     kept = al.sorted_ids[al.sorted_ids < P].sort().values
     assert kept.tolist() == (group >= 0).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("P,G,block_m", [(5, 60, 16), (257, 9, 16), (600, 300, 16),
+                                         (1000, 7, 64)])
+def test_align_kernel_matches_the_torch_layout(P, G, block_m):
+    """The one-launch layout (align_kernel) is the torch ops' layout exactly, over several
+    chunks of pairs and of groups (pairs in order within a group)."""
+    gen = torch.Generator().manual_seed(P + G)
+    group = torch.randint(-1, G, (P,), generator=gen).to(DEV)
+    got = moe_triton.align(group, G, block_m, use_kernel=True)
+    want = moe_triton.align(group, G, block_m, use_kernel=False)
+    assert torch.equal(got.sorted_ids, want.sorted_ids)
+    assert torch.equal(got.block_group, want.block_group)
 
 
 @pytest.mark.parametrize("T,E,k,H,I", [(1, 4, 2, 32, 16), (19, 8, 2, 64, 48), (37, 6, 3, 40, 24),
