@@ -262,7 +262,18 @@ def swap(engine, slot: int, weights, stream) -> None:
     engine.lora_pool.load(slot, weights, stream=stream)
 
 
+def wait_pinned(engine, ids: list[int], device: torch.device, timeout_s: float = 60.0) -> None:
+    """Host copies are page-locked in the background after a load (engine/lora/
+    host_buffers.py): swaps are timed from pinned copies, as in steady serving."""
+    deadline = time.monotonic() + timeout_s
+    copies = [engine.adapters.host.get(a) for a in ids]
+    while device.type == "cuda" and not all(w is None or w.pinned for w in copies):
+        assert time.monotonic() < deadline, "host copies not page-locked in time"
+        time.sleep(0.01)
+
+
 def bench_swap(engine, ids: list[int], device: torch.device, reps: int, log):
+    wait_pinned(engine, ids, device)
     stream = torch.cuda.Stream() if device.type == "cuda" else None
     wall, dev, copies = [], [], []
     slot = engine.lora_pool.max_loras - 1

@@ -20,6 +20,7 @@ from loramux.v1 import adapter_admin_pb2 as admin_pb2
 
 from engine import Engine, EngineConfig, SamplingParams
 from services.launcher import Cluster, ClusterConfig, wait_serving
+from tests.support.streams import finish
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 TOKEN = "s3cret-token"
@@ -347,19 +348,6 @@ async def _open(client, adapter, prompts, max_tokens=LONG):
     return pairs
 
 
-async def _finish(pairs):
-    """(tokens, error or None, end time) of each stream, read to its end."""
-    async def rest(stream, resps):
-        try:
-            async for r in stream:
-                resps.append(r)
-            err = None
-        except LoramuxError as e:
-            err = e
-        return [t for r in resps for t in r.token_ids], err, time.monotonic()
-    return await asyncio.gather(*[rest(s, r) for s, r in pairs])
-
-
 def test_unload_during_streaming(cluster, admin, gen, offline):
     prompts = PROMPTS[:3]
     want = expected(offline, prompts, ["a3"] * 3, LONG, ignore_eos=True)
@@ -372,7 +360,7 @@ def test_unload_during_streaming(cluster, admin, gen, offline):
             with pytest.raises(LoramuxError) as info:
                 await client.generate("hi", "a3", max_tokens=2)
             refused_after = time.monotonic() - t0
-            return info.value.code, refused_after, await _finish(pairs)
+            return info.value.code, refused_after, await finish(pairs)
     code, refused_after, results = asyncio.run(scenario())
     assert code == grpc.StatusCode.FAILED_PRECONDITION and refused_after < 2.0
     assert [r[0] for r in results] == want and all(r[1] is None for r in results)
@@ -393,7 +381,7 @@ def test_control_plane_restart(cluster, admin, gen, offline):
         async with AsyncGenerateClient(cluster.gateway_address) as client:
             pairs = await _open(client, "a1", PROMPTS[:1]) + await _open(client, "a2", PROMPTS[1:2])
             await asyncio.to_thread(cluster.kill, "control")
-            return await _finish(pairs)
+            return await finish(pairs)
     results = asyncio.run(scenario())
     assert [r[0] for r in results] == want and all(r[1] is None for r in results)
     # with the control plane down, the gateway keeps serving from its last table
@@ -415,7 +403,7 @@ def test_engine_killed_mid_stream_then_replayed(cluster, admin, gen, offline):
             pairs = await _open(client, "a1", PROMPTS[:2], max_tokens=900)
             t_kill = time.monotonic()
             await asyncio.to_thread(cluster.kill, "engine")
-            return t_kill, await _finish(pairs)
+            return t_kill, await finish(pairs)
     t_kill, results = asyncio.run(scenario())
     for tokens, err, t_end in results:
         assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, err
@@ -447,7 +435,7 @@ def test_gateway_graceful_shutdown(cluster, offline):
         async with AsyncGenerateClient(cluster.gateway_address) as client:
             pairs = await _open(client, None, PROMPTS[:1])
             stop = asyncio.create_task(asyncio.to_thread(cluster.stop, "gateway", signal.SIGTERM))
-            results = await _finish(pairs)
+            results = await finish(pairs)
             return results, await stop
     results, code = asyncio.run(scenario())
     assert results[0][1] is None and results[0][0] == want[0]

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine, EngineConfig, SamplingParams
 from services.launcher import Cluster, ClusterConfig, wait_serving
+from tests.support.streams import finish
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -182,19 +183,6 @@ async def _open_streams(client, n: int, max_tokens: int):
     return [(s, [f]) for s, f in zip(streams, firsts)]
 
 
-async def _finish(pairs):
-    """(tokens, error or None, end time) of each stream, read to its end."""
-    async def rest(stream, resps):
-        try:
-            async for r in stream:
-                resps.append(r)
-            err = None
-        except LoramuxError as e:
-            err = e
-        return [t for r in resps for t in r.token_ids], err, time.monotonic()
-    return await asyncio.gather(*[rest(s, r) for s, r in pairs])
-
-
 def test_replica_killed_under_50_streams(cluster, admin, offline):
     max_tokens = 200
     want = expected(offline, "both", max_tokens)
@@ -205,7 +193,7 @@ def test_replica_killed_under_50_streams(cluster, admin, offline):
             inflight = await asyncio.to_thread(gauge, cluster, "loramux:gateway_requests_inflight")
             t_kill = time.monotonic()
             await asyncio.to_thread(cluster.kill, "engine-0")
-            return inflight, t_kill, await _finish(pairs)
+            return inflight, t_kill, await finish(pairs)
     inflight, t_kill, results = asyncio.run(scenario())
     failed = [(err, t_end) for _, err, t_end in results if err is not None]
     done = [tokens for tokens, err, _ in results if err is None]
