@@ -1,5 +1,6 @@
-"""The gateway's replica choice (services/gateway/router.py) and the launcher's device sets,
-without processes: affinity tiers, load within a tier, spills from saturated replicas."""
+"""The gateway's replica choice (services/gateway/router.py), the launcher's device sets and
+`loramux serve --replicas`, without processes: affinity tiers, load within a tier, spills
+from saturated replicas, devices per replica."""
 from __future__ import annotations
 
 import pytest
@@ -65,3 +66,15 @@ def test_device_sets_and_addresses():
         [("tcp://a:1", "tcp://a:2"), ("tcp://b:1", "tcp://b:2")]
     with pytest.raises(ValueError, match="2 replica"):
         addresses("tcp://a:1,tcp://b:1", "tcp://a:2")
+
+
+def test_serve_replicas_flag(monkeypatch, capsys):
+    from services.serve_args import cluster_config, files, parse_args
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(SystemExit):  # two TP groups of two need four devices
+        parse_args(["--replicas", "2", "--tensor-parallel-size", "2", "--device", "cuda"])
+    assert "--replicas: 2 replica(s) of 2 device(s) each need 4 devices" in capsys.readouterr().err
+    args = parse_args(["--replicas", "2", "--model", "m", "--device", "cpu"])
+    cfg = cluster_config(args, files(args))
+    assert (cfg.replicas, cfg.tensor_parallel_size) == (2, 1)
