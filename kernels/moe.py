@@ -66,8 +66,8 @@ def _run(impl, x, w13, w2, topk_weights, topk_ids, lora):
     h = gemm(x, w13, plan, k, torch.empty(T * k, w13.shape[1], dtype=x.dtype, device=x.device))
     lora_plan = None
     if lora is not None:
-        groups = pair_groups(topk_ids, lora.token_slots, E)
-        lora_plan = impl.align(groups, _slots(lora) * E) if impl else groups
+        lora_plan = (impl.align_lora(topk_ids, lora.token_slots, E, _slots(lora)) if impl
+                     else pair_groups(topk_ids, lora.token_slots, E))
     if lora_plan is not None and lora.a13 is not None:
         _add_lora(gemm, x, k, lora.a13, lora.b13, lora_plan, h)
     act = silu_mul(h)

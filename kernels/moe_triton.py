@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.dot_triton import dot_f32
+from kernels.moe_ref import pair_groups
 
 
 
@@ -51,6 +52,24 @@ def align(group: torch.Tensor, num_groups: int, block_m: int | None = None,
           use_kernel: bool | None = None) -> Alignment:
     """Lay the pairs out by group (negative groups dropped). Device ops only: one launch
     of align_kernel up to ALIGN_KERNEL_MAX_PAIRS pairs (`use_kernel` forces either way)."""
+    return _align(group, None, 0, num_groups, block_m, use_kernel)
+
+
+def align_lora(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_experts: int,
+               num_slots: int, block_m: int | None = None,
+               use_kernel: bool | None = None) -> Alignment:
+    """`align` of the expert-LoRA groups `pair_groups(topk_ids, token_slots, E)` over
+    num_slots·E groups; align_kernel computes each pair's group itself."""
+    if use_kernel is None:
+        use_kernel = topk_ids.numel() <= ALIGN_KERNEL_MAX_PAIRS
+    if not use_kernel:
+        return align(pair_groups(topk_ids, token_slots, num_experts), num_slots * num_experts,
+                     block_m, use_kernel=False)
+    return _align(topk_ids.reshape(-1), token_slots, num_experts, num_slots * num_experts,
+                  block_m, True)
+
+
+def _align(group, token_slots, num_experts, num_groups, block_m, use_kernel) -> Alignment:
     P, dev = group.numel(), group.device
     block_m = block_m or block_m_for(P, num_groups)
     num_blocks = triton.cdiv(P, block_m) + min(num_groups, P)
@@ -60,16 +79,30 @@ def align(group: torch.Tensor, num_groups: int, block_m: int | None = None,
         sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
         block_group = torch.empty(num_blocks, dtype=torch.int32, device=dev)
         work = torch.empty(3 * num_groups + P, dtype=torch.int32, device=dev)
-        align_kernel[(1,)](group, sorted_ids, block_group, work, P, num_groups, num_blocks,
-                           BLOCK_M=block_m, BLOCK_P=128, BLOCK_G=256,
+        with_slots = token_slots is not None
+        align_kernel[(1,)](group, token_slots if with_slots else group, sorted_ids,
+                           block_group, work, P, num_groups, num_blocks,
+                           P // max(1, token_slots.numel()) if with_slots else 1, num_experts,
+                           WITH_SLOTS=with_slots, BLOCK_M=block_m, BLOCK_P=128, BLOCK_G=256,
                            LOG_G=num_groups.bit_length())
         return Alignment(sorted_ids, block_group, P, block_m)
     return _align_torch(group, num_groups, block_m, num_blocks)
 
 
 @triton.jit
-def align_kernel(group_ptr, sorted_ids_ptr, block_group_ptr, work_ptr, P, G, num_blocks,
-                 BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+def _pair_key(group_ptr, slots_ptr, offs, P, top_k, num_experts, WITH_SLOTS: tl.constexpr):
+    """(group of pairs `offs` clamped to >= 0, whether it is a real group)."""
+    key = tl.load(group_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+    if WITH_SLOTS:   # expert LoRA: slot · E + expert, none for a base-model token
+        slot = tl.load(slots_ptr + offs // top_k, mask=offs < P, other=-1).to(tl.int32)
+        key = tl.where((slot >= 0) & (key >= 0), slot * num_experts + key, -1)
+    valid = key >= 0
+    return tl.where(valid, key, 0), valid
+
+
+@triton.jit
+def align_kernel(group_ptr, slots_ptr, sorted_ids_ptr, block_group_ptr, work_ptr, P, G,
+                 num_blocks, top_k, num_experts, WITH_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
                  LOG_G: tl.constexpr):
     """`align` in one program: count each group's pairs (each pair's rank in its group
     from comparisons within a chunk of pairs, no atomics), pad and scan the counts into
@@ -92,9 +125,7 @@ def align_kernel(group_ptr, sorted_ids_ptr, block_group_ptr, work_ptr, P, G, num
     tl.debug_barrier()
     for p0 in range(0, P, BLOCK_P):
         offs = p0 + pi
-        key = tl.load(group_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-        valid = key >= 0
-        key = tl.where(valid, key, 0)
+        key, valid = _pair_key(group_ptr, slots_ptr, offs, P, top_k, num_experts, WITH_SLOTS)
         same = (key[:, None] == key[None, :]) & valid[:, None] & valid[None, :]
         before = tl.sum((same & (pi[None, :] < pi[:, None])).to(tl.int32), axis=1)
         after = tl.sum((same & (pi[None, :] > pi[:, None])).to(tl.int32), axis=1)
@@ -115,9 +146,7 @@ def align_kernel(group_ptr, sorted_ids_ptr, block_group_ptr, work_ptr, P, G, num
     tl.debug_barrier()
     for p0 in range(0, P, BLOCK_P):
         offs = p0 + pi
-        key = tl.load(group_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-        valid = key >= 0
-        key = tl.where(valid, key, 0)
+        key, valid = _pair_key(group_ptr, slots_ptr, offs, P, top_k, num_experts, WITH_SLOTS)
         at = (tl.load(starts + key, mask=valid, other=0, volatile=True)
               + tl.load(rank + offs, mask=valid, other=0, volatile=True))
         tl.store(sorted_ids_ptr + at, offs, mask=valid)

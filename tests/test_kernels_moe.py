@@ -54,6 +54,20 @@ def test_align_kernel_matches_the_torch_layout(P, G, block_m):
     assert torch.equal(got.block_group, want.block_group)
 
 
+@pytest.mark.parametrize("T,k,E,S", [(1, 4, 60, 4), (37, 2, 8, 3), (300, 4, 16, 5)])
+def test_align_lora_kernel_matches_the_torch_layout(T, k, E, S):
+    """Expert-LoRA groups (slot x expert, base tokens dropped) computed inside the
+    one-launch layout: the torch ops' layout of pair_groups exactly."""
+    gen = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEV)
+    slots = torch.randint(-1, S, (T,), generator=gen).to(DEV)
+    got = moe_triton.align_lora(ids, slots, E, S, use_kernel=True)
+    want = moe_triton.align(moe_ref.pair_groups(ids, slots, E), S * E, use_kernel=False)
+    assert got.block_m == want.block_m
+    assert torch.equal(got.sorted_ids, want.sorted_ids)
+    assert torch.equal(got.block_group, want.block_group)
+
+
 @pytest.mark.parametrize("T,E,k,H,I", [(1, 4, 2, 32, 16), (19, 8, 2, 64, 48), (37, 6, 3, 40, 24),
                                          (150, 3, 2, 32, 16)])   # 100 pairs a group: 64-row blocks
 def test_grouped_gemm_matches_reference(T, E, k, H, I):
