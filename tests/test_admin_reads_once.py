@@ -39,6 +39,9 @@ class Table:
     def publish(self, records) -> None:
         pass
 
+    def publish_later(self, records) -> None:
+        pass
+
 
 @pytest.fixture
 def setup(tmp_path):

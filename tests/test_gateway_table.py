@@ -71,3 +71,24 @@ def test_refusals_stand_after_two_newer_tables(state, code):
             await table.close()
             await pub.close()
     asyncio.run(run())
+
+
+def test_changes_made_together_are_sent_as_one_table_holding_the_last_state():
+    """publish_later coalesces: 300 changes in one burst (as concurrent loads make) cost
+    one table built from the registry as it is when sent, not 300 whole tables."""
+    async def run():
+        pub, table = await _table_pair(interval_s=0.2)  # (periodic sends repeat a table)
+        try:
+            sent_before = pub._table.version
+            state: list[AdapterRecord] = []
+            for i in range(300):
+                state.append(record(f"a{i:03d}", admin_pb2.ADAPTER_STATE_LOADED))
+                pub.publish_later(lambda: list(state))
+            entry = await asyncio.wait_for(table.resolve_current("a299"), 2.0)
+            assert entry.name == "a299"
+            assert len(table.loaded()) == 300
+            assert pub._table.version - sent_before == 1
+        finally:
+            await table.close()
+            await pub.close()
+    asyncio.run(run())

@@ -55,6 +55,9 @@ class Table:
     def publish(self, records):
         self.published.append(records)
 
+    def publish_later(self, records):
+        self.published.append(records())
+
 
 @pytest.fixture
 def make(tmp_path):

@@ -90,7 +90,7 @@ class AdapterManager:
 
     def _save(self, rec: AdapterRecord) -> AdapterRecord:
         rec = self.registry.put(rec)
-        self.table.publish(self.registry.all())
+        self.table.publish_later(self.registry.all)
         return rec
 
     async def register(self, name: str, path: str) -> AdapterRecord:
@@ -154,7 +154,7 @@ class AdapterManager:
             except AdminError:
                 if path and before is None:
                     self.registry.delete(name)
-                    self.table.publish(self.registry.all())
+                    self.table.publish_later(self.registry.all)
                 raise
 
     async def _load(self, rec: AdapterRecord, pinned: bool, fresh: bool,
@@ -228,7 +228,7 @@ class AdapterManager:
                 raise AdminError(grpc.StatusCode.FAILED_PRECONDITION,
                                  f"adapter {name!r} is {pb.AdapterState.Name(rec.state)}; unload it first")
             self.registry.delete(name)
-            self.table.publish(self.registry.all())
+            self.table.publish_later(self.registry.all)
             self._log.info("unregistered", adapter=name)
 
     async def set_pinned(self, name: str, pinned: bool) -> AdapterRecord:
@@ -277,7 +277,7 @@ class AdapterManager:
                     await self._replay_load(replica, rec)
                 elif rec.state in (LOADED, UNLOADING):
                     await self._replay_unload(replica, rec)
-            self.table.publish(self.registry.all())
+            self.table.publish_later(self.registry.all)
         self._log.info("replayed", replica=replica, engine=instance_id)
 
     async def _replay_load(self, replica: int, rec: AdapterRecord) -> None:

@@ -1,9 +1,17 @@
 """Publishes the adapter table (what each name may serve now) to gateways over ZMQ PUB:
-at once on every change and every `interval_s`, so a gateway that (re)connects, or a
-control plane that restarts, converges within one interval."""
+soon after every change and every `interval_s`, so a gateway that (re)connects, or a
+control plane that restarts, converges within one interval.
+
+The table is whole (every name), so sending it at each change would cost O(names) per
+admin call: O(N^2) to load N adapters (7 ms per load at 200 adapters, 23 ms at 800, on
+one CPU core). Changes are coalesced instead: `publish_later` sends the registry as it is
+then, at most once every `min_gap_s` (a gateway that misses a name waits for the next
+tables before refusing it: services/gateway/adapter_table.py)."""
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Callable
 
 import zmq
 
@@ -14,7 +22,8 @@ from services.control.registry import AdapterRecord
 
 
 class TablePublisher:
-    def __init__(self, address: str, interval_s: float = 0.5, keys: ZmqKeys | None = None):
+    def __init__(self, address: str, interval_s: float = 0.5, keys: ZmqKeys | None = None,
+                 min_gap_s: float = 0.01):
         self._ctx = zmq.Context()
         self._auth = start_authenticator(self._ctx, keys) if keys else None
         self._pub = self._ctx.socket(zmq.PUB)
@@ -26,6 +35,9 @@ class TablePublisher:
         self._interval_s = interval_s
         self._table = engine_pb2.AdapterTable()
         self._task: asyncio.Task | None = None
+        self._min_gap_s = min_gap_s
+        self._pending: Callable[[], list[AdapterRecord]] | None = None
+        self._last_send = 0.0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._periodic())
@@ -39,8 +51,27 @@ class TablePublisher:
         self._table = table
         self._send()
 
+    def publish_later(self, records: Callable[[], list[AdapterRecord]]) -> None:
+        """A change: send `records()` within `min_gap_s` (one send for the changes made
+        meanwhile); at once when no event loop runs."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.publish(records())
+            return
+        if self._pending is None:
+            wait = max(0.0, self._last_send + self._min_gap_s - time.monotonic())
+            loop.call_later(wait, self._flush)
+        self._pending = records
+
+    def _flush(self) -> None:
+        records, self._pending = self._pending, None
+        if records is not None and not self._pub.closed:
+            self.publish(records())
+
     def _send(self) -> None:
         self._pub.send(self._table.SerializeToString())
+        self._last_send = time.monotonic()
 
     async def _periodic(self) -> None:
         while True:
