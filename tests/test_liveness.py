@@ -68,27 +68,7 @@ def test_steps_of_four_timeouts_each_do_not_end_a_stream(slow_steps, tiny_model)
 
 
 def test_engine_killed_in_a_long_step_is_unavailable_within_two_seconds(slow_steps):
-    errors: list = []
-    first = threading.Event()
-
-    def stream():
-        with GenerateClient(slow_steps.gateway_address) as gen:
-            try:
-                for _ in gen.stream([5, 6, 7], None, max_tokens=50, ignore_eos=True):
-                    first.set()
-            except LoramuxError as err:
-                errors.append((err, time.monotonic()))
-    t = threading.Thread(target=stream)
-    t.start()
-    assert first.wait(30)
-    time.sleep(0.5)  # inside the next (sleeping) step
-    t_kill = time.monotonic()
-    slow_steps.kill("engine")
-    t.join(10)
-    assert errors, "the stream did not end"
-    err, t_end = errors[0]
-    assert err.code == grpc.StatusCode.UNAVAILABLE, err
-    assert t_end - t_kill < 2.0, t_end - t_kill
+    _kill_mid_stream_is_unavailable_within(slow_steps, 2.0, settle_s=0.5)  # in a sleeping step
     with GenerateClient(slow_steps.gateway_address, retry=False) as gen:
         with pytest.raises(LoramuxError) as info:
             gen.generate([5, 6], None, max_tokens=2)
@@ -169,7 +149,9 @@ def test_one_60_s_step_with_default_timeouts_ends_no_stream(tmp_path, tiny_model
         c.kill_all()
 
 
-def _kill_mid_stream_is_unavailable_within(c, limit_s: float) -> None:
+def _kill_mid_stream_is_unavailable_within(c, limit_s: float, settle_s: float = 0.0) -> None:
+    """A stream is running; `settle_s` after its first token the engine is SIGKILLed: the
+    stream ends UNAVAILABLE within `limit_s`."""
     errors: list = []
     first = threading.Event()
 
@@ -183,6 +165,7 @@ def _kill_mid_stream_is_unavailable_within(c, limit_s: float) -> None:
     t = threading.Thread(target=stream)
     t.start()
     assert first.wait(30)
+    time.sleep(settle_s)
     t_kill = time.monotonic()
     c.kill("engine")
     t.join(10)
