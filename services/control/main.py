@@ -10,8 +10,8 @@ from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
 from loramux_core import curve
 from loramux_core.options import OneLineErrors, positive_float, positive_int
-from loramux_core.safe_files import roots_from, roots_problem
-from services.common import grpc_server, replicas, tls
+from loramux_core.safe_files import roots_from
+from services.common import grpc_server, replicas, service_args, tls
 from services.common.logs import configure_logging
 
 SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].full_name
@@ -140,30 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     from loramux_core import open_audit
     open_audit.install_from_env("control")
     args = build_parser().parse_args(argv)
-    missing = [n for n in ("model", "db", "engine_input", "engine_output", "table_address")
-               if not getattr(args, n)]
-    if missing:
-        print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
-              file=sys.stderr)
-        return 2
-    roots = roots_from(args.adapter_root, os.environ)
-    if not roots:
-        print("error: at least one --adapter-root is required", file=sys.stderr)
-        return 2
-    if (why := roots_problem(roots)) is not None:
+    why = service_args.check(args, ("model", "db", "engine_input", "engine_output",
+                                    "table_address"), require_roots=True, check_token=True)
+    if why is not None:
         print(f"error: {why}", file=sys.stderr)
-        return 2
-    try:
-        args.engines = replicas.addresses(args.engine_input, args.engine_output)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
-        args.keys = curve.keys_from_args(args)
-        args.tls = tls.from_args(args)
-        tls.check_token_transport(args.listen, args.auth_token, args.tls,
-                                  args.allow_plaintext_token)
-    except (curve.ZmqKeyError, tls.TLSConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
         return 2
     return asyncio.run(serve(args))

@@ -11,7 +11,7 @@ from loramux.v1 import generate_pb2, generate_pb2_grpc
 from loramux_core import curve
 from loramux_core.options import (OneLineErrors, Option, add_options, given, non_negative_float,
                                   positive_float, positive_int)
-from services.common import grpc_server, replicas, tls
+from services.common import grpc_server, replicas, service_args, tls
 from services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -174,28 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentTypeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    missing = [n for n in ("model", "engine_input", "engine_output", "table_address")
-               if not getattr(args, n)]
-    if missing:
-        print(f"error: missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}",
-              file=sys.stderr)
-        return 2
-    from loramux_core.safe_files import roots_from, roots_problem
-    if (why := roots_problem(roots_from(args.adapter_root, os.environ))) is not None:
+    # the HTTP API's bearer token is checked on the --listen host
+    why = service_args.check(args, ("model", "engine_input", "engine_output", "table_address"),
+                             require_roots=False, check_token=args.http_port > 0)
+    if why is not None:
         print(f"error: {why}", file=sys.stderr)
-        return 2
-    try:
-        args.engines = replicas.addresses(args.engine_input, args.engine_output)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
-        args.keys = curve.keys_from_args(args)
-        args.tls = tls.from_args(args)
-        if args.http_port > 0:  # the HTTP API's bearer token, on the --listen host
-            tls.check_token_transport(args.listen, args.auth_token, args.tls,
-                                      args.allow_plaintext_token)
-    except (curve.ZmqKeyError, tls.TLSConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
         return 2
     return asyncio.run(serve(args))
