@@ -193,7 +193,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,8,16,32,64,128,256")
-    ap.add_argument("--modes", default="base,one,distinct")
+    ap.add_argument("--modes", default="base,one,distinct,d64",
+                    help="base; one adapter for all rows; distinct: one adapter per row; "
+                         "d64: 64 adapters round robin (4 rows each at batch 256)")
+    ap.add_argument("--profile-batches", default="64",
+                    help="batches whose decode graphs are profiled (base and distinct modes)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--hf-batches", default="8,16,32,64")
@@ -234,10 +238,11 @@ def main() -> None:
     cfg = LLAMA3_8B
     for mode in args.modes.split(","):
         for b in batches:
-            adapters = {"base": [None] * b, "one": [names[0]] * b, "distinct": names[:b]}[mode]
+            adapters = {"base": [None] * b, "one": [names[0]] * b, "distinct": names[:b],
+                        "d64": [names[i % 64] for i in range(b)]}[mode]
             t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen)
             step = t["step"]
-            n_ad = {"base": 0, "one": 1, "distinct": b}[mode]
+            n_ad = {"base": 0, "one": 1, "distinct": b, "d64": min(b, 64)}[mode]
             ctx = b * (args.prompt_len + 3 + args.steps // 2)
             floor_b = weight_bytes(cfg, b) + kv_bytes(cfg, ctx) + n_ad * adapter_bytes(cfg, RANK)
             floor = floor_b / bw
@@ -251,7 +256,8 @@ def main() -> None:
                   f"floor {floor*1e3:6.2f} ms x{step/floor:.2f} | graph {t['gpu']*1e3:6.2f} ms "
                   f"x{t['gpu']/floor:.2f} | host {t['host']*1e3:5.2f} ms", flush=True)
     if not args.eager:
-        profile_graphs(eng, names, args, gen, args.out / "profile.txt")
+        profile_graphs(eng, names, args, gen, args.out / "profile.txt",
+                       [int(b) for b in args.profile_batches.split(",")])
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
             "async_scheduling": eng.config.use_async_scheduling}
@@ -266,18 +272,18 @@ def main() -> None:
               f"| {r.get('gpu_x_floor', nan):.2f} | {r.get('host_ms', nan):.2f} |")
 
 
-def profile_graphs(eng, names: list[str], args, gen, path: Path) -> None:
-    """Kernel time by name over 5 replays of the batch-64 decode graph, base and distinct
-    adapters (profile evidence for BENCHMARKS.md)."""
-    from torch.profiler import ProfilerActivity, profile
-    b = min(64, len(names))
+def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[int]) -> None:
+    """Kernel time by name over 5 replays of each batch's decode graph: base, and 64
+    adapters round robin (one per row up to batch 64; profile evidence for BENCHMARKS.md)."""
     lines = []
-    for mode, adapters in (("base", [None] * b), ("distinct", names[:b])):
+    for b, mode, adapters in [(b, m, a) for b in batches if b <= len(names)
+                              for m, a in (("base", [None] * b),
+                                           ("distinct", [names[i % 64] for i in range(b)]))]:
         from engine import SamplingParams
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         for i in range(b):
             prompt = torch.randint(10, 100000, (args.prompt_len,), generator=gen).tolist()
-            eng.add_request(f"p{mode}{i}", prompt, params, adapters[i])
+            eng.add_request(f"p{b}{mode}{i}", prompt, params, adapters[i])
         while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
             eng.step()
         eng.step()
@@ -288,7 +294,7 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path) -> None:
             for _ in range(5):
                 graph.replay()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
         lines += [f"== batch {b} {mode}: 5 graph replays ==", table]
         for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
             eng.abort(r.request_id)
