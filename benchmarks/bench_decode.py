@@ -275,6 +275,7 @@ def main() -> None:
 def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[int]) -> None:
     """Kernel time by name over 5 replays of each batch's decode graph: base, and 64
     adapters round robin (one per row up to batch 64; profile evidence for BENCHMARKS.md)."""
+    from torch.profiler import ProfilerActivity, profile
     lines = []
     for b, mode, adapters in [(b, m, a) for b in batches if b <= len(names)
                               for m, a in (("base", [None] * b),
