@@ -133,3 +133,18 @@ def test_launch_shape_covers_every_chunk_and_tile(resident):
 def test_kernel_runs_as_this_machine_needs():
     """Interpreted on the CPU (the tests above run the Triton kernel), compiled on CUDA."""
     check_kernel_mode(lora_uniform_kernels_triton)
+
+
+def test_bench_times_both_uniform_paths_side_by_side():
+    """bench_kernels --uniform / --targets: every one-adapter decode case on both paths;
+    the path switch holds inside its block only."""
+    import importlib
+    bench = importlib.import_module("benchmarks.bench_kernels")
+    for kw in (dict(quick=False, uniform=True), dict(quick=False, targets=True)):
+        one = [c for c in bench.cases(**kw) if c.adapters == 1 and c.tokens <= 256]
+        assert one and {c.path for c in one} == set(bench.UNIFORM_PATHS)
+        assert len(one) == 2 * len({(c.group, c.tokens) for c in one})
+    assert all(c.path == "-" for c in bench.cases(False, targets=True) if c.adapters > 1)
+    with bench.uniform_path("two-launch"):
+        assert lora_triton.UNIFORM_ONE_LAUNCH is False
+    assert lora_triton.UNIFORM_ONE_LAUNCH is True
