@@ -25,6 +25,7 @@ import triton
 from kernels import lora_kernels_triton as K
 from kernels.lora_segment_triton import add_lora_seg
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
+from kernels.lora_uniform_triton import add_lora_uniform
 
 FUSED_MAX_TOKENS = 16      # lora_fused needs every segment within one 16-row block
 _TARGET_PROGRAMS = 264     # about two programs per SM on an H100 (132 SMs)
@@ -148,8 +149,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     that the tokens share one adapter, which picks the decode path's launch parameters
     tuned for that (any mapping stays correct).
 
-    Two launches either way: up to TOKEN_PATH_MAX_TOKENS tokens the token-sized kernels
-    (split-K partials reduced by the expand, no memset), above it the segment kernels."""
+    Up to TOKEN_PATH_MAX_TOKENS tokens: with `uniform` (and UNIFORM_ONE_LAUNCH) one launch
+    (kernels/lora_uniform_triton.py), else the two token-sized kernels (split-K partials
+    reduced by the expand, no memset); above it the two segment kernels."""
     slice_offsets = tuple(int(o) for o in slice_offsets)
     _check(y, x, a, b, token_slots, slice_offsets, meta)
     if x.shape[0] == 0 or slice_offsets[-1] == 0:
@@ -161,9 +163,15 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return add_lora_segments(y, x, a, b, meta, slice_offsets, ranks)
 
 
+UNIFORM_ONE_LAUNCH = True    # False: the uniform hint keeps two launches (benchmarks compare)
+
+
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
                     ranks: torch.Tensor | None = None, uniform: bool = False) -> torch.Tensor:
-    """The decode path: token-sized grids (kernels/lora_token_triton.py)."""
+    """The decode path: token-sized grids (kernels/lora_token_triton.py), or with
+    `uniform` shrink and expand in one launch (kernels/lora_uniform_triton.py)."""
+    if uniform and UNIFORM_ONE_LAUNCH:
+        return add_lora_uniform(y, x, a, b, meta, slice_offsets, ranks)
     hp = lora_shrink_tokens(x, a, meta, ranks, uniform=uniform)
     return lora_expand_tokens(hp, b, y, meta, _offsets(slice_offsets), len(slice_offsets) - 1,
                               ranks, uniform=uniform)
