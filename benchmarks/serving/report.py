@@ -143,9 +143,10 @@ def _target_line(t: dict) -> str:
             + ("met" if t["met"] else "NOT met"))
 
 
-_LOADS = {"service_one": "service, one adapter alone", "service_first":
-          "service, the first point's other adapters", "service": "service",
-          "offline": "offline"}
+_LOADS = {"service_one": "service, one adapter alone (the first load after start)",
+          "service_second": "service, one adapter alone (the second load)",
+          "service_first": "service, the first point's other adapters",
+          "service": "service", "offline": "offline"}
 
 
 def _load_line(name: str, rep: dict | None) -> str:
@@ -175,7 +176,7 @@ def table(points: list[dict], meta: dict) -> str:
     if ratio is not None:
         window = meta.get("first_round_over_steady_window")
         lines.append(f"first round after start / steady state: {ratio:.3f} "
-                     f"({'within' if ratio >= 0.95 else 'NOT within'} 5%)"
+                     f"({'within' if abs(ratio - 1) <= 0.05 else 'NOT within'} 5%)"
                      + (f"; over the measured windows only: {window:.3f}"
                         if window is not None and meta.get("windowed") else ""))
     if meta.get("during_loads_over_steady") is not None:

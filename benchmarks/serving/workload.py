@@ -4,6 +4,7 @@ its prompt (random token ids) and how many tokens it generates. And the summary 
 a run measured: throughput, TTFT / ITL / end-to-end percentiles, SLO attainment."""
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -72,15 +73,16 @@ def make_workload(num_requests: int, adapters: list[str | None], alpha: float | 
     rng = random.Random(seed)
     ranked = list(adapters)
     rng.shuffle(ranked)
-    weights = adapter_weights(len(ranked), alpha)
-    out, t = [], 0.0
+    cum = list(itertools.accumulate(adapter_weights(len(ranked), alpha)))  # once, not per
+    out, t = [], 0.0                                                          # request
     for i in range(num_requests):
         if rate is not None:
             t += rng.expovariate(rate)
         n_in = rng.randint(*input_len)
         prompt = tuple(rng.choices(vocab, k=n_in))
         out.append(Request(i, t if rate is not None else 0.0,
-                           rng.choices(ranked, weights)[0], prompt, rng.randint(*output_len)))
+                           rng.choices(ranked, cum_weights=cum)[0], prompt,
+                           rng.randint(*output_len)))
     return out
 
 
