@@ -166,7 +166,8 @@ def run_case(case: Case, bw: float) -> Result:
 
 
 def _run_case(case: Case, bw: float) -> Result:
-    from kernels.lora_triton import add_lora, lora_expand, lora_shrink
+    from kernels.lora_segment_triton import config_for, seg_expand, seg_shrink
+    from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS, add_lora
     _, K, N = next(g for g in layer_groups() if g[0] == case.group)
     M, r, L, S = case.tokens, case.rank, case.adapters, len(N)
     per_set = M * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + M * sum(N) * BF16
@@ -184,12 +185,13 @@ def _run_case(case: Case, bw: float) -> Result:
     floor = floor_seconds(nbytes, bw, launches)
     res = dict(shrink_us=float("nan"), shrink_pct=float("nan"),
                expand_us=float("nan"), expand_pct=float("nan"))
-    if M > 64:      # the separate kernels with add_lora's prefill block size
-        hs = [lora_shrink(s["x"], s["a"], s["meta"], s["ranks"]) for s in sets]
-        ts = time_graph([lambda s=s: lora_shrink(s["x"], s["a"], s["meta"], s["ranks"])
+    if M > TOKEN_PATH_MAX_TOKENS:      # the prefill path's two kernels alone
+        cfg = config_for(sets[0]["x"].device, K)
+        hs = [seg_shrink(s["x"], s["a"], s["meta"], s["ranks"]) for s in sets]
+        ts = time_graph([lambda s=s: seg_shrink(s["x"], s["a"], s["meta"], s["ranks"])
                          for s in sets])
-        te = time_graph([lambda s=s, h=h: lora_expand(h, s["b"], s["y"], s["meta"],
-                                                      s["offsets"], s["ranks"])
+        te = time_graph([lambda s=s, h=h: seg_expand(h, s["b"], s["y"], s["meta"],
+                                                     s["offsets"], s["ranks"], cfg=cfg)
                          for s, h in zip(sets, hs)])
         sf = floor_seconds(shrink_floor_bytes(M, K, S, r, L), bw, 1)
         ef = floor_seconds(expand_floor_bytes(M, N, r, L), bw, 1)
@@ -214,6 +216,11 @@ def write(results: list[Result], bw: float, out: Path) -> None:
     (out / "kernels.md").write_text("\n".join(lines) + "\n")
 
 
+def _part(us: float, pct: float) -> str:
+    """' 123.4us (56%)' for a kernel timed alone, blank where it was not."""
+    return "" if us != us else f" {us:7.1f}us ({pct:3.0f}%)"
+
+
 def _fmt(v) -> str:
     return f"{v:.1f}" if isinstance(v, float) else str(v)
 
@@ -235,13 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     results = []
     print(f"{'group':8} {'r':>4} {'T':>5} {'L':>4} {'map':10} {'path':10} {'n':>2} {'us':>9} "
-          f"{'floor':>8} {'GB/s':>7} {'%floor':>7}")
+          f"{'floor':>8} {'GB/s':>7} {'%floor':>7} {'shrink':>14} {'expand':>14}")
     for case in cases(args.quick, args.targets, args.uniform):
         r = run_case(case, bw)
         results.append(r)
         print(f"{r.group:8} {r.rank:4} {r.tokens:5} {r.adapters:4} {r.mapping:10} {r.path:10} "
-              f"{r.launches:2} {r.us:9.1f} {r.floor_us:8.1f} {r.gbps:7.0f} {r.pct_floor:6.1f}%",
-              flush=True)
+              f"{r.launches:2} {r.us:9.1f} {r.floor_us:8.1f} {r.gbps:7.0f} {r.pct_floor:6.1f}%"
+              f"{_part(r.shrink_us, r.shrink_pct)}{_part(r.expand_us, r.expand_pct)}", flush=True)
         torch.cuda.empty_cache()
     write(results, bw, args.out)
     print(f"wrote {args.out / 'kernels.csv'} and {args.out / 'kernels.md'}")

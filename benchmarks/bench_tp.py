@@ -35,6 +35,7 @@ written after every point, so a run cut off by a time limit keeps what it measur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -128,19 +129,16 @@ ASYNC = {"auto": None, "on": True, "off": False}
 
 
 def decode(args) -> list[dict]:
-    from benchmarks.tp_probe import StepProbe
-    from engine import Engine, EngineConfig, SamplingParams
-    from loramux_core.model.hf_config import ModelConfig
+    from benchmarks.tp_probe import StepProbe, profile_steps
+    from engine import Engine, EngineConfig
 
     work = Path(tempfile.mkdtemp(prefix="loramux-tp-"))
     model_dir, files, dtype = _decode_files(work, args.device)
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
     progress("model config and adapter files written")
     max_b = max(args.batches)
     n_adapters = min(max_b, MAX_ADAPTERS)
-    # decode steps a request runs: per async setting the warm and timed steps (and one in
-    # flight), then a profile's steps, with room to spare
-    new_tokens = len(args.async_scheduling) * (WARM_STEPS + args.repeats * args.steps + 2) + 21
+    # decode steps of one batch: the warm and timed steps (and one in flight), or a profile
+    new_tokens = WARM_STEPS + args.repeats * args.steps + 24
     eng = Engine(EngineConfig(
         model=str(model_dir), device=args.device, dtype=dtype, tp_size=args.tp,
         max_loras=n_adapters, max_lora_rank=RANK, max_num_seqs=max_b,
@@ -154,47 +152,78 @@ def decode(args) -> list[dict]:
     names = [f"bench{i}" for i in range(n_adapters)]
     for i, n in enumerate(names):
         eng.add_adapter(n, str(files[i % len(files)]))
+    progress(f"{n_adapters} adapters registered")
+    batch = _Batches(eng, names, new_tokens)
     probe = StepProbe(eng.runner)
-    gen = torch.Generator().manual_seed(0)
     rows = []
-    for b in args.batches:   # in the order given: the one that matters most first
-        for mode in args.modes:
-            adapters = {"base": [None] * b, "one": [names[0]] * b,
-                        "distinct": [names[i % n_adapters] for i in range(b)]}[mode]
-            prompts = [torch.randint(10, min(vocab, 100000), (128,), generator=gen).tolist()
-                       for _ in range(b)]
-            params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-            _point(eng, probe, args, mode, b, used, prompts, adapters, params, rows)
+    # in the order given (the batch that matters most first), every mode with the first
+    # async setting, then with the next, then the profiles (with the first setting)
+    for b in args.batches:
+        for setting in args.async_scheduling:
+            for mode in args.modes:
+                with batch.running(b, mode):
+                    rows.append(_time_point(eng, probe, args, mode, b, setting, used))
+                _save(args, rows)
+        if not (args.profile and b in args.profile_batches):
+            continue
+        for mode in [m for m in args.profile_modes if m in args.modes]:
+            row = next(r for r in rows if (r["batch"], r["mode"]) == (b, mode))
+            with batch.running(b, mode):
+                _set_async(eng, args.async_scheduling[0])
+                try:
+                    row["profile"] = profile_steps(
+                        eng, 5, f"tp={args.tp} ar={args.allreduce} {mode} b={b}")
+                except Exception as exc:  # noqa: BLE001 - the timings above still count
+                    print(f"profile failed: {type(exc).__name__}: {exc}", flush=True)
+            _save(args, rows)
     progress("measured; closing the engine")
     eng.close()
     progress("done")
     return rows
 
 
-def _point(eng, probe, args, mode: str, b: int, used: str, prompts, adapters, params,
-           rows: list[dict]) -> None:
-    """One (batch, mode): prefill, a timed row per async setting, the profile if asked."""
-    from benchmarks.tp_probe import profile_steps
+class _Batches:
+    """Puts `b` requests of a mode in the engine, prefilled, for the time of a `with`."""
 
-    ids = [f"{mode}-{b}-{i}" for i in range(b)]
-    for rid, prompt, ad in zip(ids, prompts, adapters):
-        eng.add_request(rid, prompt, params, ad)
-    while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
-        eng.step()   # prefill
-    for setting in args.async_scheduling:
-        rows.append(_time_point(eng, probe, args, mode, b, setting, used))
-        _save(args, rows)
-    if args.profile and b in args.profile_batches and mode in args.profile_modes:
-        label = f"tp={args.tp} ar={args.allreduce} {mode} b={b}"
+    def __init__(self, eng, names: list[str], new_tokens: int):
+        from engine import SamplingParams
+        from loramux_core.model.hf_config import ModelConfig
+
+        self.eng, self.names = eng, names
+        self.vocab = ModelConfig.from_dir(eng.config.model).vocab_size
+        self.params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        self.gen = torch.Generator().manual_seed(0)
+        self.count = 0
+
+    @contextlib.contextmanager
+    def running(self, b: int, mode: str):
+        eng, names = self.eng, self.names
+        adapters = {"base": [None] * b, "one": [names[0]] * b,
+                    "distinct": [names[i % len(names)] for i in range(b)]}[mode]
+        self.count += 1
+        ids = [f"{mode}-{b}-{self.count}-{i}" for i in range(b)]
+        for rid, ad in zip(ids, adapters):
+            prompt = torch.randint(10, min(self.vocab, 100000), (128,), generator=self.gen)
+            eng.add_request(rid, prompt.tolist(), self.params, ad)
+        while eng.scheduler.waiting or any(r.num_output_tokens == 0
+                                           for r in eng.scheduler.running):
+            eng.step()   # prefill
         try:
-            rows[-1]["profile"] = profile_steps(eng, 5, label)
-        except Exception as exc:  # noqa: BLE001 - the timings above still count
-            print(f"profile failed: {type(exc).__name__}: {exc}", flush=True)
-        _save(args, rows)
-    for rid in ids:
-        eng.abort(rid)
-    while eng.has_unfinished():
-        eng.step()
+            yield
+        finally:
+            for rid in ids:
+                eng.abort(rid)
+            while eng.has_unfinished():
+                eng.step()
+
+
+def _set_async(eng, setting: str) -> bool:
+    """Benchmark-only switch, with nothing in flight: one engine measures every setting;
+    auto = the engine's default for its tp_size."""
+    eng.flush()
+    default = dataclasses.replace(eng.config, async_scheduling=None).use_async_scheduling
+    eng._async = default if ASYNC[setting] is None else ASYNC[setting]
+    return eng._async
 
 
 def _decode_files(work: Path, device: str) -> tuple[Path, list[Path], str]:
@@ -219,11 +248,7 @@ def _time_point(eng, probe, args, mode: str, b: int, setting: str, used: str) ->
     """Steps per second at batch `b` with async scheduling `setting`: WARM_STEPS steps
     (graph capture), then `repeats` runs of `steps` back-to-back steps (one sync at each
     end: with async scheduling a step returns while the next one runs); the median run."""
-    eng.flush()
-    # benchmark-only switch (nothing in flight): one engine measures every setting
-    default = dataclasses.replace(eng.config, async_scheduling=None).use_async_scheduling
-    eng._async = default if ASYNC[setting] is None else ASYNC[setting]
-    async_on = eng._async
+    async_on = _set_async(eng, setting)
     for _ in range(WARM_STEPS):
         eng.step()
     eng.flush()
@@ -306,7 +331,8 @@ def table(args) -> dict:
 
 
 def _col(r: dict) -> str:
-    ar = {"nccl": "nccl", "symm_mem": "1shot"}.get(r["allreduce"], r["allreduce"])
+    ar = "1shot" if r["in_use"].startswith("one-shot") else {"auto": "nccl/gloo"}.get(
+        r["allreduce"], r["allreduce"])
     return f"{ar} async {'on' if r['async'] else 'off'}"
 
 

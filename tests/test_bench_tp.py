@@ -52,10 +52,12 @@ def test_decode_phase_on_gloo_times_async_on_and_off_and_counts_collectives(tmp_
     assert run.returncode == 0, run.stderr[-3000:]
     assert "async scheduling=True" in run.stdout
     rows = json.loads((tmp_path / "decode_tp2_auto.json").read_text())
+    # every mode with the first setting, then with the next; profiles on the first's rows
     assert [(r["mode"], r["async"]) for r in rows] == [
-        ("base", True), ("base", False), ("distinct", True), ("distinct", False)]
+        ("base", True), ("distinct", True), ("base", False), ("distinct", False)]
     assert all(r["tokens_per_s"] > 0 and r["batch"] == 2 for r in rows)
     # the tiny model has 2 layers: embedding + (o, down) per layer; the logits' all-gather
+    assert [r["async"] for r in rows if "profile" in r] == [True, True]
     counts = [r["profile"]["collectives_per_step"] for r in rows if "profile" in r]
     assert counts == [{"all_gather": 1.0, "all_reduce": 5.0}] * 2
     assert "collectives per step tp=2 ar=auto distinct b=2: " in run.stdout
@@ -65,6 +67,6 @@ def test_decode_phase_on_gloo_times_async_on_and_off_and_counts_collectives(tmp_
                            env=env, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr[-3000:]
     assert "| 2 | distinct | - | " in table.stdout   # no TP=1 run here
-    assert "TP=2 auto async off | TP=2 auto async on |" in table.stdout
+    assert "TP=2 nccl/gloo async off | TP=2 nccl/gloo async on |" in table.stdout
     assert "collectives/step {'all_gather': 1.0, 'all_reduce': 5.0}" in table.stdout
     assert len(json.loads((tmp_path / "all.json").read_text())["rows"]) == 4
