@@ -22,6 +22,7 @@ import torch
 import triton
 
 from kernels import lora_kernels_triton as K
+from kernels import lora_mixed_triton
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
 
 FUSED_MAX_TOKENS = 16      # lora_fused needs every segment within one 16-row block
@@ -37,6 +38,9 @@ class LoRAMeta:
     seg_start: torch.Tensor      # [L] int32 start of each active slot's run in sorted_tokens
     seg_len: torch.Tensor        # [L] int32 length of that run (0 past the active ones)
     sorted_slots: torch.Tensor   # [T] int32 slot of each sorted token (-1 last)
+    counters: torch.Tensor       # [4 * min(T, 256)] int32 zeros: the mixed decode shrink's
+                                 # arrival counters (kernels/lora_mixed_triton.py), which
+                                 # every launch leaves zero
     num_tokens: int
     num_slots: int
 
@@ -67,6 +71,8 @@ def build_meta(token_slots: torch.Tensor, num_slots: int) -> LoRAMeta:
                     seg_len=seg_len.to(torch.int32),
                     sorted_slots=torch.where(key_sorted == num_slots, -1,
                                              key_sorted).to(torch.int32),
+                    counters=torch.zeros(4 * min(token_slots.shape[0], TOKEN_PATH_MAX_TOKENS),
+                                         dtype=torch.int32, device=dev),
                     num_tokens=token_slots.shape[0], num_slots=num_slots)
 
 
@@ -204,7 +210,11 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
                     ranks: torch.Tensor | None = None, uniform: bool = False) -> torch.Tensor:
-    """The decode path: token-sized grids (kernels/lora_token_triton.py)."""
+    """The decode path: token-sized grids (kernels/lora_token_triton.py), or for a mixed
+    batch whose shape class the table gives them, tiles of segments
+    (kernels/lora_mixed_triton.py: each adapter's A and B read once per tile)."""
+    if not uniform and lora_mixed_triton.takes(x, a, slice_offsets):
+        return lora_mixed_triton.add_lora_mixed(y, x, a, b, meta, slice_offsets, ranks)
     hp = lora_shrink_tokens(x, a, meta, ranks, uniform=uniform)
     return lora_expand_tokens(hp, b, y, meta, _offsets(slice_offsets), len(slice_offsets) - 1,
                               ranks, uniform=uniform)
