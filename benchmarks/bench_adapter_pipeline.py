@@ -21,10 +21,22 @@ slot swaps, and decode step time with and without swaps, on a Llama-3-8B-shaped 
 - add:    Engine.add_adapter (what AddAdapter / LoadAdapter run), validation included.
 - burst:  16 AddAdapters at once: read_adapter on 16 threads (what the engine server's
           reader threads do), each registered as it finishes: wall time per adapter.
-- swap:   one host -> slot copy on the side stream, from issue to completion (host wall
-          time, and device time between events), and the copies it queues.
-- step:   decode steps of a batch over adapters already in slots, without and with one
-          swap per step into a slot the batch does not use (the copy overlaps the step).
+- swap:   one host -> slot copy through the engine's copier (its side stream), from issue
+          to completion (host wall time, and device time between events), and the copies
+          it queues.
+- step:   decode steps of a batch over adapters already in slots, without swaps, then with
+          one swap per step: each step, an adapter the batch does not use is prefetched
+          into a slot the way the engine brings in a waiting request's adapter (residency
+          prefetch, evicting an adapter without running requests; benchmarks/
+          swap_steps.py), with the copy ordered as before issue 20's change (after all
+          queued compute, the step in flight included) and as now (after the slot's last
+          reader only); each swap is counted.
+- profile (--profile): the device timeline of a few of those steps, both orderings
+          (where each copy sits against the input uploads and graph replays); --trace:
+          a torch.profiler trace of them (step_swap_trace.json, for ui.perfetto.dev).
+
+    python benchmarks/bench_adapter_pipeline.py --out DIR --quick   # steps and profile only
+
 Targets (issue 20, on one H100/H200): add <= 50 ms, swap <= 5 ms, step with swaps within
 5% of without. Logs and a JSON summary go to --out.
 """
@@ -36,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,6 +56,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.llama8b import adapter_bytes, write_adapter, write_model_dir  # noqa: E402
+from benchmarks.swap_steps import (copies_after_all_compute, profile_steps,  # noqa: E402
+                                   slot_loads, swap_in, trace_steps)
 
 RANK = 16
 BURST = 16
@@ -72,9 +87,10 @@ def make_engine(model_dir: Path, args):
     from engine import Engine, EngineConfig
 
     cfg = EngineConfig(model=str(model_dir), device=args.device, dtype="bfloat16",
-                       max_loras=args.slots, max_cpu_loras=max(args.adapters, args.slots) + BURST,
+                       max_loras=args.slots,
+                       max_cpu_loras=max(args.adapters, args.slots) * 2 + BURST + SPARES,
                        max_lora_rank=RANK, load_format="dummy", max_num_seqs=args.batch,
-                       max_num_batched_tokens=4096, num_kv_blocks=args.batch * 16 + 64,
+                       max_num_batched_tokens=4096, num_kv_blocks=args.batch * 32 + 64,
                        max_model_len=512, enable_prefix_caching=False)
     return Engine(cfg)
 
@@ -255,11 +271,10 @@ def bench_burst(engine, paths: list[Path], log) -> list[float]:
     return out
 
 
-def swap(engine, slot: int, weights, stream) -> None:
-    """What residency does for a slot load: ordered after queued compute, on the side stream."""
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream())
-    engine.lora_pool.load(slot, weights, stream=stream)
+def swap(engine, slot: int, weights) -> None:
+    """One host -> slot copy through the engine's copier (its side stream on CUDA), into a
+    slot no step reads."""
+    engine.adapters.copier.queue(slot, -1, lambda: engine.lora_pool.load(slot, weights))
 
 
 def wait_pinned(engine, ids: list[int], device: torch.device, timeout_s: float = 60.0) -> None:
@@ -274,7 +289,7 @@ def wait_pinned(engine, ids: list[int], device: torch.device, timeout_s: float =
 
 def bench_swap(engine, ids: list[int], device: torch.device, reps: int, log):
     wait_pinned(engine, ids, device)
-    stream = torch.cuda.Stream() if device.type == "cuda" else None
+    stream = getattr(engine.adapters.copier, "stream", None)
     wall, dev, copies = [], [], []
     slot = engine.lora_pool.max_loras - 1
     for i in range(reps):
@@ -285,12 +300,12 @@ def bench_swap(engine, ids: list[int], device: torch.device, reps: int, log):
         if stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            swap(engine, slot, w, stream)
+            swap(engine, slot, w)
             end.record(stream)
             end.synchronize()
             dev.append(start.elapsed_time(end) / 1e3)
         else:
-            swap(engine, slot, w, stream)
+            swap(engine, slot, w)
         wall.append(time.perf_counter() - t)
         copies.append(engine.lora_pool.num_copies - before)
     log(f"swap: wall {[ms(x) for x in wall]} ms; device {[ms(x) for x in dev]} ms; "
@@ -298,37 +313,68 @@ def bench_swap(engine, ids: list[int], device: torch.device, reps: int, log):
     return wall, dev, copies
 
 
-def bench_steps(engine, ids: list[int], args, device: torch.device, log):
-    """Mean decode step time over `args.steps` steps, without then with a swap per step."""
+SPARES = 2  # adapters swapped in beyond the free slots (one swap per step, each evicting)
+
+
+def bench_steps(engine, ids: list[int], paths: list[Path], args, device: torch.device, log):
+    """Mean decode step time over `args.steps` steps: without swaps, then with one swap
+    per step through the engine's residency path (`swap_in`): with the copy ordered as
+    before (after all queued compute; CUDA only) and as now (after the slot's last
+    reader), then without again. Optionally the device timeline of a few steps of each."""
     from engine import SamplingParams
 
-    used = ids[:args.slots - 1]          # the last slot is the swap target
-    params = SamplingParams(max_tokens=4 * args.steps + 16, temperature=0.0, ignore_eos=True)
+    used = ids[:args.slots - 1]
+    # every step below, with room to spare: no request finishes while steps are timed
+    steps = 5 * args.steps + 3 * args.profile_steps + args.slots + SPARES + 40
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [1 + (i * 7 + j) % 1000 for j in range(64)], params,
                            adapter=f"a{ids.index(used[i % len(used)])}")
     for _ in range(20):                  # prefill, then warm decode graphs
         engine.step()
-    stream = torch.cuda.Stream() if device.type == "cuda" else None
-    spare = [ids[-1]] + [a for a in ids if a not in used]
-    slot = engine.lora_pool.max_loras - 1
-    busy = {engine.slots.slot_of(a) for a in used}
-    assert slot not in busy, "the swap target holds an adapter the batch uses"
-    out = {}
-    for mode in ("no_swap", "swap", "no_swap_again"):
-        sync(device)
-        t = time.perf_counter()
-        for i in range(args.steps):
-            if mode == "swap":
-                swap(engine, slot, engine.adapters.host.get(spare[i % len(spare)]), stream)
-            engine.step()
-        sync(device)
-        out[mode] = (time.perf_counter() - t) / args.steps
-        log(f"steps {mode}: {ms(out[mode])} ms/step")
+    busy = engine.scheduler.running_adapters()
+    # more spares than the slots the batch leaves free: every swap evicts an earlier spare
+    spares = [engine.add_adapter(f"spare{i}", paths[i % len(paths)])
+              for i in range(args.slots - len(busy) + SPARES)]
+    wait_pinned(engine, spares, device)
+    for i in range(len(spares)):         # each spare once through a slot, then the timing
+        swap_in(engine, spares, i)
+        engine.step()
+    modes = ["no_swap", "swap_after_all", "swap", "no_swap_again"]
+    if device.type != "cuda":
+        modes.remove("swap_after_all")
+    out, profiles = {}, {}
+    for mode in modes:
+        undo = copies_after_all_compute(engine) if mode == "swap_after_all" else None
+        try:
+            loads = slot_loads(engine)
+            sync(device)
+            t = time.perf_counter()
+            for i in range(args.steps):
+                if mode.startswith("swap"):
+                    swap_in(engine, spares, i)
+                engine.step()
+            sync(device)
+            out[mode] = (time.perf_counter() - t) / args.steps
+            swaps = slot_loads(engine) - loads
+            log(f"steps {mode}: {ms(out[mode])} ms/step, {swaps} swaps")
+            if mode.startswith("swap") and swaps != args.steps:
+                log(f"  WARNING: {swaps} swaps in {args.steps} steps (expected one per step)")
+            if args.profile and mode.startswith("swap") and device.type == "cuda":
+                try:
+                    profiles[mode] = profile_steps(engine, spares, args.profile_steps, log,
+                                                   mode)
+                except Exception:  # the timings above stand without it
+                    log(f"profile {mode} failed:\n{traceback.format_exc()}")
+        finally:
+            if undo is not None:
+                undo()
+    if args.trace and device.type == "cuda":
+        trace_steps(engine, spares, args.profile_steps, Path(args.out), log)
     engine.flush()
     for i in range(args.batch):
         engine.abort(f"r{i}")
-    return out
+    return out, profiles
 
 
 def main() -> None:
@@ -343,11 +389,29 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--swaps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true",
+                    help="the device timeline of a few steps with swaps (where each copy "
+                         "sits against the input uploads and graph replays)")
+    ap.add_argument("--trace", action="store_true",
+                    help="a torch.profiler trace of a few steps with swaps "
+                         "(step_swap_trace.json under --out)")
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--swap-only", action="store_true",
+                    help="only adapter adds, swaps and steps (skip the AddAdapter breakdown, "
+                         "the control plane, reads and bursts)")
+    ap.add_argument("--quick", action="store_true",
+                    help="--swap-only --profile with fewer steps: the step-with-swaps "
+                         "comparison (before/after ordering) and its timeline, in about a "
+                         "minute on a GPU with start-up")
     ap.add_argument("--breakdown-only", action="store_true",
                     help="only the AddAdapter breakdown and the control plane (no engine)")
     ap.add_argument("--no-control-plane", action="store_true",
                     help="skip LoadAdapter through a control plane and engine process")
     args = ap.parse_args()
+    started = time.perf_counter()
+    if args.quick:
+        args.swap_only = args.profile = True
+        args.steps, args.swaps, args.profile_steps = min(args.steps, 20), 5, 6
     if args.device == "cpu":
         args.batch = min(args.batch, 4)
         args.steps = min(args.steps, 4)
@@ -366,17 +430,19 @@ def main() -> None:
         mb_full = adapter_bytes(json.loads((full_dir / "config.json").read_text()), RANK) / 1e6
         log(f"device {args.device}, torch threads {torch.get_num_threads()}, full adapter "
             f"{mb_full:.1f} MB")
-        breakdown = bench_breakdown(full_dir, write_adapter(Path(tmp) / "full_a", full_dir, RANK),
-                                    device, log)
-        summary = {"device": args.device, "adapter_mb_full": round(mb_full, 1),
-                   "breakdown_ms": breakdown}
-        if not args.no_control_plane:  # the engine process on the CPU: see the docstring
+        summary = {"device": args.device, "adapter_mb_full": round(mb_full, 1)}
+        if not args.swap_only:
+            summary["breakdown_ms"] = bench_breakdown(
+                full_dir, write_adapter(Path(tmp) / "full_a", full_dir, RANK), device, log)
+        # the control plane's engine process runs on the CPU: see the docstring
+        if not args.no_control_plane and not args.swap_only:
             summary["control_plane_ms"] = bench_control_plane(Path(tmp), torch.device("cpu"),
                                                               log)
         if not args.breakdown_only:
             summary.update(engine_parts(Path(tmp), args, device, log))
     (out / "adapter_pipeline.json").write_text(json.dumps(summary, indent=2))
     table(summary, log)
+    log(f"total {time.perf_counter() - started:.1f} s")
     logf.close()
 
 
@@ -386,21 +452,26 @@ def engine_parts(tmp: Path, args, device: torch.device, log) -> dict:
     mb = adapter_bytes(cfg, RANK) / 1e6
     log(f"engine: {cfg['num_hidden_layers']} layers, adapter {mb:.1f} MB")
     paths = [write_adapter(tmp / f"a{i}", model_dir, RANK, seed=i) for i in range(args.adapters)]
-    read = bench_read(model_dir, paths, device, log)
+    med = statistics.median
+    summary = {"layers": cfg["num_hidden_layers"], "adapter_mb": round(mb, 1)}
+    if not args.swap_only:
+        read = bench_read(model_dir, paths, device, log)
+        summary.update(read_first_ms=ms(read[0]), read_reused_ms=ms(med(read[len(paths):])))
     engine = make_engine(model_dir, args)
     try:
         add, ids = bench_add(engine, paths, log)
-        burst = bench_burst(engine, paths, log)
+        summary.update(add_ms=ms(med(add)), add_max_ms=ms(max(add)))
+        if not args.swap_only:
+            burst = bench_burst(engine, paths, log)
+            summary.update(burst_first_ms_per_adapter=ms(burst[0]),
+                           burst_ms_per_adapter=ms(burst[1]))
         swap_wall, swap_dev, copies = bench_swap(engine, ids, device, args.swaps, log)
-        steps = bench_steps(engine, ids, args, device, log)
+        steps, profiles = bench_steps(engine, ids, paths, args, device, log)
     finally:
         engine.close()
-    med = statistics.median
-    return {
-        "layers": cfg["num_hidden_layers"], "adapter_mb": round(mb, 1),
-        "read_first_ms": ms(read[0]), "read_reused_ms": ms(med(read[len(paths):])),
-        "add_ms": ms(med(add)), "add_max_ms": ms(max(add)),
-        "burst_first_ms_per_adapter": ms(burst[0]), "burst_ms_per_adapter": ms(burst[1]),
+    if profiles:
+        summary["profile"] = profiles
+    return summary | {
         "swap_wall_ms": ms(med(swap_wall)),
         "swap_device_ms": ms(med(swap_dev)) if swap_dev else None,
         "swap_gb_s": round(mb / 1e3 / med(swap_dev), 1) if swap_dev else None,
@@ -408,14 +479,19 @@ def engine_parts(tmp: Path, args, device: torch.device, log) -> dict:
         "step_ms": ms(steps["no_swap"]), "step_swap_ms": ms(steps["swap"]),
         "step_ms_again": ms(steps["no_swap_again"]),
         "step_swap_ratio": round(steps["swap"] / steps["no_swap"], 3),
+        "step_swap_after_all_ms": ms(steps["swap_after_all"]) if "swap_after_all" in steps
+        else None,
+        "step_swap_after_all_ratio": round(steps["swap_after_all"] / steps["no_swap"], 3)
+        if "swap_after_all" in steps else None,
     }
 
 
 def table(summary: dict, log) -> None:
-    log(f"\nAddAdapter of one {summary['adapter_mb_full']} MB adapter, stage by stage "
-        f"({summary['device']}):")
-    for name, value in summary["breakdown_ms"].items():
-        log(f"  {name:<44}{value:>10} ms")
+    if "breakdown_ms" in summary:
+        log(f"\nAddAdapter of one {summary['adapter_mb_full']} MB adapter, stage by stage "
+            f"({summary['device']}):")
+        for name, value in summary["breakdown_ms"].items():
+            log(f"  {name:<44}{value:>10} ms")
     if "control_plane_ms" in summary:
         log("LoadAdapter over gRPC, control plane + engine process (on the CPU), 84 MB "
             "adapters of new names:")
@@ -423,20 +499,27 @@ def table(summary: dict, log) -> None:
             log(f"  {name:<44}{value:>10} ms")
     if "step_ms" not in summary:
         return
-    rows = [("read (first, allocates)", summary["read_first_ms"], ""),
-            ("read (buffer reused)", summary["read_reused_ms"], ""),
+    get = summary.get
+    rows = [("read (first, allocates)", get("read_first_ms"), ""),
+            ("read (buffer reused)", get("read_reused_ms"), ""),
             ("AddAdapter", summary["add_ms"], "<= 50"),
-            (f"AddAdapter, {BURST} at once, per adapter", summary["burst_ms_per_adapter"], ""),
-            ("  same, first burst (allocates)", summary["burst_first_ms_per_adapter"], ""),
+            (f"AddAdapter, {BURST} at once, per adapter", get("burst_ms_per_adapter"), ""),
+            ("  same, first burst (allocates)", get("burst_first_ms_per_adapter"), ""),
             ("swap host->slot (wall)", summary["swap_wall_ms"], "<= 5"),
             ("swap host->slot (device)", summary["swap_device_ms"], "<= 5"),
             ("copies per swap", summary["copies_per_swap"], ""),
             ("decode step, no swaps", summary["step_ms"], ""),
-            ("decode step, one swap per step", summary["step_swap_ms"], "")]
+            ("  one swap per step, copy after all compute", get("step_swap_after_all_ms"),
+             "(before)"),
+            ("  one swap per step, copy after slot readers", summary["step_swap_ms"], ""),
+            ("decode step, no swaps again", summary["step_ms_again"], "")]
     log(f"\n{summary['layers']} layers, adapter {summary['adapter_mb']} MB")
-    log(f"{'what':<40}{'ms':>10}  target")
+    log(f"{'what':<46}{'ms':>10}  target")
     for name, value, target in rows:
-        log(f"{name:<40}{value if value is not None else '-':>10}  {target}")
+        log(f"{name:<46}{value if value is not None else '-':>10}  {target}")
+    if get("step_swap_after_all_ratio") is not None:
+        log(f"step with swaps / without, copy after all compute (before): "
+            f"{summary['step_swap_after_all_ratio']}")
     log(f"step with swaps / without: {summary['step_swap_ratio']}  (target <= 1.05)")
 
 

@@ -3,8 +3,9 @@ the memory-bandwidth floor and, in the same run, Hugging Face transformers + PEF
 
     python benchmarks/bench_decode.py --out DIR [--quick] [--no-hf]
 
-Modes: "base" (no adapter), "one" (one rank-16 adapter for every request), "distinct"
-(one rank-16 adapter per request, on all seven projections). Distinct adapters are
+Modes: "base" (no adapter), "one" (one rank-16 adapter for every request), "one-split"
+(the same through the two-launch LoRA path: add_lora's uniform path before one launch per
+group), "distinct" (one rank-16 adapter per request, on all seven projections). Distinct adapters are
 registered from a few adapter files under different names: each name gets its own id,
 slot and device copy, so a step reads every adapter's A/B separately exactly as with
 distinct files, without writing gigabytes of adapter files first.
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import device_events  # noqa: E402
 from benchmarks.llama8b import (LLAMA3_8B, adapter_bytes, kv_bytes, weight_bytes,  # noqa: E402
                                 write_adapter, write_model_dir)
 
@@ -96,6 +98,23 @@ class HostTimer:
         for k in self.acc:
             self.acc[k] = 0.0
         return out
+
+
+def select_uniform_path(eng, mode: str) -> None:
+    """Mode "one-split": one-adapter batches take the two-launch LoRA path; any other
+    mode the default one launch. Captured graphs are dropped when the path changes (they
+    are captured again when next needed)."""
+    from kernels import lora_triton
+    one_launch = mode != "one-split"
+    if lora_triton.UNIFORM_ONE_LAUNCH != one_launch:
+        lora_triton.UNIFORM_ONE_LAUNCH = one_launch
+        if eng.runner.graphs is not None:
+            eng.runner.graphs.release()
+
+
+def mode_adapters(mode: str, b: int, names: list[str]) -> list[str | None]:
+    return {"base": [None] * b, "one": [names[0]] * b, "one-split": [names[0]] * b,
+            "distinct": names[:b], "d64": [names[i % 64] for i in range(b)]}[mode]
 
 
 def graph_replay_s(eng, batch: int, use_lora: bool, reps: int = 20,
@@ -194,10 +213,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,8,16,32,64,128,256")
     ap.add_argument("--modes", default="base,one,distinct,d64",
-                    help="base; one adapter for all rows; distinct: one adapter per row; "
+                    help="base; one adapter for all rows; one-split: the same through the "
+                         "two-launch LoRA path; distinct: one adapter per row; "
                          "d64: 64 adapters round robin (4 rows each at batch 256)")
     ap.add_argument("--profile-batches", default="64",
-                    help="batches whose decode graphs are profiled (base and distinct modes)")
+                    help="batches whose decode graphs are profiled")
+    ap.add_argument("--profile-modes", default="base,one,distinct",
+                    help="modes profiled at those batches (distinct: 64 adapters round robin)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--hf-batches", default="8,16,32,64")
@@ -237,12 +259,12 @@ def main() -> None:
         eng.add_adapter(names[-1], str(adapter_dirs[i % len(adapter_dirs)]))
     cfg = LLAMA3_8B
     for mode in args.modes.split(","):
+        select_uniform_path(eng, mode)
         for b in batches:
-            adapters = {"base": [None] * b, "one": [names[0]] * b, "distinct": names[:b],
-                        "d64": [names[i % 64] for i in range(b)]}[mode]
+            adapters = mode_adapters(mode, b, names)
             t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen)
             step = t["step"]
-            n_ad = {"base": 0, "one": 1, "distinct": b, "d64": min(b, 64)}[mode]
+            n_ad = {"base": 0, "one": 1, "one-split": 1, "distinct": b, "d64": min(b, 64)}[mode]
             ctx = b * (args.prompt_len + 3 + args.steps // 2)
             floor_b = weight_bytes(cfg, b) + kv_bytes(cfg, ctx) + n_ad * adapter_bytes(cfg, RANK)
             floor = floor_b / bw
@@ -255,13 +277,16 @@ def main() -> None:
             print(f"loramux {mode:8s} b={b:4d}: {step*1e3:7.2f} ms/step {b/step:9.1f} tok/s "
                   f"floor {floor*1e3:6.2f} ms x{step/floor:.2f} | graph {t['gpu']*1e3:6.2f} ms "
                   f"x{t['gpu']/floor:.2f} | host {t['host']*1e3:5.2f} ms", flush=True)
+    launches = []
     if not args.eager:
-        profile_graphs(eng, names, args, gen, args.out / "profile.txt",
-                       [int(b) for b in args.profile_batches.split(",")])
+        launches = profile_graphs(eng, names, args, gen, args.out / "profile.txt",
+                                  [int(b) for b in args.profile_batches.split(",")],
+                                  args.profile_modes.split(","))
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
             "async_scheduling": eng.config.use_async_scheduling}
-    (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows,
+                                                      "launches": launches}, indent=2))
     plot(rows, args.out / "decode_throughput.png")
     print("\n| system | mode | batch | step ms | tokens/s | x floor | graph ms | graph x floor "
           "| host ms |\n|---|---|---|---|---|---|---|---|---|")
@@ -270,16 +295,25 @@ def main() -> None:
         print(f"| {r['system']} | {r['mode']} | {r['batch']} | {r['step_ms']:.2f} | "
               f"{r['tokens_per_s']:.1f} | {r.get('x_floor', nan):.2f} | {r.get('gpu_ms', nan):.2f} "
               f"| {r.get('gpu_x_floor', nan):.2f} | {r.get('host_ms', nan):.2f} |")
+    if launches:
+        print("\n| mode | batch | launches per replay | LoRA launches | GPU ms per replay |"
+              "\n|---|---|---|---|---|")
+        for r in launches:
+            print(f"| {r['mode']} | {r['batch']} | {r['launches']:.0f} | {r['lora_launches']:.0f} "
+                  f"| {r['gpu_ms']:.2f} |")
 
 
-def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[int]) -> None:
-    """Kernel time by name over 5 replays of each batch's decode graph: base, and 64
-    adapters round robin (one per row up to batch 64; profile evidence for BENCHMARKS.md)."""
+def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[int],
+                   modes: list[str]) -> list[dict]:
+    """Kernel time by name over 5 replays of each batch's decode graph in each mode
+    ("distinct": 64 adapters round robin, one per row up to batch 64; profile evidence for
+    BENCHMARKS.md), and the launches per replay (device events / replays), all and LoRA's."""
     from torch.profiler import ProfilerActivity, profile
-    lines = []
-    for b, mode, adapters in [(b, m, a) for b in batches if b <= len(names)
-                              for m, a in (("base", [None] * b),
-                                           ("distinct", [names[i % 64] for i in range(b)]))]:
+    lines, counts, replays = [], [], 5
+    for b, mode in [(b, m) for m in modes for b in batches if b <= len(names)]:
+        select_uniform_path(eng, mode)
+        adapters = (mode_adapters("d64", b, names) if mode == "distinct"
+                    else mode_adapters(mode, b, names))
         from engine import SamplingParams
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         for i in range(b):
@@ -289,20 +323,29 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[i
             eng.step()
         eng.step()
         graphs = eng.runner.graphs
-        graph = graphs.graph_for(b, mode != "base", greedy=True, uniform=mode == "one")
+        graph = graphs.graph_for(b, mode != "base", greedy=True,
+                                 uniform=mode in ("one", "one-split"))
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
+            for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-        lines += [f"== batch {b} {mode}: 5 graph replays ==", table]
+        events = device_events(prof)
+        counts.append({"mode": mode, "batch": b, "launches": len(events) / replays,
+                       "lora_launches": sum("lora" in e.name for e in events) / replays,
+                       "gpu_ms": sum(e.device_time_total for e in events) / replays / 1e3})
+        lines += [f"== batch {b} {mode}: {replays} graph replays, "
+                  f"{counts[-1]['launches']:.0f} launches per replay "
+                  f"({counts[-1]['lora_launches']:.0f} LoRA) ==", table]
         for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
             eng.abort(r.request_id)
         while eng.has_unfinished():
             eng.step()
+    select_uniform_path(eng, "one")
     path.write_text("\n".join(lines))
     print("\n".join(lines)[:6000], flush=True)
+    return counts
 
 
 def plot(rows: list[dict], path: Path) -> None:

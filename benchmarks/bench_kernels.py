@@ -1,17 +1,20 @@
 """Multi-adapter LoRA kernel benchmark on Llama-3-8B shapes against the memory floor.
 
-    python benchmarks/bench_kernels.py --out DIR [--quick]
+    python benchmarks/bench_kernels.py --out DIR [--quick | --targets | --uniform]
 
 Measures the device copy bandwidth in the same run, then for every layer group (qkv, o,
 gate_up, down), rank, token count, distinct-adapter count and token->adapter mapping:
 checks `add_lora` against the torch reference on sampled rows, times it with CUDA graphs
 over rotating buffer sets, counts its launches, and (on the two-kernel path) times the
-shrink and expand kernels alone. Floors follow PERF.md. Writes kernels.csv and kernels.md
+shrink and expand kernels alone. One-adapter cases up to 256 tokens run twice, as the
+engine's uniform graph launches them: path "one-launch" (kernels/lora_uniform_triton.py)
+and "two-launch" (the token kernels), side by side. Floors follow PERF.md. Writes kernels.csv and kernels.md
 to DIR and prints a short table. Needs a CUDA GPU; the arithmetic helpers do not.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import sys
 from dataclasses import asdict, dataclass
@@ -66,6 +69,23 @@ class Case:
     tokens: int
     adapters: int
     mapping: str
+    path: str = "-"     # one adapter: "one-launch" or "two-launch" (uniform decode path)
+
+
+UNIFORM_PATHS = ("one-launch", "two-launch")
+
+
+@contextlib.contextmanager
+def uniform_path(path: str):
+    """add_lora(uniform=True) takes `path` inside the block ("-": the default)."""
+    from kernels import lora_triton
+    old = lora_triton.UNIFORM_ONE_LAUNCH
+    if path != "-":
+        lora_triton.UNIFORM_ONE_LAUNCH = path == "one-launch"
+    try:
+        yield
+    finally:
+        lora_triton.UNIFORM_ONE_LAUNCH = old
 
 
 @dataclass(frozen=True)
@@ -75,6 +95,7 @@ class Result:
     tokens: int
     adapters: int
     mapping: str
+    path: str
     launches: int
     us: float
     floor_us: float
@@ -86,13 +107,15 @@ class Result:
     expand_pct: float
 
 
-def cases(quick: bool, targets: bool = False) -> list[Case]:
+def cases(quick: bool, targets: bool = False, uniform: bool = False) -> list[Case]:
     groups = ["qkv", "down"] if quick else [g[0] for g in layer_groups()]
-    ranks = [16] if quick or targets else [8, 16, 64, 128]
+    ranks = [16] if quick or targets or uniform else [8, 16, 64, 128]
     tokens = [1, 64, 1024] if quick else [1, 16, 64, 256, 1024, 8192]
     adapters = [1, 8] if quick else [1, 8, 64, 128]
     if targets:  # the issue's target points: every group, rank 16 (T 128/256: decode, L 64)
         tokens, adapters = [1, 16, 64, 128, 256, 8192], [1, 64]
+    if uniform:  # one adapter at decode sizes, both paths
+        tokens, adapters = ([1, 64] if quick else [1, 16, 64]), [1]
     out = []
     for g in groups:
         for r in ranks:
@@ -101,7 +124,8 @@ def cases(quick: bool, targets: bool = False) -> list[Case]:
                     if n > t:
                         continue
                     for m in (["contiguous", "random"] if n > 1 and t > 1 else ["contiguous"]):
-                        out.append(Case(g, r, t, n, m))
+                        paths = UNIFORM_PATHS if n == 1 and t <= 256 else ("-",)
+                        out.extend(Case(g, r, t, n, m, p) for p in paths)
     return out
 
 
@@ -123,26 +147,31 @@ def make_set(case: Case, seed: int):
                 meta=build_meta(ts, L))
 
 
-def check(s) -> None:
+def check(s, uniform: bool = False) -> None:
     """add_lora on all tokens equals the reference on sampled rows (tokens are independent)."""
     from kernels.lora_ref import add_lora_ref
     from kernels.lora_triton import add_lora
     T = s["x"].shape[0]
     rows = torch.unique(torch.cat([torch.arange(min(T, 64)), torch.randperm(T)[:64]])).cuda()
     got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"], s["ranks"],
-                   s["meta"])[rows]
+                   s["meta"], uniform=uniform)[rows]
     want = add_lora_ref(s["y"][rows].clone(), s["x"][rows], s["a"], s["b"], s["ts"][rows],
                         s["offsets"])
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=3e-2)
 
 
 def run_case(case: Case, bw: float) -> Result:
+    with uniform_path(case.path):
+        return _run_case(case, bw)
+
+
+def _run_case(case: Case, bw: float) -> Result:
     from kernels.lora_triton import add_lora
     _, K, N = next(g for g in layer_groups() if g[0] == case.group)
     M, r, L, S = case.tokens, case.rank, case.adapters, len(N)
     per_set = M * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + M * sum(N) * BF16
     sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
-    check(sets[0])
+    check(sets[0], uniform=L == 1)
 
     def lora(s):  # one adapter: as the engine's uniform graph launches it
         return lambda: add_lora(s["y"], s["x"], s["a"], s["b"], s["ts"], s["offsets"],
@@ -155,7 +184,7 @@ def run_case(case: Case, bw: float) -> Result:
     floor = floor_seconds(nbytes, bw, launches)
     res = dict(shrink_us=float("nan"), shrink_pct=float("nan"),
                expand_us=float("nan"), expand_pct=float("nan"))
-    shrink, expand = _split_kernels(sets[0], M, L)
+    shrink, expand = _two_kernels(sets[0], M, L)
     if shrink is not None:
         hs = [shrink(s) for s in sets]
         ts = time_graph([lambda s=s: shrink(s) for s in sets])
@@ -168,18 +197,21 @@ def run_case(case: Case, bw: float) -> Result:
                   gbps=nbytes / t / 1e9, pct_floor=100 * floor / t, **res)
 
 
-def _split_kernels(s, M: int, L: int):
+def _two_kernels(s, M: int, L: int):
     """(shrink(set), expand(set, h)) of the two-kernel path add_lora takes for this case,
     to time alone: the prefill kernels above the decode path, the mixed decode kernels
     where their table sends the shape; (None, None) otherwise."""
     from kernels import lora_mixed_triton
-    from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS, lora_expand, lora_shrink
-    if M > TOKEN_PATH_MAX_TOKENS:      # add_lora's prefill block size
+    from kernels.lora_segment_triton import config_for, seg_expand, seg_shrink
+    from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS
+    if M > TOKEN_PATH_MAX_TOKENS:
+        cfg = config_for(s["x"].device, s["x"].shape[1])
+
         def shrink(s):
-            return lora_shrink(s["x"], s["a"], s["meta"], s["ranks"])
+            return seg_shrink(s["x"], s["a"], s["meta"], s["ranks"])
 
         def expand(s, h):
-            return lora_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"])
+            return seg_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"], cfg=cfg)
         return shrink, expand
     if L == 1 or not lora_mixed_triton.takes(s["x"], s["a"], s["offsets"]):
         return None, None
@@ -210,6 +242,11 @@ def write(results: list[Result], bw: float, out: Path) -> None:
     (out / "kernels.md").write_text("\n".join(lines) + "\n")
 
 
+def _part(us: float, pct: float) -> str:
+    """' 123.4us (56%)' for a kernel timed alone, blank where it was not."""
+    return "" if us != us else f" {us:7.1f}us ({pct:3.0f}%)"
+
+
 def _fmt(v) -> str:
     return f"{v:.1f}" if isinstance(v, float) else str(v)
 
@@ -221,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", action="store_true",
                    help="the target points only: all groups, rank 16, T 1/16/64/128/256/8192, "
                         "L 1/64")
+    p.add_argument("--uniform", action="store_true",
+                   help="one adapter, T 1/16/64 (with --quick: qkv and down, T 1/64), rank 16: "
+                        "the one-launch and two-launch paths side by side")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
@@ -228,14 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     results = []
-    print(f"{'group':8} {'r':>4} {'T':>5} {'L':>4} {'map':10} {'n':>2} {'us':>9} "
-          f"{'floor':>8} {'GB/s':>7} {'%floor':>7}")
-    for case in cases(args.quick, args.targets):
+    print(f"{'group':8} {'r':>4} {'T':>5} {'L':>4} {'map':10} {'path':10} {'n':>2} {'us':>9} "
+          f"{'floor':>8} {'GB/s':>7} {'%floor':>7} {'shrink':>14} {'expand':>14}")
+    for case in cases(args.quick, args.targets, args.uniform):
         r = run_case(case, bw)
         results.append(r)
-        print(f"{r.group:8} {r.rank:4} {r.tokens:5} {r.adapters:4} {r.mapping:10} "
-              f"{r.launches:2} {r.us:9.1f} {r.floor_us:8.1f} {r.gbps:7.0f} {r.pct_floor:6.1f}%",
-              flush=True)
+        print(f"{r.group:8} {r.rank:4} {r.tokens:5} {r.adapters:4} {r.mapping:10} {r.path:10} "
+              f"{r.launches:2} {r.us:9.1f} {r.floor_us:8.1f} {r.gbps:7.0f} {r.pct_floor:6.1f}%"
+              f"{_part(r.shrink_us, r.shrink_pct)}{_part(r.expand_us, r.expand_pct)}", flush=True)
         torch.cuda.empty_cache()
     write(results, bw, args.out)
     print(f"wrote {args.out / 'kernels.csv'} and {args.out / 'kernels.md'}")

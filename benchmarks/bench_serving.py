@@ -7,6 +7,9 @@ client SDK, and the same workload through the offline engine in the same invocat
     python benchmarks/bench_serving.py --out DIR --sweep 2,4,8,16      # latency vs throughput
     python benchmarks/bench_serving.py --out DIR --adapters 1,32,256,1000,2000 \\
         --popularity uniform,zipf:1 --concurrency 256 --cold-first --no-offline
+    python benchmarks/bench_serving.py --out DIR --concurrency 256 --no-offline \\
+        --points 5/zipf:1,32/uniform,256/uniform,1000/zipf:1,2000/zipf:1 --cold-first \\
+        --background-loads --warm-s 6 --point-s 21 --drain-s 5   # issue 20's round
     python benchmarks/bench_serving.py --out DIR --tiny                # CPU, demo model
     python benchmarks/bench_serving.py --out DIR -- --max-loras 32     # after --: serve flags
 
@@ -27,7 +30,15 @@ p50/p90/p99, SLO attainment (TTFT <= --slo-ttft and mean ITL <= --slo-itl), swap
 slots and bytes moved per second, disk reads, CPU cores used by the engine, gateway and
 client processes (from /proc), the offline engine's numbers and service/offline.
 --cold-first skips the warm-up round and runs the first point twice: the first timed round
-after start against the steady state. Time bounds: --load-s (no adapter load starts
+after start against the steady state. --points names the points (N/POPULARITY) in the order
+they run. --warm-s makes every point windowed: its first WARM_S seconds are its own warm-up
+and it is measured until --point-s (throughput: the tokens that arrived in the window;
+latency: the requests sent in it; adapter movement and CPU: snapshots at the window's
+edges); the first round and its repeat are also summarized from their start (all the
+first round served). --background-loads loads only the first point's adapters before it
+(the first alone: one LoadAdapter's latency) and the others while the points run, the
+first point once more meanwhile (round "during loads"); each row counts the loads that
+completed in its window. Time bounds: --load-s (no adapter load starts
 later; points needing more adapters are skipped), --point-s (no request sent later into
 a point), --drain-s (what still runs that much later is cancelled), --deadline-s (points
 that could not end in time are skipped). Points run load by load (--rate first, then
@@ -55,7 +66,7 @@ from benchmarks.serving import report  # noqa: E402
 from benchmarks.serving.drivers import Limits  # noqa: E402
 from benchmarks.serving.files import prepare  # noqa: E402
 from benchmarks.serving.phases import run_offline_points, run_service_points  # noqa: E402
-from benchmarks.serving.plan import Budget, Load, make_points  # noqa: E402
+from benchmarks.serving.plan import Budget, Load, make_points, parse_point_specs  # noqa: E402
 from benchmarks.serving.workload import parse_lengths, parse_popularity  # noqa: E402
 
 
@@ -96,6 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-first", action="store_true",
                    help="no warm-up round; the first point runs twice (first round after "
                         "start, then steady state)")
+    p.add_argument("--warm-s", type=float, default=None,
+                   help="windowed points: the first WARM_S seconds of each point are not "
+                        "measured; the window ends at --point-s (required with it), and the "
+                        "drain only waits for the first tokens of the window's requests")
+    p.add_argument("--points", default=None,
+                   help="N/POPULARITY,... (e.g. 5/zipf:1,1000/zipf:1): these points in "
+                        "this order, instead of every --adapters x --popularity")
+    p.add_argument("--background-loads", action="store_true",
+                   help="load only the first point's adapters before it; the others load "
+                        "while points run (a repeat of the first point, round 'during "
+                        "loads', measures what loads cost the traffic); each point starts "
+                        "once its adapters are loaded")
+    p.add_argument("--settle-s", type=float, default=30.0,
+                   help="with --background-loads: seconds (over the run) points may wait "
+                        "for outstanding loads to finish before they start")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (a quick GPU check)")
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine runs")
     p.add_argument("--workdir", type=Path, default=None,
@@ -107,7 +133,9 @@ def _defaults(args) -> None:
     tiny = args.tiny
     if args.rate is None and args.sweep is None and args.concurrency is None:
         args.concurrency = "4" if tiny else "64"
-    args.adapter_counts = [int(x) for x in (args.adapters or ("2" if tiny else "64")).split(",")]
+    args.specs = parse_point_specs(args.points) if args.points else None
+    args.adapter_counts = [n for n, _ in args.specs] if args.specs else \
+        [int(x) for x in (args.adapters or ("2" if tiny else "64")).split(",")]
     args.popularities = [(t, parse_popularity(t)) for t in args.popularity.split(",")]
     rates = [float(x) for x in args.sweep.split(",")] if args.sweep else []
     if args.rate is not None:  # measured first, at every adapter count
@@ -117,12 +145,21 @@ def _defaults(args) -> None:
     args.input_len = parse_lengths(args.input_len or ("8-32" if tiny else "128-512"))
     args.output_len = parse_lengths(args.output_len or ("8-16" if tiny else "128-256"))
     drain = args.drain_s if args.drain_s is not None else 30.0 if args.point_s else None
-    args.limits = Limits(*(float("inf") if v is None else v for v in (args.point_s, drain)))
+    if args.warm_s is not None and (args.point_s is None or not 0 <= args.warm_s < args.point_s):
+        raise SystemExit("--warm-s needs --point-s greater than it")
+    args.limits = Limits(*(float("inf") if v is None else v for v in (args.point_s, drain)),
+                         warm_s=args.warm_s)
 
 
 def _num_requests(args, load: Load) -> int:
     if args.num_requests:
         return args.num_requests
+    if args.warm_s is not None:  # enough to keep sending until --point-s
+        # a closed-loop stream's request takes >= 1 s on the GPU (>= 128 tokens), less
+        # than 1/40 s on the CPU with the demo model's short outputs
+        per_s = load.rate if load.rate is not None else \
+            load.concurrency * (40 if args.tiny else 1)
+        return max(32, int(per_s * args.point_s * 1.25))
     if args.tiny:
         return 16
     return 4 * load.concurrency if load.rate is None else max(32, int(load.rate * 30))
@@ -147,20 +184,24 @@ def _meta(args, argv: list[str], config: dict | None) -> dict:
                                     capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             commit = ""
-    first, steady = (next((p for p in args.points if p["round"] == r), None)
-                     for r in ("first", "steady"))
+    first, steady, during = (next((p for p in args.points if p["round"] == r), None)
+                             for r in ("first", "steady", "during loads"))
     return {"device": device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": commit, "argv": argv, "engine_config": config,
             "adapters_loaded": args.loaded, "adapter_bytes": args.adapter_bytes,
             "loads": args.load_reports, "startup_s": args.startup_s, "warmup_s": args.warmup_s,
             "engine_warmup": args.engine_warmup,
             "first_round_over_steady": report.first_over_steady(first, steady),
+            "first_round_over_steady_window": report.first_over_steady(first, steady, "service"),
+            "during_loads_over_steady": report.first_over_steady(during, steady, "service"),
+            "targets": report.targets(args.points),
+            "windowed": args.warm_s is not None, "background_loads": args.background_loads,
             "order": "service: every point after one start"
                      + ("" if args.no_offline else "; then the offline engine")
                      + (" (the first point twice, no warm-up round)" if args.cold_first else
                         " (each after the same untimed warm-up round)"),
             "limits": {"point_s": args.limits.send_s, "drain_s": args.limits.drain_s,
-                       "deadline_s": args.deadline_s},
+                       "warm_s": args.limits.warm_s, "deadline_s": args.deadline_s},
             "popularity": args.popularity, "input_len": args.input_len,
             "output_len": args.output_len, "seed": args.seed,
             "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl}}
@@ -169,7 +210,7 @@ def _meta(args, argv: list[str], config: dict | None) -> dict:
 def save(args, argv: list[str], config: dict | None = None) -> dict:
     """serving.json as it stands (rewritten after every point: a run cut short keeps what
     it measured)."""
-    points = [{**{k: v for k, v in p.items() if k != "workload"}, "requests": len(p["workload"])}
+    points = [{k: v for k, v in p.items() if k not in ("workload", "_make")}
               for p in args.points]
     result = {"meta": _meta(args, argv, config), "points": points}
     tmp = args.out / "serving.json.tmp"
@@ -203,26 +244,38 @@ def main(argv: list[str] | None = None) -> int:
     args.points = make_points(args.adapter_counts, args.popularities, args.loads,
                               lambda load: _num_requests(args, load), files.names,
                               args.input_len, args.output_len, files.vocab, args.seed,
-                              args.cold_first)
+                              args.cold_first, args.specs, args.background_loads)
     args.load_reports, args.startup_s, args.warmup_s = {}, {}, {}
-    args.loaded, args.engine_warmup = 0, None
+    args.loaded, args.engine_warmup, args.engine_config = 0, None, None
     args.device = None  # known after the service part
-    config = run_service_points(args, files, serve_argv, work, budget,
-                                lambda: save(args, argv))
-    args.device = _device_name()
-    if not args.no_offline:
-        try:
-            run_offline_points(args, files, config, budget, lambda: save(args, argv, config))
-        except Exception:  # noqa: BLE001 - the service's rows are still worth a table
-            traceback.print_exc()
-            print("offline: failed; the table has the service's points only", flush=True)
-    result = save(args, argv, config)
+    config = None
+    try:
+        config = run_service_points(args, files, serve_argv, work, budget,
+                                    lambda: save(args, argv))
+        args.device = _device_name()
+        if not args.no_offline:
+            try:
+                run_offline_points(args, files, config, budget,
+                                   lambda: save(args, argv, config))
+            except Exception:  # noqa: BLE001 - the service's rows are still worth a table
+                traceback.print_exc()
+                print("offline: failed; the table has the service's points only", flush=True)
+    finally:  # stopped early (SIGTERM, a failure): the table of what was measured
+        report_all(args, argv, config)
+    return 0
+
+
+def report_all(args, argv: list[str], config: dict | None) -> None:
+    """serving.json, table.md and the plots; the table printed last."""
+    if args.device is None:
+        args.device = _device_name()
+    result = save(args, argv, config or args.engine_config)
     text = report.table(args.points, result["meta"])
     (args.out / "table.md").write_text(text + "\n")
     plots = report.plots(args.points, args.out)
     print(f"\n{result['meta']['device']}, commit {result['meta']['commit']}, "
-          f"plots: {', '.join(plots) or 'none (no matplotlib or single point)'}\n{text}")
-    return 0
+          f"plots: {', '.join(plots) or 'none (no matplotlib or single point)'}\n{text}",
+          flush=True)
 
 
 def _jsonable(x):

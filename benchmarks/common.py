@@ -65,6 +65,14 @@ def time_do_bench(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, return_mode="median") / 1e3
 
 
+def device_events(prof) -> list:
+    """The profiled work that ran on the GPU (kernels, memsets, copies: one per launch or
+    graph node), not the runtime and driver calls that issued it."""
+    kinds = ("cuda_runtime", "cuda_driver")
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not any(k in e.name.lower() for k in kinds)]
+
+
 def count_launches(fn: Callable[[], object]) -> int:
     """GPU kernels (and memsets) launched by one call of fn (fn must be warm)."""
     from torch.profiler import ProfilerActivity, profile
@@ -72,10 +80,7 @@ def count_launches(fn: Callable[[], object]) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    kinds = ("cuda_runtime", "cuda_driver")
-    return sum(1 for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA
-               and not any(k in e.name.lower() for k in kinds))
+    return len(device_events(prof))
 
 
 def rotating_sets(bytes_per_set: int, l2_bytes: int = 50 << 20, most: int = 8) -> int:

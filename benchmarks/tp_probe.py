@@ -6,8 +6,10 @@ seconds from the step's start to the moment the inputs are uploaded and the repl
 launched (scheduling, the TP plan broadcast, the input fill), and the GPU time of the
 replay itself (CUDA events after the upload and after the replay; at TP > 1 this includes
 waiting for the other ranks inside the collectives). `profile_steps` prints a
-torch.profiler table of a few steps and the GPU kernel time by kind (NCCL, one-shot
-all-reduce, the rest)."""
+torch.profiler table of a few steps, the GPU kernel time by kind (NCCL, one-shot
+all-reduce, RMSNorm, the rest) and the collectives launched per step by kind
+(`count_collectives`: all-reduce, all-gather, other NCCL), which is how a run shows that
+the LoRA path adds no collective (the same counts with and without adapters)."""
 from __future__ import annotations
 
 import statistics
@@ -68,19 +70,55 @@ def _kind(name: str) -> str:
         return "nccl"
     if "one_shot" in low or "two_shot" in low:
         return "one-shot all-reduce"
+    if "rms_norm" in low or "rmsnorm" in low:
+        return "rmsnorm"   # what a fused all-reduce + add + RMSNorm would absorb
     return "other"
 
 
-def profile_steps(eng, n: int = 5) -> None:
-    """torch.profiler over `n` engine steps: top 15 ops by GPU time, GPU time by kind."""
+def collective_of(name: str) -> str | None:
+    """The collective a GPU kernel of this name performs: "all_reduce", "all_gather",
+    "reduce_scatter", "nccl_other" (another NCCL kernel), or None (not a collective).
+    NCCL's kernels are named like ncclDevKernel_AllReduce_Sum_bf16_RING_LL (older NCCL:
+    ncclKernel_AllReduce_RING_LL_Sum_bfloat16); the one-shot all-reduce over symmetric
+    memory like c10d::symmetric_memory::one_shot_all_reduce_kernel<...>."""
+    low = name.lower().replace("_", "")
+    if "allreduce" in low:
+        return "all_reduce"
+    if "allgather" in low:
+        return "all_gather"
+    if "reducescatter" in low:
+        return "reduce_scatter"
+    if "nccl" in low:
+        return "nccl_other"
+    return None
+
+
+def count_collectives(names, steps: int) -> dict[str, float]:
+    """Collective kernels per step, by kind, from the GPU kernel names of `steps` steps."""
+    counts: dict[str, int] = {}
+    for name in names:
+        kind = collective_of(name)
+        if kind is not None:
+            counts[kind] = counts.get(kind, 0) + 1
+    return {k: round(v / steps, 2) for k, v in sorted(counts.items())}
+
+
+def profile_steps(eng, n: int = 5, label: str = "") -> dict:
+    """torch.profiler over `n` engine steps (nothing in flight before them): top 15 ops
+    by GPU time, GPU time by kind, collectives per step. Returns the last two."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
+    cuda = eng.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    eng.flush()   # async scheduling: the window holds exactly the n steps it launches
+    sync()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         for _ in range(n):
             eng.step()
-        torch.cuda.synchronize()
+        eng.flush()
+        sync()
     wall = (time.perf_counter() - t0) / n * 1e3
     averages = prof.key_averages()
     table = None
@@ -91,16 +129,23 @@ def profile_steps(eng, n: int = 5) -> None:
             break
         except Exception:  # noqa: BLE001 - the key's name differs between torch versions
             continue
-    print(f"profile: {n} steps, {wall:.2f} ms per step under the profiler", flush=True)
+    print(f"profile {label}: {n} steps, {wall:.2f} ms per step under the profiler", flush=True)
     print(table, flush=True)
     by_kind: dict[str, float] = {}
-    kernels = 0
+    names = []
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        kernels += 1
+        if not cuda and not e.name.startswith("gloo:"):
+            continue   # the CPU: gloo's collectives, nothing else
+        names.append(e.name)
         k = _kind(e.name)
         by_kind[k] = by_kind.get(k, 0.0) + e.time_range.elapsed_us()
     per_step = {k: round(v / n / 1e3, 3) for k, v in sorted(by_kind.items())}
-    print(f"profile GPU ms per step by kind: {per_step} ({kernels / n:.0f} GPU events "
-          f"per step)", flush=True)
+    collectives = count_collectives(names, n)
+    where = "GPU kernel" if cuda else "gloo collective"
+    print(f"profile {where} ms per step by kind {label}: {per_step} ({len(names) / n:.0f} "
+          f"{where}s per step)", flush=True)
+    print(f"collectives per step {label}: {collectives}", flush=True)
+    return {"ms_by_kind": per_step, "collectives_per_step": collectives,
+            "events_per_step": len(names) / n, "profiled_ms_per_step": wall}

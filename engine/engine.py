@@ -23,8 +23,9 @@ sampler reads the token history (repetition penalty), and under tensor paralleli
 unless every row of that step took the greedy pick (only then does every rank hold its
 tokens on the device: engine/distributed/executor.py). A request id still held by the
 step in flight is reused only after that step completes (add_request completes it).
-Nothing else needs a quiescent device: KV blocks and adapter slots are only written by
-work queued on the compute stream, in order (adapter copies wait for it).
+Nothing else needs a quiescent device: KV blocks are only written by work queued on the
+compute stream, in order, and an adapter copy into a slot waits on the device for the
+last launched step that read that slot (engine/adapters/copier.py).
 """
 from __future__ import annotations
 
@@ -260,6 +261,8 @@ class Engine:
         prev = self._inflight  # always None in sync mode
         pending = prev[1] if prev else None
         launched = self.executor.launch(out, self.runner, pending)
+        # a copy that later overwrites one of these slots waits for this step (no sync)
+        self.adapters.note_step_reads({s.slot for s in out.scheduled})
         if prev is not None:
             results += self._complete()
         self._inflight = (out, launched)

@@ -9,21 +9,25 @@ turned once into a `LoRAMeta` (tokens grouped by slot) that every layer reuses:
     seg_start      [ 0  2  4  4 ]             where each active slot's run starts ...
     seg_len        [ 2  2  0  0 ]             ... and how long it is
 
-Prefill runs segment-wise (a segment's rows share one A/B tile); a decode batch is the
-same thing with mostly one-token segments. Nothing here syncs with the host: grids come
-from static sizes (token count, slot count) and surplus programs return at once, so the
-launches can be captured in CUDA graphs with static metadata buffers.
+Prefill runs as a grouped GEMM over a tile list (kernels/lora_segment_triton.py: each
+segment cut into row tiles that share one A/B); decode batches take token-sized grids
+(kernels/lora_token_triton.py), or for several adapters the tiles of their segments
+(kernels/lora_mixed_triton.py, where its table says so). Nothing here syncs with the
+host: grids come from static sizes (token count, slot count) and surplus programs return
+at once, so the launches can be captured in CUDA graphs with static metadata buffers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 
 from kernels import lora_kernels_triton as K
 from kernels import lora_mixed_triton
+from kernels.lora_segment_triton import add_lora_seg
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
+from kernels.lora_uniform_triton import add_lora_uniform
 
 FUSED_MAX_TOKENS = 16      # lora_fused needs every segment within one 16-row block
 _TARGET_PROGRAMS = 264     # about two programs per SM on an H100 (132 SMs)
@@ -43,6 +47,8 @@ class LoRAMeta:
                                  # every launch leaves zero
     num_tokens: int
     num_slots: int
+    # the prefill path's tile lists by block size, built on first use (lora_segment_triton)
+    tiles: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def max_segments(self) -> int:
@@ -71,7 +77,8 @@ def build_meta(token_slots: torch.Tensor, num_slots: int) -> LoRAMeta:
                     seg_len=seg_len.to(torch.int32),
                     sorted_slots=torch.where(key_sorted == num_slots, -1,
                                              key_sorted).to(torch.int32),
-                    counters=torch.zeros(4 * min(token_slots.shape[0], TOKEN_PATH_MAX_TOKENS),
+                    counters=torch.zeros(4 * min(token_slots.shape[0],
+                                                 TOKEN_PATH_MAX_TOKENS),
                                          dtype=torch.int32, device=dev),
                     num_tokens=token_slots.shape[0], num_slots=num_slots)
 
@@ -112,51 +119,6 @@ def _offsets(slice_offsets) -> list[int]:
     return offs + [offs[-1]] * (_MAX_SLICES + 1 - len(offs))
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta,
-                ranks: torch.Tensor | None = None, block_m: int = 64,
-                split_k: int | None = None) -> torch.Tensor:
-    """h[s, t, :] = x[t] @ a[slot(t), s].T in float32, all slices in one launch.
-
-    Returns h [S, T, R]; rows of tokens without a slot are left unwritten (never read).
-    split_k > 1 (default: chosen to fill the GPU) sums K ranges atomically into a zeroed h."""
-    T, Kdim = x.shape
-    L, S, R, _ = a.shape
-    m_blocks = triton.cdiv(T, block_m)
-    block_r = _block_r(R)
-    if split_k is None:
-        split_k = max(1, min(_TARGET_PROGRAMS // (m_blocks * S), Kdim // 1024))
-    alloc = torch.zeros if split_k > 1 else torch.empty
-    h = alloc((S, T, R), dtype=torch.float32, device=x.device)
-    block_k = 64 if block_r >= 64 else 128
-    grid = (m_blocks, S * split_k, meta.max_segments)
-    K.lora_shrink_kernel[grid](
-        x, a, h, meta.sorted_tokens, meta.seg_start, meta.seg_len, meta.active_slots,
-        ranks if ranks is not None else meta.seg_len, Kdim, R,
-        x.stride(0), x.stride(1), *a.stride(), *h.stride(),
-        HAS_RANKS=ranks is not None, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=block_r,
-        BLOCK_K=block_k, PRECISION=_precision(a), UPCAST=x.is_cpu)
-    return h
-
-
-def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta: LoRAMeta,
-                slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
-                block_m: int = 64, block_n: int = 128) -> torch.Tensor:
-    """y[t, slice s] += h[s, t] @ b[slot(t), slice s].T in place, all slices in one launch."""
-    T = y.shape[0]
-    L, N, R = b.shape
-    S = len(slice_offsets) - 1
-    widest = max(hi - lo for lo, hi in zip(slice_offsets, slice_offsets[1:]))
-    n_blocks = max(1, triton.cdiv(widest, block_n))
-    grid = (triton.cdiv(T, block_m), S * n_blocks, meta.max_segments)
-    K.lora_expand_kernel[grid](
-        h, b, y, meta.sorted_tokens, meta.seg_start, meta.seg_len, meta.active_slots,
-        ranks if ranks is not None else meta.seg_len, R, n_blocks, *_offsets(slice_offsets),
-        *h.stride(), *b.stride(), y.stride(0), y.stride(1),
-        HAS_RANKS=ranks is not None, BLOCK_M=block_m, BLOCK_R=_block_r(R),
-        BLOCK_N=block_n, PRECISION=_precision(b), UPCAST=y.is_cpu)
-    return y
-
-
 def lora_fused(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                meta: LoRAMeta, slice_offsets: tuple[int, ...],
                ranks: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
@@ -195,8 +157,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     that the tokens share one adapter, which picks the decode path's launch parameters
     tuned for that (any mapping stays correct).
 
-    Two launches either way: up to TOKEN_PATH_MAX_TOKENS tokens the token-sized kernels
-    (split-K partials reduced by the expand, no memset), above it the segment kernels."""
+    Up to TOKEN_PATH_MAX_TOKENS tokens: with `uniform` (and UNIFORM_ONE_LAUNCH) one launch
+    (kernels/lora_uniform_triton.py), else two launches: of the segment-tile kernels for
+    a mixed batch of a shape class their table gives them (kernels/lora_mixed_triton.py),
+    else of the token-sized kernels; above it the two segment kernels."""
     slice_offsets = tuple(int(o) for o in slice_offsets)
     _check(y, x, a, b, token_slots, slice_offsets, meta)
     if x.shape[0] == 0 or slice_offsets[-1] == 0:
@@ -208,11 +172,17 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return add_lora_segments(y, x, a, b, meta, slice_offsets, ranks)
 
 
+UNIFORM_ONE_LAUNCH = True    # False: the uniform hint keeps two launches (benchmarks compare)
+
+
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
                     ranks: torch.Tensor | None = None, uniform: bool = False) -> torch.Tensor:
-    """The decode path: token-sized grids (kernels/lora_token_triton.py), or for a mixed
-    batch whose shape class the table gives them, tiles of segments
-    (kernels/lora_mixed_triton.py: each adapter's A and B read once per tile)."""
+    """The decode path: token-sized grids (kernels/lora_token_triton.py); with `uniform`
+    shrink and expand in one launch (kernels/lora_uniform_triton.py); for a mixed batch
+    whose shape class the table gives them, tiles of segments (kernels/lora_mixed_triton.py:
+    each adapter's A and B read once per tile)."""
+    if uniform and UNIFORM_ONE_LAUNCH:
+        return add_lora_uniform(y, x, a, b, meta, slice_offsets, ranks)
     if not uniform and lora_mixed_triton.takes(x, a, slice_offsets):
         return lora_mixed_triton.add_lora_mixed(y, x, a, b, meta, slice_offsets, ranks)
     hp = lora_shrink_tokens(x, a, meta, ranks, uniform=uniform)
@@ -222,7 +192,5 @@ def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
 
 def add_lora_segments(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
                       ranks: torch.Tensor | None = None) -> torch.Tensor:
-    """The prefill path: one tile per (segment, row block); split-K shrink into a zeroed h."""
-    block_m = 16 if x.shape[0] <= 64 else 64    # short segments: small row blocks
-    h = lora_shrink(x, a, meta, ranks, block_m=block_m)
-    return lora_expand(h, b, y, meta, slice_offsets, ranks, block_m=block_m)
+    """The prefill path: a grouped GEMM over a tile list (kernels/lora_segment_triton.py)."""
+    return add_lora_seg(y, x, a, b, meta, slice_offsets, ranks)

@@ -4,14 +4,17 @@ meanwhile, and every launched step must read only slots whose copy has landed. M
 adapters than slots, so slots are overwritten all the time; tokens must equal each
 request run alone."""
 import pytest
+import torch
 
-from engine.adapters.copier import InlineCopier
+from engine.adapters.copier import InlineCopier, StreamCopier
+from tests.support import fake_cuda
 from tests.support.copies import PoisonedCopier
 from tests.test_engine_parity import prompts_of
 from tests.test_lifecycle_tiers import greedy, make_engine
 
 NAMES = ["rs4", "ap8", "attn32"]
 MAX_TOKENS = 5
+LONG = 40  # tokens of the long request of run_mix(long_first=...)
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +40,25 @@ def poisoned_engine(family, lag: int, **kw):
                 assert not copier.is_poisoned(s.slot), (
                     f"step reads slot {s.slot} (adapter {s.request.adapter_id}) before its "
                     "copy landed")
-        return launch(out, prev, greedy)
+        pending = launch(out, prev, greedy)
+        copier.launched({s.slot for s in out.scheduled})
+        return pending
 
     eng.runner.launch = launch_clean
     return eng, copier
 
 
-def run_mix(eng, prompts):
-    """Requests round robin over more adapters than slots; returns {(name, i): tokens}."""
-    order = [(NAMES[i % len(NAMES)], i) for i in range(len(prompts))]
+def run_mix(eng, prompts, long_first: int = 0):
+    """Requests round robin over more adapters than slots; returns {(name, i): tokens}.
+    `long_first` > 0: the first request (of NAMES[0]) runs that many tokens and the others
+    use the other adapters, so slots are swapped while its steps are in flight."""
+    if long_first:
+        order = [(NAMES[0], 0)] + [(NAMES[1 + i % 2], i) for i in range(1, len(prompts))]
+    else:
+        order = [(NAMES[i % len(NAMES)], i) for i in range(len(prompts))]
     for name, i in order:
-        eng.add_request(f"{name}-{i}", prompts[i], greedy(MAX_TOKENS), name)
+        n = long_first if long_first and i == 0 else MAX_TOKENS
+        eng.add_request(f"{name}-{i}", prompts[i], greedy(n), name)
     tokens, done = {}, set()
     for _ in range(400):
         if not eng.has_unfinished():
@@ -77,6 +88,7 @@ def test_no_step_reads_a_slot_before_its_copy(llama_family, references, async_sc
     assert sum(a["loads"] for a in eng.stats()["adapters"].values()) >= 3
     if lag == 1000:
         assert copier.num_forced > 0 and copier.num_background == 0
+    assert copier.num_noted_overwrites > 0  # slots were reused after steps read them
 
 
 def test_poison_is_caught_without_the_ordering(llama_family, references, monkeypatch):
@@ -85,6 +97,16 @@ def test_poison_is_caught_without_the_ordering(llama_family, references, monkeyp
     eng, _ = poisoned_engine(llama_family, lag=1000)
     monkeypatch.setattr(eng.adapters, "order_before_step", lambda ids: None)
     with pytest.raises(AssertionError, match="before its copy landed"):
+        run_mix(eng, prompts)
+
+
+def test_unnoted_reads_are_caught(llama_family, references, monkeypatch):
+    """The check above can fail: without note_step_reads a copy overwrites a slot that
+    launched steps read, ordered after none of them."""
+    prompts, _ = references
+    eng, _ = poisoned_engine(llama_family, lag=1, async_scheduling=True)
+    monkeypatch.setattr(eng.adapters, "note_step_reads", lambda slots: None)
+    with pytest.raises(AssertionError, match="not ordered after launch"):
         run_mix(eng, prompts)
 
 
@@ -105,3 +127,86 @@ def test_cpu_copies_are_inline(llama_family):
     assert isinstance(eng.adapters.copier, InlineCopier)
     eng.generate([[5, 6, 7]], greedy(2), [NAMES[0]])
     assert not eng.adapters._copies
+
+
+def stream_engine(family, monkeypatch):
+    """An engine whose copies go through StreamCopier on recorded CPU streams
+    (tests/support/fake_cuda.py); every launch and slot load is checked on the record:
+    a copy into slot s is ordered after the last launched step that read s, and after no
+    later step in flight that does not read it (the copy overlaps that step); a step
+    that reads s is ordered after the last copy into s."""
+    cuda = fake_cuda.install(monkeypatch)
+    eng = make_engine(family, NAMES, max_loras=2, max_cpu_loras=3, async_scheduling=True)
+    copier = eng.adapters.copier = StreamCopier(torch.device("cpu"))
+    side, compute = copier.stream, cuda.compute
+    steps, copies = [], {}  # (position on compute, slots); slot -> position on side
+    overlapped = [0]        # copies queued while a step not reading their slot ran
+    launch, load = eng.runner.launch, eng.lora_pool.load
+
+    def launch_ordered(out, prev=None, greedy=None):
+        assert cuda.current is compute
+        slots = {s.slot for s in out.scheduled if s.slot >= 0}
+        for slot in slots:
+            assert slot not in copies or cuda.covered(compute, side, copies[slot]), (
+                f"step reads slot {slot} before its copy")
+        pending = launch(out, prev, greedy)
+        steps.append((compute.mark("step", slots), slots))
+        return pending
+
+    def load_ordered(slot, weights, stream=None):
+        assert cuda.current is side, "slot load off the copier's stream"
+        readers = [pos for pos, slots in steps if slot in slots]
+        assert not readers or cuda.covered(side, compute, readers[-1]), (
+            f"copy into slot {slot} not ordered after the step that read it")
+        if eng._inflight is not None and slot not in steps[-1][1]:
+            assert not cuda.covered(side, compute, steps[-1][0]), (
+                f"copy into slot {slot} waits for the step in flight, which does not read it")
+            overlapped[0] += 1
+        load(slot, weights, stream)
+        copies[slot] = side.mark("copy", slot)
+
+    eng.runner.launch, eng.lora_pool.load = launch_ordered, load_ordered
+    return eng, cuda, copies, overlapped
+
+
+@pytest.mark.parametrize("variant", [None, "waits for all compute", "host sync"])
+def test_swaps_overlap_steps_without_host_syncs(llama_family, references, monkeypatch, variant):
+    """Async scheduling with more adapters than slots: every swap goes through the
+    StreamCopier on recorded streams. No host sync at all, tokens as each request alone.
+    The variants show the checks can fail: a copier that waits for all queued compute (as
+    a copy ordered by wait_stream would), and a step path that syncs on a pending copy."""
+    prompts, refs = references
+    eng, cuda, copies, overlapped = stream_engine(llama_family, monkeypatch)
+    copier = eng.adapters.copier
+    if variant == "waits for all compute":
+        queue = copier.queue
+
+        def queue_after_all(slot, adapter_id, copy):
+            copier.stream.wait_stream(torch.cuda.current_stream())
+            return queue(slot, adapter_id, copy)
+
+        monkeypatch.setattr(copier, "queue", queue_after_all)
+        with pytest.raises(AssertionError, match="waits for the step in flight"):
+            run_mix(eng, prompts, long_first=LONG)
+        return
+    if variant == "host sync":
+        order = eng.adapters.order_before_step
+
+        def order_and_sync(adapter_ids):
+            for aid in adapter_ids:
+                if aid in eng.adapters._copies:
+                    copier.wait(eng.adapters._copies[aid][0])
+            order(adapter_ids)
+
+        monkeypatch.setattr(eng.adapters, "order_before_step", order_and_sync)
+    got = run_mix(eng, prompts, long_first=LONG)
+    for (name, i), toks in got.items():
+        assert toks[:MAX_TOKENS] == refs[name, i], (name, i)
+    assert len(got) == len(prompts) and len(got[NAMES[0], 0]) == LONG and len(copies) == 2
+    assert overlapped[0] > 0, "no copy was queued while a step that does not read it ran"
+    loads = sum(a["loads"] for a in eng.stats()["adapters"].values())
+    assert loads >= 3, loads
+    if variant == "host sync":
+        assert cuda.syncs, "the sync was not seen"
+    else:
+        assert cuda.syncs == [], f"host syncs on the step path: {cuda.syncs}"

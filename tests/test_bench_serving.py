@@ -182,7 +182,7 @@ def test_points_run_load_by_load_and_skip_what_cannot_run(capsys):
 
     from benchmarks.serving.drivers import Limits
     from benchmarks.serving.phases import _points_to_run
-    from benchmarks.serving.plan import Budget, Load, make_points
+    from benchmarks.serving.plan import Budget, Load, make_points, workload
 
     names = tuple(f"a{i}" for i in range(8))
     points = make_points([1, 8], [("uniform", None), ("zipf:1", 1.0)],
@@ -194,6 +194,15 @@ def test_points_run_load_by_load_and_skip_what_cannot_run(capsys):
         (4.0, None, 8, "uniform", None), (4.0, None, 8, "zipf:1", None),
         (None, 2, 1, "uniform", None), (None, 2, 8, "uniform", None),
         (None, 2, 8, "zipf:1", None)]
+    named = make_points([], [], [Load(None, 2)], lambda load: 3, names, (2, 3), (2, 3),
+                        range(3, 50), 0, True, specs=[(5, "zipf:1"), (8, "uniform")],
+                        during_loads=True)
+    assert [(p["adapters"], p["popularity"], p["round"]) for p in named] == [
+        (5, "zipf:1", "first"), (5, "zipf:1", "steady"), (5, "zipf:1", "during loads"),
+        (8, "uniform", None)]
+    wl = workload(named[1])
+    assert len(wl) == 3 and {r.adapter for r in wl} <= set(names[:5]) and wl == workload(named[1])
+    assert wl != workload(named[0])  # a repeat draws its own requests (no prefix-cache hits)
     args = SimpleNamespace(points=points, loaded=4)
     ran = [p["adapters"] for p in _points_to_run(args, "service", Budget(Limits(1, 1)))]
     assert ran == [1, 1, 1] and all(p["skipped"] == {"service": "adapters not loaded"}
@@ -204,3 +213,92 @@ def test_points_run_load_by_load_and_skip_what_cannot_run(capsys):
     assert "offline: skipped (deadline) 1 adapters, uniform, 4 req/s" in capsys.readouterr().out
     unbounded = Budget(Limits(), deadline=time.monotonic() + 1)  # no worst case known
     assert unbounded.fits() and not Budget(Limits(), deadline=-math.inf).fits()
+
+
+def test_window_summary_counts_what_happened_in_the_window():
+    """Tokens by arrival time in [start, end), whatever request they belong to; TTFT of the
+    requests sent in the window (one with no first token counts up to the stop, censored);
+    ITL from the gaps between tokens that arrived in the window."""
+    from benchmarks.serving.workload import summarize_window
+
+    early = Record(0, "a", 4, sent_s=0.0, first_s=0.5, tokens=4,
+                   chunks=[(0.5, 1), (1.5, 1), (2.5, 2)], gaps=[1.0, 0.5, 0.5])
+    inside = Record(1, "a", 4, sent_s=1.2, first_s=1.4, end_s=2.9, tokens=3,
+                    chunks=[(1.4, 1), (1.9, 1), (2.9, 1)], gaps=[0.5, 1.0])
+    waiting = Record(2, "a", 4, sent_s=2.0, cut=True)
+    after = Record(3, "a", 4, sent_s=3.5, first_s=3.6, tokens=1, chunks=[(3.6, 1)])
+    s = summarize_window([early, inside, waiting, after], 1.0, 3.0, slo_ttft_s=0.5,
+                         slo_itl_s=0.8, stopped_s=4.0)
+    assert s["output_tokens"] == 1 + 2 + 3 and s["output_tok_per_s"] == 3.0
+    assert (s["requests"], s["completed"], s["ttft_censored"], s["cut"]) == (2, 1, 1, 1)
+    # TTFTs 0.2 (inside) and 2.0 (waiting: sent at 2.0, none by the stop at 4.0)
+    assert (s["ttft_s"]["p50"], s["ttft_s"]["p99"]) == pytest.approx((1.1, 1.982))
+    assert s["itl_s"]["p50"] == pytest.approx(0.5) and s["itl_s"]["p99"] == pytest.approx(1.0)
+    assert s["e2e_s"]["p50"] == pytest.approx(1.7) and s["req_per_s"] == 0.5
+    assert s["slo"]["attainment"] == 0.5  # inside (TTFT 0.2, mean gap 0.75); not waiting
+
+
+def test_targets_and_first_round():
+    from benchmarks.serving import report
+
+    def pt(n, pop, tok, ttft99, round_=None):
+        return {"adapters": n, "popularity": pop, "rate": None, "concurrency": 256,
+                "round": round_, "service": {"output_tok_per_s": tok,
+                                             "ttft_s": {"p50": 0.1, "p99": ttft99}}}
+    points = [pt(5, "zipf:1", 900.0, 9.0, "first"), pt(5, "zipf:1", 1000.0, 1.0, "steady"),
+              pt(5, "zipf:1", 10.0, 9.0, "during loads"), pt(32, "uniform", 1000.0, 1.0),
+              pt(256, "uniform", 890.0, 1.0), pt(1000, "zipf:1", 970.0, 2.0),
+              pt(2000, "zipf:1", 980.0, 2.5)]
+    got = {(t["adapters"], t["popularity"]): (round(t["tok_ratio"], 3), t["met"])
+           for t in report.targets(points)}
+    assert got == {(256, "uniform"): (0.89, False), (1000, "zipf:1"): (0.97, True),
+                   (2000, "zipf:1"): (0.98, False)}  # 2000: TTFT p99 2.5x
+    assert report.first_over_steady(points[0], points[1]) == pytest.approx(0.9)
+    assert report.first_over_steady(points[2], points[1], "service") == pytest.approx(0.01)
+    # a repeat round is nobody's baseline: 1000 adapters compare with the steady 5
+    assert report.vs_fewest(points[5], points) == (pytest.approx(0.97), pytest.approx(2.0))
+
+
+@pytest.mark.timeout(300)
+def test_tiny_adapters_round(tmp_path):
+    """The adapters round's shape on the CPU: named points in order, the first one three
+    times (first, steady, during loads), only its adapters loaded before it (the others in
+    the background), every point measured in its window with the engine's counters and
+    CPU at the window's edges."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--tiny", "--out", str(out),
+         "--points", "2/zipf:1,6/uniform,6/zipf:1", "--concurrency", "3", "--cold-first",
+         "--background-loads", "--no-offline", "--warm-s", "0.5", "--point-s", "2.5",
+         "--drain-s", "3", "--load-workers", "4", "--", "--max-loras", "2",
+         "--max-cpu-loras", "4"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "serving.json").read_text())
+    meta, points = result["meta"], result["points"]
+    assert [(p["adapters"], p["popularity"], p["round"]) for p in points] == [
+        (2, "zipf:1", "first"), (2, "zipf:1", "steady"), (2, "zipf:1", "during loads"),
+        (6, "uniform", None), (6, "zipf:1", None)]
+    assert len({p["seed"] for p in points}) == 5  # a repeat is not the same requests again
+    for p in points:
+        s = p["service"]
+        assert s["window_s"] == [0.5, 2.5] and s["wall_s"] == 2.0 and not s["ran_out"]
+        assert 2.5 <= s["run_s"] < 2.5 + 3 + 2
+        assert s["output_tok_per_s"] > 0 and s["requests"] > 0 and not s["errors"]
+        assert s["ttft_s"]["p99"] >= s["ttft_s"]["p50"] > 0 and s["itl_s"]["p50"] > 0
+        assert s["engine"]["steps"] > 0 and s["cpu_busy"]["engine"] > 0
+        assert s["movement"]["swaps_per_s"] >= 0 and p["loads_in_window"] >= 0
+        assert ("service_from_start" in p) == (p["round"] in ("first", "steady"))
+    assert all(p["service"]["engine"]["adapter_slot_loads"] > 0 for p in points[3:])
+    loads = meta["loads"]
+    assert loads["service_one"]["adapters"] == loads["service_second"]["adapters"] == 1
+    assert "service_first" not in loads  # the first point's 2 adapters: each loaded alone
+    assert loads["service"]["adapters"] == 4 and loads["service"]["loads_per_s"] > 0
+    assert meta["first_round_over_steady"] > 0 and meta["during_loads_over_steady"] > 0
+    assert meta["windowed"] and meta["background_loads"] and meta["limits"]["warm_s"] == 0.5
+    assert "one adapter alone: LoadAdapter" in proc.stdout
+    assert "6 adapters loaded; this batch 4/4" in proc.stdout  # the background loads' line
+    table = (out / "table.md").read_text()
+    assert "first round after start / steady state" in table
+    assert "the first point while the other adapters load / without loads" in table

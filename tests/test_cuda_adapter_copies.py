@@ -1,6 +1,7 @@
 """Host -> slot copies on a real GPU (skipped without one): a copy queued while a long
-kernel still reads the slot does not change what that kernel reads, and a read ordered
-after the copy's event sees the whole new adapter; host buffers are page-locked and
+kernel still reads the slot (noted with note_reads) does not change what that kernel
+reads, a read ordered after the copy's event sees the whole new adapter, and a copy into
+another slot does not wait for that kernel; host buffers are page-locked and
 reused only once the copies reading them completed."""
 import gc
 
@@ -37,7 +38,9 @@ def test_copy_waits_for_readers_and_step_waits_for_copy(llama_family):
     pool.load(0, w["rs4"])
     torch.cuda.synchronize()
     a_old = pool.weights(0, "qkv")[0][0].clone()
+    torch.cuda._sleep(50_000_000)                              # the reads below wait
     read_old = slow_read(pool.weights(0, "qkv")[0][0])       # queued, still running
+    copier.note_reads([0])
     handle = copier.queue(0, 2, lambda: pool.load(0, w["attn32"]))
     copier.order_compute_after(handle)
     a_new = pool.weights(0, "qkv")[0][0].clone()              # ordered after the copy
@@ -47,6 +50,25 @@ def test_copy_waits_for_readers_and_step_waits_for_copy(llama_family):
     g = w["attn32"].groups[(0, "qkv")]
     want[:, :g.a.shape[1]] = g.a.cuda()
     assert torch.equal(a_new, want)
+
+
+def test_copy_into_another_slot_overlaps_a_step_in_flight(llama_family):
+    """A copy into slot 1 does not wait for queued work that reads only slot 0: it lands
+    while that work still runs (the host waits for the copy alone)."""
+    _, pool, buffers, w = setup_pool(llama_family)
+    buffers.wait_registered()
+    copier = StreamCopier(torch.device("cuda"))
+    pool.load(0, w["rs4"])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)                             # a long step reading slot 0
+    slow_read(pool.weights(0, "qkv")[0][0], reps=10)
+    copier.note_reads([0])
+    step_done = torch.cuda.Event()
+    step_done.record()
+    handle = copier.queue(1, 2, lambda: pool.load(1, w["attn32"]))
+    copier.wait(handle)
+    assert not step_done.query(), "the copy waited for a step that does not read its slot"
+    torch.cuda.synchronize()
 
 
 def test_host_buffers_are_pinned_and_reused_after_the_copy(llama_family):

@@ -50,6 +50,19 @@ def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle):
     assert (2, False) in graphs.runner.graphs.captured  # base-only batch: no LoRA launches
 
 
+def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llama_oracle):
+    """Every row on one adapter: the uniform graph (one LoRA launch per group), with a
+    padding row (no adapter) in its bucket: 3 rows -> bucket 4."""
+    names = ["rs4", "ap8"]
+    graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
+    prompts, adapters = prompts_of([6, 19, 2], seed=5), ["ap8"] * 3
+    got = graphs.generate(prompts, GREEDY, adapters)
+    assert_same(got, eager.generate(prompts, GREEDY, adapters))
+    for g, (toks, _) in zip(got, llama_oracle.generate(prompts, adapters, MAX_NEW)):
+        assert g.token_ids == toks
+    assert any(k[0] == 4 and k[1] and k[3] for k in graphs.runner.graphs.graph_keys)
+
+
 def test_adapter_loaded_after_capture(llama_family, llama_oracle):
     graphs, eager = engine(llama_family, False, ["rs4"]), engine(llama_family, True, ["rs4"])
     prompts = prompts_of([7, 3, 12, 20], seed=2)

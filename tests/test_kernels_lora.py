@@ -11,11 +11,12 @@ import importlib
 import pytest
 import torch
 
-from kernels import lora_kernels_triton, lora_token_kernels_triton
+from kernels import lora_kernels_triton, lora_segment_kernels_triton, lora_token_kernels_triton
 from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref
+from kernels.lora_segment_triton import build_tiles, seg_expand, seg_shrink, tiles_bound
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
-from kernels.lora_triton import (add_lora, add_lora_segments, add_lora_tokens,
-                                 build_meta, lora_expand, lora_fused, lora_shrink)
+from kernels.lora_triton import (TOKEN_PATH_MAX_TOKENS, add_lora, add_lora_segments,
+                                 add_lora_tokens, build_meta, lora_fused)
 from tests.support.triton_mode import check_kernel_mode
 
 CUDA = torch.cuda.is_available()
@@ -173,20 +174,76 @@ def test_meta_groups_tokens_by_slot():
     assert meta.sorted_slots.tolist() == [0, 0, 0, 2, 2, 5, -1, -1]
 
 
-def test_separate_shrink_and_expand_with_split_k():
+def _segment_slots(lens_slots, seed):
+    """Tokens in runs of the given (length, slot) pairs, shuffled: segments of uneven length."""
+    g = torch.Generator().manual_seed(seed)
+    ts = torch.cat([torch.full((n,), slot) for n, slot in lens_slots])
+    return ts[torch.randperm(ts.shape[0], generator=g)].to(DEV)
+
+
+# 1, 17 and 300 rows, a no-adapter run, a 64-row run (a whole tile) and a 2-row run
+PREFILL_RUNS = [(1, 2), (17, 0), (300, 3), (40, -1), (64, 1), (2, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S", [1, 2, 3])
+def test_prefill_path_uneven_segments(dtype, S):
+    """add_lora above TOKEN_PATH_MAX_TOKENS: segments of 1, 17 and 300 rows, no-adapter rows,
+    ranks below the pool's max rank, 1-3 slices, fresh random A and B."""
+    offsets = SLICES[S]
+    a, b, ranks = _pool(S, offsets, [8, 32, 16, 4, 16], dtype, seed=20 + S)
+    ts = _segment_slots(PREFILL_RUNS, seed=S)
+    T = ts.shape[0]
+    assert T > TOKEN_PATH_MAX_TOKENS
+    x, y = _inputs(T, offsets[-1], dtype, seed=30 + S)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = add_lora(y.clone(), x, a, b, ts, offsets, ranks=ranks)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got[ts < 0], y[ts < 0]), "tokens without an adapter must be untouched"
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_tile_list_covers_every_segment_row_once(block_m):
+    """Tiles cut each segment into row blocks: every sorted row with a slot in exactly one
+    tile of its own slot, tiles within the static bound, padding entries (-1, 0, 0)."""
+    for seed, runs in enumerate([PREFILL_RUNS, [(1, s) for s in range(6)] + [(250, 2)],
+                                 [(300, 5)], [(9, -1), (280, 0)]]):
+        ts = _segment_slots(runs, seed)
+        meta = build_meta(ts, 6)
+        slot, start, rows = build_tiles(meta, block_m).cpu().tolist()
+        assert len(rows) == tiles_bound(ts.shape[0], 6, block_m)
+        sorted_slots = meta.sorted_slots.cpu().tolist()
+        covered = []
+        for sl, st, n in zip(slot, start, rows):
+            assert 0 <= n <= block_m
+            if n == 0:
+                assert (sl, st) == (-1, 0)
+                continue
+            assert sorted_slots[st:st + n] == [sl] * n
+            covered += range(st, st + n)
+        assert sorted(covered) == [p for p, sl in enumerate(sorted_slots) if sl >= 0]
+        live = [n > 0 for n in rows]
+        assert live == sorted(live, reverse=True), "tiles first, then padding"
+
+
+@pytest.mark.parametrize("R,split_k", [(32, 1), (32, 3), (64, 2)])
+def test_segment_kernels_split_k_slice_groups_and_chunks(R, split_k):
+    """The two prefill kernels alone, with small blocks so that every program loops: K in
+    steps of 16 over 1-3 splits, rank 64 x 3 slices in two slice groups, expand chunks of
+    two 16-column tiles (slices end inside a chunk), and the partials summed by the expand."""
     offsets = SLICES[3]
-    a, b, ranks = _pool(3, offsets, [8, 32, 16], torch.float32, seed=3)
-    ts = _slots(40, 3, "random", seed=5)
-    x, y = _inputs(40, offsets[-1], torch.float32, seed=5)
-    meta = build_meta(ts, 3)
-    valid = ts >= 0
+    a, b, ranks = _pool(3, offsets, [8, R, 16, 4, R - 3], torch.float32, R=R, seed=R)
+    ts = _segment_slots(PREFILL_RUNS[:3] + [(20, -1), (30, 4)], seed=R)
+    x, y = _inputs(ts.shape[0], offsets[-1], torch.float32, seed=R)
+    meta, valid = build_meta(ts, a.shape[0]), ts >= 0
+    hp = seg_shrink(x, a, meta, ranks, block_m=16, split_k=split_k, block_k=16)
+    assert hp.shape == (split_k, 3, ts.shape[0], R)
     want_h = lora_shrink_ref(x, a, ts)
-    for split_k in (1, 3):
-        h = lora_shrink(x, a, meta, ranks, block_m=16, split_k=split_k)
-        torch.testing.assert_close(h[:, valid], want_h[:, valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hp.sum(0)[:, valid], want_h[:, valid], atol=1e-5, rtol=1e-5)
     want = lora_expand_ref(want_h, b, ts, offsets, y.clone())
-    got = lora_expand(h, b, y.clone(), meta, offsets, ranks, block_m=16, block_n=16)
+    got = seg_expand(hp, b, y.clone(), meta, offsets, ranks, block_m=32, block_n=16, n_loop=2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[~valid], y[~valid])
 
 
 def test_fused_path_matches_reference_with_shared_adapters():
@@ -206,7 +263,7 @@ def test_ranks_stop_the_work_at_the_slot_rank():
     clean_a, clean_b = a.clone(), b.clone()
     a[0, :, 8:] = 7.0
     b[0, :, 8:] = -3.0
-    for T in (5, 30):       # fused and two-kernel paths
+    for T in (5, 30, 260):       # token path (one and two groups), prefill path
         ts = torch.arange(T, device=DEV) % 2
         x, y = _inputs(T, offsets[-1], torch.float32, seed=T)
         want = add_lora_ref(y.clone(), x, clean_a, clean_b, ts, offsets)
@@ -214,17 +271,18 @@ def test_ranks_stop_the_work_at_the_slot_rank():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_meta_reused_across_layers_and_strided_views():
-    """One meta per step serves layers of different shapes; y may be a view into a wider
-    output (columns of a fused projection) and x a strided view."""
-    ts = _slots(24, 4, "random", seed=2)
+@pytest.mark.parametrize("T", [24, 270])
+def test_meta_reused_across_layers_and_strided_views(T):
+    """One meta per step serves layers of different shapes (token and prefill paths); y may
+    be a view into a wider output (columns of a fused projection) and x a strided view."""
+    ts = _slots(T, 4, "random", seed=2)
     meta = build_meta(ts, 4)
     for S, seed in ((3, 1), (1, 2)):
         offsets = SLICES[S]
         a, b, ranks = _pool(S, offsets, [8, 16, 32, 4], torch.float32, seed=seed)
         g = torch.Generator().manual_seed(seed)
-        wide_x = torch.randn(24, 2 * K_IN, generator=g).to(DEV)
-        wide_y = torch.randn(24, offsets[-1] + 10, generator=g).to(DEV)
+        wide_x = torch.randn(T, 2 * K_IN, generator=g).to(DEV)
+        wide_y = torch.randn(T, offsets[-1] + 10, generator=g).to(DEV)
         x, y = wide_x[:, ::2], wide_y[:, 5:5 + offsets[-1]]
         want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
         before = wide_y.clone()
@@ -271,7 +329,8 @@ def test_bench_floor_arithmetic():
     assert len(bench.layer_groups()) == 4
 
 
-@pytest.mark.parametrize("module", [lora_kernels_triton, lora_token_kernels_triton],
+@pytest.mark.parametrize("module", [lora_kernels_triton, lora_segment_kernels_triton,
+                                    lora_token_kernels_triton],
                          ids=lambda m: m.__name__)
 def test_kernels_run_as_this_machine_needs(module):
     """Interpreted on the CPU (so the other tests here run the Triton kernels, not only the

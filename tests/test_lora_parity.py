@@ -141,6 +141,38 @@ def test_mixed_batch_matches_peft(setup, device):
                 assert torch.all(got[token_slots < 0] == 0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_adapter_batch_matches_peft(setup, device, monkeypatch):
+    """A batch on one adapter with base rows at its end (a padded decode bucket), given as
+    uniform: the one-launch kernel per group (kernels/lora_uniform_triton.py), natively on
+    CUDA and under the Triton interpreter on the CPU (in place of the CPU's reference)."""
+    from kernels import lora as lora_kernels
+    from kernels import lora_triton
+    if device == "cpu":
+        monkeypatch.setattr(lora_kernels, "add_lora", lora_triton.add_lora)
+    cfg, dirs, peft_models = setup
+    names = ["r8_rslora", "patterns", "r32"]
+    pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK, device=device)
+    for slot, name in enumerate(names):
+        w = load_lora(dirs[name], cfg, MAX_RANK)
+        pool.load(slot, w.pin_memory() if device == "cuda" else w)
+    gen = torch.Generator().manual_seed(1)
+    shapes = lora_group_shapes(cfg)
+    for T, slot in ((8, 1), (5, 2)):
+        token_slots = torch.full((T,), slot)
+        token_slots[-2:] = -1
+        batch = LoRABatch(pool, token_slots.to(device), uniform=True)
+        for layer in range(cfg.num_layers):
+            for group in GROUPS:
+                x = torch.randn(T, shapes[group].in_features, generator=gen)
+                got = run_group(batch, layer, group, x.to(device),
+                                sum(shapes[group].out_features), gen).cpu()
+                want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
+                                           msg=lambda m: f"T={T} layer {layer} {group}: {m}")
+                assert torch.all(got[token_slots < 0] == 0)
+
+
 def test_reload_higher_rank_slot_leaves_no_stale_weights(setup):
     cfg, dirs, _ = setup
     small, big = load_lora(dirs["r4"], cfg, MAX_RANK), load_lora(dirs["r32"], cfg, MAX_RANK)

@@ -125,6 +125,7 @@ def test_staged_loads_on_the_side_stream_land_whole(family):
     copier = StreamCopier(torch.device("cuda"))
     for slot in range(len(names)):
         poison(pool, slot)
+    copier.note_reads(range(len(names)))  # the poison, queued on the compute stream
     handles = [copier.queue(slot, slot, lambda s=slot: pool.load(s, w[names[s]]))
                for slot in range(len(names))]
     for h in handles:

@@ -124,3 +124,134 @@ def load_offline(engine, root: Path, names: list[str], workers: int) -> LoadRepo
                 progress.tick()
     return LoadReport(len(names), workers, time.perf_counter() - t0, tuple(latency),
                       progress.max_in_flight)
+
+
+
+class ServiceLoader:
+    """LoadAdapter calls in the background, on threads of their own, while points run:
+    names loaded in the order queued, `workers` calls in flight. `loaded` is the longest
+    prefix of the names all loaded (points use the first N names); `done_at` the
+    perf_counter time each load completed (how many loads fell in a point's window). While
+    a batch loads, a line every `every_s` seconds gives its loads per second and each
+    load's latency so far. A failed load stops the loading (`error`); close() drops the
+    loads not started."""
+
+    def __init__(self, control_address: str, workers: int, timeout_s: float = 600.0,
+                 every_s: float = 5.0):
+        from loramux import AdminClient
+
+        self._admin = AdminClient(control_address, timeout=timeout_s)
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="load")
+        self.workers = max(1, workers)
+        self._cv = threading.Condition()
+        self._names: list[str] = []
+        self.latency_s: list[float | None] = []
+        self.done_at: list[float | None] = []
+        self.batches: list[tuple[int, int, float]] = []  # (first index, count, start time)
+        self.loaded = self.in_flight = self.max_in_flight = 0
+        self.error: str | None = None
+        self._closing = False
+        self.every_s = every_s
+        self._next_line = 0.0
+
+    def start(self, names: list[str]) -> None:
+        """Queue `names` after those queued before (one batch); returns at once."""
+        with self._cv:
+            first = len(self._names)
+            self._names += names
+            self.latency_s += [None] * len(names)
+            self.done_at += [None] * len(names)
+            self.batches.append((first, len(names), time.perf_counter()))
+            self.max_in_flight = self.in_flight  # per batch (batches rarely overlap)
+            self._next_line = time.perf_counter() + self.every_s
+        for i in range(first, first + len(names)):
+            self._pool.submit(self._load, i)
+
+    def load_now(self, names: list[str]) -> dict:
+        """Load `names` as one batch and wait for them; that batch's report."""
+        self.start(names)
+        self.wait_for(len(self._names))
+        if self.error:
+            raise RuntimeError(self.error)
+        return self.batch_report(len(self.batches) - 1)
+
+    def _load(self, i: int) -> None:
+        with self._cv:
+            if self.error is not None or self._closing:
+                return
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        t = time.perf_counter()
+        try:
+            self._admin.load(self._names[i], self._names[i])
+        except Exception as err:  # noqa: BLE001 - reported; points needing it are skipped
+            with self._cv:
+                self.error = self.error or f"loading {self._names[i]}: {err}"
+                self.in_flight -= 1
+                self._cv.notify_all()
+            return
+        now = time.perf_counter()
+        with self._cv:
+            self.in_flight -= 1
+            self.latency_s[i], self.done_at[i] = now - t, now
+            while self.loaded < len(self._names) and self.done_at[self.loaded] is not None:
+                self.loaded += 1
+            batch = len(self.batches) - 1
+            first, count, _ = self.batches[batch]
+            if now >= self._next_line or self.loaded == first + count:
+                self._next_line = now + self.every_s
+                print(f"  service: {self._line(batch)}", flush=True)
+            self._cv.notify_all()
+
+    def batch_report(self, batch: int) -> dict:
+        """Loads done of a batch, their loads per second from the batch's start to its
+        last completed load, each load's latency, the most loads seen in flight."""
+        with self._cv:
+            first, count, t0 = self.batches[batch]
+            done = [(self.done_at[i], self.latency_s[i]) for i in range(first, first + count)
+                    if self.done_at[i] is not None]
+        wall = max((t for t, _ in done), default=t0) - t0
+        lat = [x for _, x in done]
+        return {"adapters": len(done), "queued": count, "wall_s": wall,
+                "loads_per_s": len(done) / wall if wall > 0 else None,
+                "per_adapter_ms": 1e3 * wall / len(done) if done else None,
+                "workers": self.workers, "max_in_flight": self.max_in_flight,
+                "latency_ms": {f"p{q}": 1e3 * percentile(lat, q) if lat else None
+                               for q in (50, 99)}}
+
+    def _line(self, batch: int) -> str:
+        r = self.batch_report(batch)
+        lat = r["latency_ms"]
+        rate = "-" if r["loads_per_s"] is None else f"{r['loads_per_s']:.1f}"
+        return (f"{self.loaded} adapters loaded; this batch {r['adapters']}/{r['queued']} in "
+                f"{r['wall_s']:.1f} s ({rate} loads/s, {r['max_in_flight']} in flight at most"
+                + (f"; each load p50 {lat['p50']:.0f} / p99 {lat['p99']:.0f} ms)"
+                   if lat["p50"] is not None else ")"))
+
+    @property
+    def busy(self) -> bool:
+        """Loads queued or in flight (and no failure)."""
+        with self._cv:
+            return self.error is None and any(t is None for t in self.done_at)
+
+    def wait_for(self, n: int, timeout_s: float | None = None) -> bool:
+        """Wait until the first `n` names are loaded (False: timed out, or loading failed)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            while self.loaded < n and self.error is None:
+                left = 1.0 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 1.0))
+            return self.loaded >= n
+
+    def loads_between(self, t_a: float, t_b: float) -> int:
+        """Loads completed in [t_a, t_b) (perf_counter times)."""
+        with self._cv:
+            return sum(1 for t in self.done_at if t is not None and t_a <= t < t_b)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True  # loads not started yet return at once
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._admin.close()

@@ -8,8 +8,10 @@ from pathlib import Path
 
 _COLUMNS = ("adapters", "popularity", "load", "req/s", "out tok/s", "TTFT p50 / p99 ms",
             "ITL p50 / p99 ms", "e2e p50 / p99 s", "SLO", "swaps/s", "host->slot MB/s",
-            "disk reads", "mean batch", "CPU engine / gateway / client", "errors / cut",
-            "offline tok/s", "service/offline", "tok/s, TTFT p99 vs fewest adapters")
+            "disk reads (MB/s)", "mean batch", "CPU engine / gateway / client",
+            "errors / cut", "loads in window", "offline tok/s", "service/offline",
+            "tok/s, TTFT p99 vs fewest adapters")
+_NOT_BASELINE = ("first", "during loads")  # rounds that are no point's baseline
 
 
 def _f(x, scale=1.0, digits=1) -> str:
@@ -40,10 +42,13 @@ def header() -> str:
 def _baseline(p: dict, points: list[dict]) -> dict | None:
     """The measured point with the fewest adapters at p's load and popularity (a single
     adapter's point stands for every popularity); None if that is p itself."""
-    same = [q for q in points if q.get("service") and q.get("round") != "first"
-            and (q["rate"], q["concurrency"]) == (p["rate"], p["concurrency"])
-            and (q["popularity"] == p["popularity"] or q["adapters"] == 1)]
-    base = min(same, key=lambda q: q["adapters"], default=None)
+    same = [q for q in points if q.get("service") and q.get("round") not in _NOT_BASELINE
+            and (q["rate"], q["concurrency"]) == (p["rate"], p["concurrency"])]
+    base = min((q for q in same if q["popularity"] == p["popularity"]),
+               key=lambda q: q["adapters"], default=None)
+    if base is None or base["adapters"] == p["adapters"]:  # one adapter stands for any
+        base = min((q for q in same if q["adapters"] == 1), key=lambda q: q["adapters"],
+                   default=base)
     return None if base is None or base["adapters"] == p["adapters"] else base
 
 
@@ -75,28 +80,83 @@ def row(p: dict, points: list[dict] = ()) -> str:
         _f(s["output_tok_per_s"]), _pair(s["ttft_s"], 1e3, 0), _pair(s["itl_s"], 1e3, 1),
         _pair(s["e2e_s"], 1, 2), _f(s["slo"]["attainment"], digits=3),
         _f(mv.get("swaps_per_s")), _f(mv.get("slot_bytes_per_s"), 1e-6, 0),
-        eng.get("adapter_disk_reads", "-"), _f(eng.get("mean_batch")),
-        _cpu(s.get("cpu_busy")), f"{errors} / {s.get('cut', 0)}",
+        f"{eng.get('adapter_disk_reads', '-')} ({_f(mv.get('disk_bytes_per_s'), 1e-6, 0)})",
+        _f(eng.get("mean_batch")), _cpu(s.get("cpu_busy")), f"{errors} / {s.get('cut', 0)}",
+        p.get("loads_in_window", "-"),
         _f(off["output_tok_per_s"]) if off else "-",
         _f(p.get("service_over_offline"), digits=3),
         " / ".join(_f(x, digits=3) for x in vs_fewest(p, list(points))))
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def first_over_steady(first: dict | None, steady: dict | None) -> float | None:
-    """Output tok/s of the first timed round after start over the same round run again."""
+def first_over_steady(first: dict | None, steady: dict | None,
+                      key: str | None = None) -> float | None:
+    """Output tok/s of the first timed round after start over the same round run again:
+    over all of each run (from its start, when windowed), or `key`'s summary."""
     try:
-        return first["service"]["output_tok_per_s"] / steady["service"]["output_tok_per_s"]
+        k = key or ("service_from_start" if "service_from_start" in first else "service")
+        return first[k]["output_tok_per_s"] / steady[k]["output_tok_per_s"]
     except (TypeError, KeyError, ZeroDivisionError):
         return None
+
+
+def _find(points: list[dict], n: int, pop: str | None) -> dict | None:
+    """The measured point of n adapters (popularity pop; any for None), no repeat round."""
+    return next((p for p in points if p.get("service") and p["adapters"] == n
+                 and p.get("round") not in _NOT_BASELINE
+                 and (pop is None or p["popularity"] == pop)), None)
+
+
+def targets(points: list[dict]) -> list[dict]:
+    """Issue 20's targets that the points measure: 256 adapters >= 0.90x the throughput of
+    32 (each popularity); 1,000 and 2,000 under Zipf >= 0.97x the throughput of 5 under
+    the same Zipf with TTFT p99 <= 2x (the same load for both sides of each)."""
+    out = []
+    pops = sorted({p["popularity"] for p in points if p.get("service")})
+    for pop in pops:
+        pairs = [(256, 32, 0.90, None)]
+        if pop.startswith("zipf"):
+            pairs += [(1000, 5, 0.97, 2.0), (2000, 5, 0.97, 2.0)]
+        for n, base_n, tok_min, ttft_max in pairs:
+            a, b = _find(points, n, pop), _find(points, base_n, pop)
+            if not a or not b or (a["rate"], a["concurrency"]) != (b["rate"], b["concurrency"]):
+                continue
+            tok = _ratio(a["service"]["output_tok_per_s"], b["service"]["output_tok_per_s"])
+            ttft = _ratio(a["service"]["ttft_s"]["p99"], b["service"]["ttft_s"]["p99"])
+            met = tok is not None and tok >= tok_min and (
+                ttft_max is None or (ttft is not None and ttft <= ttft_max))
+            out.append({"adapters": n, "baseline": base_n, "popularity": pop,
+                        "tok_ratio": tok, "tok_min": tok_min, "ttft_p99_ratio": ttft,
+                        "ttft_max": ttft_max, "met": met})
+    return out
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _target_line(t: dict) -> str:
+    ttft = "" if t["ttft_max"] is None else \
+        f", TTFT p99 {_f(t['ttft_p99_ratio'], digits=2)}x (target <= {t['ttft_max']:g}x)"
+    return (f"target {t['adapters']} vs {t['baseline']} adapters, {t['popularity']}: tok/s "
+            f"{_f(t['tok_ratio'], digits=3)}x (target >= {t['tok_min']:.2f}){ttft}: "
+            + ("met" if t["met"] else "NOT met"))
+
+
+_LOADS = {"service_one": "service, one adapter alone (the first load after start)",
+          "service_second": "service, one adapter alone (the second load)",
+          "service_first": "service, the first point's other adapters",
+          "service": "service", "offline": "offline"}
 
 
 def _load_line(name: str, rep: dict | None) -> str:
     if not rep:
         return f"{name}: no adapters loaded"
     lat = rep["latency_ms"]
+    rate = f", {rep['loads_per_s']:.1f} loads/s" if rep.get("loads_per_s") else ""
     return (f"{name}: {rep['adapters']} adapters loaded in {_f(rep['wall_s'])} s, "
-            f"{rep['workers']} in flight: {_f(rep['per_adapter_ms'])} ms per adapter "
+            f"{rep['workers']} allowed in flight ({rep.get('max_in_flight', '-')} at most): "
+            f"{_f(rep['per_adapter_ms'])} ms per adapter{rate} "
             f"(each load p50 {_f(lat['p50'], digits=0)} / p99 {_f(lat['p99'], digits=0)} ms)")
 
 
@@ -104,7 +164,7 @@ def table(points: list[dict], meta: dict) -> str:
     """The points, one row each, under lines on the set-up (start-up, adapter loads,
     warm-up, first round against steady state)."""
     loads = meta.get("loads") or {}
-    lines = [_load_line(k, loads.get(k)) for k in ("service", "offline") if k in loads]
+    lines = [_load_line(v, loads.get(k)) for k, v in _LOADS.items() if k in loads]
     starts = meta.get("startup_s") or {}
     warm = meta.get("warmup_s") or {}
     lines.append("start-up s: " + (", ".join(f"{k} {v:.1f}" for k, v in starts.items()) or "-")
@@ -114,11 +174,25 @@ def table(points: list[dict], meta: dict) -> str:
         lines.append(f"service engine start-up {meta['engine_warmup']}")
     ratio = meta.get("first_round_over_steady")
     if ratio is not None:
+        window = meta.get("first_round_over_steady_window")
         lines.append(f"first round after start / steady state: {ratio:.3f} "
-                     f"({'within' if ratio >= 0.95 else 'NOT within'} 5%)")
+                     f"({'within' if abs(ratio - 1) <= 0.05 else 'NOT within'} 5%)"
+                     + (f"; over the measured windows only: {window:.3f}"
+                        if window is not None and meta.get("windowed") else ""))
+    if meta.get("during_loads_over_steady") is not None:
+        lines.append(f"the first point while the other adapters load / without loads: "
+                     f"{meta['during_loads_over_steady']:.3f}")
+    lines += [_target_line(t) for t in meta.get("targets") or []]
     lines.append(f"order: {meta.get('order')}")
-    lines += ["", header(), *(row(p, points) for p in points)]
+    lines += ["", header(), *(row(p, points) for p in _table_order(points))]
     return "\n".join(lines)
+
+
+def _table_order(points: list[dict]) -> list[dict]:
+    """By load, adapter count and popularity (repeats of a point after it, in run order)."""
+    order = {id(p): k for k, p in enumerate(points)}
+    return sorted(points, key=lambda p: (str(p["rate"]), str(p["concurrency"]), p["adapters"],
+                                         p["popularity"], order[id(p)]))
 
 
 def _pyplot():
@@ -133,7 +207,7 @@ def _pyplot():
 
 def _measured(points: list[dict]) -> list[dict]:
     """The points to plot: measured, and the repeated first point only once (steady)."""
-    return [p for p in points if p.get("service") and p.get("round") != "first"]
+    return [p for p in points if p.get("service") and p.get("round") not in _NOT_BASELINE]
 
 
 def plots(points: list[dict], out: Path) -> list[str]:

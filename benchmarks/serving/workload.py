@@ -4,6 +4,7 @@ its prompt (random token ids) and how many tokens it generates. And the summary 
 a run measured: throughput, TTFT / ITL / end-to-end percentiles, SLO attainment."""
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ class Request:
 
 @dataclass
 class Record:
-    """What one request saw, on the clock of whoever drove it."""
+    """What one request saw, in seconds from the start of its run (the driver's clock)."""
     index: int
     adapter: str | None
     prompt_tokens: int
@@ -29,6 +30,7 @@ class Record:
     end_s: float | None = None
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)  # per output token after the first
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens) each
     error: str | None = None
     cut: bool = False           # still running at the run's time limit: cancelled
 
@@ -71,15 +73,16 @@ def make_workload(num_requests: int, adapters: list[str | None], alpha: float | 
     rng = random.Random(seed)
     ranked = list(adapters)
     rng.shuffle(ranked)
-    weights = adapter_weights(len(ranked), alpha)
-    out, t = [], 0.0
+    cum = list(itertools.accumulate(adapter_weights(len(ranked), alpha)))  # once, not per
+    out, t = [], 0.0                                                          # request
     for i in range(num_requests):
         if rate is not None:
             t += rng.expovariate(rate)
         n_in = rng.randint(*input_len)
-        prompt = tuple(rng.randrange(vocab.start, vocab.stop) for _ in range(n_in))
+        prompt = tuple(rng.choices(vocab, k=n_in))
         out.append(Request(i, t if rate is not None else 0.0,
-                           rng.choices(ranked, weights)[0], prompt, rng.randint(*output_len)))
+                           rng.choices(ranked, cum_weights=cum)[0], prompt,
+                           rng.randint(*output_len)))
     return out
 
 
@@ -127,4 +130,62 @@ def summarize(records: list[Record], wall_s: float, slo_ttft_s: float,
         "ttft_s": _dist(ttft), "itl_s": _dist(itl), "e2e_s": _dist(e2e),
         "slo": {"ttft_s": slo_ttft_s, "itl_s": slo_itl_s,
                 "attainment": ok / len(records) if records else None},
+    }
+
+
+def _chunk_gaps(rec: Record, start_s: float, end_s: float) -> tuple[int, list[float]]:
+    """rec's output tokens that arrived in [start_s, end_s), and the per-token gaps of
+    those after its first token (a chunk of n tokens: n gaps of (its time - the last) / n)."""
+    tokens, gaps, last = 0, [], None
+    for t, n in rec.chunks:
+        if start_s <= t < end_s:
+            tokens += n
+            if last is not None:
+                gaps.extend([(t - last) / n] * n)
+        last = t
+    return tokens, gaps
+
+
+def summarize_window(records: list[Record], start_s: float, end_s: float, slo_ttft_s: float,
+                     slo_itl_s: float, stopped_s: float | None = None) -> dict:
+    """A steady-state window of a run (times in seconds from its start): throughput is the
+    tokens that arrived in [start_s, end_s) over its length, whatever request they belong
+    to; latencies are those of the requests sent in the window (TTFT, end-to-end when they
+    completed) and the gaps between tokens that arrived in it. A request sent in the window
+    that had no first token when the run stopped (`stopped_s`, its end by default) counts
+    with stopped_s - sent as its TTFT (a lower bound: `ttft_censored` says how many). SLO
+    attainment: the share of the requests sent in the window whose TTFT <= slo_ttft_s and
+    whose mean gap so far <= slo_itl_s."""
+    length = end_s - start_s
+    stopped = end_s if stopped_s is None else stopped_s
+    sent = [r for r in records if r.sent and start_s <= r.sent_s < end_s]
+    tokens, itl = 0, []
+    for r in records:
+        if r.error is None:
+            n, g = _chunk_gaps(r, start_s, end_s)
+            tokens += n
+            itl += g
+    ok_sent = [r for r in sent if r.error is None]
+    ttft = [(r.first_s if r.first_s is not None else stopped) - r.sent_s for r in ok_sent]
+    censored = sum(1 for r in ok_sent if r.first_s is None)
+    done = [r for r in ok_sent if r.end_s is not None]
+    ended = [r for r in records if r.error is None and r.end_s is not None
+             and start_s <= r.end_s < end_s]
+    ok = sum(1 for r in ok_sent if r.first_s is not None and r.first_s - r.sent_s <= slo_ttft_s
+             and (not r.gaps or sum(r.gaps) / len(r.gaps) <= slo_itl_s))
+    errors: dict[str, int] = {}
+    for r in sent:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return {
+        "window_s": [start_s, end_s], "requests": len(sent), "completed": len(done),
+        "errors": errors, "cut": sum(r.cut for r in sent), "unsent": 0,
+        "ttft_censored": censored, "wall_s": length,
+        "req_per_s": len(ended) / length if length > 0 else None,
+        "output_tok_per_s": tokens / length if length > 0 else None,
+        "output_tokens": tokens, "prompt_tokens": sum(r.prompt_tokens for r in ok_sent),
+        "ttft_s": _dist(ttft), "itl_s": _dist(itl),
+        "e2e_s": _dist([r.end_s - r.sent_s for r in done]),
+        "slo": {"ttft_s": slo_ttft_s, "itl_s": slo_itl_s,
+                "attainment": ok / len(sent) if sent else None},
     }

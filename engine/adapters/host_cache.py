@@ -80,8 +80,15 @@ class HostCache:
 
     def victim(self, stronger_than: tuple) -> int | None:
         """The copy to evict for a newcomer with claim `stronger_than`: the weakest claim
-        below it (least recently used first among equals); None if there is none."""
-        weaker = [(c, aid) for aid, c in self._claims() if c < stronger_than]
+        below it (least recently used first among equals); None if there is none. The
+        first IDLE copy in LRU order is the weakest of all, so the scan stops there: it
+        passes only the copies with a claim (pinned, needed, in use), not thousands."""
+        weaker = []
+        for aid, c in self._claims():
+            if c[0] == IDLE:
+                return aid if c < stronger_than else None
+            if c < stronger_than:
+                weaker.append((c, aid))
         return min(weaker)[1] if weaker else None
 
     def room_for(self, claim: tuple) -> int:

@@ -34,11 +34,12 @@ waits for it only when nothing else can run), and the head is placed as soon as 
 scheduler frees a slot: the scheduler's drain bounds that in steps.
 
 A copy is ordered by events, never by a host sync (engine/adapters/copier.py): on CUDA it
-runs on a side stream after all work queued so far on the compute stream (the previous
-readers of the slot), and the slot is usable at once: the scheduler may admit requests
-of the adapter in the very next schedule, and `order_before_step` makes the compute
-stream wait for the copy's event before the step that reads the slot. On the CPU copies
-are synchronous.
+runs on a side stream as soon as it is queued (during the step in flight), after only the
+last launched step that read its slot (`note_step_reads`, called by the engine after each
+launch: it matters where a request was preempted while a step in flight still reads its
+slot), and the slot is usable at once: the scheduler may admit requests of the adapter
+in the very next schedule, and `order_before_step` makes the compute stream wait for the
+copy's event before the step that reads the slot. On the CPU copies are synchronous.
 
 With tensor parallelism, `mirror` (engine/distributed/adapters.py) hears of every slot
 load, host-copy drop and retirement, by adapter id, so the other ranks follow; these are
@@ -209,6 +210,11 @@ class AdapterResidency:
             entry = self._copies.get(aid)
             if entry is not None:
                 self.copier.order_compute_after(entry[0])
+
+    def note_step_reads(self, slots) -> None:
+        """The step just launched reads `slots` (-1: base rows): a later copy into one of
+        them is ordered after it on the device (engine/adapters/copier.py)."""
+        self.copier.note_reads(slots)
 
     def _write_slot(self, slot: int, aid: int, weights) -> None:
         self.lora_pool.load(slot, weights)

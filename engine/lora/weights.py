@@ -39,6 +39,7 @@ import math
 import torch
 
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
+from engine.lora.stacked_fill import compute_dtype, fill_stacked
 from loramux_core.adapter.plan import AdapterPlan, ModulePlan, plan_adapter
 from engine.lora.tensor_view import tensor
 from loramux_core.model.lora_targets import (END_GROUP, GroupShape, expert_factors,
@@ -175,9 +176,12 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
 
 def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single(),
                       dtype: torch.dtype = torch.float32,
-                      buffers: HostBufferPool | None = None) -> LoRAWeights:
+                      buffers: HostBufferPool | None = None,
+                      stacked_fill: bool = True) -> LoRAWeights:
     """This rank's host layout of a planned adapter, built from the bytes the plan read,
-    values checked as served (module docstring)."""
+    values checked as served (module docstring). `stacked_fill`: groups wrapped alike in
+    every layer are filled with a few operations per slice (engine/lora/stacked_fill.py);
+    False fills every group layer by layer (the same bytes; tests compare the two)."""
     shapes = lora_group_shapes(model_cfg, tp.size)
     by_group: dict[tuple[int, str], dict[int, ModulePlan]] = {}
     for mp in plan.modules:
@@ -196,6 +200,13 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
         for group, parts in layout.items():
             a, b, *m = (_view(buf, at, dtype) for at in parts)
             stacked[group] = (a, b)
+            per_layer = {layer: s for (layer, g), s in by_group.items() if g == group}
+            ranks = None if m or not stacked_fill else fill_stacked(
+                a, b, plan, model_cfg, tp, shapes[group], per_layer)
+            if ranks is not None:  # every layer at once (engine/lora/stacked_fill.py)
+                groups.update({(layer, group): GroupWeights(a[layer], b[layer], ranks)
+                               for layer in range(model_cfg.num_layers)})
+                continue
             for layer in range(model_cfg.num_layers):
                 m_l = m[0][layer] if m else None
                 slices = by_group.get((layer, group))
@@ -236,9 +247,9 @@ def _end_weights(plan: AdapterPlan, dtype: torch.dtype) -> dict:
         if mp.layer != END_GROUP:
             continue
         # copied: the bytes read go back to a pool once the adapter is built
-        a = _compute_dtype(tensor(plan.weights, plan.tensors[mp.a_key]), dtype).to(dtype,
+        a = compute_dtype(tensor(plan.weights, plan.tensors[mp.a_key]), dtype).to(dtype,
                                                                                    copy=True)
-        b = (_compute_dtype(tensor(plan.weights, plan.tensors[mp.b_key]), dtype)
+        b = (compute_dtype(tensor(plan.weights, plan.tensors[mp.b_key]), dtype)
              * mp.scaling).to(dtype)
         _check_values(a, mp.a_key, "", plan.weights_file)
         _check_values(b, mp.b_key, f" times scaling {mp.scaling:g}", plan.weights_file)
@@ -253,8 +264,8 @@ def _expert_weights(plan: AdapterPlan, model_cfg, tp: TPGroup, dtype: torch.dtyp
     for mp in plan.modules:
         if mp.expert_param is None:
             continue
-        lora_a = _compute_dtype(tensor(plan.weights, plan.tensors[mp.a_key]), dtype)
-        lora_b = _compute_dtype(tensor(plan.weights, plan.tensors[mp.b_key]), dtype)
+        lora_a = compute_dtype(tensor(plan.weights, plan.tensors[mp.a_key]), dtype)
+        lora_b = compute_dtype(tensor(plan.weights, plan.tensors[mp.b_key]), dtype)
         a, b = expert_factors(model_cfg, mp.expert_param, lora_a, lora_b, mp.rank,
                               tp.rank, tp.size)
         # copies: the bytes read go back to a pool once the adapter is built
@@ -319,20 +330,14 @@ def _fill_group(a: torch.Tensor, b: torch.Tensor, m: torch.Tensor | None, plan: 
         else:
             lora_a, lora_b, magnitude = _shard(plan, model_cfg, tp, mp)
             if m is not None:
-                m[offset:offset + width].copy_(_compute_dtype(magnitude, m.dtype))
-            a_s[:mp.rank].copy_(_compute_dtype(lora_a, a.dtype))
-            torch.mul(_compute_dtype(lora_b, b.dtype), mp.scaling, out=b_s[:, :mp.rank])
+                m[offset:offset + width].copy_(compute_dtype(magnitude, m.dtype))
+            a_s[:mp.rank].copy_(compute_dtype(lora_a, a.dtype))
+            torch.mul(compute_dtype(lora_b, b.dtype), mp.scaling, out=b_s[:, :mp.rank])
             a_s[mp.rank:].zero_()
             b_s[:, mp.rank:].zero_()
             ranks[s] = mp.rank
         offset += width
     return GroupWeights(a, b, tuple(ranks), m)
-
-
-def _compute_dtype(t: torch.Tensor, out: torch.dtype) -> torch.Tensor:
-    """`t`, or `t` in float32 where converting it straight to `out` would not round as
-    float32 math does (float64 or float16 sources)."""
-    return t if t.dtype in (torch.float32, out) else t.float()
 
 
 def _shard(plan: AdapterPlan, model_cfg, tp: TPGroup, mp: ModulePlan):

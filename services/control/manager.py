@@ -300,10 +300,14 @@ class AdapterManager:
             return
 
     def on_event(self, ev: engine_pb2.EngineEvent) -> None:
-        """An UNLOADING adapter becomes REGISTERED once no live replica holds it."""
+        """An UNLOADING adapter becomes REGISTERED once no live replica holds it. (Events
+        list every adapter: they are only read while some adapter is unloading.)"""
+        unloading = self.registry.unloading()
+        if not unloading:
+            return
         held = {a.name for link in self.links if link.up for a in link.last_event.adapters}
         held |= {a.name for a in ev.adapters}
-        for rec in self.registry.all():
-            if rec.state == UNLOADING and rec.name not in held and not self._locks.busy(rec.name):
+        for rec in unloading:
+            if rec.name not in held and not self._locks.busy(rec.name):
                 self._save(rec.evolve(state=REGISTERED, adapter_id=0))
                 self._log.info("unloaded", adapter=rec.name)

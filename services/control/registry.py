@@ -66,7 +66,9 @@ def _to_row(rec: AdapterRecord) -> tuple:
 
 
 class Registry:
-    """CRUD over the adapters table. Single writer (the control plane's event loop)."""
+    """CRUD over the adapters table. Single writer (the control plane's event loop), so
+    reads are answered from a copy in memory (kept with every write) without touching
+    SQLite: a lookup costs the same with thousands of names as with one."""
 
     def __init__(self, path: str, binding: str | None = None):
         """`binding`: what this registry belongs to (services/control/binding.py), recorded
@@ -83,25 +85,27 @@ class Registry:
         if binding is not None:
             with self._db:
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('binding', ?)", (binding,))
+        rows = self._db.execute(f"SELECT {','.join(_COLUMNS)} FROM adapters").fetchall()
+        self._records = {rec.name: rec for rec in map(_from_row, rows)}
+        self._unloading = {n for n, r in self._records.items()
+                           if r.state == pb.ADAPTER_STATE_UNLOADING}
 
     def close(self) -> None:
         self._db.close()
 
     def get(self, name: str) -> AdapterRecord | None:
-        row = self._db.execute(f"SELECT {','.join(_COLUMNS)} FROM adapters WHERE name = ?",
-                               (name,)).fetchone()
-        return _from_row(row) if row else None
+        return self._records.get(name)
 
     def page(self, after: str = "", limit: int = 100) -> list[AdapterRecord]:
         """Records ordered by name, strictly after `after`."""
-        rows = self._db.execute(
-            f"SELECT {','.join(_COLUMNS)} FROM adapters WHERE name > ? ORDER BY name LIMIT ?",
-            (after, limit)).fetchall()
-        return [_from_row(r) for r in rows]
+        return [self._records[n] for n in sorted(n for n in self._records if n > after)[:limit]]
 
     def all(self) -> list[AdapterRecord]:
-        rows = self._db.execute(f"SELECT {','.join(_COLUMNS)} FROM adapters ORDER BY name")
-        return [_from_row(r) for r in rows.fetchall()]
+        return [self._records[n] for n in sorted(self._records)]
+
+    def unloading(self) -> list[AdapterRecord]:
+        """The records in state UNLOADING (without looking at the others)."""
+        return [self._records[n] for n in sorted(self._unloading)]
 
     def put(self, rec: AdapterRecord) -> AdapterRecord:
         """Insert or replace `rec` (one transaction); returns what was stored."""
@@ -110,9 +114,16 @@ class Registry:
             self._db.execute(
                 f"INSERT OR REPLACE INTO adapters ({','.join(_COLUMNS)}) "
                 f"VALUES ({','.join('?' * len(_COLUMNS))})", _to_row(rec))
+        self._records[rec.name] = rec
+        if rec.state == pb.ADAPTER_STATE_UNLOADING:
+            self._unloading.add(rec.name)
+        else:
+            self._unloading.discard(rec.name)
         return rec
 
     def delete(self, name: str) -> bool:
         with self._db:
             cur = self._db.execute("DELETE FROM adapters WHERE name = ?", (name,))
+        self._records.pop(name, None)
+        self._unloading.discard(name)
         return cur.rowcount > 0

@@ -1,0 +1,132 @@
+"""Decode steps with adapter swaps: how benchmarks/bench_adapter_pipeline.py issues one
+swap per step (as the engine does for a waiting request's adapter), the ordering the
+copies had before issue 20 (for comparison in the same run), and the device timeline of a
+few such steps (`profile_steps`: CUDA events around each step's input upload, its graph
+replay and each copy, so the table shows where each copy sits against the steps), plus a
+torch.profiler trace of them (`trace_steps`). CUDA only, except `swap_in` and
+`slot_loads`."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def slot_loads(engine) -> int:
+    return sum(a["loads"] for a in engine.stats()["adapters"].values())
+
+
+def swap_in(engine, spares: list[int], i: int) -> None:
+    """What the engine does for a waiting request's adapter (its `_schedule`): prefetch it
+    into a slot, evicting only an adapter without running requests; the copy is queued
+    on the copier's side stream while the step in flight runs."""
+    engine.adapters.prefetch([spares[i % len(spares)]],
+                             busy=engine.scheduler.running_adapters())
+
+
+def copies_after_all_compute(engine):
+    """The ordering before issue 20's change, for comparison: every copy also waits for
+    all the work queued on the compute stream (the step in flight included). Returns the
+    function that undoes it."""
+    copier = engine.adapters.copier
+    queue = copier.queue
+
+    def queue_after_all(slot, adapter_id, copy):
+        copier.stream.wait_stream(torch.cuda.current_stream())
+        return queue(slot, adapter_id, copy)
+
+    copier.queue = queue_after_all
+    return lambda: setattr(copier, "queue", queue)
+
+
+def profile_steps(engine, spares: list[int], steps: int, log, mode: str) -> list[dict]:
+    """The device timeline of `steps` decode steps with one swap each, from CUDA events
+    recorded around each step's input upload and graph replay (compute stream) and around
+    each slot load (the copier's stream). Times in ms from the first step's start."""
+    graphs, pool = engine.runner.graphs, engine.lora_pool
+    if graphs is None:
+        log("profile: no CUDA graphs (graph_max_batch 0): skipped")
+        return []
+    marks: list[dict] = []
+
+    def ev():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()                        # on the current stream
+        return e
+
+    upload, run, load = graphs.staging.upload, graphs.run, pool.load
+
+    def upload_marked():
+        marks.append({"start": ev()})     # completes when the previous step's work has
+        upload()
+        marks[-1]["uploaded"] = ev()
+
+    def run_marked(*a, **k):
+        res = run(*a, **k)
+        if marks:
+            marks[-1]["replayed"] = ev()
+        return res
+
+    def load_marked(*a, **k):
+        s = ev()
+        load(*a, **k)
+        if marks:
+            marks[-1]["copy"] = (s, ev())  # queued during this step's host work
+
+    graphs.staging.upload, graphs.run, pool.load = upload_marked, run_marked, load_marked
+    try:
+        for i in range(steps + 1):
+            swap_in(engine, spares, i)
+            engine.step()
+        torch.cuda.synchronize()
+    finally:
+        del graphs.staging.upload, graphs.run, pool.load
+    base = marks[0]["start"]
+    rows = []
+    for i, m in enumerate(marks[:-1]):
+        row = {k: base.elapsed_time(m[k]) for k in ("start", "uploaded", "replayed") if k in m}
+        row["end"] = base.elapsed_time(marks[i + 1]["start"])
+        if "copy" in m:
+            row["copy_start"] = base.elapsed_time(m["copy"][0])
+            row["copy_end"] = base.elapsed_time(m["copy"][1])
+        rows.append(row)
+    log(f"\nprofile {mode}: device timeline of {len(rows)} steps, ms from the first step's "
+        "start (a step: input upload, graph replay, sampling; each copy is queued during "
+        "the host work of the step on its row)")
+    log(f"{'step':>4} {'start':>8} {'upload':>8} {'replayed':>9} {'end':>8}  "
+        f"{'copy start':>10} {'copy end':>9}  where")
+    for i, r in enumerate(rows):
+        where = ""
+        if "copy_start" in r:
+            later = [j for j, q in enumerate(rows) if q["start"] <= r["copy_start"]]
+            k = later[-1] if later else 0
+            where = (f"inside step {k}" if r["copy_end"] <= rows[k]["end"]
+                     else f"from step {k} into the next")
+        log(f"{i:>4} {r['start']:>8.3f} {r.get('uploaded', 0) - r['start']:>8.3f} "
+            f"{r.get('replayed', float('nan')):>9.3f} {r['end']:>8.3f}  "
+            f"{r.get('copy_start', float('nan')):>10.3f} {r.get('copy_end', float('nan')):>9.3f}"
+            f"  {where}")
+    uploads = [r["uploaded"] - r["start"] for r in rows if "uploaded" in r]
+    periods = [r["end"] - r["start"] for r in rows]
+    log(f"median step {statistics.median(periods):.3f} ms, input upload "
+        f"{statistics.median(uploads):.3f} ms (max {max(uploads):.3f})")
+    return rows
+
+
+def trace_steps(engine, spares: list[int], steps: int, out: Path, log) -> None:
+    """A torch.profiler trace (Chrome/Perfetto JSON) of `steps` steps with one swap each:
+    the copy's memcpy and kernels on the copier's stream beside the graph replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path = out / "step_swap_trace.json"
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                swap_in(engine, spares, i)
+                engine.step()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(str(path))
+        log(f"trace of {steps} steps with swaps: {path} (open in ui.perfetto.dev)")
+    except Exception as exc:  # the profiler is optional: the timeline above stands alone
+        log(f"trace skipped: {type(exc).__name__}: {exc}")

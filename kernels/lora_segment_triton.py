@@ -1,0 +1,188 @@
+"""Host wrappers of the LoRA prefill path (kernels/lora_segment_kernels_triton.py): a
+sort-by-adapter grouped GEMM over a tile list, two launches per layer group.
+
+    sorted tokens   [ a a a a a | b | c c c c c c c ]      (3 segments, BLOCK_M = 4)
+    tiles           (a,0,4) (a,4,1) (b,5,1) (c,6,4) (c,10,3) (-,-,0) ...
+                    slot, first sorted position, rows; padded to the static bound
+
+The tile list is built on the device from `LoRAMeta` (torch ops, no host sync) once per
+step and block size, and cached on the meta, so every layer reuses it. Its length is the
+static bound cdiv(T, BLOCK_M) + min(L, T) (each segment adds at most one partial tile,
+rounded up to a multiple of 16),
+so grids come from static sizes only and the launches stay capturable in CUDA graphs.
+
+Launch parameters come from a small table keyed by GPU and shape class, fixed at first
+use per (device, slices, K, N, rank block).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels import lora_segment_kernels_triton as K
+
+MAX_SLICES = 4
+_MAX_SR = 128          # columns of one shrink program's product (slices x rank block)
+_TARGET_PROGRAMS = 512  # shrink programs wanted per launch (about 4 per SM on an H100)
+_MIN_K_CHUNK = 512     # below this a split-K program is mostly prologue
+
+
+@dataclass(frozen=True)
+class SegConfig:
+    """Launch parameters of one shape class."""
+    block_m: int        # sorted rows per tile (both kernels)
+    block_k: int        # shrink K step
+    max_split_k: int    # shrink K splits at most (partials summed by the expand)
+    block_n: int        # expand tile width
+    n_loop: int         # expand tiles per program (h loaded once for all of them)
+    warps: int
+    stages: int
+
+
+# Per GPU family and shape class: "k_long" = input width above 8192 (down's 14336), else
+# "k_short". H100 and H200 share one set until a sweep (bench_kernels.py --sweep-prefill)
+# says otherwise; unknown GPUs and the CPU interpreter get the "default" row.
+_BASE = {"k_short": SegConfig(64, 128, 8, 128, 4, 4, 3),
+         "k_long": SegConfig(64, 128, 8, 128, 4, 4, 3)}
+_TABLE = {"H100": _BASE, "H200": _BASE, "default": _BASE}
+
+
+def _gpu_family(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "default"
+    name = torch.cuda.get_device_name(device)
+    return next((fam for fam in _TABLE if fam in name), "default")
+
+
+@functools.lru_cache(maxsize=None)
+def _config(family: str, Kdim: int) -> SegConfig:
+    return _TABLE[family]["k_long" if Kdim > 8192 else "k_short"]
+
+
+def config_for(device: torch.device, Kdim: int) -> SegConfig:
+    """The table's launch parameters for this device and input width (fixed per process)."""
+    return _config(_gpu_family(device), Kdim)
+
+
+def _block_r(R: int) -> int:
+    return max(16, triton.next_power_of_2(R))
+
+
+def _precision(t: torch.Tensor) -> str:
+    # fp32 weights mean "exact" (tests, CPU parity); tf32 would lose ~3 digits
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def tiles_bound(T: int, L: int, block_m: int) -> int:
+    """Static bound on (segment, row block) tiles: full blocks plus one partial per segment,
+    rounded up to a multiple of 16 (the list's row stride: one compiled variant for all T)."""
+    return 16 * triton.cdiv(min(T, triton.cdiv(T, block_m) + min(L, T)), 16)
+
+
+def build_tiles(meta, block_m: int) -> torch.Tensor:
+    """int32 [3, bound]: slot, first sorted position and row count of every tile, in segment
+    order; entries past the last tile are (-1, 0, 0). Device ops only (capturable)."""
+    seg_len = meta.seg_len.long()
+    dev = seg_len.device
+    bound = tiles_bound(meta.num_tokens, meta.num_slots, block_m)
+    n = (seg_len + block_m - 1) // block_m                    # tiles per active entry
+    cum = torch.cumsum(n, 0)                                  # inclusive
+    t = torch.arange(bound, device=dev)
+    e = torch.searchsorted(cum, t, right=True).clamp_(max=n.shape[0] - 1)
+    j = t - (cum[e] - n[e])                                   # tile index inside its segment
+    rows = (seg_len[e] - j * block_m).clamp_(0, block_m)
+    rows = torch.where(t < cum[-1], rows, 0)
+    start = torch.where(rows > 0, meta.seg_start.long()[e] + j * block_m, 0)
+    slot = torch.where(rows > 0, meta.active_slots.long()[e], -1)
+    return torch.stack([slot, start, rows]).to(torch.int32).contiguous()
+
+
+def tiles_for(meta, block_m: int) -> torch.Tensor:
+    """`build_tiles` once per (meta, block size): every layer of the step reuses it."""
+    cached = meta.tiles.get(block_m)
+    if cached is None:
+        cached = meta.tiles[block_m] = build_tiles(meta, block_m)
+    return cached
+
+
+def default_split_k(m_tiles: int, groups: int, Kdim: int, cfg: SegConfig) -> int:
+    """K splits so that tiles x slice groups x splits is about _TARGET_PROGRAMS, each
+    split at least _MIN_K_CHUNK wide."""
+    want = triton.cdiv(_TARGET_PROGRAMS, max(1, m_tiles * groups))
+    return max(1, min(cfg.max_split_k, Kdim // _MIN_K_CHUNK, want))
+
+
+def _slice_groups(S: int, block_r: int) -> tuple[int, int]:
+    """(slices per shrink program, programs per tile) so that a program's product has at
+    most _MAX_SR columns."""
+    per = max(1, min(S, _MAX_SR // block_r))
+    return per, triton.cdiv(S, per)
+
+
+def seg_shrink(x: torch.Tensor, a: torch.Tensor, meta, ranks: torch.Tensor | None = None,
+               block_m: int | None = None, split_k: int | None = None,
+               block_k: int | None = None) -> torch.Tensor:
+    """Split-K partials hp [split_k, S, T, R] (float32) of x[t] @ a[slot(t), s].T, rows by
+    token index; rows of tokens without a slot are left unwritten (never read). Launch
+    parameters not given come from the table."""
+    T, Kdim = x.shape
+    L, S, R, _ = a.shape
+    cfg = config_for(x.device, Kdim)
+    block_m = block_m or cfg.block_m
+    block_r = _block_r(R)
+    per, groups = _slice_groups(S, block_r)
+    tiles = tiles_for(meta, block_m)
+    m_tiles = triton.cdiv(T, block_m)
+    split_k = split_k or default_split_k(m_tiles, groups, Kdim, cfg)
+    block_sr = triton.next_power_of_2(per) * block_r
+    hp = torch.empty((split_k, S, T, R), dtype=torch.float32, device=x.device)
+    grid = (tiles.shape[1], split_k, groups)
+    K.seg_shrink_kernel[grid](
+        x, a, hp, tiles, meta.sorted_tokens, ranks if ranks is not None else meta.seg_len,
+        Kdim, R, S, split_k, tiles.stride(0), x.stride(0), x.stride(1), *a.stride(),
+        *hp.stride(), HAS_RANKS=ranks is not None, SLICES_PER=per, BLOCK_M=block_m,
+        BLOCK_R=block_r, BLOCK_SR=block_sr, BLOCK_K=block_k or cfg.block_k,
+        PRECISION=_precision(a), UPCAST=x.is_cpu, num_warps=cfg.warps, num_stages=cfg.stages)
+    return hp
+
+
+def seg_expand(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
+               slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
+               block_m: int | None = None, block_n: int | None = None,
+               n_loop: int | None = None, cfg: SegConfig | None = None) -> torch.Tensor:
+    """y[t, slice s] += (sum of hp's partials)[s, t] @ b[slot(t), slice s].T, in place.
+    cfg: the table's entry of the layer (default: that of a narrow input)."""
+    split_k, S, T, R = hp.shape
+    cfg = cfg or config_for(y.device, 0)
+    block_m = block_m or cfg.block_m
+    block_n = block_n or cfg.block_n
+    n_loop = n_loop or cfg.n_loop
+    offs = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
+    chunk = block_n * n_loop
+    firsts = [0]        # first chunk index of every slice (flattened over slices)
+    for lo, hi in zip(offs, offs[1:]):
+        firsts.append(firsts[-1] + triton.cdiv(hi - lo, chunk))
+    chunks = firsts[S]
+    # slices past S start past the last chunk, so no program maps to them
+    c1, c2, c3 = (firsts[i] if i < S else chunks for i in (1, 2, 3))
+    tiles = tiles_for(meta, block_m)
+    if chunks == 0:
+        return y
+    grid = (chunks, tiles.shape[1])
+    K.seg_expand_kernel[grid](
+        hp, b, y, tiles, meta.sorted_tokens, ranks if ranks is not None else meta.seg_len, R,
+        split_k, *offs, c1, c2, c3, tiles.stride(0), *hp.stride(), *b.stride(), y.stride(0),
+        y.stride(1), HAS_RANKS=ranks is not None, BLOCK_M=block_m, BLOCK_R=_block_r(R),
+        BLOCK_N=block_n, N_LOOP=n_loop, PRECISION=_precision(b), UPCAST=y.is_cpu,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    return y
+
+
+def add_lora_seg(y, x, a, b, meta, slice_offsets: tuple[int, ...],
+                 ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """The prefill path: y += LoRA(x) per token's slot, two launches over the tile list."""
+    hp = seg_shrink(x, a, meta, ranks)
+    return seg_expand(hp, b, y, meta, slice_offsets, ranks, cfg=config_for(x.device, x.shape[1]))

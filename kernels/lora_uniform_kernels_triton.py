@@ -1,0 +1,175 @@
+"""One-launch LoRA for decode batches whose rows (mostly) share one adapter: shrink and
+expand of a layer group in a single Triton program grid (host wrapper:
+kernels/lora_uniform_triton.py).
+
+A decode step is launch- and latency-bound (one adapter's A/B of a group is ~0.3 MB), so
+the two launches of the token path cost more than their bytes. Here one 1-D grid does
+both, in two roles:
+
+- programs [0, n_shrink): (row block, slice, K chunk): split-K partial sums
+  hp[ks, s, tok, :] = x[tok, K chunk] @ A[slot, s, :, K chunk].T (float32, plain stores);
+- programs [n_shrink, n_shrink + n_expand): output tiles (row block, slice, BLOCK_N
+  columns). Each loads its first y tile and its B tile, then waits until every shrink
+  program has signalled (a counter in `sync`), sums the partials of its rows and writes
+  y += h @ B.T.
+
+The wait needs every shrink program to make progress while expand programs spin: shrink
+programs have the lower program ids (CUDA starts blocks of a 1-D grid in id order, the
+property stream-K kernels rely on too) and the host keeps the grid within what the GPU
+holds at once, so either alone rules out a deadlock. The last expand program resets the
+counters to zero for the next launch (`sync` is one int32 [2] per device, zeroed once).
+Under the interpreter programs run one after another in id order, so the wait returns at
+once.
+
+Rows: a row block holds BLOCK_M consecutive slot-sorted tokens (`LoRAMeta`); it is done
+run by run (tokens of one slot; tokens without an adapter, sorted last, are skipped), so
+a block of one adapter is one matrix product and any mapping stays correct.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.dot_triton import dot_f32
+from kernels.lora_kernels_triton import _shrink_tile, _slice_bounds
+
+
+@triton.jit
+def _rank_of(ranks_ptr, slot, R, HAS_RANKS: tl.constexpr):
+    if HAS_RANKS:
+        return tl.load(ranks_ptr + tl.maximum(slot, 0))
+    return R
+
+
+@triton.jit
+def _row_block(sorted_ptr, sorted_slots_ptr, mb, T, BLOCK_M: tl.constexpr):
+    """Row block mb: first sorted position, token ids, slots (-1 past T), and how many of
+    its rows have an adapter (those come first: slot-less tokens are sorted last)."""
+    row0 = mb * BLOCK_M
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    in_t = offs_m < T
+    slots = tl.load(sorted_slots_ptr + offs_m, mask=in_t, other=-1)
+    tok = tl.load(sorted_ptr + offs_m, mask=in_t, other=0).to(tl.int64)
+    n_rows = tl.sum((slots >= 0).to(tl.int32), axis=0)
+    return row0, tok, slots, n_rows
+
+
+@triton.jit
+def _load_b(b_ptr, slot, rank, offs_n, n_mask, stride_bl, stride_bn, stride_br,
+            BLOCK_R: tl.constexpr):
+    """B[slot, offs_n, :rank] as a [BLOCK_R, BLOCK_N] tile (zero where slot < 0)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < tl.where(slot >= 0, rank, 0)
+    return tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl
+                   + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                   mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _load_h(hp_ptr, s, tok, run, rank, stride_hk, stride_hs, stride_ht, stride_hr,
+            SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """h [BLOCK_M, BLOCK_R] of the rows in `run`: the SPLIT_K partials summed (read
+    through L2: other programs wrote them during this launch)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    ptrs = hp_ptr + s * stride_hs + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr
+    mask = run[:, None] & (offs_r < rank)[None, :]
+    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for ks in range(0, SPLIT_K):
+        h += tl.load(ptrs + ks * stride_hk, mask=mask, other=0.0, cache_modifier=".cg")
+    return h
+
+
+@triton.jit
+def _signal(count_ptr):
+    """This program's stores are done: count it (release, after the whole block)."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release")
+
+
+@triton.jit
+def _wait(count_ptr, target):
+    """Spin until *count_ptr reaches target, then acquire what its signallers wrote."""
+    seen = tl.load(count_ptr, volatile=True)
+    while seen < target:
+        seen = tl.load(count_ptr, volatile=True)
+    tl.atomic_add(count_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, sorted_ptr,
+                        sorted_slots_ptr, ranks_ptr, T, K, R, S, k_chunk, SPLIT_K,
+                        n_shrink, n_expand, tiles_per_block,
+                        o0, o1, o2, o3, o4, c1, c2, c3,
+                        stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
+                        stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
+                        stride_hk, stride_hs, stride_ht, stride_hr,
+                        HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (n_shrink + n_expand,): y[tok, slice s] += x[tok] @ A[slot, s].T @ B[slot, s].T.
+
+    c1..c3: BLOCK_N tiles before slices 1..3 (tiles_per_block = all slices' tiles); the
+    expand program e takes tiles e, e + n_expand, ... of the (row block, tile) list."""
+    pid = tl.program_id(0)
+    if pid < n_shrink:
+        mb = pid // (S * SPLIT_K)
+        s = (pid // SPLIT_K) % S
+        ks = pid % SPLIT_K
+        row0, tok, slots, n_rows = _row_block(sorted_ptr, sorted_slots_ptr, mb, T, BLOCK_M)
+        k_lo = ks * k_chunk
+        k_hi = tl.minimum(K, k_lo + k_chunk)
+        offs_r = tl.arange(0, BLOCK_R)
+        h_base = hp_ptr + ks * stride_hk + s * stride_hs
+        done = 0
+        while done < n_rows:       # one pass per run of one slot (one for a uniform block)
+            slot = tl.load(sorted_slots_ptr + row0 + done)
+            run = slots == slot
+            acc = _shrink_tile(x_ptr, a_ptr, tok, run, slot, s,
+                               _rank_of(ranks_ptr, slot, R, HAS_RANKS), k_lo, k_hi,
+                               stride_xt, stride_xk, stride_al, stride_as, stride_ar,
+                               stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, UPCAST)
+            tl.store(h_base + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr, acc,
+                     mask=run[:, None] & (offs_r < R)[None, :])
+            done += tl.sum(run.to(tl.int32), axis=0)
+        _signal(sync_ptr)
+    else:
+        e = pid - n_shrink
+        for i in range(0, tl.cdiv(tl.cdiv(T, BLOCK_M) * tiles_per_block - e, n_expand)):
+            u = e + i * n_expand
+            mb = u // tiles_per_block
+            t = u % tiles_per_block
+            s = (t >= c1).to(tl.int32) + (t >= c2).to(tl.int32) + (t >= c3).to(tl.int32)
+            lo, hi = _slice_bounds(s, o0, o1, o2, o3, o4)
+            first = tl.where(s == 0, 0, tl.where(s == 1, c1, tl.where(s == 2, c2, c3)))
+            offs_n = lo + (t - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hi
+            row0, tok, slots, n_rows = _row_block(sorted_ptr, sorted_slots_ptr, mb, T, BLOCK_M)
+            in_t = (row0 + tl.arange(0, BLOCK_M)) < T
+            y_ptrs = y_ptr + tok[:, None] * stride_yt + offs_n[None, :] * stride_yn
+            y_mask = in_t[:, None] & n_mask[None, :]
+            y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            slot = tl.load(sorted_slots_ptr + row0)
+            rank = _rank_of(ranks_ptr, slot, R, HAS_RANKS)
+            bt = _load_b(b_ptr, slot, rank, offs_n, n_mask, stride_bl, stride_bn, stride_br,
+                         BLOCK_R)
+            if i == 0:             # y and B of the first tile are on their way meanwhile
+                _wait(sync_ptr, n_shrink)
+            acc = y.to(tl.float32)
+            done = 0
+            while done < n_rows:
+                run = slots == slot
+                h = _load_h(hp_ptr, s, tok, run, rank, stride_hk, stride_hs, stride_ht,
+                            stride_hr, SPLIT_K, BLOCK_M, BLOCK_R)
+                acc += dot_f32(h.to(bt.dtype), bt, PRECISION, UPCAST)
+                done += tl.sum(run.to(tl.int32), axis=0)
+                if done < n_rows:   # the next run (mixed blocks only)
+                    slot = tl.load(sorted_slots_ptr + row0 + done)
+                    rank = _rank_of(ranks_ptr, slot, R, HAS_RANKS)
+                    bt = _load_b(b_ptr, slot, rank, offs_n, n_mask, stride_bl, stride_bn,
+                                 stride_br, BLOCK_R)
+            tl.store(y_ptrs, acc.to(y.dtype), mask=y_mask)
+        tl.debug_barrier()
+        if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == n_expand - 1:
+            tl.atomic_xchg(sync_ptr, 0)          # every program is past the counters:
+            tl.atomic_xchg(sync_ptr + 1, 0)      # ready for the next launch

@@ -1,0 +1,109 @@
+"""Host wrapper of the one-launch LoRA kernel (kernels/lora_uniform_kernels_triton.py): the
+decode path of `kernels.lora_triton.add_lora` when the batch (likely) uses one adapter.
+
+Shrink and expand of a layer group in one launch instead of two: at decode sizes the pair
+costs launches and latency, not bytes. Grids come from static sizes only (token count,
+slices, K and N), so the launch is capturable in CUDA graphs; the rows' slots are read on
+the device from `LoRAMeta`. Any token->slot mapping is computed right (a block of several
+adapters is done run by run), the one-adapter batch just needs one run per row block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels import lora_uniform_kernels_triton as K
+
+MAX_TOKENS = 256           # row blocks of 64: at most 4
+_SHRINK_PROGRAMS = 64      # split-K programs wanted per launch (each reads x's K chunk once)
+_MAX_SLICES = 4
+
+_sync: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _sync_counters(device: torch.device) -> torch.Tensor:
+    """The device's two int32 counters (shrinks done, expands done): zero between launches,
+    the last expand program of a launch resets them. Launches on one device must not run
+    concurrently on two streams (the engine's forward runs on one)."""
+    key = (device.type, device.index)
+    if key not in _sync:
+        _sync[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return _sync[key]
+
+
+def _resident_programs(device: torch.device) -> int:
+    """Programs the grid may have: two per SM (what the GPU holds at once with room to
+    spare); unbounded under the interpreter (programs run one after another)."""
+    if device.type != "cuda":
+        return 1 << 30
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _block_r(R: int) -> int:
+    return max(16, triton.next_power_of_2(R))
+
+
+def _precision(t: torch.Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    block_m: int          # sorted rows per row block
+    block_n: int          # output columns per expand tile
+    block_k: int          # K step of the shrink loop
+    split_k: int          # K chunks (shrink programs per row block and slice)
+    k_chunk: int          # K width of a chunk (a multiple of block_k)
+    cum_tiles: tuple[int, int, int, int]   # tiles before slice 1, 2, 3, and of all slices
+    n_shrink: int
+    n_expand: int
+
+    @property
+    def grid(self) -> tuple[int]:
+        return (self.n_shrink + self.n_expand,)
+
+
+def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
+                 resident: int) -> LaunchShape:
+    """Tile sizes and program counts for T tokens, S slices of input width Kdim."""
+    block_m = 16 if T <= 16 else 32 if T <= 32 else 64
+    block_n = 256 if block_m <= 32 else 128      # a [block_m, block_n] fp32 tile: 4-8 K values
+    block_k = 256 if block_m <= 16 else 128
+    m_blocks = triton.cdiv(T, block_m)
+    offs = list(slice_offsets) + [slice_offsets[-1]] * (_MAX_SLICES + 1 - len(slice_offsets))
+    tiles = [triton.cdiv(hi - lo, block_n) for lo, hi in zip(offs, offs[1:])]
+    cum = (tiles[0], sum(tiles[:2]), sum(tiles[:3]), sum(tiles))
+    shrink_budget = max(m_blocks * S, min(_SHRINK_PROGRAMS, resident // 2))
+    split = max(1, min(triton.cdiv(Kdim, block_k), shrink_budget // (m_blocks * S)))
+    k_chunk = triton.cdiv(triton.cdiv(Kdim, split), block_k) * block_k
+    split = triton.cdiv(Kdim, k_chunk)           # no empty chunk
+    n_shrink = m_blocks * S * split
+    n_expand = max(1, min(m_blocks * cum[3], resident - n_shrink))
+    return LaunchShape(block_m, block_n, block_k, split, k_chunk, cum, n_shrink, n_expand)
+
+
+def add_lora_uniform(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     meta, slice_offsets: tuple[int, ...],
+                     ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, N] += x·A[slot]ᵀ·B[slot]ᵀ per slice for every token with a slot, in place, in
+    one launch (T <= MAX_TOKENS); returns y. Shapes as `kernels.lora_triton.add_lora`
+    (checked there); meta: its `build_meta` for these tokens."""
+    T, Kdim = x.shape
+    L, S, R, _ = a.shape
+    assert 0 < T <= MAX_TOKENS and S <= _MAX_SLICES, (T, S)
+    offsets = tuple(slice_offsets) + (slice_offsets[-1],) * (_MAX_SLICES + 1 - len(slice_offsets))
+    shape = launch_shape(T, S, Kdim, tuple(slice_offsets), _resident_programs(x.device))
+    hp = torch.empty((shape.split_k, S, T, R), dtype=torch.float32, device=x.device)
+    c1, c2, c3, per_block = shape.cum_tiles
+    K.lora_uniform_kernel[shape.grid](
+        x, a, b, y, hp, _sync_counters(x.device), meta.sorted_tokens, meta.sorted_slots,
+        ranks if ranks is not None else meta.seg_len, T, Kdim, R, S, shape.k_chunk,
+        shape.split_k, shape.n_shrink, shape.n_expand, per_block, *offsets, c1, c2, c3,
+        x.stride(0), x.stride(1), *a.stride(), *b.stride(), y.stride(0), y.stride(1),
+        *hp.stride(),
+        HAS_RANKS=ranks is not None, BLOCK_M=shape.block_m, BLOCK_R=_block_r(R),
+        BLOCK_K=shape.block_k, BLOCK_N=shape.block_n, PRECISION=_precision(a),
+        UPCAST=x.is_cpu)
+    return y
