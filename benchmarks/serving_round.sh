@@ -47,8 +47,12 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/loramux-serving}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/loramux-serving-work}; mkdir -p "$WORK"  # model, adapters, Triton cache
-# kernels compiled by earlier runs on this machine (gpu_round.sh's included) are reused
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+# kernels compiled by earlier runs on this machine (gpu_round.sh's included) are reused;
+# so are those of serving rounds from before this cache was shared (under $WORK)
+if [ -z "${TRITON_CACHE_DIR:-}" ]; then
+  export TRITON_CACHE_DIR=$HOME/.triton/cache; mkdir -p "$TRITON_CACHE_DIR"
+  [ -d "$WORK/triton-cache" ] && cp -rn "$WORK/triton-cache/." "$TRITON_CACHE_DIR/" 2>/dev/null
+fi
 if [ "${TINY:-0}" = 1 ]; then
   EXTRA=(--tiny --num-requests 8 -- --max-loras 2 --max-cpu-loras 4)
   RATE=${RATE:-20}; SWEEP=${SWEEP:-10,20}; STREAMS=2,4; STREAMS_N=4; ZIPF_N=2,6

@@ -153,7 +153,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
     x [T, K]; a [L, S, R, K]; b [L, N, R] (scaling folded in); slice_offsets: S+1 ints;
     ranks [L] int32 real rank per slot (work stops there); meta: from `build_meta`, built
-    here when absent (pass it in: it is shared by every layer of a step); uniform: a hint
+    here when absent and needed (pass it in: it is shared by every layer of a step; see
+    `uses_meta`); uniform: a hint
     that the tokens share one adapter, which picks the decode path's launch parameters
     tuned for that (any mapping stays correct).
 
@@ -165,6 +166,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     _check(y, x, a, b, token_slots, slice_offsets, meta)
     if x.shape[0] == 0 or slice_offsets[-1] == 0:
         return y
+    if not uses_meta(x.shape[0], uniform):
+        return add_lora_uniform(y, x, a, b, token_slots, slice_offsets, ranks)
     if meta is None:
         meta = build_meta(token_slots, a.shape[0])
     if x.shape[0] <= TOKEN_PATH_MAX_TOKENS:
@@ -175,14 +178,17 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 UNIFORM_ONE_LAUNCH = True    # False: the uniform hint keeps two launches (benchmarks compare)
 
 
+def uses_meta(num_tokens: int, uniform: bool) -> bool:
+    """Whether add_lora reads a `LoRAMeta` for this call: not on the one-launch path
+    (it reads token_slots as they are), so a uniform step need not build one."""
+    return not (uniform and UNIFORM_ONE_LAUNCH and num_tokens <= TOKEN_PATH_MAX_TOKENS)
+
+
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
                     ranks: torch.Tensor | None = None, uniform: bool = False) -> torch.Tensor:
-    """The decode path: token-sized grids (kernels/lora_token_triton.py); with `uniform`
-    shrink and expand in one launch (kernels/lora_uniform_triton.py); for a mixed batch
-    whose shape class the table gives them, tiles of segments (kernels/lora_mixed_triton.py:
-    each adapter's A and B read once per tile)."""
-    if uniform and UNIFORM_ONE_LAUNCH:
-        return add_lora_uniform(y, x, a, b, meta, slice_offsets, ranks)
+    """The decode path: token-sized grids (kernels/lora_token_triton.py), or for a mixed
+    batch whose shape class the table gives them, tiles of segments
+    (kernels/lora_mixed_triton.py: each adapter's A and B read once per tile)."""
     if not uniform and lora_mixed_triton.takes(x, a, slice_offsets):
         return lora_mixed_triton.add_lora_mixed(y, x, a, b, meta, slice_offsets, ranks)
     hp = lora_shrink_tokens(x, a, meta, ranks, uniform=uniform)

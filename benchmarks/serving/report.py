@@ -185,7 +185,35 @@ def table(points: list[dict], meta: dict) -> str:
     lines += [_target_line(t) for t in meta.get("targets") or []]
     lines.append(f"order: {meta.get('order')}")
     lines += ["", header(), *(row(p, points) for p in _table_order(points))]
+    if meta.get("windowed"):
+        lines += ["", "In short (the service, each point's window):", "", *short_table(points)]
     return "\n".join(lines)
+
+
+_SHORT = ("adapters", "popularity", "round", "start s", "out tok/s", "TTFT p50 / p99 ms",
+          "ITL p50 / p99 ms", "swaps/s", "MB/s host->slot / disk", "engine cores",
+          "loads in window", "tok/s, TTFT p99 vs fewest")
+
+
+def short_table(points: list[dict]) -> list[str]:
+    """The columns issue 20 asks for, one row per point in run order (skipped ones too)."""
+    out = ["| " + " | ".join(_SHORT) + " |", "|---" * len(_SHORT) + "|"]
+    for p in points:
+        s = p.get("service")
+        head = [str(p["adapters"]), p["popularity"], p.get("round") or ""]
+        if s is None:
+            why = (p.get("skipped") or {}).get("service", "not run")
+            out.append("| " + " | ".join(head + [f"skipped: {why}"]) + " |")
+            continue
+        mv, busy = s.get("movement") or {}, s.get("cpu_busy") or {}
+        cells = head + [
+            _f(p.get("started_s"), digits=0), _f(s["output_tok_per_s"]),
+            _pair(s["ttft_s"], 1e3, 0), _pair(s["itl_s"], 1e3, 1), _f(mv.get("swaps_per_s")),
+            f"{_f(mv.get('slot_bytes_per_s'), 1e-6, 0)} / {_f(mv.get('disk_bytes_per_s'), 1e-6, 0)}",
+            _f(busy.get("engine"), digits=2), str(p.get("loads_in_window", "-")),
+            " / ".join(_f(x, digits=3) for x in vs_fewest(p, points))]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def _table_order(points: list[dict]) -> list[dict]:
