@@ -31,7 +31,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.dot_triton import dot_f32
 from kernels.lora_kernels_triton import _shrink_tile, _slice_bounds
 
 
@@ -74,6 +73,15 @@ def _load_h(hp_ptr, s, tok, run, rank, stride_hk, stride_hs, stride_ht, stride_h
     for ks in range(0, SPLIT_K):
         h += tl.load(ptrs + ks * stride_hk, mask=mask, other=0.0, cache_modifier=".cg")
     return h
+
+
+@triton.jit
+def _dot_acc(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, float32, accumulated in the product's own registers (no second tile).
+    UPCAST: as kernels.dot_triton.dot_f32 (the interpreter's bfloat16)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -156,7 +164,7 @@ def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, slots_ptr,
                 run = left == slot
                 h = _load_h(hp_ptr, s, tok, run, rank, stride_hk, stride_hs, stride_ht,
                             stride_hr, SPLIT_K, BLOCK_M, BLOCK_R)
-                acc += dot_f32(h.to(bt.dtype), bt, PRECISION, UPCAST)
+                acc = _dot_acc(h.to(bt.dtype), bt, acc, PRECISION, UPCAST)
                 left = tl.where(run, -1, left)
                 slot = tl.max(left, axis=0)
                 if slot >= 0:       # the next adapter (blocks of several only)

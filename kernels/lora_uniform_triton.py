@@ -76,7 +76,11 @@ def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
     offs = list(slice_offsets) + [slice_offsets[-1]] * (_MAX_SLICES + 1 - len(slice_offsets))
     tiles = [triton.cdiv(hi - lo, block_n) for lo, hi in zip(offs, offs[1:])]
     cum = (tiles[0], sum(tiles[:2]), sum(tiles[:3]), sum(tiles))
-    shrink_budget = max(m_blocks * S, min(_SHRINK_PROGRAMS, resident // 2))
+    shrink_budget = min(_SHRINK_PROGRAMS, resident // 2)
+    room = resident - m_blocks * cum[3]   # left beside one expand program per tile
+    if m_blocks * S * 4 <= room < shrink_budget:
+        shrink_budget = room              # fewer K chunks, but every tile in one wave
+    shrink_budget = max(m_blocks * S, shrink_budget)
     split = max(1, min(triton.cdiv(Kdim, block_k), shrink_budget // (m_blocks * S)))
     k_chunk = triton.cdiv(triton.cdiv(Kdim, split), block_k) * block_k
     split = triton.cdiv(Kdim, k_chunk)           # no empty chunk
