@@ -112,8 +112,8 @@ def cases(quick: bool, targets: bool = False, uniform: bool = False) -> list[Cas
     ranks = [16] if quick or targets or uniform else [8, 16, 64, 128]
     tokens = [1, 64, 1024] if quick else [1, 16, 64, 256, 1024, 8192]
     adapters = [1, 8] if quick else [1, 8, 64, 128]
-    if targets:  # the issue's target points: every group, rank 16
-        tokens, adapters = [1, 16, 64, 8192], [1, 64]
+    if targets:  # the issue's target points: every group, rank 16 (T 128/256: decode, L 64)
+        tokens, adapters = [1, 16, 64, 128, 256, 8192], [1, 64]
     if uniform:  # one adapter at decode sizes, both paths
         tokens, adapters = ([1, 64] if quick else [1, 16, 64]), [1]
     out = []
@@ -166,8 +166,7 @@ def run_case(case: Case, bw: float) -> Result:
 
 
 def _run_case(case: Case, bw: float) -> Result:
-    from kernels.lora_segment_triton import config_for, seg_expand, seg_shrink
-    from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS, add_lora
+    from kernels.lora_triton import add_lora
     _, K, N = next(g for g in layer_groups() if g[0] == case.group)
     M, r, L, S = case.tokens, case.rank, case.adapters, len(N)
     per_set = M * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + M * sum(N) * BF16
@@ -185,20 +184,47 @@ def _run_case(case: Case, bw: float) -> Result:
     floor = floor_seconds(nbytes, bw, launches)
     res = dict(shrink_us=float("nan"), shrink_pct=float("nan"),
                expand_us=float("nan"), expand_pct=float("nan"))
-    if M > TOKEN_PATH_MAX_TOKENS:      # the prefill path's two kernels alone
-        cfg = config_for(sets[0]["x"].device, K)
-        hs = [seg_shrink(s["x"], s["a"], s["meta"], s["ranks"]) for s in sets]
-        ts = time_graph([lambda s=s: seg_shrink(s["x"], s["a"], s["meta"], s["ranks"])
-                         for s in sets])
-        te = time_graph([lambda s=s, h=h: seg_expand(h, s["b"], s["y"], s["meta"],
-                                                     s["offsets"], s["ranks"], cfg=cfg)
-                         for s, h in zip(sets, hs)])
+    shrink, expand = _two_kernels(sets[0], M, L)
+    if shrink is not None:
+        hs = [shrink(s) for s in sets]
+        ts = time_graph([lambda s=s: shrink(s) for s in sets])
+        te = time_graph([lambda s=s, h=h: expand(s, h) for s, h in zip(sets, hs)])
         sf = floor_seconds(shrink_floor_bytes(M, K, S, r, L), bw, 1)
         ef = floor_seconds(expand_floor_bytes(M, N, r, L), bw, 1)
         res = dict(shrink_us=ts * 1e6, shrink_pct=100 * sf / ts,
                    expand_us=te * 1e6, expand_pct=100 * ef / te)
     return Result(**asdict(case), launches=launches, us=t * 1e6, floor_us=floor * 1e6,
                   gbps=nbytes / t / 1e9, pct_floor=100 * floor / t, **res)
+
+
+def _two_kernels(s, M: int, L: int):
+    """(shrink(set), expand(set, h)) of the two-kernel path add_lora takes for this case,
+    to time alone: the prefill kernels above the decode path, the mixed decode kernels
+    where their table sends the shape; (None, None) otherwise."""
+    from kernels import lora_mixed_triton
+    from kernels.lora_segment_triton import config_for, seg_expand, seg_shrink
+    from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS
+    if M > TOKEN_PATH_MAX_TOKENS:
+        cfg = config_for(s["x"].device, s["x"].shape[1])
+
+        def shrink(s):
+            return seg_shrink(s["x"], s["a"], s["meta"], s["ranks"])
+
+        def expand(s, h):
+            return seg_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"], cfg=cfg)
+        return shrink, expand
+    if L == 1 or not lora_mixed_triton.takes(s["x"], s["a"], s["offsets"]):
+        return None, None
+    plan = lora_mixed_triton._plan(s["x"].device, M, L, s["offsets"], s["a"].shape[2],
+                                   s["x"].shape[1], None)
+
+    def shrink_mixed(s):
+        return lora_mixed_triton.lora_shrink_mixed(s["x"], s["a"], s["meta"], plan, s["ranks"])
+
+    def expand_mixed(s, h):
+        return lora_mixed_triton.lora_expand_mixed(h, s["b"], s["y"], s["meta"], plan,
+                                                   s["ranks"])
+    return shrink_mixed, expand_mixed
 
 
 def write(results: list[Result], bw: float, out: Path) -> None:
@@ -230,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="a small subset of the grid")
     p.add_argument("--targets", action="store_true",
-                   help="the target points only: all groups, rank 16, T 1/16/64/8192, L 1/64")
+                   help="the target points only: all groups, rank 16, T 1/16/64/128/256/8192, "
+                        "L 1/64")
     p.add_argument("--uniform", action="store_true",
                    help="one adapter, T 1/16/64 (with --quick: qkv and down, T 1/64), rank 16: "
                         "the one-launch and two-launch paths side by side")
