@@ -8,8 +8,10 @@ checks `add_lora` against the torch reference on sampled rows, times it with CUD
 over rotating buffer sets, counts its launches, and (on the two-kernel path) times the
 shrink and expand kernels alone. One-adapter cases up to 256 tokens run twice, as the
 engine's uniform graph launches them: path "one-launch" (kernels/lora_uniform_triton.py)
-and "two-launch" (the token kernels), side by side. Floors follow PERF.md. Writes kernels.csv and kernels.md
-to DIR and prints a short table. Needs a CUDA GPU; the arithmetic helpers do not.
+and "two-launch" (the token kernels), side by side; cases of several adapters and 17-256
+tokens too: path "tokens" (the token kernels) and "segments" (kernels/lora_mixed_triton.py).
+Floors follow PERF.md. Writes kernels.csv and kernels.md to DIR and prints a short table.
+Needs a CUDA GPU; the arithmetic helpers do not.
 """
 from __future__ import annotations
 
@@ -73,19 +75,34 @@ class Case:
 
 
 UNIFORM_PATHS = ("one-launch", "two-launch")
+MIXED_PATHS = ("tokens", "segments")     # several adapters, 17..256 tokens: old and new
 
 
 @contextlib.contextmanager
 def uniform_path(path: str):
-    """add_lora(uniform=True) takes `path` inside the block ("-": the default)."""
+    """add_lora(uniform=True) takes `path` inside the block ("-" or a mixed path: the
+    default)."""
     from kernels import lora_triton
     old = lora_triton.UNIFORM_ONE_LAUNCH
-    if path != "-":
+    if path in UNIFORM_PATHS:
         lora_triton.UNIFORM_ONE_LAUNCH = path == "one-launch"
     try:
         yield
     finally:
         lora_triton.UNIFORM_ONE_LAUNCH = old
+
+
+@contextlib.contextmanager
+def mixed_path(path: str):
+    """A mixed decode batch takes `path` inside the block (else: the table's choice)."""
+    from kernels import lora_mixed_triton
+    old = lora_mixed_triton.PATH
+    if path in MIXED_PATHS:
+        lora_mixed_triton.PATH = path
+    try:
+        yield
+    finally:
+        lora_mixed_triton.PATH = old
 
 
 @dataclass(frozen=True)
@@ -124,7 +141,8 @@ def cases(quick: bool, targets: bool = False, uniform: bool = False) -> list[Cas
                     if n > t:
                         continue
                     for m in (["contiguous", "random"] if n > 1 and t > 1 else ["contiguous"]):
-                        paths = UNIFORM_PATHS if n == 1 and t <= 256 else ("-",)
+                        paths = (UNIFORM_PATHS if n == 1 and t <= 256 else
+                                 MIXED_PATHS if 16 < t <= 256 else ("-",))
                         out.extend(Case(g, r, t, n, m, p) for p in paths)
     return out
 
@@ -161,7 +179,7 @@ def check(s, uniform: bool = False) -> None:
 
 
 def run_case(case: Case, bw: float) -> Result:
-    with uniform_path(case.path):
+    with uniform_path(case.path), mixed_path(case.path):
         return _run_case(case, bw)
 
 

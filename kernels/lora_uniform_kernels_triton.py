@@ -31,7 +31,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.dot_triton import dot_f32
 from kernels.lora_kernels_triton import _shrink_tile, _slice_bounds
 
 
@@ -64,16 +63,26 @@ def _load_b(b_ptr, slot, rank, offs_n, n_mask, stride_bl, stride_bn, stride_br,
 
 @triton.jit
 def _load_h(hp_ptr, s, tok, run, rank, stride_hk, stride_hs, stride_ht, stride_hr,
-            SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+            SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     """h [BLOCK_M, BLOCK_R] of the rows in `run`: the SPLIT_K partials summed (read
-    through L2: other programs wrote them during this launch)."""
+    through L2: other programs wrote them during this launch), all loads unrolled so that
+    they are in flight together."""
     offs_r = tl.arange(0, BLOCK_R)
     ptrs = hp_ptr + s * stride_hs + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr
     mask = run[:, None] & (offs_r < rank)[None, :]
     h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for ks in range(0, SPLIT_K):
+    for ks in tl.static_range(SPLIT_K):
         h += tl.load(ptrs + ks * stride_hk, mask=mask, other=0.0, cache_modifier=".cg")
     return h
+
+
+@triton.jit
+def _dot_acc(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, float32, accumulated in the product's own registers (no second tile).
+    UPCAST: as kernels.dot_triton.dot_f32 (the interpreter's bfloat16)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -95,13 +104,13 @@ def _wait(count_ptr, target):
 
 @triton.jit
 def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, slots_ptr,
-                        ranks_ptr, T, K, R, S, k_chunk, SPLIT_K,
+                        ranks_ptr, T, K, R, S, k_chunk,
                         n_shrink, n_expand, tiles_per_block,
                         o0, o1, o2, o3, o4, c1, c2, c3,
                         stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
                         stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
                         stride_hk, stride_hs, stride_ht, stride_hr,
-                        HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (n_shrink + n_expand,): y[tok, slice s] += x[tok] @ A[slot, s].T @ B[slot, s].T.
@@ -156,7 +165,7 @@ def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, slots_ptr,
                 run = left == slot
                 h = _load_h(hp_ptr, s, tok, run, rank, stride_hk, stride_hs, stride_ht,
                             stride_hr, SPLIT_K, BLOCK_M, BLOCK_R)
-                acc += dot_f32(h.to(bt.dtype), bt, PRECISION, UPCAST)
+                acc = _dot_acc(h.to(bt.dtype), bt, acc, PRECISION, UPCAST)
                 left = tl.where(run, -1, left)
                 slot = tl.max(left, axis=0)
                 if slot >= 0:       # the next adapter (blocks of several only)

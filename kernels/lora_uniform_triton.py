@@ -19,6 +19,7 @@ from kernels import lora_uniform_kernels_triton as K
 
 MAX_TOKENS = 256           # row blocks of 64: at most 4
 _SHRINK_PROGRAMS = 64      # split-K programs wanted per launch (each reads x's K chunk once)
+_MAX_SPLIT_K = 16          # partials an expand program sums (its loads are unrolled)
 _MAX_SLICES = 4
 
 _sync: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -67,17 +68,24 @@ class LaunchShape:
 
 
 def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
-                 resident: int) -> LaunchShape:
-    """Tile sizes and program counts for T tokens, S slices of input width Kdim."""
+                 resident: int, R: int = 16) -> LaunchShape:
+    """Tile sizes and program counts for T tokens, S slices of input width Kdim, rank
+    R (tiles narrow as the rank grows: B's [block_n, R] and A's [block_k, R] tiles stay
+    about 4K values, as x's and y's [block_m, block_k or block_n])."""
     block_m = 16 if T <= 16 else 32 if T <= 32 else 64
-    block_n = 256 if block_m <= 32 else 128      # a [block_m, block_n] fp32 tile: 4-8 K values
-    block_k = 256 if block_m <= 16 else 128
+    block_n = min(256 if block_m <= 32 else 128, max(32, 4096 // _block_r(R)))
+    block_k = min(256 if block_m <= 16 else 128, max(32, 4096 // _block_r(R)))
     m_blocks = triton.cdiv(T, block_m)
     offs = list(slice_offsets) + [slice_offsets[-1]] * (_MAX_SLICES + 1 - len(slice_offsets))
     tiles = [triton.cdiv(hi - lo, block_n) for lo, hi in zip(offs, offs[1:])]
     cum = (tiles[0], sum(tiles[:2]), sum(tiles[:3]), sum(tiles))
-    shrink_budget = max(m_blocks * S, min(_SHRINK_PROGRAMS, resident // 2))
-    split = max(1, min(triton.cdiv(Kdim, block_k), shrink_budget // (m_blocks * S)))
+    shrink_budget = min(_SHRINK_PROGRAMS, resident // 2)
+    room = resident - m_blocks * cum[3]   # left beside one expand program per tile
+    if m_blocks * S * 4 <= room < shrink_budget:
+        shrink_budget = room              # fewer K chunks, but every tile in one wave
+    shrink_budget = max(m_blocks * S, shrink_budget)
+    split = max(1, min(triton.cdiv(Kdim, block_k), shrink_budget // (m_blocks * S),
+                       _MAX_SPLIT_K))
     k_chunk = triton.cdiv(triton.cdiv(Kdim, split), block_k) * block_k
     split = triton.cdiv(Kdim, k_chunk)           # no empty chunk
     n_shrink = m_blocks * S * split
@@ -95,16 +103,16 @@ def add_lora_uniform(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
     L, S, R, _ = a.shape
     assert 0 < T <= MAX_TOKENS and S <= _MAX_SLICES, (T, S)
     offsets = tuple(slice_offsets) + (slice_offsets[-1],) * (_MAX_SLICES + 1 - len(slice_offsets))
-    shape = launch_shape(T, S, Kdim, tuple(slice_offsets), _resident_programs(x.device))
+    shape = launch_shape(T, S, Kdim, tuple(slice_offsets), _resident_programs(x.device), R)
     hp = torch.empty((shape.split_k, S, T, R), dtype=torch.float32, device=x.device)
     c1, c2, c3, per_block = shape.cum_tiles
     K.lora_uniform_kernel[shape.grid](
         x, a, b, y, hp, _sync_counters(x.device), token_slots,
         ranks if ranks is not None else token_slots, T, Kdim, R, S, shape.k_chunk,
-        shape.split_k, shape.n_shrink, shape.n_expand, per_block, *offsets, c1, c2, c3,
+        shape.n_shrink, shape.n_expand, per_block, *offsets, c1, c2, c3,
         x.stride(0), x.stride(1), *a.stride(), *b.stride(), y.stride(0), y.stride(1),
         *hp.stride(),
-        HAS_RANKS=ranks is not None, BLOCK_M=shape.block_m, BLOCK_R=_block_r(R),
+        HAS_RANKS=ranks is not None, SPLIT_K=shape.split_k, BLOCK_M=shape.block_m, BLOCK_R=_block_r(R),
         BLOCK_K=shape.block_k, BLOCK_N=shape.block_n, PRECISION=_precision(a),
         UPCAST=x.is_cpu)
     return y
