@@ -203,6 +203,8 @@ def _run_case(case: Case, bw: float) -> Result:
     res = dict(shrink_us=float("nan"), shrink_pct=float("nan"),
                expand_us=float("nan"), expand_pct=float("nan"))
     shrink, expand = _two_kernels(sets[0], M, L)
+    if case.path == "two-launch":   # the one-adapter token kernels alone (uniform launch)
+        shrink, expand = _uniform_token_kernels(len(N))
     if shrink is not None:
         hs = [shrink(s) for s in sets]
         ts = time_graph([lambda s=s: shrink(s) for s in sets])
@@ -213,6 +215,20 @@ def _run_case(case: Case, bw: float) -> Result:
                    expand_us=te * 1e6, expand_pct=100 * ef / te)
     return Result(**asdict(case), launches=launches, us=t * 1e6, floor_us=floor * 1e6,
                   gbps=nbytes / t / 1e9, pct_floor=100 * floor / t, **res)
+
+
+def _uniform_token_kernels(S: int):
+    """(shrink(set), expand(set, h)) of the two-launch one-adapter path, to time alone."""
+    from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
+    from kernels.lora_triton import _offsets
+
+    def shrink(s):
+        return lora_shrink_tokens(s["x"], s["a"], s["meta"], s["ranks"], uniform=True)
+
+    def expand(s, h):
+        return lora_expand_tokens(h, s["b"], s["y"], s["meta"], _offsets(s["offsets"]), S,
+                                  s["ranks"], uniform=True)
+    return shrink, expand
 
 
 def _two_kernels(s, M: int, L: int):
