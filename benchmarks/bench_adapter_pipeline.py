@@ -48,7 +48,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,8 +55,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.llama8b import adapter_bytes, write_adapter, write_model_dir  # noqa: E402
-from benchmarks.swap_steps import (copies_after_all_compute, profile_steps,  # noqa: E402
-                                   slot_loads, swap_in, trace_steps)
+from benchmarks.swap_steps import (SwapIn, copies_after_all_compute,  # noqa: E402
+                                   profile_steps, slot_loads, trace_steps)
 
 RANK = 16
 BURST = 16
@@ -313,64 +312,70 @@ def bench_swap(engine, ids: list[int], device: torch.device, reps: int, log):
     return wall, dev, copies
 
 
-SPARES = 2  # adapters swapped in beyond the free slots (one swap per step, each evicting)
+SPARES = 2   # adapters swapped in beyond the free slots (every swap then evicts)
+MULTI = 4    # swaps per step of the "swap_x4" mode (when the batch leaves that many slots)
+
+
+def step_modes(device: torch.device, free_slots: int) -> list[tuple[str, int]]:
+    """(mode, swaps per step) in the order timed; "swap_after_all" copies as before."""
+    modes = [("no_swap", 0), ("swap_after_all", 1), ("swap", 1), ("swap_x4", MULTI),
+             ("no_swap_again", 0)]
+    return [(m, n) for m, n in modes if (m != "swap_after_all" or device.type == "cuda")
+            and n <= free_slots]
 
 
 def bench_steps(engine, ids: list[int], paths: list[Path], args, device: torch.device, log):
-    """Mean decode step time over `args.steps` steps: without swaps, then with one swap
-    per step through the engine's residency path (`swap_in`): with the copy ordered as
-    before (after all queued compute; CUDA only) and as now (after the slot's last
-    reader), then without again. Optionally the device timeline of a few steps of each."""
+    """Mean decode step time over `args.steps` steps: without swaps, then with swaps
+    through the engine's residency path (`SwapIn`): one per step with the copy ordered
+    as before (after all queued compute; CUDA only) and as now (after the slot's last
+    reader), MULTI per step (as now) where the batch leaves enough slots free, then
+    without again. Optionally the device timeline of a few steps of the swap modes."""
     from engine import SamplingParams
 
     used = ids[:args.slots - 1]
     # every step below, with room to spare: no request finishes while steps are timed
-    steps = 5 * args.steps + 3 * args.profile_steps + args.slots + SPARES + 40
+    steps = 6 * args.steps + 4 * args.profile_steps + args.slots + MULTI + SPARES + 40
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [1 + (i * 7 + j) % 1000 for j in range(64)], params,
                            adapter=f"a{ids.index(used[i % len(used)])}")
     for _ in range(20):                  # prefill, then warm decode graphs
         engine.step()
-    busy = engine.scheduler.running_adapters()
-    # more spares than the slots the batch leaves free: every swap evicts an earlier spare
+    free = args.slots - len(engine.scheduler.running_adapters())
+    modes = step_modes(device, free)
     spares = [engine.add_adapter(f"spare{i}", paths[i % len(paths)])
-              for i in range(args.slots - len(busy) + SPARES)]
+              for i in range(free + max(n for _, n in modes) + SPARES)]
     wait_pinned(engine, spares, device)
-    for i in range(len(spares)):         # each spare once through a slot, then the timing
-        swap_in(engine, spares, i)
+    swap = SwapIn(engine, spares)
+    for _ in range(len(spares)):         # each spare once through a slot, then the timing
+        swap()
         engine.step()
-    modes = ["no_swap", "swap_after_all", "swap", "no_swap_again"]
-    if device.type != "cuda":
-        modes.remove("swap_after_all")
     out, profiles = {}, {}
-    for mode in modes:
+    for mode, per_step in modes:
         undo = copies_after_all_compute(engine) if mode == "swap_after_all" else None
         try:
             loads = slot_loads(engine)
             sync(device)
             t = time.perf_counter()
-            for i in range(args.steps):
-                if mode.startswith("swap"):
-                    swap_in(engine, spares, i)
+            for _ in range(args.steps):
+                if per_step:
+                    swap(per_step)
                 engine.step()
             sync(device)
             out[mode] = (time.perf_counter() - t) / args.steps
             swaps = slot_loads(engine) - loads
             log(f"steps {mode}: {ms(out[mode])} ms/step, {swaps} swaps")
-            if mode.startswith("swap") and swaps != args.steps:
-                log(f"  WARNING: {swaps} swaps in {args.steps} steps (expected one per step)")
-            if args.profile and mode.startswith("swap") and device.type == "cuda":
-                try:
-                    profiles[mode] = profile_steps(engine, spares, args.profile_steps, log,
-                                                   mode)
-                except Exception:  # the timings above stand without it
-                    log(f"profile {mode} failed:\n{traceback.format_exc()}")
+            if swaps != per_step * args.steps:
+                log(f"  WARNING: {swaps} swaps in {args.steps} steps, expected {per_step} "
+                    "per step")
+            if args.profile and per_step and device.type == "cuda":
+                profiles[mode] = profile_steps(engine, swap, args.profile_steps, log, mode,
+                                               per_step)
         finally:
             if undo is not None:
                 undo()
     if args.trace and device.type == "cuda":
-        trace_steps(engine, spares, args.profile_steps, Path(args.out), log)
+        trace_steps(engine, swap, args.profile_steps, Path(args.out), log)
     engine.flush()
     for i in range(args.batch):
         engine.abort(f"r{i}")
@@ -385,7 +390,8 @@ def main() -> None:
                     help="decoder layers of the engine's model (default 32; 2 on the CPU); "
                          "the breakdown always uses the full 32-layer adapter")
     ap.add_argument("--adapters", type=int, default=6, help="distinct adapter files")
-    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--slots", type=int, default=8,
+                    help="max_loras; the batch uses min(adapters, slots - 1) of them")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--swaps", type=int, default=10)
@@ -412,6 +418,7 @@ def main() -> None:
     if args.quick:
         args.swap_only = args.profile = True
         args.steps, args.swaps, args.profile_steps = min(args.steps, 20), 5, 6
+        args.slots = max(args.slots, args.adapters + MULTI + 2)  # room for swap_x4
     if args.device == "cpu":
         args.batch = min(args.batch, 4)
         args.steps = min(args.steps, 4)
@@ -483,6 +490,7 @@ def engine_parts(tmp: Path, args, device: torch.device, log) -> dict:
         else None,
         "step_swap_after_all_ratio": round(steps["swap_after_all"] / steps["no_swap"], 3)
         if "swap_after_all" in steps else None,
+        f"step_swap_x{MULTI}_ms": ms(steps["swap_x4"]) if "swap_x4" in steps else None,
     }
 
 
@@ -512,6 +520,8 @@ def table(summary: dict, log) -> None:
             ("  one swap per step, copy after all compute", get("step_swap_after_all_ms"),
              "(before)"),
             ("  one swap per step, copy after slot readers", summary["step_swap_ms"], ""),
+            (f"  {MULTI} swaps per step, copy after slot readers",
+             get(f"step_swap_x{MULTI}_ms"), ""),
             ("decode step, no swaps again", summary["step_ms_again"], "")]
     log(f"\n{summary['layers']} layers, adapter {summary['adapter_mb']} MB")
     log(f"{'what':<46}{'ms':>10}  target")

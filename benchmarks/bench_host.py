@@ -9,8 +9,16 @@ per step, the host phases that run serially with a GPU step are timed separately
     fill       the CUDA graph path's static-input fill (DecodeStaging.fill, CPU buffers)
     prepare    the eager path's ModelRunner.prepare_inputs (for comparison; not in total)
     update     engine.scheduler.update(out, sampled) with fabricated sampled tokens
+    plan       tensor parallelism, rank 0: the step plan for the workers (PlanTracker.plan
+               and encode_step), before it is sent
+    worker     tensor parallelism, a worker from the plan's receipt to its upload:
+               decode_step, RequestMirror.apply and the fill from the mirror's output
 
 "total" = schedule + fill + update (what a graph-replayed decode step costs the host).
+Under tensor parallelism rank 0 sends the plan, then fills; a worker receives it (gloo:
+benchmarks/bench_plan_channel.py), then runs `worker`; so the worker starts its replay
+about latency + worker - fill after rank 0 (the rank skew that rank 0 waits out in the
+step's first all-reduce).
 Modes: "base" (no adapter) and "lora" (4 adapters spread round-robin over the batch).
 `--profile` runs the lora mode under cProfile and prints the top functions.
 """
@@ -28,6 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.cuda_graph import DecodeStaging  # noqa: E402
+from engine.distributed.mirror import RequestMirror  # noqa: E402
+from engine.distributed.plan import decode_step, encode_step  # noqa: E402
+from engine.distributed.tracker import PlanTracker  # noqa: E402
 from engine.scheduler import Sampled  # noqa: E402
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model  # noqa: E402
 
@@ -60,9 +71,11 @@ def build_engine(root: Path, batch: int, adapters: bool) -> Engine:
     return eng
 
 
-def time_steps(eng: Engine, steps: int, staging: DecodeStaging) -> dict[str, list[float]]:
+def time_steps(eng: Engine, steps: int, staging: DecodeStaging,
+               tp: "TPSide") -> dict[str, list[float]]:
     sched, runner = eng.scheduler, eng.runner
-    times: dict[str, list[float]] = {k: [] for k in ("schedule", "fill", "prepare", "update")}
+    times: dict[str, list[float]] = {k: [] for k in ("schedule", "fill", "prepare", "update",
+                                                      "plan", "worker")}
     clock = time.perf_counter
     for _ in range(steps):
         t0 = clock()
@@ -76,11 +89,24 @@ def time_steps(eng: Engine, steps: int, staging: DecodeStaging) -> dict[str, lis
         t4 = clock()
         sched.update(out, sampled)
         t5 = clock()
+        payload = encode_step(tp.tracker.plan(out, [], True))
+        t6 = clock()
+        mirrored = tp.mirror.apply(decode_step(payload))
+        tp.staging.fill(mirrored.scheduled, tp.staging.max_batch)
+        t7 = clock()
         assert len(out.scheduled) == staging.max_batch and all(
             s.num_new_tokens == 1 for s in out.scheduled), "not a full decode step"
-        for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
+        for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t6 - t5, t7 - t6)):
             times[k].append(dt * 1e6)
     return times
+
+
+class TPSide:
+    """Rank 0's plan tracker and one worker's mirror and staging, fed every step."""
+
+    def __init__(self, eng: Engine, batch: int):
+        self.tracker, self.mirror = PlanTracker(), RequestMirror()
+        self.staging = make_staging(eng, batch)
 
 
 def make_staging(eng: Engine, batch: int) -> DecodeStaging:
@@ -92,8 +118,9 @@ def make_staging(eng: Engine, batch: int) -> DecodeStaging:
 def run_mode(root: Path, batch: int, steps: int, adapters: bool) -> dict[str, float]:
     eng = build_engine(root, batch, adapters)
     staging = make_staging(eng, batch)
-    time_steps(eng, 5, staging)  # warm up
-    t = time_steps(eng, steps, staging)
+    tp = TPSide(eng, batch)
+    time_steps(eng, 5, staging, tp)  # warm up (the first plan carries whole prompts)
+    t = time_steps(eng, steps, staging, tp)
     med = {k: statistics.median(v) for k, v in t.items()}
     med["total"] = med["schedule"] + med["fill"] + med["update"]
     eng.close()
@@ -103,9 +130,11 @@ def run_mode(root: Path, batch: int, steps: int, adapters: bool) -> dict[str, fl
 def profile(root: Path, batch: int, steps: int) -> None:
     eng = build_engine(root, batch, True)
     staging = make_staging(eng, batch)
+    tp = TPSide(eng, batch)
+    time_steps(eng, 5, staging, tp)
     prof = cProfile.Profile()
     prof.enable()
-    time_steps(eng, steps, staging)
+    time_steps(eng, steps, staging, tp)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     eng.close()
@@ -124,7 +153,7 @@ def main() -> None:
             return
         rows = {mode: run_mode(root, args.batch, args.steps, mode == "lora")
                 for mode in ("base", "lora")}
-    cols = ("schedule", "fill", "update", "total", "prepare")
+    cols = ("schedule", "fill", "update", "total", "prepare", "plan", "worker")
     print(f"batch {args.batch}, {args.steps} steps, median µs per step")
     print("| mode | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))

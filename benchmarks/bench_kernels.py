@@ -122,8 +122,8 @@ def cases(quick: bool, targets: bool = False, uniform: bool = False,
     ranks = [16] if quick or targets or uniform or prefill else [8, 16, 64, 128]
     tokens = [1, 64, 1024] if quick else [1, 16, 64, 256, 1024, 8192]
     adapters = [1, 8] if quick else [1, 8, 64, 128]
-    if targets:  # the issue's target points: every group, rank 16
-        tokens, adapters = [1, 16, 64, 8192], [1, 64]
+    if targets:  # the issue's target points: every group, rank 16 (T 128/256: decode, L 64)
+        tokens, adapters = [1, 16, 64, 128, 256, 8192], [1, 64]
     if uniform:  # one adapter at decode sizes, both paths
         tokens, adapters = ([1, 64] if quick else [1, 16, 64]), [1]
     if prefill:  # one chunk of prefill over 64 adapters, both prefill paths
@@ -199,8 +199,9 @@ def _run_case(case: Case, bw: float) -> Result:
     floor = floor_seconds(nbytes, bw, launches)
     res = dict(shrink_us=float("nan"), shrink_pct=float("nan"),
                expand_us=float("nan"), expand_pct=float("nan"))
-    if case.path in SEGMENT_PATHS:      # the prefill path's two kernels alone
-        shrink, expand = segment_kernels(case.path, K)
+    shrink, expand = (segment_kernels(case.path, K) if case.path in SEGMENT_PATHS
+                      else _two_kernels(sets[0], M, L))
+    if shrink is not None:
         hs = [shrink(s) for s in sets]
         ts = time_graph([lambda s=s: shrink(s) for s in sets])
         te = time_graph([lambda s=s, h=h: expand(s, h) for s, h in zip(sets, hs)])
@@ -249,6 +250,28 @@ def split_k_lines(quick: bool, bw: float) -> list[str]:
     return out
 
 
+def _two_kernels(s, M: int, L: int):
+    """(shrink(set), expand(set, h)) of the two-kernel path add_lora takes for this case,
+    to time alone: the prefill kernels above the decode path, the mixed decode kernels
+    where their table sends the shape; (None, None) otherwise."""
+    from kernels import lora_mixed_triton
+    from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS
+    if M > TOKEN_PATH_MAX_TOKENS:
+        return segment_kernels("tiles", s["x"].shape[1])
+    if L == 1 or not lora_mixed_triton.takes(s["x"], s["a"], s["offsets"]):
+        return None, None
+    plan = lora_mixed_triton._plan(s["x"].device, M, L, s["offsets"], s["a"].shape[2],
+                                   s["x"].shape[1], None)
+
+    def shrink_mixed(s):
+        return lora_mixed_triton.lora_shrink_mixed(s["x"], s["a"], s["meta"], plan, s["ranks"])
+
+    def expand_mixed(s, h):
+        return lora_mixed_triton.lora_expand_mixed(h, s["b"], s["y"], s["meta"], plan,
+                                                   s["ranks"])
+    return shrink_mixed, expand_mixed
+
+
 def write(results: list[Result], bw: float, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = list(Result.__dataclass_fields__)
@@ -278,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="a small subset of the grid")
     p.add_argument("--targets", action="store_true",
-                   help="the target points only: all groups, rank 16, T 1/16/64/8192, L 1/64")
+                   help="the target points only: all groups, rank 16, T 1/16/64/128/256/8192, "
+                        "L 1/64")
     p.add_argument("--uniform", action="store_true",
                    help="one adapter, T 1/16/64 (with --quick: qkv and down, T 1/64), rank 16: "
                         "the one-launch and two-launch paths side by side")

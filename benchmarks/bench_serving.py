@@ -9,7 +9,7 @@ client SDK, and the same workload through the offline engine in the same invocat
         --popularity uniform,zipf:1 --concurrency 256 --cold-first --no-offline
     python benchmarks/bench_serving.py --out DIR --concurrency 256 --no-offline \\
         --points 5/zipf:1,32/uniform,256/uniform,1000/zipf:1,2000/zipf:1 --cold-first \\
-        --background-loads --warm-s 6 --point-s 21 --drain-s 5   # issue 20's round
+        --background-loads --warm-s 5 --point-s 19 --drain-s 5   # issue 20's round
     python benchmarks/bench_serving.py --out DIR --tiny                # CPU, demo model
     python benchmarks/bench_serving.py --out DIR -- --max-loras 32     # after --: serve flags
 
@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,8 +65,9 @@ sys.path[:0] = [str(REPO), str(REPO / "clients" / "python")]
 
 from benchmarks.serving import report  # noqa: E402
 from benchmarks.serving.drivers import Limits  # noqa: E402
-from benchmarks.serving.files import prepare  # noqa: E402
-from benchmarks.serving.phases import run_offline_points, run_service_points  # noqa: E402
+from benchmarks.serving.files import adapter_root, model_dir, prepare  # noqa: E402
+from benchmarks.serving.phases import (ServiceFiles, run_offline_points,  # noqa: E402
+                                       run_service_points)
 from benchmarks.serving.plan import Budget, Load, make_points, parse_point_specs  # noqa: E402
 from benchmarks.serving.workload import parse_lengths, parse_popularity  # noqa: E402
 
@@ -238,24 +240,35 @@ def main(argv: list[str] | None = None) -> int:
     # one Triton cache for the service's engine and the offline engine (and later runs on
     # the same work dir): the second start-up loads what the first compiled
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(work).resolve() / "triton-cache"))
-    files = prepare(work, tiny=args.tiny, num_adapters=max(args.adapter_counts),
-                    distinct=args.distinct_weights, layers=args.layers)
-    args.adapter_bytes = files.adapter_bytes
-    args.points = make_points(args.adapter_counts, args.popularities, args.loads,
-                              lambda load: _num_requests(args, load), files.names,
-                              args.input_len, args.output_len, files.vocab, args.seed,
-                              args.cold_first, args.specs, args.background_loads)
+    # the service starts on the model dir while the adapters' files are written
+    model, dummy = model_dir(work, args.tiny, args.layers)
+    writing = ThreadPoolExecutor(1).submit(
+        prepare, work, tiny=args.tiny, num_adapters=max(args.adapter_counts),
+        distinct=args.distinct_weights, layers=args.layers)
+
+    def files_ready():
+        files = writing.result()
+        args.adapter_bytes = files.adapter_bytes
+        args.points[:] = make_points(
+            args.adapter_counts, args.popularities, args.loads,
+            lambda load: _num_requests(args, load), files.names, args.input_len,
+            args.output_len, files.vocab, args.seed, args.cold_first, args.specs,
+            args.background_loads)
+        return files
+
+    args.points, args.adapter_bytes = [], 0
     args.load_reports, args.startup_s, args.warmup_s = {}, {}, {}
     args.loaded, args.engine_warmup, args.engine_config = 0, None, None
     args.device = None  # known after the service part
     config = None
     try:
-        config = run_service_points(args, files, serve_argv, work, budget,
+        config = run_service_points(args, ServiceFiles(model, adapter_root(work), dummy),
+                                    files_ready, serve_argv, work, budget,
                                     lambda: save(args, argv))
         args.device = _device_name()
         if not args.no_offline:
             try:
-                run_offline_points(args, files, config, budget,
+                run_offline_points(args, args.files, config, budget,
                                    lambda: save(args, argv, config))
             except Exception:  # noqa: BLE001 - the service's rows are still worth a table
                 traceback.print_exc()

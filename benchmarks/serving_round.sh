@@ -8,7 +8,7 @@
 #
 # Time budget (s): no point starts unless it can end by DEADLINE_S (510; 470 for adapters)
 # after the start; then the service stops, plots are drawn (~10-20 s); `timeout` stops the
-# run 25 s after the deadline (it still writes its table and plots).
+# run 30 s after the deadline (it still writes its table and plots), kills it 10 s later.
 #   streams   64 adapters, closed loops of 64 and 256 streams, service then offline
 #             (target service/offline >= 0.95). Per point: <= 25 sending + 15 drain.
 #             start 240, loads <= 60 (64 adapters: ~10), warm-up round ~10, 2 points
@@ -23,20 +23,21 @@
 #             <= LOAD_S (150), warm-up round ~5, 10 points ~150: the last sweep points are
 #             the ones skipped when loads are slow. Expected 400-510.
 #   adapters  issue 20's sweep in one call of <= 8.5 minutes (DEADLINE_S 470 for this round):
-#             256 closed-loop streams, every point windowed: WARM_S (6) s of its own
-#             warm-up, then measured until POINT_S (21) s (a 15 s window; the drain only
+#             256 closed-loop streams, every point windowed: WARM_S (5) s of its own
+#             warm-up, then measured until POINT_S (19) s (a 14 s window; the drain only
 #             waits for the window's first tokens). The first point (5 adapters, Zipf(1))
 #             runs right after "serving" with only its adapters loaded, then again (steady:
 #             the baseline of the 1,000 / 2,000 targets), then once more while the other
 #             1,995 adapters load in the background ("during loads": what loads cost the
 #             traffic); the later points start once their adapters are loaded, after up to
 #             30 s of waiting for the loads to finish, in the order of ADAPTER_POINTS (the
-#             targets' points first). Per point ~24 s. Fresh machine: start ~250 (less
+#             targets' points first). Per point ~22 s. Fresh machine: start ~250 (less
 #             with the kernels of an earlier run in TRITON_CACHE_DIR, default the shared
-#             ~/.triton/cache), 3 rounds of the first point ~72, loads of 2,000 at >= 50/s
-#             mostly hidden in "during loads" (<= 30 s more), then 32u, 256u, 1000z, 2000z
-#             (~96): what does not fit by the deadline is skipped (32z, 256z, 1000u, 2000u,
-#             1 come next). Slow loads only delay (and skip) the points with many adapters.
+#             ~/.triton/cache), 3 rounds of the first point ~66, loads of 2,000 at >= 50/s
+#             mostly hidden in "during loads" (<= 30 s more), then 32u, 256u, 1000z, 2000z,
+#             32z, 256z (~130): what does not fit by the deadline is skipped (1000u, 2000u,
+#             1 come last); ~100 s faster start-up runs them all. Slow loads only delay
+#             (and skip) the points with many adapters.
 #             Prints the loads per second and each load's latency as adapters load, the
 #             first round over steady state, the targets, then the table.
 # Under $OUT: <round>.log (rows as points finish) and <round>/ (serving.json, table.md,
@@ -47,8 +48,12 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/loramux-serving}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/loramux-serving-work}; mkdir -p "$WORK"  # model, adapters, Triton cache
-# kernels compiled by earlier runs on this machine (gpu_round.sh's included) are reused
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+# kernels compiled by earlier runs on this machine (gpu_round.sh's included) are reused;
+# so are those of serving rounds from before this cache was shared (under $WORK)
+if [ -z "${TRITON_CACHE_DIR:-}" ]; then
+  export TRITON_CACHE_DIR=$HOME/.triton/cache; mkdir -p "$TRITON_CACHE_DIR"
+  [ -d "$WORK/triton-cache" ] && cp -rn "$WORK/triton-cache/." "$TRITON_CACHE_DIR/" 2>/dev/null
+fi
 if [ "${TINY:-0}" = 1 ]; then
   EXTRA=(--tiny --num-requests 8 -- --max-loras 2 --max-cpu-loras 4)
   RATE=${RATE:-20}; SWEEP=${SWEEP:-10,20}; STREAMS=2,4; STREAMS_N=4; ZIPF_N=2,6
@@ -60,14 +65,14 @@ else
   RATE=${RATE:-8}; SWEEP=${SWEEP:-4,8,16,32,48}; STREAMS=64,256; STREAMS_N=64; ZIPF_N=5,1000
   SWEEP_N=1,32,256,1000,2000; WIDE=256
   POINTS=${ADAPTER_POINTS:-5/zipf:1,32/uniform,256/uniform,1000/zipf:1,2000/zipf:1,32/zipf:1,256/zipf:1,1000/uniform,2000/uniform,1/uniform}
-  WARM_S=${WARM_S:-6}; POINT_S=${POINT_S:-21}; WIDE_EXTRA=()
+  WARM_S=${WARM_S:-5}; POINT_S=${POINT_S:-19}; WIDE_EXTRA=()
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 fi
 run() {  # name, deadline s, bench flags...
   local name=$1 deadline=$2; shift 2
   local t0=$SECONDS
-  # SIGTERM at the deadline + 25 s: the run stops the service and still writes its table
-  timeout -k 15 $((deadline + 25)) python3 benchmarks/bench_serving.py --out "$OUT/$name" \
+  # SIGTERM at the deadline + 30 s: the run stops the service and still writes its table
+  timeout -k 10 $((deadline + 30)) python3 benchmarks/bench_serving.py --out "$OUT/$name" \
     --workdir "$WORK" --deadline-s "$deadline" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -E '^(service|offline): (serving|ready|loaded|skipped|one adapter)|warm-up|first round|^  service: |^target |adapters load / without' "$OUT/$name.log"

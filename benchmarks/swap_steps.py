@@ -3,11 +3,12 @@ swap per step (as the engine does for a waiting request's adapter), the ordering
 copies had before issue 20 (for comparison in the same run), and the device timeline of a
 few such steps (`profile_steps`: CUDA events around each step's input upload, its graph
 replay and each copy, so the table shows where each copy sits against the steps), plus a
-torch.profiler trace of them (`trace_steps`). CUDA only, except `swap_in` and
+torch.profiler trace of them (`trace_steps`). CUDA only, except `SwapIn` and
 `slot_loads`."""
 from __future__ import annotations
 
 import statistics
+import traceback
 from pathlib import Path
 
 import torch
@@ -17,12 +18,20 @@ def slot_loads(engine) -> int:
     return sum(a["loads"] for a in engine.stats()["adapters"].values())
 
 
-def swap_in(engine, spares: list[int], i: int) -> None:
-    """What the engine does for a waiting request's adapter (its `_schedule`): prefetch it
-    into a slot, evicting only an adapter without running requests; the copy is queued
-    on the copier's side stream while the step in flight runs."""
-    engine.adapters.prefetch([spares[i % len(spares)]],
-                             busy=engine.scheduler.running_adapters())
+class SwapIn:
+    """What the engine does for waiting requests' adapters (its `_schedule`): `swap(n)`
+    prefetches the next `n` spares, round robin, into slots, evicting only adapters without
+    running requests; the copies are queued on the copier's side stream while the step in
+    flight runs. With more spares than the slots they can take plus `n`, every call swaps
+    in `n` adapters that are not in a slot (the least recently used ones)."""
+
+    def __init__(self, engine, spares: list[int]):
+        self.engine, self.spares, self.next = engine, spares, 0
+
+    def __call__(self, n: int = 1) -> None:
+        wanted = [self.spares[(self.next + j) % len(self.spares)] for j in range(n)]
+        self.next += n
+        self.engine.adapters.prefetch(wanted, busy=self.engine.scheduler.running_adapters())
 
 
 def copies_after_all_compute(engine):
@@ -40,10 +49,21 @@ def copies_after_all_compute(engine):
     return lambda: setattr(copier, "queue", queue)
 
 
-def profile_steps(engine, spares: list[int], steps: int, log, mode: str) -> list[dict]:
-    """The device timeline of `steps` decode steps with one swap each, from CUDA events
-    recorded around each step's input upload and graph replay (compute stream) and around
-    each slot load (the copier's stream). Times in ms from the first step's start."""
+def profile_steps(engine, swap: SwapIn, steps: int, log, mode: str,
+                  per_step: int = 1) -> list[dict]:
+    """The device timeline of `steps` decode steps with `per_step` swaps each, from CUDA
+    events recorded around each step's input upload and graph replay (compute stream) and
+    around each step's slot loads (the copier's stream: from the first one's start to the
+    last one's end). Times in ms from the first step's start. Never raises: a failure is
+    logged (the timings stand without it)."""
+    try:
+        return _profile_steps(engine, swap, steps, log, mode, per_step)
+    except Exception:
+        log(f"profile {mode} failed:\n{traceback.format_exc()}")
+        return []
+
+
+def _profile_steps(engine, swap, steps, log, mode, per_step) -> list[dict]:
     graphs, pool = engine.runner.graphs, engine.lora_pool
     if graphs is None:
         log("profile: no CUDA graphs (graph_max_batch 0): skipped")
@@ -71,13 +91,14 @@ def profile_steps(engine, spares: list[int], steps: int, log, mode: str) -> list
     def load_marked(*a, **k):
         s = ev()
         load(*a, **k)
-        if marks:
-            marks[-1]["copy"] = (s, ev())  # queued during this step's host work
+        if marks:  # queued during the host work of the step in flight
+            first = marks[-1].get("copy", (s,))[0]
+            marks[-1]["copy"] = (first, ev())
 
     graphs.staging.upload, graphs.run, pool.load = upload_marked, run_marked, load_marked
     try:
-        for i in range(steps + 1):
-            swap_in(engine, spares, i)
+        for _ in range(steps + 1):
+            swap(per_step)
             engine.step()
         torch.cuda.synchronize()
     finally:
@@ -114,7 +135,7 @@ def profile_steps(engine, spares: list[int], steps: int, log, mode: str) -> list
     return rows
 
 
-def trace_steps(engine, spares: list[int], steps: int, out: Path, log) -> None:
+def trace_steps(engine, swap: SwapIn, steps: int, out: Path, log) -> None:
     """A torch.profiler trace (Chrome/Perfetto JSON) of `steps` steps with one swap each:
     the copy's memcpy and kernels on the copier's stream beside the graph replays."""
     from torch.profiler import ProfilerActivity, profile
@@ -122,8 +143,8 @@ def trace_steps(engine, spares: list[int], steps: int, out: Path, log) -> None:
     path = out / "step_swap_trace.json"
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(steps):
-                swap_in(engine, spares, i)
+            for _ in range(steps):
+                swap()
                 engine.step()
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(path))

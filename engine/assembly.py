@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
+from engine.lora.weights import check_lora
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.build import build_model
@@ -45,6 +46,8 @@ class ModelParts:
     num_kv_blocks: int
     runner: ModelRunner
     read_adapter: Callable   # (path, expected version) -> this rank's LoRAWeights
+    check_adapter: Callable | None = None  # (path, expected version) -> AdapterPlan
+                                           # checked without reading the weights
 
 
 def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -78,7 +81,8 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     # where adapter reads land; one spare made ahead, so adding an adapter of a shape
     # already seen does not wait for the driver to pin its buffer
     buffers = HostBufferPool(pin=device.type == "cuda", spares=1)
-    return ModelParts(model, lora_pool, blocks, runner, adapter_reader(config, mc, tp, buffers))
+    return ModelParts(model, lora_pool, blocks, runner, adapter_reader(config, mc, tp, buffers),
+                      adapter_checker(config, mc))
 
 
 def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
@@ -96,6 +100,17 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     return read
 
 
+def adapter_checker(config: EngineConfig, mc: ModelConfig) -> Callable:
+    """(path, expected version) -> AdapterPlan: what adapter_reader's reads would refuse
+    without reading the weights (engine/lora/weights.py check_lora)."""
+    roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
+    reference = torch.device(config.device).type == "cpu"
+
+    def check(path: str, version: str | None):
+        return check_lora(path, mc, config.max_lora_rank, roots, version, reference)
+    return check
+
+
 def build_adapter_parts(config: EngineConfig, parts: ModelParts, device: torch.device,
                         executor: Executor, slots: SlotTable, pins: Pins, kv: KVCacheManager
                         ) -> tuple[AdapterRegistry, AdapterResidency, AdapterService]:
@@ -107,4 +122,5 @@ def build_adapter_parts(config: EngineConfig, parts: ModelParts, device: torch.d
         registry, slots, HostCache(config.max_cpu_loras, pins),
         DiskLoader(parts.read_adapter), parts.lora_pool, device,
         mirror=executor.adapter_mirror(registry))
-    return registry, adapters, AdapterService(registry, slots, pins, adapters, kv)
+    return registry, adapters, AdapterService(registry, slots, pins, adapters, kv,
+                                              check=parts.check_adapter)

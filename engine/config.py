@@ -29,4 +29,4 @@ class EngineConfig(EngineSettings):
         if self.async_scheduling is not None:
             return self.async_scheduling
         assert self.device != "auto", "device not resolved (engine/resolve.py)"
-        return self.tp_size == 1 and torch.device(self.device).type == "cuda"
+        return torch.device(self.device).type == "cuda"

@@ -55,7 +55,7 @@ from engine.sampling import RequestSeeds, SamplingState
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
 from engine.warmup import WarmupReport, warm_up
-from loramux_core.errors import EngineDeadError, InvalidRequestError
+from loramux_core.errors import AdapterUnavailableError, EngineDeadError, InvalidRequestError
 from loramux_core.sampling import SamplingParams
 from loramux_core.tokenizer import Tokenizer
 
@@ -124,12 +124,20 @@ class Engine:
         return self.adapter_service.add(name, path, pinned, version)
 
     def read_adapter(self, name: str, path: str | Path,
-                     version: str | None = None) -> ReadAdapter:
+                     version: str | None = None, lazy: bool = False) -> ReadAdapter:
         """The disk half of add_adapter: read and validate `path` for `name` (of
         `version`, when given), changing nothing in the engine, so it may run on any
         thread while steps go on (the engine server reads admin loads this way). Raises
-        AdapterError."""
-        return self.adapter_service.read(name, path, version)
+        AdapterError. `lazy`: check all that needs no weights (config, header, shapes,
+        dtypes, file size) and leave the weights on disk, read and checked in full (values,
+        version) when a request first needs them: for a host tier with no free place, where
+        the copy would only displace another."""
+        return self.adapter_service.read(name, path, version, lazy)
+
+    def host_copies_free(self) -> int:
+        """Places in the host tier that no copy holds and no pending read will take."""
+        a = self.adapters
+        return a.host.capacity - len(a.host) - a.loader.num_pending
 
     def register_adapter(self, read: ReadAdapter, pinned: bool = False) -> int:
         """The other half, on the step thread: register what read_adapter returned under
@@ -157,9 +165,14 @@ class Engine:
         FinishReason.ERROR and the version is retired."""
         results = []
         for res in self.adapters.poll():
+            rec = self.registry.get(res.adapter_id)
+            why = AdapterUnavailableError(
+                f"adapter {rec.name!r} cannot be served: reading its weights failed: "
+                f"{res.error}")
             for req in [r for r in self.scheduler.waiting if r.adapter_id == res.adapter_id]:
                 self.scheduler.finish(req, FinishReason.ERROR)  # (a preempted one may drain)
                 results.append(self.outputs.step_output(req, new_token=False))
+                results[-1].error = why
                 self._on_finished(req)
             self.adapter_service.retire(res.adapter_id)
         self.adapter_service.free_retired()

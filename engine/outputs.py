@@ -24,6 +24,7 @@ class StepOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: Exception | None = None  # why a request finished with ERROR, when it says
 
 
 @dataclass

@@ -93,9 +93,9 @@ class SchedulerConfig:
     starvation_steps: int = 16  # K: waits this long for a slot start a drain
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One sequence of a step: `num_new_tokens` tokens from position `start`."""
+class ScheduledRequest(NamedTuple):
+    """One sequence of a step: `num_new_tokens` tokens from position `start` (a tuple:
+    one is built per sequence per step, on every tensor-parallel rank)."""
     request: Request
     start: int
     num_new_tokens: int

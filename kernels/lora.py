@@ -32,9 +32,11 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return add_lora_ref(y, x, a, b, token_slots, slice_offsets)
 
 
-def build_meta(token_slots: torch.Tensor, max_loras: int):
+def build_meta(token_slots: torch.Tensor, max_loras: int, uniform: bool = False):
     """Per-step metadata for `add_lora` (e.g. tokens grouped by slot), built once per step
-    and shared by every layer; None where the chosen path needs none (the reference)."""
-    if token_slots.is_cuda and _triton is not None and hasattr(_triton, "build_meta"):
+    and shared by every layer; None where the chosen path needs none (the reference, and
+    the one-launch path of a `uniform` step, which reads token_slots as they are)."""
+    if (token_slots.is_cuda and _triton is not None
+            and _triton.uses_meta(token_slots.shape[0], uniform)):
         return _triton.build_meta(token_slots, max_loras)
     return None

@@ -11,9 +11,10 @@ turned once into a `LoRAMeta` (tokens grouped by slot) that every layer reuses:
 
 Prefill runs as a grouped GEMM over a tile list (kernels/lora_segment_triton.py: each
 segment cut into row tiles that share one A/B); decode batches take token-sized grids
-(kernels/lora_token_triton.py). Nothing here syncs with the host: grids come from static
-sizes (token count, slot count) and surplus programs return at once, so the launches can
-be captured in CUDA graphs with static metadata buffers.
+(kernels/lora_token_triton.py), or for several adapters the tiles of their segments
+(kernels/lora_mixed_triton.py, where its table says so). Nothing here syncs with the
+host: grids come from static sizes (token count, slot count) and surplus programs return
+at once, so the launches can be captured in CUDA graphs with static metadata buffers.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 import triton
 
 from kernels import lora_kernels_triton as K
+from kernels import lora_mixed_triton
 from kernels.lora_segment_triton import add_lora_seg
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
 from kernels.lora_uniform_triton import add_lora_uniform
@@ -40,6 +42,9 @@ class LoRAMeta:
     seg_start: torch.Tensor      # [L] int32 start of each active slot's run in sorted_tokens
     seg_len: torch.Tensor        # [L] int32 length of that run (0 past the active ones)
     sorted_slots: torch.Tensor   # [T] int32 slot of each sorted token (-1 last)
+    counters: torch.Tensor       # [4 * min(T, 256)] int32 zeros: the mixed decode shrink's
+                                 # arrival counters (kernels/lora_mixed_triton.py), which
+                                 # every launch leaves zero
     num_tokens: int
     num_slots: int
     # the prefill path's tile lists by block size, built on first use (lora_segment_triton)
@@ -72,6 +77,9 @@ def build_meta(token_slots: torch.Tensor, num_slots: int) -> LoRAMeta:
                     seg_len=seg_len.to(torch.int32),
                     sorted_slots=torch.where(key_sorted == num_slots, -1,
                                              key_sorted).to(torch.int32),
+                    counters=torch.zeros(4 * min(token_slots.shape[0],
+                                                 TOKEN_PATH_MAX_TOKENS),
+                                         dtype=torch.int32, device=dev),
                     num_tokens=token_slots.shape[0], num_slots=num_slots)
 
 
@@ -190,17 +198,21 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
     x [T, K]; a [L, S, R, K]; b [L, N, R] (scaling folded in); slice_offsets: S+1 ints;
     ranks [L] int32 real rank per slot (work stops there); meta: from `build_meta`, built
-    here when absent (pass it in: it is shared by every layer of a step); uniform: a hint
+    here when absent and needed (pass it in: it is shared by every layer of a step; see
+    `uses_meta`); uniform: a hint
     that the tokens share one adapter, which picks the decode path's launch parameters
     tuned for that (any mapping stays correct).
 
     Up to TOKEN_PATH_MAX_TOKENS tokens: with `uniform` (and UNIFORM_ONE_LAUNCH) one launch
-    (kernels/lora_uniform_triton.py), else the two token-sized kernels (split-K partials
-    reduced by the expand, no memset); above it the two segment kernels."""
+    (kernels/lora_uniform_triton.py), else two launches: of the segment-tile kernels for
+    a mixed batch of a shape class their table gives them (kernels/lora_mixed_triton.py),
+    else of the token-sized kernels; above it the two segment kernels."""
     slice_offsets = tuple(int(o) for o in slice_offsets)
     _check(y, x, a, b, token_slots, slice_offsets, meta)
     if x.shape[0] == 0 or slice_offsets[-1] == 0:
         return y
+    if not uses_meta(x.shape[0], uniform):
+        return add_lora_uniform(y, x, a, b, token_slots, slice_offsets, ranks)
     if meta is None:
         meta = build_meta(token_slots, a.shape[0])
     if x.shape[0] <= TOKEN_PATH_MAX_TOKENS:
@@ -211,12 +223,19 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 UNIFORM_ONE_LAUNCH = True    # False: the uniform hint keeps two launches (benchmarks compare)
 
 
+def uses_meta(num_tokens: int, uniform: bool) -> bool:
+    """Whether add_lora reads a `LoRAMeta` for this call: not on the one-launch path
+    (it reads token_slots as they are), so a uniform step need not build one."""
+    return not (uniform and UNIFORM_ONE_LAUNCH and num_tokens <= TOKEN_PATH_MAX_TOKENS)
+
+
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
                     ranks: torch.Tensor | None = None, uniform: bool = False) -> torch.Tensor:
-    """The decode path: token-sized grids (kernels/lora_token_triton.py), or with
-    `uniform` shrink and expand in one launch (kernels/lora_uniform_triton.py)."""
-    if uniform and UNIFORM_ONE_LAUNCH:
-        return add_lora_uniform(y, x, a, b, meta, slice_offsets, ranks)
+    """The decode path: token-sized grids (kernels/lora_token_triton.py), or for a mixed
+    batch whose shape class the table gives them, tiles of segments
+    (kernels/lora_mixed_triton.py: each adapter's A and B read once per tile)."""
+    if not uniform and lora_mixed_triton.takes(x, a, slice_offsets):
+        return lora_mixed_triton.add_lora_mixed(y, x, a, b, meta, slice_offsets, ranks)
     hp = lora_shrink_tokens(x, a, meta, ranks, uniform=uniform)
     return lora_expand_tokens(hp, b, y, meta, _offsets(slice_offsets), len(slice_offsets) - 1,
                               ranks, uniform=uniform)

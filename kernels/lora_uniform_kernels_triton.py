@@ -21,16 +21,16 @@ counters to zero for the next launch (`sync` is one int32 [2] per device, zeroed
 Under the interpreter programs run one after another in id order, so the wait returns at
 once.
 
-Rows: a row block holds BLOCK_M consecutive slot-sorted tokens (`LoRAMeta`); it is done
-run by run (tokens of one slot; tokens without an adapter, sorted last, are skipped), so
-a block of one adapter is one matrix product and any mapping stays correct.
+Rows: a row block holds BLOCK_M consecutive tokens in batch order (no sorting, no
+per-step metadata: the slots are read from token_slots). It is done one adapter at a time
+(the largest slot among its rows not done yet, until only rows without an adapter are
+left), so a block of one adapter is one matrix product and any mapping stays correct.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels.dot_triton import dot_f32
 from kernels.lora_kernels_triton import _shrink_tile, _slice_bounds
 
 
@@ -42,16 +42,12 @@ def _rank_of(ranks_ptr, slot, R, HAS_RANKS: tl.constexpr):
 
 
 @triton.jit
-def _row_block(sorted_ptr, sorted_slots_ptr, mb, T, BLOCK_M: tl.constexpr):
-    """Row block mb: first sorted position, token ids, slots (-1 past T), and how many of
-    its rows have an adapter (those come first: slot-less tokens are sorted last)."""
-    row0 = mb * BLOCK_M
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    in_t = offs_m < T
-    slots = tl.load(sorted_slots_ptr + offs_m, mask=in_t, other=-1)
-    tok = tl.load(sorted_ptr + offs_m, mask=in_t, other=0).to(tl.int64)
-    n_rows = tl.sum((slots >= 0).to(tl.int32), axis=0)
-    return row0, tok, slots, n_rows
+def _row_block(slots_ptr, mb, T, BLOCK_M: tl.constexpr):
+    """Row block mb: its token indices, which are inside T, and their slots (-1 past T)."""
+    tok = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_t = tok < T
+    slots = tl.load(slots_ptr + tok, mask=in_t, other=-1).to(tl.int32)
+    return tok.to(tl.int64), in_t, slots
 
 
 @triton.jit
@@ -80,6 +76,15 @@ def _load_h(hp_ptr, s, tok, run, rank, stride_hk, stride_hs, stride_ht, stride_h
 
 
 @triton.jit
+def _dot_acc(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, float32, accumulated in the product's own registers (no second tile).
+    UPCAST: as kernels.dot_triton.dot_f32 (the interpreter's bfloat16)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _signal(count_ptr):
     """This program's stores are done: count it (release, after the whole block)."""
     tl.debug_barrier()
@@ -97,8 +102,8 @@ def _wait(count_ptr, target):
 
 
 @triton.jit
-def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, sorted_ptr,
-                        sorted_slots_ptr, ranks_ptr, T, K, R, S, k_chunk, SPLIT_K,
+def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, slots_ptr,
+                        ranks_ptr, T, K, R, S, k_chunk, SPLIT_K,
                         n_shrink, n_expand, tiles_per_block,
                         o0, o1, o2, o3, o4, c1, c2, c3,
                         stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
@@ -116,22 +121,22 @@ def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, sorted_ptr
         mb = pid // (S * SPLIT_K)
         s = (pid // SPLIT_K) % S
         ks = pid % SPLIT_K
-        row0, tok, slots, n_rows = _row_block(sorted_ptr, sorted_slots_ptr, mb, T, BLOCK_M)
+        tok, in_t, left = _row_block(slots_ptr, mb, T, BLOCK_M)
         k_lo = ks * k_chunk
         k_hi = tl.minimum(K, k_lo + k_chunk)
         offs_r = tl.arange(0, BLOCK_R)
         h_base = hp_ptr + ks * stride_hk + s * stride_hs
-        done = 0
-        while done < n_rows:       # one pass per run of one slot (one for a uniform block)
-            slot = tl.load(sorted_slots_ptr + row0 + done)
-            run = slots == slot
+        slot = tl.max(left, axis=0)
+        while slot >= 0:           # one pass per adapter in the block (one when uniform)
+            run = left == slot
             acc = _shrink_tile(x_ptr, a_ptr, tok, run, slot, s,
                                _rank_of(ranks_ptr, slot, R, HAS_RANKS), k_lo, k_hi,
                                stride_xt, stride_xk, stride_al, stride_as, stride_ar,
                                stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, UPCAST)
             tl.store(h_base + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr, acc,
                      mask=run[:, None] & (offs_r < R)[None, :])
-            done += tl.sum(run.to(tl.int32), axis=0)
+            left = tl.where(run, -1, left)
+            slot = tl.max(left, axis=0)
         _signal(sync_ptr)
     else:
         e = pid - n_shrink
@@ -144,27 +149,25 @@ def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, sorted_ptr
             first = tl.where(s == 0, 0, tl.where(s == 1, c1, tl.where(s == 2, c2, c3)))
             offs_n = lo + (t - first) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < hi
-            row0, tok, slots, n_rows = _row_block(sorted_ptr, sorted_slots_ptr, mb, T, BLOCK_M)
-            in_t = (row0 + tl.arange(0, BLOCK_M)) < T
+            tok, in_t, left = _row_block(slots_ptr, mb, T, BLOCK_M)
             y_ptrs = y_ptr + tok[:, None] * stride_yt + offs_n[None, :] * stride_yn
             y_mask = in_t[:, None] & n_mask[None, :]
             y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-            slot = tl.load(sorted_slots_ptr + row0)
+            slot = tl.max(left, axis=0)
             rank = _rank_of(ranks_ptr, slot, R, HAS_RANKS)
             bt = _load_b(b_ptr, slot, rank, offs_n, n_mask, stride_bl, stride_bn, stride_br,
                          BLOCK_R)
             if i == 0:             # y and B of the first tile are on their way meanwhile
                 _wait(sync_ptr, n_shrink)
             acc = y.to(tl.float32)
-            done = 0
-            while done < n_rows:
-                run = slots == slot
+            while slot >= 0:
+                run = left == slot
                 h = _load_h(hp_ptr, s, tok, run, rank, stride_hk, stride_hs, stride_ht,
                             stride_hr, SPLIT_K, BLOCK_M, BLOCK_R)
-                acc += dot_f32(h.to(bt.dtype), bt, PRECISION, UPCAST)
-                done += tl.sum(run.to(tl.int32), axis=0)
-                if done < n_rows:   # the next run (mixed blocks only)
-                    slot = tl.load(sorted_slots_ptr + row0 + done)
+                acc = _dot_acc(h.to(bt.dtype), bt, acc, PRECISION, UPCAST)
+                left = tl.where(run, -1, left)
+                slot = tl.max(left, axis=0)
+                if slot >= 0:       # the next adapter (blocks of several only)
                     rank = _rank_of(ranks_ptr, slot, R, HAS_RANKS)
                     bt = _load_b(b_ptr, slot, rank, offs_n, n_mask, stride_bl, stride_bn,
                                  stride_br, BLOCK_R)

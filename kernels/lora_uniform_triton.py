@@ -4,8 +4,9 @@ decode path of `kernels.lora_triton.add_lora` when the batch (likely) uses one a
 Shrink and expand of a layer group in one launch instead of two: at decode sizes the pair
 costs launches and latency, not bytes. Grids come from static sizes only (token count,
 slices, K and N), so the launch is capturable in CUDA graphs; the rows' slots are read on
-the device from `LoRAMeta`. Any token->slot mapping is computed right (a block of several
-adapters is done run by run), the one-adapter batch just needs one run per row block.
+the device from token_slots itself (no sort, no per-step metadata). Any token->slot
+mapping is computed right (a block of several adapters is done adapter by adapter); a
+one-adapter batch needs one pass per row block.
 """
 from __future__ import annotations
 
@@ -75,7 +76,11 @@ def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
     offs = list(slice_offsets) + [slice_offsets[-1]] * (_MAX_SLICES + 1 - len(slice_offsets))
     tiles = [triton.cdiv(hi - lo, block_n) for lo, hi in zip(offs, offs[1:])]
     cum = (tiles[0], sum(tiles[:2]), sum(tiles[:3]), sum(tiles))
-    shrink_budget = max(m_blocks * S, min(_SHRINK_PROGRAMS, resident // 2))
+    shrink_budget = min(_SHRINK_PROGRAMS, resident // 2)
+    room = resident - m_blocks * cum[3]   # left beside one expand program per tile
+    if m_blocks * S * 4 <= room < shrink_budget:
+        shrink_budget = room              # fewer K chunks, but every tile in one wave
+    shrink_budget = max(m_blocks * S, shrink_budget)
     split = max(1, min(triton.cdiv(Kdim, block_k), shrink_budget // (m_blocks * S)))
     k_chunk = triton.cdiv(triton.cdiv(Kdim, split), block_k) * block_k
     split = triton.cdiv(Kdim, k_chunk)           # no empty chunk
@@ -85,11 +90,11 @@ def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
 
 
 def add_lora_uniform(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                     meta, slice_offsets: tuple[int, ...],
+                     token_slots: torch.Tensor, slice_offsets: tuple[int, ...],
                      ranks: torch.Tensor | None = None) -> torch.Tensor:
-    """y [T, N] += x·A[slot]ᵀ·B[slot]ᵀ per slice for every token with a slot, in place, in
-    one launch (T <= MAX_TOKENS); returns y. Shapes as `kernels.lora_triton.add_lora`
-    (checked there); meta: its `build_meta` for these tokens."""
+    """y [T, N] += x·A[slot]ᵀ·B[slot]ᵀ per slice for every token with a slot (-1: none),
+    in place, in one launch (T <= MAX_TOKENS); returns y. Shapes as
+    `kernels.lora_triton.add_lora` (checked there); ranks: [L] int32 or None (then R)."""
     T, Kdim = x.shape
     L, S, R, _ = a.shape
     assert 0 < T <= MAX_TOKENS and S <= _MAX_SLICES, (T, S)
@@ -98,8 +103,8 @@ def add_lora_uniform(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
     hp = torch.empty((shape.split_k, S, T, R), dtype=torch.float32, device=x.device)
     c1, c2, c3, per_block = shape.cum_tiles
     K.lora_uniform_kernel[shape.grid](
-        x, a, b, y, hp, _sync_counters(x.device), meta.sorted_tokens, meta.sorted_slots,
-        ranks if ranks is not None else meta.seg_len, T, Kdim, R, S, shape.k_chunk,
+        x, a, b, y, hp, _sync_counters(x.device), token_slots,
+        ranks if ranks is not None else token_slots, T, Kdim, R, S, shape.k_chunk,
         shape.split_k, shape.n_shrink, shape.n_expand, per_block, *offsets, c1, c2, c3,
         x.stride(0), x.stride(1), *a.stride(), *b.stride(), y.stride(0), y.stride(1),
         *hp.stride(),

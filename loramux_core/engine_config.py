@@ -49,9 +49,8 @@ class EngineSettings:
     # messages when every rank can set it up, else NCCL; "nccl"; "symm_mem" = required
     tp_allreduce: str = "auto"
     # launch step N+1 before reading step N's tokens (engine/engine.py); None = on for
-    # CUDA with tp_size 1, off otherwise. True works on the CPU too (tests the logic) and
-    # with tp_size > 1 (opt-in: not yet measured on GPUs; only steps after all-greedy
-    # steps overlap, others fall back to sync).
+    # CUDA (any tp_size), off on the CPU. True works on the CPU too (tests the logic). At
+    # tp_size > 1 only steps after all-greedy steps overlap, others fall back to sync.
     async_scheduling: bool | None = None
     # directories adapters may be read from (loramux_core/safe_files.py); empty: each
     # adapter directory named to add_adapter is trusted as its own root

@@ -43,10 +43,12 @@ class FileRead:
     handed over, not copied: readers never write it) and their digest, which may still
     be computing on other threads (`digest` waits for it)."""
 
-    def __init__(self, data: bytearray | memoryview, chunks: list[Future] | list[bytes]):
+    def __init__(self, data: bytearray | memoryview, chunks: list[Future] | list[bytes],
+                 stat: os.stat_result | None = None):
         self.data = data
         self._chunks = chunks
         self._digest: str | None = None
+        self.stat = stat   # the file's stat as read (file_fingerprint), when known
 
     @property
     def digest(self) -> str:
@@ -74,3 +76,20 @@ def combined_version(files: list[tuple[str, FileRead]], legacy: bool = False) ->
         digest = legacy_sha256(fr.data) if legacy else fr.digest
         h.update(f"{name}\0{digest}\n".encode())
     return h.hexdigest()
+
+
+FINGERPRINT_PREFIX = "stat-"
+
+
+def file_fingerprint(config_digest: str, head: bytes, st: os.stat_result) -> str:
+    """The version an adapter is registered under before its weights are read: a digest
+    over its config's digest, the weights file's safetensors header and that file's
+    identity and change times (inode, size, mtime, ctime; not the device number, which
+    differs between hosts mounting one share). Any write to the file (and any change of
+    its metadata: the ctime) gives another fingerprint, so a first read of files changed
+    since registration is refused like any other version mismatch."""
+    h = hashlib.sha256(_DIGEST_TAG + b"fingerprint\n")
+    h.update(config_digest.encode() + b"\0" + len(head).to_bytes(8, "little") + bytes(head))
+    for v in (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+        h.update(int(v).to_bytes(16, "little", signed=True))
+    return FINGERPRINT_PREFIX + h.hexdigest()

@@ -193,7 +193,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            env="LORAMUX_ENFORCE_EAGER"),
     Option("async_scheduling", "--async-scheduling", on_off_auto,
            "on, off or auto: launch step N+1 before reading step N's tokens (default: "
-           "auto: on for one CUDA device, off otherwise; the bare flag means on)",
+           "auto: on for CUDA devices, off on the CPU; the bare flag means on)",
            env="LORAMUX_ASYNC_SCHEDULING", tri_state=True),
     Option("cpu_threads", "--cpu-threads", auto_positive_int,
            "torch threads on the CPU device (default: auto: $OMP_NUM_THREADS if set, else "

@@ -97,13 +97,19 @@ class AdapterDir:
         of its safetensors header (8-byte length + that many bytes, at most `max_head`;
         only the 8 bytes when the length is larger), and the file's size. Nothing is
         hashed: for checks that do not name a version."""
+        head, st = self.read_head_stat(name, max_bytes, max_head)
+        return head, st.st_size
+
+    def read_head_stat(self, name: str, max_bytes: int, max_head: int
+                       ) -> tuple[bytes, os.stat_result]:
+        """read_head, with the file's stat instead of its size."""
         fd, st, where = self._open(name, max_bytes)
         try:
             head = os.pread(fd, 8, 0)
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             if 0 < n <= min(max_head, st.st_size - 8):
                 head += os.pread(fd, n, 8)
-            return head, st.st_size
+            return head, os.fstat(fd)
         except OSError as e:
             raise AdapterError(f"{name} cannot be read ({os.strerror(e.errno)})",
                                feature="not_a_file", file=where) from None
@@ -166,7 +172,7 @@ def _read_whole(fd: int, before: os.stat_result, name: str, where: str,
     after = os.fstat(fd)
     if got != size or os.read(fd, 1) or _moved(st, after):
         raise AdapterChangedError(f"{name} changed while being read", file=where)
-    return FileRead(data, chunks)
+    return FileRead(data, chunks, st)
 
 
 def _moved(a: os.stat_result, b: os.stat_result) -> bool:

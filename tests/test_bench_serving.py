@@ -302,3 +302,6 @@ def test_tiny_adapters_round(tmp_path):
     table = (out / "table.md").read_text()
     assert "first round after start / steady state" in table
     assert "the first point while the other adapters load / without loads" in table
+    short = table[table.index("In short"):].splitlines()
+    assert short[2].startswith("| adapters | popularity | round | start s | out tok/s |")
+    assert short[4].startswith("| 2 | zipf:1 | first | 0 |") and len(short) == 4 + 5

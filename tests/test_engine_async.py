@@ -235,9 +235,10 @@ def test_async_scheduling_config(llama_family):
     model = str(llama_family.model_dir)
     assert EngineConfig(model=model, device="cpu").use_async_scheduling is False
     assert EngineConfig(model=model, device="cuda").use_async_scheduling is True
-    assert EngineConfig(model=model, device="cuda", tp_size=2).use_async_scheduling is False
+    assert EngineConfig(model=model, device="cuda", tp_size=2).use_async_scheduling is True
+    assert EngineConfig(model=model, device="cpu", tp_size=2).use_async_scheduling is False
     assert EngineConfig(model=model, device="cpu", async_scheduling=True).use_async_scheduling
-    # opt-in at TP (tests/test_tp_async.py)
+    # asked for on the CPU at TP (tests/test_tp_async.py)
     assert EngineConfig(model=model, tp_size=2, async_scheduling=True).use_async_scheduling
     with pytest.raises(InvalidRequestError, match="async_scheduling='yes'"):
         EngineConfig(model=model, async_scheduling="yes")

@@ -104,7 +104,7 @@ def test_uniform_hint_result_equals_two_launch_path():
     ts = _slots("one_some_base", 64, seed=4)
     x, y = _inputs(64, offsets[-1], torch.float32, seed=5)
     meta = build_meta(ts, a.shape[0])
-    one = add_lora_uniform(y.clone(), x, a, b, meta, offsets, ranks)
+    one = add_lora_uniform(y.clone(), x, a, b, ts, offsets, ranks)
     two = lora_triton.add_lora_tokens(y.clone(), x, a, b, meta, offsets, ranks, uniform=False)
     torch.testing.assert_close(one, two, atol=1e-5, rtol=1e-5)
 
@@ -148,3 +148,12 @@ def test_bench_times_both_uniform_paths_side_by_side():
     with bench.uniform_path("two-launch"):
         assert lora_triton.UNIFORM_ONE_LAUNCH is False
     assert lora_triton.UNIFORM_ONE_LAUNCH is True
+
+
+def test_uniform_steps_need_no_metadata(monkeypatch):
+    """The one-launch path reads token_slots as they are: a uniform step up to 256 tokens
+    builds no LoRAMeta (no sort in the step); the other paths still do."""
+    assert not lora_triton.uses_meta(1, True) and not lora_triton.uses_meta(256, True)
+    assert lora_triton.uses_meta(257, True) and lora_triton.uses_meta(64, False)
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", False)
+    assert lora_triton.uses_meta(64, True)

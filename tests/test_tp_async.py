@@ -114,6 +114,11 @@ def test_greedy_and_sampled_mix_matches_tp1_sync(pair):
     requests = mixed_requests(family)
     requests.append(("pen", PROMPTS[2], SamplingParams(
         temperature=0.0, max_tokens=5, repetition_penalty=1.3, logprobs=True), "ap8"))
+    # greedy with the sampling knobs set (they do not change a greedy pick or its raw
+    # logprob): still the greedy pick on every rank, same tokens and logprobs
+    requests.append(("knobs", PROMPTS[4], SamplingParams(
+        temperature=0.0, top_k=3, top_p=0.5, min_p=0.2, seed=9, max_tokens=7, logprobs=True,
+        include_stop_str_in_output=True), "attn32"))
     # a greedy request that outlives every sampled one, whatever order the scheduler admits
     # them in: its last steps are all-greedy after sync ones, and must overlap again
     requests.append(("tail", PROMPTS[0], SamplingParams(

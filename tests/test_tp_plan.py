@@ -74,3 +74,34 @@ def test_tracker_sends_only_changes_and_mirror_rebuilds_each_step():
     a.append_token(43)
     p = step(SchedulerOutput([_entry(a, 21, 1, [6, 1])]))
     assert p.forget == (2,) and len(mirror) == 1 and len(tracker) == 1
+
+
+def test_mirror_keeps_one_block_tuple_until_the_table_changes():
+    """The worker's graph input fill rewrites a block-table row only when the row's tuple
+    object changes (DecodeStaging.fill), as on rank 0, whose scheduler hands the same tuple
+    until the table grows: the mirror does the same, and the tracker sends no blocks for
+    a table that did not change, the same tuple or an equal one."""
+    tracker, mirror = PlanTracker(), RequestMirror()
+    a = Request("a", [1, 2, 3], SamplingParams())
+
+    def step(start, n, blocks):
+        out = SchedulerOutput([ScheduledRequest(a, start, n, blocks, -1, True)])
+        plan = decode_step(encode_step(tracker.plan(out, [])))
+        mirrored = mirror.apply(plan).scheduled[0].block_ids
+        assert mirrored == blocks
+        return plan.seqs[0], mirrored
+
+    table = (4,)
+    _, first = step(0, 3, table)
+    a.append_token(7)
+    seq, second = step(3, 1, table)
+    assert second is first and seq.new_blocks == () and not seq.reset_blocks
+    a.append_token(8)
+    seq, grown = step(4, 1, (4, 9))
+    assert grown is not first and seq.new_blocks == (9,)
+    a.append_token(9)
+    seq, same = step(5, 1, tuple([4, 9]))   # an equal tuple, not the same object
+    assert same is grown and seq.new_blocks == ()
+    a.append_token(10)
+    seq, moved = step(0, 7, (2, 3))        # preempted and resumed elsewhere: sent whole
+    assert seq.reset_blocks and seq.new_blocks == (2, 3) and moved == (2, 3)

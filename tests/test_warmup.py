@@ -15,13 +15,15 @@ from engine.cuda_graph import decode_buckets, graph_key
 from engine.scheduler import ScheduledRequest
 from engine.warmup import eager_shapes, graph_keys, token_counts, warm_up
 from kernels import (attention_kernels_triton, elementwise_kernels_triton,
-                     lora_kernels_triton, lora_segment_kernels_triton, lora_token_kernels_triton)
+                     lora_kernels_triton, lora_mixed_kernels_triton,
+                     lora_segment_kernels_triton, lora_token_kernels_triton)
 from tests.support.launch_keys import LaunchKeys, force_triton
 from tests.test_engine_parity import prompts_of
 from tests.test_lifecycle_tiers import greedy, make_engine
 
 KERNEL_MODULES = (attention_kernels_triton, elementwise_kernels_triton, lora_kernels_triton,
-                  lora_segment_kernels_triton, lora_token_kernels_triton)
+                  lora_mixed_kernels_triton, lora_segment_kernels_triton,
+                  lora_token_kernels_triton)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=40)
 # past the kernels' thresholds: 16 sequences, 64 tokens, a split attention key range
 LARGE = dict(max_num_batched_tokens=66, max_num_seqs=17, max_model_len=300)

@@ -33,26 +33,38 @@ def _vocab(model: Path) -> range:
     return range(3, min([cfg["vocab_size"], *high]))
 
 
-def distinct_weights(work: Path, tiny: bool, layers: int | None, rank: int,
-                     distinct: int) -> tuple[Path, list[Path], bool]:
-    """(model dir, the distinct adapter dirs, whether the weights are dummy)."""
+def model_dir(work: Path, tiny: bool, layers: int | None) -> tuple[Path, bool]:
+    """(the model dir, whether its weights are dummy): quick to make (the 8B shape has no
+    weight files), so the service can start before the adapters' files are written."""
     if tiny:
-        from services.demo_model import DEMO_ADAPTERS, ensure_demo
+        from services.demo_model import ensure_demo
 
-        model = ensure_demo(work / "demo")
-        return model, [model / "adapters" / n for n in DEMO_ADAPTERS][:max(1, distinct)], False
-    from benchmarks.llama8b import write_adapter, write_model_dir
+        return ensure_demo(work / "demo"), False
+    from benchmarks.llama8b import write_model_dir
 
     model = work / "model"
     if not (model / "config.json").exists():
         write_model_dir(model, num_layers=layers)
+    return model, True
+
+
+def distinct_weights(work: Path, tiny: bool, layers: int | None, rank: int,
+                     distinct: int) -> tuple[Path, list[Path], bool]:
+    """(model dir, the distinct adapter dirs, whether the weights are dummy)."""
+    model, dummy = model_dir(work, tiny, layers)
+    if tiny:
+        from services.demo_model import DEMO_ADAPTERS
+
+        return model, [model / "adapters" / n for n in DEMO_ADAPTERS][:max(1, distinct)], dummy
+    from benchmarks.llama8b import write_adapter
+
     weights = []
     for k in range(distinct):
         path = work / "weights" / f"w{k}"
         if not (path / "adapter_config.json").exists():
             write_adapter(path, model, rank=rank, seed=k)
         weights.append(path)
-    return model, weights, True
+    return model, weights, dummy
 
 
 def link_adapters(root: Path, weights: list[Path], n: int) -> tuple[str, ...]:
@@ -67,10 +79,17 @@ def link_adapters(root: Path, weights: list[Path], n: int) -> tuple[str, ...]:
     return names
 
 
+def adapter_root(work: Path) -> Path:
+    """Where prepare() puts the adapter dirs (made here: a service can start on it first)."""
+    root = work / "adapters"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def prepare(work: Path, *, tiny: bool, num_adapters: int, distinct: int, layers: int | None,
             rank: int = 16) -> Files:
     model, weights, dummy = distinct_weights(work, tiny, layers, rank, distinct)
-    root = work / "adapters"
+    root = adapter_root(work)
     names = link_adapters(root, weights, num_adapters)
     size = sum((w / "adapter_model.safetensors").stat().st_size for w in weights) // len(weights)
     return Files(model, root, names, _vocab(model), dummy, size)

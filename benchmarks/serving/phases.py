@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.serving import counters, report
@@ -94,20 +95,29 @@ def _warmup(args, files):
                         args.seed)
 
 
-def run_service_points(args, files, serve_argv: list[str], work: Path, budget,
-                       save) -> dict:
-    """Start the service, load the adapters, warm up, run every point; the engine's
-    resolved config."""
+@dataclass(frozen=True)
+class ServiceFiles:
+    """What the service starts on, before the adapters' files exist."""
+    model: Path
+    adapter_root: Path
+    dummy_weights: bool
+
+
+def run_service_points(args, start: ServiceFiles, files_ready, serve_argv: list[str],
+                       work: Path, budget, save) -> dict:
+    """Start the service; meanwhile files_ready() (the adapters' files, the points) and
+    the points' workloads; then load the adapters, warm up, run every point. The engine's
+    resolved config; args.files the Files."""
     from services.launcher import Cluster, wait_serving
     from services.serve_args import Plan, cluster_config, parse_args
 
     serve_dir = tempfile.mkdtemp(prefix="serve-", dir=work)  # a fresh registry each run
-    flags = ["--model", str(files.model), "--adapter-root", str(files.adapter_root),
+    flags = ["--model", str(start.model), "--adapter-root", str(start.adapter_root),
              "--gateway-port", "0", "--control-port", "0", "--metrics-port", "-1",
              "--http-port", "0", "--workdir", serve_dir, *serve_argv]
-    if files.dummy_weights and "--load-format" not in serve_argv:
+    if start.dummy_weights and "--load-format" not in serve_argv:
         flags += ["--load-format", "dummy"]
-    plan = Plan(str(files.model), (str(files.adapter_root),), serve_dir, False)
+    plan = Plan(str(start.model), (str(start.adapter_root),), serve_dir, False)
     cfg = cluster_config(parse_args(flags), plan)
     path = os.pathsep.join(p for p in (*sys.path[:2], os.environ.get("PYTHONPATH")) if p)
     cfg.env["PYTHONPATH"] = path  # the services run this checkout, wherever we are called from
@@ -115,10 +125,11 @@ def run_service_points(args, files, serve_argv: list[str], work: Path, budget,
         with Cluster(cfg) as cluster:
             t = time.perf_counter()
             cluster.start()
+            files = args.files = files_ready()
             for p in args.points:  # drawn while the engine starts, not between points
                 workload(p)
-            print(f"service: workloads drawn in {time.perf_counter() - t:.1f} s while the "
-                  "engine starts", flush=True)
+            print(f"service: adapter files and workloads ready {time.perf_counter() - t:.1f} s "
+                  "after the start (while the engine starts)", flush=True)
             ready = cluster.wait_ready(timeout_s=900)
             wait_serving(cluster.gateway_address, timeout_s=900)
             args.serving_at = time.perf_counter()

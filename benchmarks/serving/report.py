@@ -185,7 +185,40 @@ def table(points: list[dict], meta: dict) -> str:
     lines += [_target_line(t) for t in meta.get("targets") or []]
     lines.append(f"order: {meta.get('order')}")
     lines += ["", header(), *(row(p, points) for p in _table_order(points))]
+    if meta.get("windowed"):
+        lines += ["", "In short (the service, each point's window):", "", *short_table(points)]
     return "\n".join(lines)
+
+
+_SHORT = ("adapters", "popularity", "round", "start s", "out tok/s", "TTFT p50 / p99 ms",
+          "ITL p50 / p99 ms", "step ms", "swaps/s", "swap ms", "MB/s host->slot / disk",
+          "engine cores", "loads in window", "tok/s, TTFT p99 vs fewest")
+
+
+def _mean_ms(eng: dict, total: str, count: str) -> float | None:
+    return 1e3 * eng[total] / eng[count] if eng.get(count) else None
+
+
+def short_table(points: list[dict]) -> list[str]:
+    """The columns issue 20 asks for, one row per point in run order (skipped ones too)."""
+    out = ["| " + " | ".join(_SHORT) + " |", "|---" * len(_SHORT) + "|"]
+    for p in points:
+        s = p.get("service")
+        head = [str(p["adapters"]), p["popularity"], p.get("round") or ""]
+        if s is None:
+            why = (p.get("skipped") or {}).get("service", "not run")
+            out.append("| " + " | ".join(head + [f"skipped: {why}"]) + " |")
+            continue
+        mv, busy, eng = s.get("movement") or {}, s.get("cpu_busy") or {}, s.get("engine") or {}
+        cells = head + [
+            _f(p.get("started_s"), digits=0), _f(s["output_tok_per_s"]),
+            _pair(s["ttft_s"], 1e3, 0), _pair(s["itl_s"], 1e3, 1), _f(eng.get("mean_step_ms")),
+            _f(mv.get("swaps_per_s")), _f(_mean_ms(eng, "slot_load_s", "slot_load_count")),
+            f"{_f(mv.get('slot_bytes_per_s'), 1e-6, 0)} / {_f(mv.get('disk_bytes_per_s'), 1e-6, 0)}",
+            _f(busy.get("engine"), digits=2), str(p.get("loads_in_window", "-")),
+            " / ".join(_f(x, digits=3) for x in vs_fewest(p, points))]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def _table_order(points: list[dict]) -> list[dict]:

@@ -20,21 +20,27 @@ from loramux_core.errors import CapacityError
 
 
 class ReadAdapter(NamedTuple):
-    """An adapter read from disk and validated, not registered yet."""
+    """An adapter read from disk and validated, not registered yet; or only checked
+    (`weights` None: read at its first use, see AdapterService.read)."""
     name: str
     path: str
-    weights: Any          # LoRAWeights
-    version: str          # sha256 of the bytes it was built from (safe_files)
+    weights: Any          # LoRAWeights, or None when only checked
+    version: str          # sha256 of the bytes it was built from (safe_files), or when
+                          # only checked, the version named or the files' fingerprint
+    rank: int = 0
 
 
 class AdapterService:
     def __init__(self, registry: AdapterRegistry, slots: SlotTable, pins: Pins,
-                 residency: AdapterResidency, kv: KVCacheManager):
+                 residency: AdapterResidency, kv: KVCacheManager, check=None):
+        """`check`: (path, expected version) -> AdapterPlan, the checks of a read without
+        reading the weights (engine/assembly.py adapter_checker); None: reads only."""
         self.registry = registry
         self.slots = slots
         self.pins = pins
         self.residency = residency
         self.kv = kv
+        self.check = check
         self.base_cache_hits = 0  # prefix-cache hits of base-model requests
 
     def add(self, name: str, path: str | Path, pinned: bool = False,
@@ -45,21 +51,32 @@ class AdapterService:
             self._check_can_pin(name)  # before the read: fail fast
         return self.register(self.read(name, path, version), pinned)
 
-    def read(self, name: str, path: str | Path, version: str | None = None) -> "ReadAdapter":
-        """See Engine.read_adapter: reads and validates, changes nothing (any thread)."""
+    def read(self, name: str, path: str | Path, version: str | None = None,
+             lazy: bool = False) -> "ReadAdapter":
+        """See Engine.read_adapter: reads and validates, changes nothing (any thread).
+        `lazy` (when the engine has `check`): only what needs no weights is checked now;
+        the version is `version` or the files' fingerprint, and the weights are read, and
+        checked in full, when a request first needs them."""
         self.registry.check_name(name)
+        if lazy and self.check is not None:
+            plan = self.check(str(path), version)
+            return ReadAdapter(name, str(path), None, version or plan.fingerprint,
+                               plan.max_rank)
         t0 = time.perf_counter()
         weights = self.residency.loader.read(path, version)
         self.residency.disk_read_seconds.observe(time.perf_counter() - t0)
-        return ReadAdapter(name, str(path), weights, weights.version)
+        return ReadAdapter(name, str(path), weights, weights.version, weights.max_rank)
 
     def register(self, read: "ReadAdapter", pinned: bool = False) -> int:
         """See Engine.register_adapter."""
         if pinned:
             self._check_can_pin(read.name)
         old = self.registry.current(read.name)
-        aid = self.registry.add(read.name, read.path, read.weights.max_rank, read.version)
-        self.residency.add_host_copy(aid, read.weights, pinned)
+        if pinned and read.weights is None:  # a pin holds a host copy: read it now
+            read = self.read(read.name, read.path, read.version)
+        aid = self.registry.add(read.name, read.path, read.rank, read.version)
+        if read.weights is not None:
+            self.residency.add_host_copy(aid, read.weights, pinned)
         if old is not None:  # a retiring version holds no pin (its requests are busy anyway)
             self.set_pin(old.adapter_id, False)
         self.set_pin(aid, pinned)

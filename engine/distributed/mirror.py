@@ -22,7 +22,9 @@ _PARAMS = SamplingParams()
 class RequestMirror:
     def __init__(self):
         self._reqs: dict[int, Request] = {}
-        self._blocks: dict[int, list[int]] = {}
+        # each request's block table, one tuple until it changes (as the scheduler hands
+        # it on rank 0), so the graph input fill skips rows whose table is unchanged
+        self._blocks: dict[int, tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -32,21 +34,22 @@ class RequestMirror:
             del self._reqs[h]
             del self._blocks[h]
         out = SchedulerOutput()
-        for s in plan.seqs:
-            req = self._reqs.get(s.handle)
+        scheduled = out.scheduled
+        reqs, tables = self._reqs, self._blocks
+        for handle, start, num_new, slot, samples, tokens, reset, new_blocks in plan.seqs:
+            req = reqs.get(handle)
             if req is None:
-                req = self._reqs[s.handle] = Request(f"rank0-{s.handle}", list(s.new_tokens),
-                                                     _PARAMS)
-                self._blocks[s.handle] = []
+                req = reqs[handle] = Request(f"rank0-{handle}", list(tokens), _PARAMS)
+                blocks = tables[handle] = new_blocks
             else:
-                for t in s.new_tokens:
+                for t in tokens:
                     req.append_token(t)
-            blocks = self._blocks[s.handle]
-            if s.reset_blocks:
-                blocks.clear()
-            blocks.extend(s.new_blocks)
+                blocks = tables[handle]
+                if reset:
+                    blocks = tables[handle] = new_blocks
+                elif new_blocks:
+                    blocks = tables[handle] = blocks + new_blocks
             # one more than known: the token in flight (async scheduling; a placeholder)
-            assert s.start + s.num_new <= req.num_tokens + 1, (s.handle, s.start, s.num_new)
-            out.scheduled.append(ScheduledRequest(req, s.start, s.num_new, tuple(blocks),
-                                                  s.slot, s.samples))
+            assert start + num_new <= req.num_tokens + 1, (handle, start, num_new)
+            scheduled.append(ScheduledRequest(req, start, num_new, blocks, slot, samples))
         return out

@@ -32,10 +32,10 @@ class PlanTracker:
     def plan(self, out: SchedulerOutput, slot_ops: list[tuple[int, int, int]],
              greedy: bool = False) -> StepPlan:
         """`greedy`: rank 0's runner's decision for this step (ModelRunner.takes_greedy_pick)."""
-        forget = [k.handle for r, k in self._known.items() if r.is_finished]
-        self._known = {r: k for r, k in self._known.items() if not r.is_finished}
-        seqs = [self._seq(s) for s in out.scheduled]
-        return StepPlan(tuple(forget), tuple(slot_ops), tuple(seqs), greedy)
+        known = self._known
+        finished = [r for r in known if r.is_finished]
+        forget = tuple(known.pop(r).handle for r in finished)
+        return StepPlan(forget, tuple(slot_ops), tuple(map(self._seq, out.scheduled)), greedy)
 
     def _seq(self, s) -> SeqPlan:
         req = s.request
@@ -45,10 +45,13 @@ class PlanTracker:
         tokens = req.all_token_ids
         new_tokens = tuple(tokens[known.num_tokens:])
         known.num_tokens = len(tokens)
-        blocks = tuple(s.block_ids)
-        old = known.blocks
-        reset = blocks[:len(old)] != old
-        new_blocks = blocks if reset else blocks[len(old):]
-        known.blocks = blocks
+        blocks, old = s.block_ids, known.blocks
+        if blocks is old:   # the scheduler hands the same tuple until the table changes
+            reset, new_blocks = False, ()
+        else:
+            blocks = tuple(blocks)
+            reset = blocks[:len(old)] != old
+            new_blocks = blocks if reset else blocks[len(old):]
+            known.blocks = blocks
         return SeqPlan(known.handle, s.start, s.num_new_tokens, s.slot, s.samples,
                        new_tokens, reset, new_blocks)

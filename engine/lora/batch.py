@@ -26,8 +26,8 @@ class LoRABatch:
         self.pool = pool
         self.uniform = uniform
         self.token_slots = token_slots
-        self.meta = meta if meta is not None else lora_kernels.build_meta(token_slots,
-                                                                          pool.max_loras)
+        self.meta = meta if meta is not None else lora_kernels.build_meta(
+            token_slots, pool.max_loras, uniform=uniform)
         pool.settle_dora()
 
     @property

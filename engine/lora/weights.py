@@ -46,6 +46,7 @@ from loramux_core.model.lora_targets import (END_GROUP, GroupShape, expert_facto
                                              lora_group_shapes, lora_shard, target)
 from engine.parallel import TPGroup
 from loramux_core.errors import AdapterChangedError, AdapterError
+from loramux_core.file_digest import FINGERPRINT_PREFIX
 
 MAX_ABS_WEIGHT = 1e4
 
@@ -158,16 +159,10 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
         return memoryview(reads[-1].data.numpy())
     try:
         plan = plan_adapter(path, model_cfg, max_lora_rank, roots, alloc)
-        if plan.config.use_dora and not reference_path:
-            raise AdapterError("use_dora=true: DoRA adapters are served on the CPU only for "
-                               "now", feature="use_dora", file=plan.config.file)
-        _check_ends_served(plan, reference_path)
+        _check_served(plan, reference_path)
         # converted while the last chunks of the files still hash on other threads
         weights = weights_from_plan(plan, model_cfg, tp, dtype, pool)
-        if expected_version is not None and not plan.has_version(expected_version):
-            raise AdapterChangedError("adapter files changed since this version was "
-                                      "validated or loaded; register or load the name again "
-                                      "to serve them", file=str(path))
+        _check_version(plan, expected_version, path)
         return weights
     finally:  # nothing built views the bytes read (the conversion copied them)
         for buf in reads:
@@ -231,6 +226,36 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
                           experts=MappingProxyType(experts))
     pool.attach(weights, buf)
     return weights
+
+
+def check_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None,
+               expected_version: str | None = None,
+               reference_path: bool = True) -> AdapterPlan:
+    """What `load_lora` checks without reading the weights (config, header, shapes,
+    dtypes, file size, what this engine serves), for an adapter registered now and read
+    at its first use; the plan's fingerprint is its version until then. An
+    `expected_version` that is a fingerprint must be this one (AdapterChangedError); a
+    content version can only be checked by the read."""
+    plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=True)
+    _check_served(plan, reference_path)
+    if expected_version and expected_version.startswith(FINGERPRINT_PREFIX):
+        _check_version(plan, expected_version, path)
+    return plan
+
+
+def _check_version(plan: AdapterPlan, expected: str | None, path) -> None:
+    if expected is not None and not plan.has_version(expected):
+        raise AdapterChangedError("adapter files changed since this version was validated "
+                                  "or loaded; register or load the name again to serve them",
+                                  file=str(path))
+
+
+def _check_served(plan: AdapterPlan, reference_path: bool) -> None:
+    """AdapterError for what only the CPU reference path serves, elsewhere."""
+    if plan.config.use_dora and not reference_path:
+        raise AdapterError("use_dora=true: DoRA adapters are served on the CPU only for "
+                           "now", feature="use_dora", file=plan.config.file)
+    _check_ends_served(plan, reference_path)
 
 
 def _check_ends_served(plan: AdapterPlan, served: bool) -> None:

@@ -7,7 +7,14 @@ the same sha256 version) only updates its pin.
 A load that must read files (a new name, or new weights under a name) is read and
 validated on a reader thread (Engine.read_adapter) while the step thread keeps stepping;
 `poll`, on the step thread, registers each finished read and acks it. Commands for a name
-whose read is in flight wait behind it, in order; other names are not held up."""
+whose read is in flight wait behind it, in order; other names are not held up.
+
+A load that finds no free place in the host tier (counting the reads in flight) is lazy:
+its copy could only displace another adapter's, so loading thousands of adapters would
+read and convert each one only to evict an earlier one. It is checked without reading
+the weights (config, header, shapes, dtypes, file size) and registered on disk; the
+weights are read and checked in full when a request first needs them, and a bad payload
+then fails only the requests naming it (Engine.read_adapter). Pinned loads always read."""
 from __future__ import annotations
 
 from collections import deque
@@ -37,7 +44,8 @@ class AdapterCommands:
         self._engine = engine
         self.loaded: dict[str, LoadedAdapter] = {}
         self._reader = ThreadPoolExecutor(reader_threads, thread_name_prefix="adapter-read")
-        self._reads: dict[str, tuple[engine_pb2.AdapterCommand, Future]] = {}
+        # name -> (command, its read, whether the read only checks: `lazy` below)
+        self._reads: dict[str, tuple[engine_pb2.AdapterCommand, Future, bool]] = {}
         self._queued: dict[str, deque] = {}  # name -> commands behind its read in flight
 
     def submit(self, cmd: engine_pb2.AdapterCommand) -> list[_Ack]:
@@ -47,15 +55,17 @@ class AdapterCommands:
             self._queued.setdefault(cmd.name, deque()).append(cmd)
             return []
         if self._needs_read(cmd):
+            lazy = not cmd.pinned and self._engine.host_copies_free() <= self._full_reads()
             self._reads[cmd.name] = (cmd, self._reader.submit(
-                self._engine.read_adapter, cmd.name, cmd.path, cmd.version or None))
+                self._engine.read_adapter, cmd.name, cmd.path, cmd.version or None, lazy),
+                lazy)
             return []
         return [self._ack(cmd, lambda: self._dispatch(cmd))]
 
     def poll(self) -> list[_Ack]:
         """On the step thread: register finished reads, then run what queued behind them."""
         acks = []
-        for name, (cmd, fut) in list(self._reads.items()):
+        for name, (cmd, fut, _) in list(self._reads.items()):
             if not fut.done():
                 continue
             del self._reads[name]
@@ -66,6 +76,10 @@ class AdapterCommands:
             if queued:  # a queued load started a new read: the rest wait behind it
                 self._queued.setdefault(name, deque()).extendleft(reversed(queued))
         return acks
+
+    def _full_reads(self) -> int:
+        """Reads in flight that will take a host copy each."""
+        return sum(not lazy for _, _, lazy in self._reads.values())
 
     @property
     def num_reading(self) -> int:

@@ -131,7 +131,11 @@ class EngineServer:
             if self.cfg.debug_step_sleep_s and self.cfg.debug_sleep_step in (0, self._step):
                 time.sleep(self.cfg.debug_step_sleep_s)
             for out in self.engine.step():
-                batch.deltas.append(delta_to_proto(out))
+                if out.error is not None:  # the caller gets the status and the reason
+                    batch.errors.add(request_id=out.request_id, code=error_code(out.error),
+                                     message=str(out.error))
+                else:
+                    batch.deltas.append(delta_to_proto(out))
                 if out.finished:
                     self._live.discard(out.request_id)
         if batch.deltas or batch.errors:

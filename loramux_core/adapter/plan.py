@@ -26,7 +26,8 @@ from loramux_core.model.archs import architecture
 from loramux_core.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
                                              expert_full_shape, full_shape)
 from loramux_core.errors import AdapterError
-from loramux_core.file_digest import FileRead, combined_version
+from loramux_core.file_digest import (FINGERPRINT_PREFIX, FileRead, combined_version,
+                                       file_fingerprint)
 from loramux_core.safe_files import AdapterDir, AdapterRoots, Alloc, open_adapter_dir
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -101,6 +102,8 @@ class AdapterPlan:
                                             # only, for a header-only plan)
     tensors: dict[str, TensorInfo]          # its checked header
     files: tuple[tuple[str, FileRead], ...] = field(repr=False, compare=False, default=())
+    # the files' version before their weights are read (file_digest.file_fingerprint)
+    fingerprint: str = ""
 
     @cached_property
     def version(self) -> str:
@@ -109,8 +112,11 @@ class AdapterPlan:
         return combined_version(list(self.files)) if self.files else ""
 
     def has_version(self, version: str) -> bool:
-        """`version` names these files: their version, or the plain-sha256 version that
-        was recorded for the same bytes before chunked digests."""
+        """`version` names these files: their version, their fingerprint (what an adapter
+        registered before being read was recorded under), or the plain-sha256 version
+        that was recorded for the same bytes before chunked digests."""
+        if version.startswith(FINGERPRINT_PREFIX):
+            return version == self.fingerprint
         return version == self.version or version == combined_version(list(self.files),
                                                                       legacy=True)
 
@@ -157,11 +163,13 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
         targets = _targeted_modules(cfg, model_cfg, bool(params))
         limit = max_weights_bytes(model_cfg, max_lora_rank)
         if header_only:
-            weights, (data, size) = None, d.read_head(WEIGHTS_NAME, limit, MAX_HEADER_BYTES)
+            weights, (data, st) = None, d.read_head_stat(WEIGHTS_NAME, limit, MAX_HEADER_BYTES)
+            size = st.st_size
         else:
             weights = d.read(WEIGHTS_NAME, limit, alloc)
-            data, size = weights.data, len(weights.data)
+            data, size, st = weights.data, len(weights.data), weights.stat
     shapes = parse_header(data, weights_file, size)
+    head = bytes(data[:8 + int.from_bytes(data[:8], "little")])  # checked by parse_header
     found, found_experts = _index_keys(shapes, model_cfg, weights_file, cfg.use_dora)
     modules = []
     for layer, module in targets:
@@ -179,7 +187,8 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
                            f"target_modules does not select", feature="tensor",
                            file=weights_file)
     files = () if weights is None else ((CONFIG_NAME, config), (WEIGHTS_NAME, weights))
-    return AdapterPlan(cfg, weights_file, tuple(modules), data, shapes, files)
+    return AdapterPlan(cfg, weights_file, tuple(modules), data, shapes, files,
+                       file_fingerprint(config.digest, head, st))
 
 
 def _check_weights_file(d: AdapterDir) -> str:

@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 def make_validator(model_dir: str, max_lora_rank: int, roots, header_only: bool = False):
     """The engines' adapter validator (loramux_core/adapter/plan.py), bound to the base
     model and the adapter roots: path -> (rank, target modules, version); `header_only`:
-    path -> (rank, target modules), the tensors neither read nor hashed (the engines do
-    that on load)."""
+    path -> (rank, target modules, fingerprint), the tensors neither read nor hashed (the
+    engines do that on load; the fingerprint is the version of an adapter an engine
+    registered without reading it: engine/server/adapter_commands.py)."""
     from loramux_core.adapter.plan import plan_adapter
     from loramux_core.model.hf_config import ModelConfig
 
@@ -63,7 +64,7 @@ def make_validator(model_dir: str, max_lora_rank: int, roots, header_only: bool 
     def validate(path: str):
         plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=header_only)
         found = int(plan.max_rank), tuple(sorted(plan.target_modules))
-        return found if header_only else (*found, plan.version)
+        return (*found, plan.fingerprint if header_only else plan.version)
     return validate
 
 

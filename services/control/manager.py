@@ -16,6 +16,7 @@ import grpc
 import structlog
 from loramux.v1 import adapter_admin_pb2 as pb
 
+from loramux_core.file_digest import FINGERPRINT_PREFIX
 from loramux_core.v1 import engine_pb2
 from services.common.messages import bounded
 from services.control.engine_link import EngineLink, EngineUnavailable
@@ -109,6 +110,10 @@ class AdapterManager:
         if have is not None and have.path != real:
             raise AdminError(grpc.StatusCode.ALREADY_EXISTS,
                              f"adapter {name!r} is already registered from {have.path!r}")
+        if have is not None and have.version.startswith(FINGERPRINT_PREFIX) and self.checker:
+            # an engine registered it without reading it: unchanged files keep that version
+            if (await self._validate(name, real, True, fingerprint=True))[2] == have.version:
+                return have
         rank, targets, version = await self._validate(name, real, check_only and have is None)
         if have is not None:  # registering again: the files as they are now are the version
             if have.version == version:
@@ -119,14 +124,16 @@ class AdapterManager:
         return self._save(AdapterRecord(name, real, rank=rank, target_modules=targets,
                                         version=version))
 
-    async def _validate(self, name: str, path: str,
-                        check_only: bool = False) -> tuple[int, tuple[str, ...], str]:
-        """The validator (the checker, with no version, when `check_only`), off the event
-        loop; its refusals as AdminErrors."""
+    async def _validate(self, name: str, path: str, check_only: bool = False,
+                        fingerprint: bool = False) -> tuple[int, tuple[str, ...], str]:
+        """The validator (the checker, with no version, or with the files' fingerprint
+        when `fingerprint`, when `check_only`), off the event loop; its refusals as
+        AdminErrors."""
         from loramux_core.errors import AdapterError
         try:
             if check_only:
-                return (*await asyncio.to_thread(self.checker, path), "")
+                rank, targets, *fp = await asyncio.to_thread(self.checker, path)
+                return rank, targets, fp[0] if fingerprint and fp else ""
             return await asyncio.to_thread(self.validator, path)
         except PathRefused as err:
             raise AdminError(grpc.StatusCode.PERMISSION_DENIED, str(err)) from None
@@ -188,8 +195,14 @@ class AdapterManager:
 
     async def _acked_version(self, acks: dict, name: str, before: set[int]) -> str:
         """The one version the replicas' acks name; when they read different files (the
-        files changed meanwhile), the load is undone and refused."""
+        files changed meanwhile), the load is undone and refused. A replica that only
+        checked the files acks their fingerprint; beside replicas that read them, the
+        version they read is the record's (the fingerprint replica still refuses files
+        changed since, at its first read)."""
         versions = {ack.version for ack in acks.values()}
+        read = {v for v in versions if not v.startswith(FINGERPRINT_PREFIX)}
+        if len(read) == 1 and len(versions) == 2:
+            versions = read
         if len(versions) == 1 and "" not in versions:
             return versions.pop()
         await self._undo_loads([i for i in acks if i not in before], name)

@@ -76,7 +76,12 @@ def force_triton(monkeypatch) -> None:
 
     monkeypatch.setattr(elementwise, "_gpu", lambda x: True)
     monkeypatch.setattr(lora, "add_lora", lora_triton.add_lora)
-    monkeypatch.setattr(lora, "build_meta", lora_triton.build_meta)
+
+    def build_meta(token_slots, max_loras, uniform=False):   # kernels.lora's, CPU tensors too
+        if lora_triton.uses_meta(token_slots.shape[0], uniform):
+            return lora_triton.build_meta(token_slots, max_loras)
+        return None
+    monkeypatch.setattr(lora, "build_meta", build_meta)
     monkeypatch.setattr(llama, "paged_attention",
                         lambda q, k, v, attn, scale, window=None:
                         attention_triton.paged_attention(q, k, v, attn, scale))

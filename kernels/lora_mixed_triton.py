@@ -1,0 +1,226 @@
+"""Host wrappers of the mixed-adapter decode kernels (kernels/lora_mixed_kernels_triton.py)
+and their launch parameters, from a small table keyed by GPU and shape class.
+
+`add_lora` (kernels/lora_triton.py) sends a decode batch (up to TOKEN_PATH_MAX_TOKENS
+tokens, not hinted uniform) here when the table's entry for its shape class says
+path="segments"; "tokens" keeps the token-sized kernels (kernels/lora_token_triton.py).
+
+Shape class: tokens bucket (16, 64, 128, 256) and layer kind ("qkv": 3 slices, "gate_up":
+2, "down": one slice narrower than its input, "o": one slice otherwise). Parameters are
+chosen once per (GPU, shape) and cached; a launch only allocates the partial sums and
+launches twice. Entries left at 0 (programs, split_k, tpp) are sized from the shape: about
+EXPECTED_ADAPTERS + T // block_m programs along the tiles (each takes one tile of such a
+batch, more of a batch with more adapters), and split-K and columns per program for
+about WAVES programs per SM.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels import lora_mixed_kernels_triton as K
+
+MAX_SLICES = 4         # the counters hold 4 (tile, slice) entries per tile
+WAVES = 4              # programs per SM the automatic split-K and columns-per-program aim at
+EXPECTED_ADAPTERS = 64  # adapters in a batch the automatic sizes plan for
+_MIN_K_CHUNK = 512     # below this a split-K program is mostly prologue
+_DEFAULT_SMS = 132     # the interpreter and unknown devices size grids as an H100
+
+
+@dataclass(frozen=True)
+class MixedParams:
+    """Launch parameters of one shape class.
+
+    path: "segments" (these kernels) or "tokens" (the token-sized kernels);
+    block_m: rows per tile (16, 32 or 64; rows of one adapter share each tl.dot);
+    programs: programs along the tiles (each loops over every programs-th tile), 0 =
+    automatic;
+    split_k: shrink programs per (tile, slice) over K, 0 = automatic;
+    reduce: with split_k > 1, the shrink sums the partials once (arrival counters) instead
+    of every expand program adding them;
+    block_k, block_n: shrink K tile, expand column tile;
+    tpp: column tiles per expand program, 0 = automatic;
+    warps, stages: num_warps and num_stages of both launches."""
+    path: str = "segments"
+    block_m: int = 16
+    programs: int = 0
+    split_k: int = 0
+    reduce: bool = True
+    block_k: int = 256
+    block_n: int = 128
+    tpp: int = 0
+    warps: int = 4
+    stages: int = 3
+
+
+TOKENS = MixedParams(path="tokens")
+SEGMENTS = MixedParams()
+
+# Shape classes not listed take DEFAULT's entry. Up to 64 tokens the token-sized kernels
+# stay (one program per token is as good as a 16-row tile of one row there) until
+# measured otherwise; above, the token kernels read an adapter once per row (sweep:
+# benchmarks/sweep_lora.py --mixed prints the rows to put here).
+DEFAULT: dict[tuple[int, str], MixedParams] = {
+    **{(16, kind): TOKENS for kind in ("qkv", "o", "gate_up", "down")},
+    **{(64, kind): TOKENS for kind in ("qkv", "o", "gate_up", "down")},
+}
+# Per GPU (a substring of the device name); an H200 has the H100's SMs and more
+# bandwidth: it takes the H100 rows unless it has its own.
+TABLE: dict[str, dict[tuple[int, str], MixedParams]] = {
+    "H100": {},
+    "H200": {},
+}
+_FALLBACK = {"H200": "H100"}
+
+
+def shape_class(T: int, S: int, K: int, widest: int) -> tuple[int, str]:
+    bucket = 16 if T <= 16 else 64 if T <= 64 else 128 if T <= 128 else 256
+    kind = ("qkv" if S >= 3 else "gate_up" if S == 2 else "down" if K > widest else "o")
+    return bucket, kind
+
+
+def gpu_key(name: str) -> str | None:
+    """The TABLE key of a device name ("NVIDIA H100 80GB HBM3" -> "H100"), else None."""
+    return next((k for k in TABLE if k in name), None)
+
+
+def lookup(gpu: str | None, cls: tuple[int, str]) -> MixedParams:
+    """The table entry for a GPU key (None: unknown) and shape class."""
+    while gpu is not None:
+        if cls in TABLE.get(gpu, {}):
+            return TABLE[gpu][cls]
+        gpu = _FALLBACK.get(gpu)
+    return DEFAULT.get(cls, SEGMENTS)
+
+
+@functools.lru_cache(maxsize=None)
+def _device(device: torch.device) -> tuple[str | None, int]:
+    if device.type != "cuda":
+        return None, _DEFAULT_SMS
+    props = torch.cuda.get_device_properties(device)
+    return gpu_key(props.name), props.multi_processor_count
+
+
+def params_for(device: torch.device, T: int, S: int, K: int, widest: int) -> MixedParams:
+    gpu, _ = _device(device)
+    return lookup(gpu, shape_class(T, S, K, widest))
+
+
+def takes(x: torch.Tensor, a: torch.Tensor, slice_offsets: tuple[int, ...]) -> bool:
+    """Whether this decode batch's shape class runs on the segment kernels."""
+    T, Kdim = x.shape
+    return _plan(x.device, T, a.shape[0], slice_offsets, a.shape[2], Kdim, None).takes
+
+
+@dataclass(frozen=True)
+class _Plan:
+    takes: bool
+    params: MixedParams
+    nseg: int
+    seg_p: int
+    tiles: int                       # bound on the tiles of any batch
+    programs: int                    # programs along them
+    split_k: int
+    reduce: bool
+    block_r: int
+    block_k: int
+    tpp: int
+    items: tuple[int, int, int]      # first item of slices 1, 2, 3
+    num_items: int
+    offsets: tuple[int, ...]         # five slice bounds
+
+
+def _auto_split(K: int, tiles: int, S: int, sms: int) -> int:
+    return max(1, min(-(-WAVES * sms // (tiles * S)), K // _MIN_K_CHUNK))
+
+
+def _auto_tpp(n_tiles: int, tiles: int, sms: int) -> int:
+    return max(1, -(-n_tiles // max(1, -(-WAVES * sms // tiles))))
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(device: torch.device, T: int, L: int, slice_offsets: tuple[int, ...], R: int,
+          Kdim: int, params: MixedParams | None) -> _Plan:
+    """Everything static about a launch, once per shape (params None: the table's)."""
+    S = len(slice_offsets) - 1
+    widths = [hi - lo for lo, hi in zip(slice_offsets, slice_offsets[1:])]
+    _, sms = _device(device)
+    if params is None:
+        params = params_for(device, T, S, Kdim, max(widths))
+    nseg = max(1, min(T, L))
+    bm = params.block_m
+    tiles = max(1, min(T, nseg + T // bm))
+    programs = min(tiles, params.programs or EXPECTED_ADAPTERS + T // bm)
+    busy = min(programs, EXPECTED_ADAPTERS)     # tiles of a usual batch
+    split = params.split_k or _auto_split(Kdim, busy, S, sms)
+    split = max(1, min(split, triton.cdiv(Kdim, 16)))
+    n_tiles = [triton.cdiv(w, params.block_n) for w in widths]
+    tpp = params.tpp or _auto_tpp(sum(n_tiles), busy, sms)
+    per_slice = [triton.cdiv(n, tpp) for n in n_tiles] + [0] * (MAX_SLICES - S)
+    starts = [sum(per_slice[:i]) for i in range(1, MAX_SLICES)]
+    offs = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
+    block_r = max(16, triton.next_power_of_2(R))
+    return _Plan(takes=params.path == "segments", params=params, nseg=nseg,
+                 seg_p=triton.next_power_of_2(nseg), tiles=tiles, programs=programs,
+                 split_k=split,
+                 reduce=params.reduce and split > 1, block_r=block_r,
+                 block_k=min(params.block_k, max(16, triton.next_power_of_2(Kdim))),
+                 tpp=tpp, items=tuple(starts), num_items=max(1, sum(per_slice)),
+                 offsets=tuple(offs))
+
+
+def _precision(t: torch.Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def lora_shrink_mixed(x: torch.Tensor, a: torch.Tensor, meta, plan: _Plan,
+                      ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """Partial sums hp [split_k, S, T, R] float32 of x @ A.T by *sorted position*; with
+    plan.reduce their sum is in hp[0]. Rows of tokens without a slot stay unwritten."""
+    T, Kdim = x.shape
+    L, S, R, _ = a.shape
+    p = plan.params
+    hp = torch.empty((plan.split_k, S, T, R), dtype=torch.float32, device=x.device)
+    assert meta.counters.numel() >= plan.tiles * MAX_SLICES, "meta built for fewer tokens"
+    K.lora_shrink_mixed_kernel[(plan.programs, S * plan.split_k)](
+        x, a, hp, meta.counters, meta.sorted_tokens, meta.seg_start, meta.seg_len,
+        meta.active_slots,
+        ranks if ranks is not None else meta.seg_len, plan.nseg, plan.tiles, Kdim, R,
+        x.stride(0), x.stride(1), *a.stride(), *hp.stride(),
+        HAS_RANKS=ranks is not None, SPLIT_K=plan.split_k, REDUCE=plan.reduce,
+        SEG_P=plan.seg_p, BLOCK_M=p.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+        PRECISION=_precision(a), UPCAST=x.is_cpu, num_warps=p.warps, num_stages=p.stages)
+    return hp
+
+
+def lora_expand_mixed(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta, plan: _Plan,
+                      ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """y[tok, slice s] += h[s, sorted position of tok] @ b[slot].T, in place."""
+    L, N, R = b.shape
+    p = plan.params
+    K.lora_expand_mixed_kernel[(plan.programs, plan.num_items)](
+        hp, b, y, meta.sorted_tokens, meta.seg_start, meta.seg_len, meta.active_slots,
+        ranks if ranks is not None else meta.seg_len, plan.nseg, plan.tiles, R, *plan.offsets,
+        *plan.items, *hp.stride(), *b.stride(), y.stride(0), y.stride(1),
+        HAS_RANKS=ranks is not None, PARTIALS=1 if plan.reduce else plan.split_k,
+        SEG_P=plan.seg_p, BLOCK_M=p.block_m, BLOCK_R=plan.block_r, BLOCK_N=p.block_n,
+        TPP=plan.tpp, PRECISION=_precision(b), UPCAST=y.is_cpu, num_warps=p.warps,
+        num_stages=p.stages)
+    return y
+
+
+def add_lora_mixed(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta,
+                   slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
+                   params: MixedParams | None = None) -> torch.Tensor:
+    """y += LoRA(x) on the segment kernels (two launches); same contract as
+    kernels.lora_triton.add_lora with its checks done. params: None = the table's."""
+    T, Kdim = x.shape
+    if params is not None and params.path != "segments":
+        params = dataclasses.replace(params, path="segments")
+    plan = _plan(x.device, T, a.shape[0], tuple(slice_offsets), a.shape[2], Kdim, params)
+    hp = lora_shrink_mixed(x, a, meta, plan, ranks)
+    return lora_expand_mixed(hp, b, y, meta, plan, ranks)

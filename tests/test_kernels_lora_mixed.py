@@ -1,0 +1,201 @@
+"""The mixed-adapter decode kernels (kernels/lora_mixed_triton.py: tiles of slot segments)
+against the torch reference (kernels/lora_ref.py), on fresh random inputs and random B.
+
+Interpreted on the CPU (tests/conftest.py sets TRITON_INTERPRET), compiled on CUDA.
+Shapes are small (K 48, slices of 16-40 columns) so that the interpreter stays quick, with
+narrow column tiles and tiny K tiles so every program loops."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from kernels import lora_mixed_kernels_triton, lora_mixed_triton
+from kernels.lora_mixed_triton import (DEFAULT, SEGMENTS, TABLE, MixedParams, add_lora_mixed,
+                                       gpu_key, lookup, shape_class)
+from kernels.lora_ref import add_lora_ref, lora_shrink_ref
+from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS, add_lora, build_meta
+from tests.support.triton_mode import check_kernel_mode
+from tests.test_kernels_lora import DEV, SLICES, TOL, _inputs, _pool
+
+RANKS = [8, 32, 16, 4, 16, 32, 12, 1]      # below and at the pool's max rank 32
+SMALL = dict(block_n=16, block_k=16)     # several column and K tiles per program
+
+
+def _mapping(kind: str, T: int, L: int, seed: int) -> torch.Tensor:
+    """T tokens over L slots: random with no-adapter rows, round robin (T // L rows per
+    adapter, as a decode batch of many requests per adapter), runs of one slot, or one."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        ts = torch.randint(-1, L, (T,), generator=g)
+    elif kind == "round_robin":
+        ts = torch.arange(T) % L
+        ts[torch.rand(T, generator=g) < 0.1] = -1
+    elif kind == "runs":
+        ts = (torch.arange(T) * 3 // max(T, 1)) % L
+    else:
+        ts = torch.full((T,), L - 1)
+    return ts.to(DEV)
+
+
+def _check(T, S, kind, params, dtype=torch.float32, seed=0):
+    offsets = SLICES[S]
+    a, b, ranks = _pool(S, offsets, RANKS, dtype, seed=seed + T + S)
+    ts = _mapping(kind, T, a.shape[0], seed=seed + T)
+    x, y = _inputs(T, offsets[-1], dtype, seed=seed + T + 7)
+    meta = build_meta(ts, a.shape[0])
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = add_lora_mixed(y.clone(), x, a, b, meta, offsets, ranks, params)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got[ts < 0], y[ts < 0]), "tokens without an adapter must be untouched"
+    return got
+
+
+@pytest.mark.parametrize("T", [1, 16, 64, 65, 128, 256])
+@pytest.mark.parametrize("S", [1, 2, 3])
+def test_mixed_matches_reference(T, S):
+    """Every token count of the decode path, one to three slices, random mapping with
+    no-adapter rows, split-K partials summed by the shrink."""
+    _check(T, S, "random", MixedParams(programs=7, split_k=3, tpp=2, **SMALL), seed=1)
+
+
+@pytest.mark.parametrize("T,kind", [(16, "round_robin"), (65, "runs"), (128, "round_robin"),
+                                    (256, "round_robin"), (64, "one"), (37, "runs")])
+@pytest.mark.parametrize("block_m,reduce,programs", [(16, True, 0), (16, False, 5),
+                                                     (32, True, 2)])
+def test_mixed_rows_per_adapter_and_tiles(T, kind, block_m, reduce, programs):
+    """Several rows per adapter (a segment longer than a tile: several tiles of one slot),
+    partials summed by the shrink or by the expand, 16- and 32-row tiles, fewer programs
+    than tiles (each loops over several)."""
+    _check(T, 3, kind, MixedParams(block_m=block_m, programs=programs, split_k=2,
+                                   reduce=reduce, tpp=3, **SMALL), seed=2)
+
+
+@pytest.mark.parametrize("T,S", [(64, 3), (128, 2), (256, 1)])
+def test_mixed_bfloat16(T, S):
+    _check(T, S, "round_robin", MixedParams(split_k=2, **SMALL), dtype=torch.bfloat16, seed=3)
+
+
+def test_mixed_automatic_parameters_and_dispatch():
+    """add_lora sends mixed batches above 64 tokens here on the default table (the CPU's),
+    with split-K and columns per program sized from the shape; one adapter for the whole
+    batch (the `uniform` hint) and 64 tokens keep the token kernels."""
+    offsets = SLICES[2]
+    a, b, ranks = _pool(2, offsets, RANKS, torch.float32, seed=4)
+    x, y = _inputs(100, offsets[-1], torch.float32, seed=4)
+    for T, want_takes in ((100, True), (64, False)):
+        assert lora_mixed_triton.takes(x[:T], a, offsets) == want_takes
+    ts = _mapping("round_robin", 100, a.shape[0], seed=4)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    torch.testing.assert_close(add_lora(y.clone(), x, a, b, ts, offsets, ranks=ranks), want,
+                               **TOL[torch.float32])
+    plan = lora_mixed_triton._plan(x.device, 100, a.shape[0], offsets, a.shape[2], x.shape[1],
+                                   None)
+    assert plan.takes and plan.split_k >= 1 and plan.tpp >= 1
+    assert 1 <= plan.programs <= plan.tiles
+
+
+def test_counters_reset_and_replay_gives_the_same_result():
+    """The last arrival of each (tile, slice) resets its counter (the step's meta holds
+    them): launches again (the next layer, a CUDA graph replay) find zeros and give the
+    same sums."""
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, RANKS, torch.float32, seed=5)
+    ts = _mapping("random", 70, a.shape[0], seed=5)
+    x, y = _inputs(70, offsets[-1], torch.float32, seed=5)
+    meta = build_meta(ts, a.shape[0])
+    params = MixedParams(split_k=3, tpp=1, **SMALL)
+    first = add_lora_mixed(y.clone(), x, a, b, meta, offsets, ranks, params)
+    assert int(meta.counters.abs().sum()) == 0
+    again = add_lora_mixed(y.clone(), x, a, b, meta, offsets, ranks, params)
+    assert torch.equal(first, again)
+
+
+def test_shrink_reduced_partials_match_reference():
+    """hp[0] holds x·Aᵀ by sorted position after the shrink's reduction (the expand reads
+    nothing else)."""
+    offsets = SLICES[2]
+    a, _, ranks = _pool(2, offsets, RANKS, torch.float32, seed=6)
+    ts = _mapping("round_robin", 90, a.shape[0], seed=6)
+    x, _ = _inputs(90, offsets[-1], torch.float32, seed=6)
+    meta = build_meta(ts, a.shape[0])
+    plan = lora_mixed_triton._plan(x.device, 90, a.shape[0], offsets, a.shape[2], x.shape[1],
+                                   MixedParams(split_k=4, **SMALL))
+    assert plan.reduce and plan.split_k == 3     # 48 = 3 K tiles of 16: no empty split
+    hp = lora_mixed_triton.lora_shrink_mixed(x, a, meta, plan, ranks)
+    n = int((ts >= 0).sum())
+    want = lora_shrink_ref(x, a, ts)[:, meta.sorted_tokens[:n].long()]
+    torch.testing.assert_close(hp[0, :, :n], want, atol=1e-5, rtol=1e-5)
+
+
+def test_junk_past_a_slots_rank_is_not_read():
+    offsets = SLICES[1]
+    a, b, ranks = _pool(1, offsets, [8, 16, 4], torch.float32, seed=7)
+    clean_a, clean_b = a.clone(), b.clone()
+    a[0, :, 8:], b[0, :, 8:] = 7.0, -3.0
+    a[2, :, 4:], b[2, :, 4:] = -5.0, 2.0
+    ts = _mapping("round_robin", 80, 3, seed=7)
+    x, y = _inputs(80, offsets[-1], torch.float32, seed=7)
+    want = add_lora_ref(y.clone(), x, clean_a, clean_b, ts, offsets)
+    got = add_lora_mixed(y.clone(), x, a, b, build_meta(ts, 3), offsets, ranks,
+                         MixedParams(split_k=2, **SMALL))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_no_adapter_rows_only():
+    offsets = SLICES[2]
+    a, b, ranks = _pool(2, offsets, RANKS, torch.float32, seed=8)
+    x, y = _inputs(70, offsets[-1], torch.float32, seed=8)
+    ts = torch.full((70,), -1, device=DEV)
+    got = add_lora_mixed(y.clone(), x, a, b, build_meta(ts, a.shape[0]), offsets, ranks,
+                         MixedParams(split_k=2, **SMALL))
+    assert torch.equal(got, y)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_tile_bound_covers_every_mapping(block_m):
+    """The grid's static tile count covers the tiles of any mapping: sum over segments of
+    ceil(len / BLOCK_M) <= min(T, segments + T // BLOCK_M)."""
+    g = torch.Generator().manual_seed(block_m)
+    for T in list(range(1, 80)) + [127, 128, 129, 200, 255, 256]:
+        for L in (1, 3, 64, 300):
+            plan = lora_mixed_triton._plan(torch.device("cpu"), T, L, (0, 32), 16, 64,
+                                           MixedParams(block_m=block_m))
+            for _ in range(5):
+                ts = torch.randint(-1, L, (T,), generator=g)
+                lens = torch.bincount(ts[ts >= 0], minlength=L)
+                assert int(((lens + block_m - 1) // block_m).sum()) <= plan.tiles, (T, L)
+
+
+def test_table_keys_and_entries():
+    assert gpu_key("NVIDIA H100 80GB HBM3") == "H100"
+    assert gpu_key("NVIDIA H200") == "H200"
+    assert gpu_key("NVIDIA A100-SXM4-80GB") is None
+    assert shape_class(1, 3, 4096, 4096) == (16, "qkv")
+    assert shape_class(65, 1, 14336, 4096) == (128, "down")
+    assert shape_class(256, 1, 4096, 4096) == (256, "o")
+    assert shape_class(TOKEN_PATH_MAX_TOKENS, 2, 4096, 14336) == (256, "gate_up")
+    assert lookup(None, (256, "qkv")) == SEGMENTS
+    for cls in DEFAULT:
+        assert lookup("H200", cls) == TABLE["H200"].get(cls, lookup("H100", cls))
+    for rows in [DEFAULT, *TABLE.values()]:
+        for (bucket, kind), p in rows.items():
+            assert bucket in (16, 64, 128, 256) and kind in ("qkv", "o", "gate_up", "down")
+            assert p.path in ("segments", "tokens") and p.block_m in (16, 32, 64)
+            assert min(p.programs, p.split_k, p.tpp) >= 0 and p.warps in (1, 2, 4, 8)
+
+
+def test_kernels_run_as_this_machine_needs():
+    check_kernel_mode(lora_mixed_kernels_triton)
+
+
+def test_sweep_prints_rows_the_table_takes():
+    """benchmarks/sweep_lora_mixed.py imports without a GPU and the TABLE rows it prints
+    are Python that gives back its choices (the faster of the two paths)."""
+    sweep = importlib.import_module("benchmarks.sweep_lora_mixed")
+    best = MixedParams(split_k=4, reduce=False, block_n=64, tpp=2, warps=8, stages=2)
+    lines = sweep.table_rows("H100", [((128, "qkv"), 30.0, 20.0, best),
+                                      ((64, "down"), 10.0, 12.5, SEGMENTS)])
+    rows = eval("{" + "\n".join(lines) + "}", {"MixedParams": MixedParams})
+    assert rows == {"H100": {(128, "qkv"): best, (64, "down"): MixedParams(path="tokens")}}
