@@ -55,12 +55,14 @@ def adapter_side(model_dir: Path, root: Path, device: str, capacity: int):
     from engine.config import EngineConfig
     from engine.lora.host_buffers import HostBufferPool
     from engine.parallel import TPGroup
+    from loramux_core.adapter.plan import PlanCache
     from loramux_core.model.hf_config import ModelConfig
 
     cfg = EngineConfig(model=str(model_dir), device=device, dtype="bfloat16",
                        max_lora_rank=RANK, adapter_roots=(str(root),))
     buffers = HostBufferPool(pin=device == "cuda", spares=1)
-    reader = adapter_reader(cfg, ModelConfig.from_dir(model_dir), TPGroup.single(), buffers)
+    reader = adapter_reader(cfg, ModelConfig.from_dir(model_dir), TPGroup.single(), buffers,
+                            PlanCache())
     pins = Pins(4)
     slots = SlotTable(4, pins)
     registry = AdapterRegistry()

@@ -8,12 +8,13 @@ checks `add_lora` against the torch reference on sampled rows, times it with CUD
 over rotating buffer sets, counts its launches, and (on the two-kernel path) times the
 shrink and expand kernels alone. One-adapter cases up to 256 tokens run twice, as the
 engine's uniform graph launches them: path "one-launch" (kernels/lora_uniform_triton.py)
-and "two-launch" (the token kernels), side by side; cases above 256 tokens (the prefill
-path) run twice as well: path "tiles" (the tile-list grouped GEMM,
-kernels/lora_segment_triton.py) and "blocks" (the row-block segment kernels it replaced).
-`--prefill` also times the tile-list shrink alone at every K split. Floors follow
-PERF.md. Writes kernels.csv and kernels.md to DIR and prints a short table. Needs a CUDA
-GPU; the arithmetic helpers do not.
+and "two-launch" (the token kernels), side by side; cases of several adapters and 17-256
+tokens too: path "tokens" (the token kernels) and "segments" (kernels/lora_mixed_triton.py);
+cases above 256 tokens (the prefill path) as well: path "tiles" (the tile-list grouped
+GEMM, kernels/lora_segment_triton.py) and "blocks" (the row-block segment kernels it
+replaced). `--prefill` also times the tile-list shrink alone at every K split. Floors
+follow PERF.md. Writes kernels.csv and kernels.md to DIR and prints a short table. Needs
+a CUDA GPU; the arithmetic helpers do not.
 """
 from __future__ import annotations
 
@@ -79,12 +80,14 @@ class Case:
 
 
 UNIFORM_PATHS = ("one-launch", "two-launch")
-SEGMENT_PATHS = ("tiles", "blocks")
+MIXED_PATHS = ("tokens", "segments")     # several adapters, 17..256 tokens: old and new
+SEGMENT_PATHS = ("tiles", "blocks")      # above 256 tokens (prefill): new and old
 
 
 @contextlib.contextmanager
 def uniform_path(path: str):
-    """add_lora takes `path` inside the block ("-": the defaults)."""
+    """add_lora takes `path` inside the block, a uniform or a prefill one ("-" or a mixed
+    path: the defaults)."""
     from kernels import lora_triton
     old = lora_triton.UNIFORM_ONE_LAUNCH, lora_triton.SEGMENT_TILE_LIST
     if path in UNIFORM_PATHS:
@@ -95,6 +98,19 @@ def uniform_path(path: str):
         yield
     finally:
         lora_triton.UNIFORM_ONE_LAUNCH, lora_triton.SEGMENT_TILE_LIST = old
+
+
+@contextlib.contextmanager
+def mixed_path(path: str):
+    """A mixed decode batch takes `path` inside the block (else: the table's choice)."""
+    from kernels import lora_mixed_triton
+    old = lora_mixed_triton.PATH
+    if path in MIXED_PATHS:
+        lora_mixed_triton.PATH = path
+    try:
+        yield
+    finally:
+        lora_mixed_triton.PATH = old
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,7 @@ def cases(quick: bool, targets: bool = False, uniform: bool = False,
                         "contiguous"]
                     for m in maps:
                         paths = (UNIFORM_PATHS if n == 1 and t <= 256 else
+                                 MIXED_PATHS if 16 < t <= 256 else
                                  SEGMENT_PATHS if t > 256 else ("-",))
                         out.extend(Case(g, r, t, n, m, p) for p in paths)
     return out
@@ -176,7 +193,7 @@ def check(s, uniform: bool = False) -> None:
 
 
 def run_case(case: Case, bw: float) -> Result:
-    with uniform_path(case.path):
+    with uniform_path(case.path), mixed_path(case.path):
         return _run_case(case, bw)
 
 

@@ -1,17 +1,19 @@
 """Sweep the mixed-adapter decode kernels' launch parameters (kernels/lora_mixed_triton.py)
-against the token kernels at 64, 128 and 256 tokens over 64 adapters (rank 16, bf16,
-Llama-3-8B layer groups), and print the TABLE rows they give.
+against the token kernels at 256, 128 and 64 tokens over 64 adapters (rank 16, bf16,
+Llama-3-8B layer groups), within a time budget, and print the TABLE rows they give.
 
-    python benchmarks/sweep_lora_mixed.py --out DIR [--full]
+    python benchmarks/sweep_lora_mixed.py --out DIR [--budget SECONDS] [--slots N]
 
-Per (group, tokens): the token kernels (kernels/lora_token_triton.py) and the segment
-kernels at the automatic parameters; then, timing shrink + expand together (so that partial
-sums left to the expand are paid for), the shrink over (split_k, reduce) (--full: and
-block_k), the expand over (block_n, tpp) with the best shrink, then (warps, stages) and
-block_k 128; the best is checked against the torch reference. About 3 minutes on an H100
-with an empty Triton cache. Floors as bench_kernels (PERF.md), from the copy
-bandwidth measured in the same run. Writes sweep_mixed.csv to DIR; prints a table and the
-rows to paste into TABLE (path "tokens" where the token kernels were faster). Needs CUDA.
+Per (tokens, group), the 256-token points first: the token kernels and the segment
+kernels at the automatic parameters (both checked against the torch reference), then,
+while the point's share of the budget lasts, coordinate descent timing shrink + expand
+together (so partial sums left to the expand are paid for): split_k and reduce, then
+tpp and block_n, then programs, then (warps, stages) and block_k. split_k, tpp and
+programs compile nothing new, so most candidates cost only their timing. --slots sizes
+the adapter pool as the engine's max_loras (64 used of them; default 256, as
+bench_decode). Floors as bench_kernels (PERF.md), from the copy bandwidth measured in the
+same run. Writes sweep_mixed.csv and table_rows.txt to DIR; prints a table and the rows
+to paste into TABLE (path "tokens" where the token kernels were faster). Needs CUDA.
 """
 from __future__ import annotations
 
@@ -25,17 +27,53 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_kernels import (BF16, Case, expand_floor_bytes, layer_groups,  # noqa: E402
-                                      make_set, shrink_floor_bytes)
+from benchmarks.bench_kernels import (BF16, expand_floor_bytes, layer_groups,  # noqa: E402
+                                      shrink_floor_bytes)
 from benchmarks.common import (copy_bandwidth, floor_seconds, rotating_sets,  # noqa: E402
                                time_graph)
 
-POINTS = [(64, 64), (128, 64), (256, 64)]
-SPLITS = [1, 2, 4, 8, 16]
-BLOCK_KS = [128, 256]
-BLOCK_NS = [64, 128, 256]
-TPPS = [1, 2, 4, 8]
-LAUNCH = [(4, 2), (4, 3), (8, 3)]
+TOKENS = [256, 128, 64]
+ADAPTERS = 64
+RANK = 16
+SPLITS = [1, 2, 3, 4, 6, 8, 12, 16]
+TPPS = [1, 2, 3, 4, 6, 8, 16]
+BLOCK_NS = [128, 64, 256]
+LAUNCH = [(4, 2), (8, 3), (8, 2)]
+
+
+def graph_time(calls, params) -> float:
+    """Seconds per call (CUDA graphs over the rotating sets); params: what is timed."""
+    return time_graph(calls)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Where the sweep runs: layer groups (name, K, slice widths), device, timer; the
+    tests run it on the CPU interpreter with tiny groups and a stand-in timer."""
+    groups: tuple = tuple(layer_groups())
+    tokens: tuple = tuple(TOKENS)
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    timer: object = graph_time
+
+
+def make_set(setup: Setup, group: str, T: int, slots: int, seed: int):
+    """Random x, y and a `slots`-slot rank-16 pool; T tokens round robin over the first
+    ADAPTERS slots (shuffled), a few rows without an adapter."""
+    from kernels.lora_triton import build_meta
+    _, K, N = next(g for g in setup.groups if g[0] == group)
+    g = torch.Generator(device=setup.device).manual_seed(seed)
+    kw = dict(device=setup.device, generator=g)
+    dt = setup.dtype
+    a = (torch.randn(slots, len(N), RANK, K, **kw) / K ** 0.5).to(dt)
+    b = (torch.randn(slots, sum(N), RANK, **kw) / RANK ** 0.5).to(dt)
+    ts = torch.arange(T, device=setup.device) % ADAPTERS
+    ts = ts[torch.randperm(T, device=setup.device, generator=g)]
+    ts[: T // 32] = -1
+    offsets = tuple(int(v) for v in torch.tensor((0,) + N).cumsum(0))
+    return dict(x=torch.randn(T, K, **kw).to(dt), y=torch.randn(T, sum(N), **kw).to(dt),
+                a=a, b=b, ts=ts, offsets=offsets, meta=build_meta(ts, slots),
+                ranks=torch.full((slots,), RANK, dtype=torch.int32, device=setup.device))
 
 
 def tokens_pair(s):
@@ -55,67 +93,89 @@ def segments_pair(s, params):
                                   s["ranks"], params)
 
 
-def check(s, params) -> None:
+def check(fn, s) -> None:
     from kernels.lora_ref import add_lora_ref
-    got = segments_pair(dict(s, y=s["y"].clone()), params)()
-    want = add_lora_ref(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"])
+    y0 = s["y"].clone()
+    want = add_lora_ref(y0.clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"])
+    got = fn()          # adds into s["y"]: put it back after
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=3e-2)
+    s["y"].copy_(y0)
 
 
 class Point:
-    """One (group, tokens, adapters) point: its buffer sets, floor and timings so far."""
+    """One (group, tokens) point: its buffer sets, floor, deadline and timings so far."""
 
-    def __init__(self, group: str, T: int, L: int, bw: float):
-        _, K, N = next(g for g in layer_groups() if g[0] == group)
-        self.group, self.T, self.L, self.K, self.N = group, T, L, K, N
-        r, S = 16, len(N)
-        per_set = T * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + T * sum(N) * BF16
-        case = Case(group, r, T, L, "random")
-        self.sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
-        self.floor = floor_seconds(shrink_floor_bytes(T, K, S, r, L)
-                                   + expand_floor_bytes(T, N, r, L), bw, 2)
+    def __init__(self, setup: Setup, group: str, T: int, slots: int, bw: float,
+                 deadline: float):
+        _, K, N = next(g for g in setup.groups if g[0] == group)
+        self.group, self.T, self.K, self.N, self.deadline = group, T, K, N, deadline
+        self.timer = setup.timer
+        S, L = len(N), ADAPTERS
+        per_set = T * K * BF16 + L * S * RANK * K * BF16 + L * sum(N) * RANK * BF16
+        self.sets = [make_set(setup, group, T, slots, seed)
+                     for seed in range(rotating_sets(per_set))]
+        self.floor = floor_seconds(shrink_floor_bytes(T, K, S, RANK, L)
+                                   + expand_floor_bytes(T, N, RANK, L), bw, 2)
         self.rows: list[dict] = []
+        self.times: dict = {}
 
     def time(self, stage: str, params) -> float:
-        if params is None:
-            t = time_graph([tokens_pair(s) for s in self.sets])
-        else:
-            t = time_graph([segments_pair(s, params) for s in self.sets])
-        self.rows.append(dict(group=self.group, tokens=self.T, adapters=self.L, stage=stage,
-                              params="tokens" if params is None else _params_text(params),
+        if params in self.times:
+            return self.times[params]
+        make = tokens_pair if params is None else (lambda s: segments_pair(s, params))
+        t = self.timer([make(s) for s in self.sets], params)
+        self.times[params] = t
+        self.rows.append(dict(group=self.group, tokens=self.T, stage=stage,
+                              params="tokens" if params is None else params_text(params),
                               us=t * 1e6, pct_floor=100 * self.floor / t))
         return t
 
-    def best(self, stage: str, candidates):
-        times = {p: self.time(stage, p) for p in candidates}
-        return min(times, key=times.get)
+    def best(self, stage: str, current, candidates):
+        """The fastest of current and the candidates timed before the deadline."""
+        for p in candidates:
+            if time.time() > self.deadline:
+                break
+            self.time(stage, p)
+        return min([current, *candidates], key=lambda p: self.times.get(p, float("inf")))
 
 
-def _params_text(p) -> str:
+def params_text(p) -> str:
     return ", ".join(f"{f.name}={getattr(p, f.name)!r}" for f in dataclasses.fields(p)
                      if f.name != "path")
 
 
-def sweep_point(pt: Point, full: bool):
-    """Coordinate descent from the automatic parameters; returns (tokens us, auto us,
-    best us, best params)."""
-    from kernels.lora_mixed_triton import MixedParams
+def _near(values: list[int], v: int) -> list[int]:
+    """values other than v, nearest (by ratio) first."""
+    return sorted((x for x in values if x != v), key=lambda x: max(x / v, v / x))
+
+
+def sweep_point(pt: Point):
+    """(tokens us, automatic us, best us, best params) after coordinate descent."""
+    from kernels.lora_mixed_triton import _plan
+    check(tokens_pair(pt.sets[0]), pt.sets[0])
     t_tok = pt.time("tokens", None)
-    base = MixedParams()
-    t_auto = pt.time("auto", base)
-    splits = [k for k in SPLITS if pt.K // k >= 256]
-    shrink = [dataclasses.replace(base, split_k=k, reduce=red, block_k=bk)
-              for k in splits for red in ([True, False] if k > 1 else [True])
-              for bk in (BLOCK_KS if full else BLOCK_KS[-1:])]
-    best = pt.best("shrink", shrink)
-    widest = max(pt.N)
-    expand = [dataclasses.replace(best, block_n=bn, tpp=tpp) for bn in BLOCK_NS
-              for tpp in TPPS if tpp == 1 or tpp * bn < widest]
-    best = pt.best("expand", expand)
-    best = pt.best("launch", [dataclasses.replace(best, warps=w, stages=st)
-                              for w, st in LAUNCH] + [dataclasses.replace(best, block_k=128)])
-    check(pt.sets[0], best)
-    return t_tok, t_auto, pt.time("best", best), best
+    s0 = pt.sets[0]
+    plan = _plan(s0["x"].device, pt.T, s0["a"].shape[0], s0["offsets"], RANK, pt.K, None)
+    best = dataclasses.replace(plan.params, path="segments", programs=plan.programs,
+                               split_k=plan.split_k, tpp=plan.tpp)
+    check(segments_pair(s0, best), s0)
+    auto = best
+    t_auto = pt.time("auto", auto)
+    rep = dataclasses.replace
+    splits = [k for k in _near(SPLITS, best.split_k) if pt.K // k >= min(256, pt.K // 4)]
+    best = pt.best("split_k", best, [rep(best, split_k=k, reduce=r) for k in splits
+                                     for r in (True, False)] + [rep(best, reduce=False)])
+    best = pt.best("tpp", best, [rep(best, tpp=v) for v in _near(TPPS, best.tpp)])
+    best = pt.best("block_n", best, [rep(best, block_n=bn, tpp=max(1, best.tpp * 128 // bn))
+                                     for bn in BLOCK_NS if bn != best.block_n])
+    best = pt.best("programs", best, [rep(best, programs=p) for p in
+                                      _near([32, 64, 80, 96, 128, 256], best.programs)
+                                      if p <= plan.tiles])
+    best = pt.best("launch", best, [rep(best, warps=w, stages=st) for w, st in LAUNCH]
+                   + [rep(best, block_k=128)])
+    if best != auto:
+        check(segments_pair(s0, best), s0)
+    return t_tok, t_auto, pt.times[best], best
 
 
 def table_rows(gpu: str, results) -> list[str]:
@@ -123,50 +183,62 @@ def table_rows(gpu: str, results) -> list[str]:
     lines = [f'    "{gpu}": {{']
     for cls, tok_us, seg_us, best in results:
         entry = ('MixedParams(path="tokens")' if tok_us <= seg_us
-                 else f"MixedParams({_params_text(best)})")
+                 else f"MixedParams({params_text(best)})")
         lines.append(f"        {cls!r}: {entry},  # tokens {tok_us:.1f} us, "
                      f"segments {seg_us:.1f} us")
     return lines + ["    },"]
 
 
+def sweep(out: Path, budget: float, slots: int, bw: float, gpu: str,
+          setup: Setup = Setup()) -> list[str]:
+    """Every point within `budget` seconds; writes the CSV and the rows; returns them."""
+    from kernels.lora_mixed_triton import shape_class
+    start = time.time()
+    points = [(T, g) for T in setup.tokens for g, _, _ in setup.groups]
+    results, rows = [], []
+    print("| group | T | floor us | tokens us (% floor) | auto us (%) | best us (%) | s |")
+    print("|---|---|---|---|---|---|---|")
+    for i, (T, group) in enumerate(points):
+        deadline = start + budget * (i + 1) / len(points)
+        pt = Point(setup, group, T, max(slots, ADAPTERS), bw, deadline)
+        t_tok, t_auto, t_best, best = sweep_point(pt)
+        results.append((shape_class(T, len(pt.N), pt.K, max(pt.N)), t_tok * 1e6,
+                        t_best * 1e6, best))
+        rows += pt.rows
+        f = pt.floor
+        print(f"| {group} | {T} | {f * 1e6:.1f} | {t_tok * 1e6:.1f} ({100 * f / t_tok:.0f}%) "
+              f"| {t_auto * 1e6:.1f} ({100 * f / t_auto:.0f}%) "
+              f"| {t_best * 1e6:.1f} ({100 * f / t_best:.0f}%) | {time.time() - start:.0f} |",
+              flush=True)
+        del pt
+        if setup.device == "cuda":
+            torch.cuda.empty_cache()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "sweep_mixed.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    lines = table_rows(gpu, results)
+    (out / "table_rows.txt").write_text("\n".join(lines) + "\n")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--full", action="store_true", help="block_k 128 and 256 for every "
-                    "shrink candidate (longer)")
+    ap.add_argument("--budget", type=float, default=180.0,
+                    help="seconds for the whole sweep, shared by the points (default 180)")
+    ap.add_argument("--slots", type=int, default=256, help="adapter pool slots (>= 64)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_lora_mixed needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kernels.lora_mixed_triton import gpu_key, shape_class
-    args.out.mkdir(parents=True, exist_ok=True)
+    from kernels.lora_mixed_triton import gpu_key
     start = time.time()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(gib=1.0)
     name = torch.cuda.get_device_name()
     print(f"{name}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    results, rows = [], []
-    print("| group | T | L | floor us | tokens us (% floor) | auto us (%) | best us (%) |")
-    print("|---|---|---|---|---|---|---|")
-    for group, _, _ in layer_groups():
-        for T, L in POINTS:
-            pt = Point(group, T, L, bw)
-            t_tok, t_auto, t_best, best = sweep_point(pt, args.full)
-            results.append((shape_class(T, len(pt.N), pt.K, max(pt.N)), t_tok * 1e6,
-                            t_best * 1e6, best))
-            rows += pt.rows
-            f = pt.floor
-            print(f"| {group} | {T} | {L} | {f * 1e6:.1f} | {t_tok * 1e6:.1f} "
-                  f"({100 * f / t_tok:.0f}%) | {t_auto * 1e6:.1f} ({100 * f / t_auto:.0f}%) "
-                  f"| {t_best * 1e6:.1f} ({100 * f / t_best:.0f}%) | "
-                  f"[{time.time() - start:.0f} s]", flush=True)
-            del pt
-            torch.cuda.empty_cache()
-    with open(args.out / "sweep_mixed.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    lines = table_rows(gpu_key(name) or name, results)
-    (args.out / "table_rows.txt").write_text("\n".join(lines) + "\n")
+    lines = sweep(args.out, args.budget, args.slots, bw, gpu_key(name) or name)
     print("\nTABLE rows (kernels/lora_mixed_triton.py):")
     print("\n".join(lines))
     print(f"wrote {args.out / 'sweep_mixed.csv'} in {time.time() - start:.0f} s")

@@ -27,6 +27,7 @@ from engine.executor import Executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.weights import check_lora
+from loramux_core.adapter.plan import PlanCache
 from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.build import build_model
@@ -81,12 +82,14 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     # where adapter reads land; one spare made ahead, so adding an adapter of a shape
     # already seen does not wait for the driver to pin its buffer
     buffers = HostBufferPool(pin=device.type == "cuda", spares=1)
-    return ModelParts(model, lora_pool, blocks, runner, adapter_reader(config, mc, tp, buffers),
-                      adapter_checker(config, mc))
+    plans = PlanCache()  # adapters of one shape share their header's analysis
+    return ModelParts(model, lora_pool, blocks, runner,
+                      adapter_reader(config, mc, tp, buffers, plans),
+                      adapter_checker(config, mc, plans))
 
 
 def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
-                   buffers: HostBufferPool) -> Callable:
+                   buffers: HostBufferPool, plans: PlanCache | None = None) -> Callable:
     """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
     read inside the adapter roots."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
@@ -96,18 +99,19 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     def read(path: str, version: str | None):
         return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
                          roots=roots, expected_version=version, buffers=buffers,
-                         reference_path=reference)
+                         reference_path=reference, plan_cache=plans)
     return read
 
 
-def adapter_checker(config: EngineConfig, mc: ModelConfig) -> Callable:
+def adapter_checker(config: EngineConfig, mc: ModelConfig,
+                    plans: PlanCache | None = None) -> Callable:
     """(path, expected version) -> AdapterPlan: what adapter_reader's reads would refuse
     without reading the weights (engine/lora/weights.py check_lora)."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
     reference = torch.device(config.device).type == "cpu"
 
     def check(path: str, version: str | None):
-        return check_lora(path, mc, config.max_lora_rank, roots, version, reference)
+        return check_lora(path, mc, config.max_lora_rank, roots, version, reference, plans)
     return check
 
 

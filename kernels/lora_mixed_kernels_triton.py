@@ -17,12 +17,13 @@ with more adapters than planned for gives each program more tiles, not more prog
 The rows of a tile share each A and B tile in one tl.dot, so an adapter's A and B are
 read once per tile, whatever the number of rows per adapter.
 
-Shrink: grid (programs, S * SPLIT_K). Partial sums go to hp [SPLIT_K, S, T, R] float32 by
-sorted position. With REDUCE (SPLIT_K > 1) the last program of a (tile, slice) to finish,
+Shrink: grid (programs, S * split_k). Partial sums go to hp [split_k, S, T, R] float32 by
+sorted position. With REDUCE (split_k > 1) the last program of a (tile, slice) to finish,
 counted by an int32 arrival counter that it resets to 0, adds the partials up into hp[0];
 the expand then reads one [BLOCK_M, R] tile. Without REDUCE the expand adds the partials.
-Expand: grid (programs, work items), an item = up to TPP consecutive BLOCK_N column tiles of
-one slice.
+Expand: grid (programs, work items), an item = up to tpp consecutive BLOCK_N column tiles of
+one slice. split_k, partials, tpp and the tile counts are plain (unspecialised) arguments:
+choosing them compiles nothing new.
 """
 from __future__ import annotations
 
@@ -64,22 +65,22 @@ def _rank(ranks_ptr, slot, R, HAS_RANKS: tl.constexpr):
     return R
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSEG", "TILES", "split_k"])
 def lora_shrink_mixed_kernel(x_ptr, a_ptr, hp_ptr, count_ptr, sorted_ptr, seg_start_ptr,
                              seg_len_ptr, active_ptr, ranks_ptr, NSEG, TILES, K, R,
                              stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
                              stride_hk, stride_hs, stride_ht, stride_hr,
-                             HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr,
+                             split_k, HAS_RANKS: tl.constexpr,
                              REDUCE: tl.constexpr, SEG_P: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Grid (programs, S * SPLIT_K), tiles t = program_id(0), + programs, ... < TILES:
+    """Grid (programs, S * split_k), tiles t = program_id(0), + programs, ... < TILES:
     hp[ks, s, p, :] = x[tok(p), K range ks] @ a[slot, s].T for the tile's sorted
     positions p; with REDUCE the sum over ks lands in hp[0]."""
-    s = tl.program_id(1) // SPLIT_K
-    ks = tl.program_id(1) % SPLIT_K
+    s = tl.program_id(1) // split_k
+    ks = tl.program_id(1) % split_k
     lens, n, ends = _segment_tiles(seg_len_ptr, NSEG, SEG_P, BLOCK_M)
-    k_chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_chunk = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     k_lo = ks * k_chunk
     k_hi = tl.minimum(K, k_lo + k_chunk)   # an empty range still stores (zeros)
     offs_m = tl.arange(0, BLOCK_M)
@@ -104,32 +105,33 @@ def lora_shrink_mixed_kernel(x_ptr, a_ptr, hp_ptr, count_ptr, sorted_ptr, seg_st
                 # not this SM's L1)
                 tl.debug_barrier()
                 count = count_ptr + t * 4 + s
-                if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1:
+                if tl.atomic_add(count, 1, sem="acq_rel") == split_k - 1:
                     total = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-                    for j in tl.static_range(SPLIT_K):
+                    for j in range(split_k):
                         total += tl.load(h_ptrs + j * stride_hk, mask=mask, other=0.0,
                                          cache_modifier=".cg")
                     tl.store(h_ptrs, total, mask=mask)
                     tl.atomic_xchg(count, 0)       # ready for the next launch
 
 
-@triton.jit(do_not_specialize=["i1", "i2", "i3"])   # item bounds: not worth a variant each
+@triton.jit(do_not_specialize=["NSEG", "TILES", "i1", "i2", "i3", "partials", "tpp"])
 def lora_expand_mixed_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, seg_start_ptr, seg_len_ptr,
-                             active_ptr, ranks_ptr, NSEG, TILES, R, o0, o1, o2, o3, o4, i1, i2, i3,
+                             active_ptr, ranks_ptr, NSEG, TILES, R, o0, o1, o2, o3, o4,
+                             i1, i2, i3,
                              stride_hk, stride_hs, stride_ht, stride_hr,
                              stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
-                             HAS_RANKS: tl.constexpr, PARTIALS: tl.constexpr,
+                             partials, tpp, HAS_RANKS: tl.constexpr,
                              SEG_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_N: tl.constexpr, TPP: tl.constexpr,
+                             BLOCK_N: tl.constexpr,
                              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Grid (programs, items), tiles as the shrink's: y[tok(p), n] += (sum of PARTIALS
+    """Grid (programs, items), tiles as the shrink's: y[tok(p), n] += (sum of `partials`
     hp[k, s, p]) @ b[slot, n].T over item i's columns. Slice s owns items [i_s, i_{s+1})
-    (i0 = 0), item i of it the column tiles (i - i_s) * TPP ... + TPP - 1 of the slice."""
+    (i0 = 0), item i of it the column tiles (i - i_s) * tpp ... + tpp - 1 of the slice."""
     i = tl.program_id(1)
     s = (i >= i1).to(tl.int32) + (i >= i2).to(tl.int32) + (i >= i3).to(tl.int32)
     item0 = tl.where(s == 0, 0, tl.where(s == 1, i1, tl.where(s == 2, i2, i3)))
     lo, hi = _slice_bounds(s, o0, o1, o2, o3, o4)
-    n_first = lo + (i - item0) * (TPP * BLOCK_N)
+    n_first = lo + (i - item0) * (tpp * BLOCK_N)
     lens, n, ends = _segment_tiles(seg_len_ptr, NSEG, SEG_P, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -144,9 +146,9 @@ def lora_expand_mixed_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, seg_start_ptr, se
                       + offs_r[None, :] * stride_hr)
             h_mask = m_mask[:, None] & (offs_r < rank)[None, :]
             h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-            for k in tl.static_range(PARTIALS):
+            for k in range(partials):
                 h += tl.load(h_ptrs + k * stride_hk, mask=h_mask, other=0.0)
-            for u in range(TPP):
+            for u in range(tpp):
                 n0 = n_first + u * BLOCK_N
                 if n0 < hi:
                     _expand_tile(h, b_ptr, y_ptr, tok, m_mask, slot, rank, n0, hi,

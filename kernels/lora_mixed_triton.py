@@ -75,6 +75,9 @@ TABLE: dict[str, dict[tuple[int, str], MixedParams]] = {
     "H200": {},
 }
 _FALLBACK = {"H200": "H100"}
+# "tokens" or "segments": every mixed decode batch takes that path whatever the table says
+# (benchmarks time both side by side); None: the table decides
+PATH: str | None = None
 
 
 def shape_class(T: int, S: int, K: int, widest: int) -> tuple[int, str]:
@@ -112,6 +115,8 @@ def params_for(device: torch.device, T: int, S: int, K: int, widest: int) -> Mix
 
 def takes(x: torch.Tensor, a: torch.Tensor, slice_offsets: tuple[int, ...]) -> bool:
     """Whether this decode batch's shape class runs on the segment kernels."""
+    if PATH is not None:
+        return PATH == "segments"
     T, Kdim = x.shape
     return _plan(x.device, T, a.shape[0], slice_offsets, a.shape[2], Kdim, None).takes
 
@@ -190,8 +195,8 @@ def lora_shrink_mixed(x: torch.Tensor, a: torch.Tensor, meta, plan: _Plan,
         x, a, hp, meta.counters, meta.sorted_tokens, meta.seg_start, meta.seg_len,
         meta.active_slots,
         ranks if ranks is not None else meta.seg_len, plan.nseg, plan.tiles, Kdim, R,
-        x.stride(0), x.stride(1), *a.stride(), *hp.stride(),
-        HAS_RANKS=ranks is not None, SPLIT_K=plan.split_k, REDUCE=plan.reduce,
+        x.stride(0), x.stride(1), *a.stride(), *hp.stride(), plan.split_k,
+        HAS_RANKS=ranks is not None, REDUCE=plan.reduce,
         SEG_P=plan.seg_p, BLOCK_M=p.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
         PRECISION=_precision(a), UPCAST=x.is_cpu, num_warps=p.warps, num_stages=p.stages)
     return hp
@@ -206,9 +211,9 @@ def lora_expand_mixed(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta, 
         hp, b, y, meta.sorted_tokens, meta.seg_start, meta.seg_len, meta.active_slots,
         ranks if ranks is not None else meta.seg_len, plan.nseg, plan.tiles, R, *plan.offsets,
         *plan.items, *hp.stride(), *b.stride(), y.stride(0), y.stride(1),
-        HAS_RANKS=ranks is not None, PARTIALS=1 if plan.reduce else plan.split_k,
+        1 if plan.reduce else plan.split_k, plan.tpp, HAS_RANKS=ranks is not None,
         SEG_P=plan.seg_p, BLOCK_M=p.block_m, BLOCK_R=plan.block_r, BLOCK_N=p.block_n,
-        TPP=plan.tpp, PRECISION=_precision(b), UPCAST=y.is_cpu, num_warps=p.warps,
+        PRECISION=_precision(b), UPCAST=y.is_cpu, num_warps=p.warps,
         num_stages=p.stages)
     return y
 

@@ -63,14 +63,15 @@ def _load_b(b_ptr, slot, rank, offs_n, n_mask, stride_bl, stride_bn, stride_br,
 
 @triton.jit
 def _load_h(hp_ptr, s, tok, run, rank, stride_hk, stride_hs, stride_ht, stride_hr,
-            SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+            SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     """h [BLOCK_M, BLOCK_R] of the rows in `run`: the SPLIT_K partials summed (read
-    through L2: other programs wrote them during this launch)."""
+    through L2: other programs wrote them during this launch), all loads unrolled so that
+    they are in flight together."""
     offs_r = tl.arange(0, BLOCK_R)
     ptrs = hp_ptr + s * stride_hs + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr
     mask = run[:, None] & (offs_r < rank)[None, :]
     h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for ks in range(0, SPLIT_K):
+    for ks in tl.static_range(SPLIT_K):
         h += tl.load(ptrs + ks * stride_hk, mask=mask, other=0.0, cache_modifier=".cg")
     return h
 
@@ -103,13 +104,13 @@ def _wait(count_ptr, target):
 
 @triton.jit
 def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, slots_ptr,
-                        ranks_ptr, T, K, R, S, k_chunk, SPLIT_K,
+                        ranks_ptr, T, K, R, S, k_chunk,
                         n_shrink, n_expand, tiles_per_block,
                         o0, o1, o2, o3, o4, c1, c2, c3,
                         stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
                         stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
                         stride_hk, stride_hs, stride_ht, stride_hr,
-                        HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (n_shrink + n_expand,): y[tok, slice s] += x[tok] @ A[slot, s].T @ B[slot, s].T.

@@ -19,6 +19,7 @@ from kernels import lora_uniform_kernels_triton as K
 
 MAX_TOKENS = 256           # row blocks of 64: at most 4
 _SHRINK_PROGRAMS = 64      # split-K programs wanted per launch (each reads x's K chunk once)
+_MAX_SPLIT_K = 16          # partials an expand program sums (its loads are unrolled)
 _MAX_SLICES = 4
 
 _sync: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -81,7 +82,8 @@ def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
     if m_blocks * S * 4 <= room < shrink_budget:
         shrink_budget = room              # fewer K chunks, but every tile in one wave
     shrink_budget = max(m_blocks * S, shrink_budget)
-    split = max(1, min(triton.cdiv(Kdim, block_k), shrink_budget // (m_blocks * S)))
+    split = max(1, min(triton.cdiv(Kdim, block_k), shrink_budget // (m_blocks * S),
+                       _MAX_SPLIT_K))
     k_chunk = triton.cdiv(triton.cdiv(Kdim, split), block_k) * block_k
     split = triton.cdiv(Kdim, k_chunk)           # no empty chunk
     n_shrink = m_blocks * S * split
@@ -105,10 +107,10 @@ def add_lora_uniform(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
     K.lora_uniform_kernel[shape.grid](
         x, a, b, y, hp, _sync_counters(x.device), token_slots,
         ranks if ranks is not None else token_slots, T, Kdim, R, S, shape.k_chunk,
-        shape.split_k, shape.n_shrink, shape.n_expand, per_block, *offsets, c1, c2, c3,
+        shape.n_shrink, shape.n_expand, per_block, *offsets, c1, c2, c3,
         x.stride(0), x.stride(1), *a.stride(), *b.stride(), y.stride(0), y.stride(1),
         *hp.stride(),
-        HAS_RANKS=ranks is not None, BLOCK_M=shape.block_m, BLOCK_R=_block_r(R),
+        HAS_RANKS=ranks is not None, SPLIT_K=shape.split_k, BLOCK_M=shape.block_m, BLOCK_R=_block_r(R),
         BLOCK_K=shape.block_k, BLOCK_N=shape.block_n, PRECISION=_precision(a),
         UPCAST=x.is_cpu)
     return y

@@ -199,3 +199,43 @@ def test_sweep_prints_rows_the_table_takes():
                                       ((64, "down"), 10.0, 12.5, SEGMENTS)])
     rows = eval("{" + "\n".join(lines) + "}", {"MixedParams": MixedParams})
     assert rows == {"H100": {(128, "qkv"): best, (64, "down"): MixedParams(path="tokens")}}
+
+
+def test_sweep_descends_to_the_fastest_and_checks_it(tmp_path):
+    """The sweep's whole flow on the interpreter with tiny groups: both paths and the
+    chosen parameters checked against the reference (run for real), timings stood in by a
+    cost that is least at split_k 2, no reduction, tpp 1, 64 programs: the row it prints
+    is that choice."""
+    sweep = importlib.import_module("benchmarks.sweep_lora_mixed")
+
+    def cost(calls, params):
+        if params is None:
+            return 10.0
+        return (0.5 + abs(params.split_k - 2) + params.reduce + abs(params.tpp - 1)
+                + abs(params.programs - 64) / 64 + (params.warps != 4) + (params.block_n != 128)
+                + (params.block_k != 256))
+    setup = sweep.Setup(groups=(("o", 48, (48,)),), tokens=(70,), device=DEV,
+                        dtype=torch.float32, timer=cost)
+    lines = sweep.sweep(tmp_path, budget=600, slots=80, bw=3e12, gpu="H100", setup=setup)
+    rows = eval("{" + "\n".join(lines) + "}", {"MixedParams": MixedParams})
+    best = rows["H100"][(128, "o")]
+    assert (best.path, best.split_k, best.reduce, best.tpp, best.programs) == (
+        "segments", 2, False, 1, 64)
+    assert (tmp_path / "sweep_mixed.csv").read_text().count("\n") > 10
+
+
+def test_bench_times_old_and_new_paths_side_by_side():
+    """bench_kernels --targets has 64/128/256 tokens over 64 adapters on both mixed paths,
+    and each case's path switch reaches the dispatch."""
+    bench = importlib.import_module("benchmarks.bench_kernels")
+    mixed = {(c.tokens, c.path) for c in bench.cases(False, targets=True)
+             if c.adapters == 64 and c.group == "down"}
+    assert {(t, p) for t in (64, 128, 256) for p in bench.MIXED_PATHS} <= mixed
+    offsets = SLICES[1]
+    a, _, _ = _pool(1, offsets, RANKS, torch.float32)
+    x, _ = _inputs(100, offsets[-1], torch.float32, seed=0)
+    for path, want in (("tokens", False), ("segments", True)):
+        with bench.mixed_path(path):
+            assert lora_mixed_triton.takes(x, a, offsets) == want
+            assert lora_mixed_triton.takes(x[:30], a, offsets) == want
+    assert lora_mixed_triton.PATH is None

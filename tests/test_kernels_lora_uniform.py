@@ -121,7 +121,7 @@ def test_launch_shape_covers_every_chunk_and_tile(resident):
         for Kdim, offsets in groups:
             S = len(offsets) - 1
             sh = launch_shape(T, S, Kdim, offsets, resident)
-            assert sh.k_chunk % sh.block_k == 0
+            assert sh.k_chunk % sh.block_k == 0 and sh.split_k <= 16
             assert (sh.split_k - 1) * sh.k_chunk < Kdim <= sh.split_k * sh.k_chunk, (T, Kdim)
             m_blocks = -(-T // sh.block_m)
             assert sh.n_shrink == m_blocks * S * sh.split_k

@@ -40,7 +40,7 @@ import torch
 
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.stacked_fill import compute_dtype, fill_stacked
-from loramux_core.adapter.plan import AdapterPlan, ModulePlan, plan_adapter
+from loramux_core.adapter.plan import AdapterPlan, ModulePlan, PlanCache, plan_adapter
 from engine.lora.tensor_view import tensor
 from loramux_core.model.lora_targets import (END_GROUP, GroupShape, expert_factors,
                                              lora_group_shapes, lora_shard, target)
@@ -143,14 +143,15 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
               dtype: torch.dtype = torch.float32, roots=None,
               expected_version: str | None = None,
               buffers: HostBufferPool | None = None,
-              reference_path: bool = True) -> LoRAWeights:
+              reference_path: bool = True, plan_cache: PlanCache | None = None) -> LoRAWeights:
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors; below
     `roots` when given) into this rank's host layout, scaling folded into B, in a buffer
     from `buffers` (a private one when None). Raises AdapterError (feature, file) for
     anything that is not a plain LoRA fitting the model, or when the files' version is
     not `expected_version`; nothing is kept on error. `reference_path`: the adapter is
     served by the CPU reference path, which alone serves DoRA and LoRA on lm_head /
-    embed_tokens (refused otherwise)."""
+    embed_tokens (refused otherwise). `plan_cache`: what earlier plans of this model
+    derived from identical config and header bytes (loramux_core/adapter/plan.py)."""
     pool = buffers if buffers is not None else HostBufferPool()
     reads: list[HostBuffer] = []
 
@@ -158,7 +159,7 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
         reads.append(pool.scratch.acquire(nbytes))
         return memoryview(reads[-1].data.numpy())
     try:
-        plan = plan_adapter(path, model_cfg, max_lora_rank, roots, alloc)
+        plan = plan_adapter(path, model_cfg, max_lora_rank, roots, alloc, cache=plan_cache)
         _check_served(plan, reference_path)
         # converted while the last chunks of the files still hash on other threads
         weights = weights_from_plan(plan, model_cfg, tp, dtype, pool)
@@ -229,14 +230,15 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
 
 
 def check_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None,
-               expected_version: str | None = None,
-               reference_path: bool = True) -> AdapterPlan:
+               expected_version: str | None = None, reference_path: bool = True,
+               plan_cache: PlanCache | None = None) -> AdapterPlan:
     """What `load_lora` checks without reading the weights (config, header, shapes,
     dtypes, file size, what this engine serves), for an adapter registered now and read
     at its first use; the plan's fingerprint is its version until then. An
     `expected_version` that is a fingerprint must be this one (AdapterChangedError); a
     content version can only be checked by the read."""
-    plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=True)
+    plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=True,
+                        cache=plan_cache)
     _check_served(plan, reference_path)
     if expected_version and expected_version.startswith(FINGERPRINT_PREFIX):
         _check_version(plan, expected_version, path)

@@ -12,6 +12,8 @@ here, so both paths refuse exactly the same adapters.
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -145,22 +147,55 @@ def max_weights_bytes(model_cfg, max_lora_rank: int) -> int:
     return model_cfg.num_layers * per_layer + ends + (1 << 20)
 
 
+class PlanCache:
+    """What plan_adapter derived from bytes it has seen before, for one model config and
+    max_lora_rank: the targets of a config (by its bytes) and the checked tensors and
+    module plans of a config with a safetensors header (by both, and the file's size).
+    Adapters of one shape have byte-identical headers, so registering thousands of them
+    parses and matches each header once instead of every time. Only what passed every
+    check is kept (a refusal is worked out again, with its own file names); thread-safe."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key, make):
+        """The entry for `key`, or `make()` kept under it."""
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+        value = make()
+        with self._lock:
+            self._entries[key] = value
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return value
+
+
 def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
                  roots: AdapterRoots | None = None, alloc: Alloc | None = None,
-                 header_only: bool = False) -> AdapterPlan:
+                 header_only: bool = False, cache: PlanCache | None = None) -> AdapterPlan:
     """Read `adapter_dir` (below `roots` when given; the weights file into a buffer from
     `alloc` when given) and check its config, safetensors header and shapes against
     `model_cfg`; raise AdapterError naming the feature and the file on the first problem
     (PathRefused when the path leaves the roots). The version may still be hashing when
     this returns (AdapterPlan.version waits). `header_only`: the weights file is read
     only through its header, nothing is hashed (the plan has no version and no tensor
-    bytes): the same refusals, for a caller that lets the engine read and hash."""
+    bytes): the same refusals, for a caller that lets the engine read and hash. `cache`:
+    what earlier calls for this model config and max_lora_rank derived (PlanCache)."""
     with open_adapter_dir(str(adapter_dir), roots) as d:
         config = read_config_bytes(d)
         cfg = parse_adapter_config(config.data, max_lora_rank, f"{d.shown}/{CONFIG_NAME}")
         weights_file = _check_weights_file(d)
-        params = expert_plan.targeted_parameters(cfg, model_cfg)
-        targets = _targeted_modules(cfg, model_cfg, bool(params))
+
+        def find_targets():
+            params = expert_plan.targeted_parameters(cfg, model_cfg)
+            return params, _targeted_modules(cfg, model_cfg, bool(params))
+        config_key = bytes(config.data)
+        params, targets = (find_targets() if cache is None
+                           else cache.get(("targets", config_key), find_targets))
         limit = max_weights_bytes(model_cfg, max_lora_rank)
         if header_only:
             weights, (data, st) = None, d.read_head_stat(WEIGHTS_NAME, limit, MAX_HEADER_BYTES)
@@ -168,8 +203,21 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
         else:
             weights = d.read(WEIGHTS_NAME, limit, alloc)
             data, size, st = weights.data, len(weights.data), weights.stat
+    head = bytes(data[:8 + min(int.from_bytes(data[:8], "little"), MAX_HEADER_BYTES)])
+
+    def check_tensors():
+        return _check_tensors(cfg, model_cfg, data, size, weights_file, params, targets)
+    shapes, modules = (check_tensors() if cache is None
+                       else cache.get(("tensors", config_key, head, size), check_tensors))
+    files = () if weights is None else ((CONFIG_NAME, config), (WEIGHTS_NAME, weights))
+    return AdapterPlan(cfg, weights_file, modules, data, shapes, files,
+                       file_fingerprint(config.digest, head, st))
+
+
+def _check_tensors(cfg: AdapterConfig, model_cfg, data, size: int, weights_file: str,
+                   params, targets) -> tuple[dict[str, TensorInfo], tuple[ModulePlan, ...]]:
+    """The checked header of the weights file and the plan of every module it wraps."""
     shapes = parse_header(data, weights_file, size)
-    head = bytes(data[:8 + int.from_bytes(data[:8], "little")])  # checked by parse_header
     found, found_experts = _index_keys(shapes, model_cfg, weights_file, cfg.use_dora)
     modules = []
     for layer, module in targets:
@@ -186,9 +234,7 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
         raise AdapterError(f"tensor {key!r} is for {module_name(layer, module, model_cfg)}, which "
                            f"target_modules does not select", feature="tensor",
                            file=weights_file)
-    files = () if weights is None else ((CONFIG_NAME, config), (WEIGHTS_NAME, weights))
-    return AdapterPlan(cfg, weights_file, tuple(modules), data, shapes, files,
-                       file_fingerprint(config.digest, head, st))
+    return shapes, tuple(modules)
 
 
 def _check_weights_file(d: AdapterDir) -> str:

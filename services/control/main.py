@@ -56,13 +56,15 @@ def make_validator(model_dir: str, max_lora_rank: int, roots, header_only: bool 
     path -> (rank, target modules, fingerprint), the tensors neither read nor hashed (the
     engines do that on load; the fingerprint is the version of an adapter an engine
     registered without reading it: engine/server/adapter_commands.py)."""
-    from loramux_core.adapter.plan import plan_adapter
+    from loramux_core.adapter.plan import PlanCache, plan_adapter
     from loramux_core.model.hf_config import ModelConfig
 
     model_cfg = ModelConfig.from_dir(model_dir)
+    plans = PlanCache()
 
     def validate(path: str):
-        plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=header_only)
+        plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=header_only,
+                            cache=plans)
         found = int(plan.max_rank), tuple(sorted(plan.target_modules))
         return (*found, plan.fingerprint if header_only else plan.version)
     return validate
