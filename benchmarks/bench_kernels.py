@@ -216,8 +216,11 @@ def _run_case(case: Case, bw: float) -> Result:
     floor = floor_seconds(nbytes, bw, launches)
     res = dict(shrink_us=float("nan"), shrink_pct=float("nan"),
                expand_us=float("nan"), expand_pct=float("nan"))
-    shrink, expand = (segment_kernels(case.path, K) if case.path in SEGMENT_PATHS
-                      else _two_kernels(sets[0], M, L))
+    shrink, expand = _two_kernels(sets[0], M, L)
+    if case.path == "two-launch":   # the one-adapter token kernels alone (uniform launch)
+        shrink, expand = _uniform_token_kernels(len(N))
+    if case.path in SEGMENT_PATHS:  # the prefill path's kernels alone (tile list or not)
+        shrink, expand = segment_kernels(case.path, K)
     if shrink is not None:
         hs = [shrink(s) for s in sets]
         ts = time_graph([lambda s=s: shrink(s) for s in sets])
@@ -265,6 +268,20 @@ def split_k_lines(quick: bool, bw: float) -> list[str]:
         del sets
         torch.cuda.empty_cache()
     return out
+
+
+def _uniform_token_kernels(S: int):
+    """(shrink(set), expand(set, h)) of the two-launch one-adapter path, to time alone."""
+    from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
+    from kernels.lora_triton import _offsets
+
+    def shrink(s):
+        return lora_shrink_tokens(s["x"], s["a"], s["meta"], s["ranks"], uniform=True)
+
+    def expand(s, h):
+        return lora_expand_tokens(h, s["b"], s["y"], s["meta"], _offsets(s["offsets"]), S,
+                                  s["ranks"], uniform=True)
+    return shrink, expand
 
 
 def _two_kernels(s, M: int, L: int):

@@ -132,6 +132,7 @@ def lora_expand_mixed_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, seg_start_ptr, se
     item0 = tl.where(s == 0, 0, tl.where(s == 1, i1, tl.where(s == 2, i2, i3)))
     lo, hi = _slice_bounds(s, o0, o1, o2, o3, o4)
     n_first = lo + (i - item0) * (tpp * BLOCK_N)
+    n_last = tl.minimum(hi, n_first + tpp * BLOCK_N)
     lens, n, ends = _segment_tiles(seg_len_ptr, NSEG, SEG_P, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -148,9 +149,7 @@ def lora_expand_mixed_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, seg_start_ptr, se
             h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             for k in range(partials):
                 h += tl.load(h_ptrs + k * stride_hk, mask=h_mask, other=0.0)
-            for u in range(tpp):
-                n0 = n_first + u * BLOCK_N
-                if n0 < hi:
-                    _expand_tile(h, b_ptr, y_ptr, tok, m_mask, slot, rank, n0, hi,
-                                 stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
-                                 BLOCK_R, BLOCK_N, PRECISION, UPCAST)
+            for n0 in range(n_first, n_last, BLOCK_N):     # no branch: a pipelined loop
+                _expand_tile(h, b_ptr, y_ptr, tok, m_mask, slot, rank, n0, hi,
+                             stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
+                             BLOCK_R, BLOCK_N, PRECISION, UPCAST)

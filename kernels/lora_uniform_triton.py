@@ -68,11 +68,13 @@ class LaunchShape:
 
 
 def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
-                 resident: int) -> LaunchShape:
-    """Tile sizes and program counts for T tokens, S slices of input width Kdim."""
+                 resident: int, R: int = 16) -> LaunchShape:
+    """Tile sizes and program counts for T tokens, S slices of input width Kdim, rank
+    R (tiles narrow as the rank grows: B's [block_n, R] and A's [block_k, R] tiles stay
+    about 4K values, as x's and y's [block_m, block_k or block_n])."""
     block_m = 16 if T <= 16 else 32 if T <= 32 else 64
-    block_n = 256 if block_m <= 32 else 128      # a [block_m, block_n] fp32 tile: 4-8 K values
-    block_k = 256 if block_m <= 16 else 128
+    block_n = min(256 if block_m <= 32 else 128, max(32, 4096 // _block_r(R)))
+    block_k = min(256 if block_m <= 16 else 128, max(32, 4096 // _block_r(R)))
     m_blocks = triton.cdiv(T, block_m)
     offs = list(slice_offsets) + [slice_offsets[-1]] * (_MAX_SLICES + 1 - len(slice_offsets))
     tiles = [triton.cdiv(hi - lo, block_n) for lo, hi in zip(offs, offs[1:])]
@@ -101,7 +103,7 @@ def add_lora_uniform(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
     L, S, R, _ = a.shape
     assert 0 < T <= MAX_TOKENS and S <= _MAX_SLICES, (T, S)
     offsets = tuple(slice_offsets) + (slice_offsets[-1],) * (_MAX_SLICES + 1 - len(slice_offsets))
-    shape = launch_shape(T, S, Kdim, tuple(slice_offsets), _resident_programs(x.device))
+    shape = launch_shape(T, S, Kdim, tuple(slice_offsets), _resident_programs(x.device), R)
     hp = torch.empty((shape.split_k, S, T, R), dtype=torch.float32, device=x.device)
     c1, c2, c3, per_block = shape.cum_tiles
     K.lora_uniform_kernel[shape.grid](
