@@ -218,7 +218,9 @@ def _run_case(case: Case, bw: float) -> Result:
                expand_us=float("nan"), expand_pct=float("nan"))
     shrink, expand = _two_kernels(sets[0], M, L)
     if case.path == "two-launch":   # the one-adapter token kernels alone (uniform launch)
-        shrink, expand = _uniform_token_kernels(len(N))
+        shrink, expand = _token_kernels(len(N), uniform=True)
+    if case.path == "tokens":       # the mixed batch's token kernels alone (the old path)
+        shrink, expand = _token_kernels(len(N), uniform=False)
     if case.path in SEGMENT_PATHS:  # the prefill path's kernels alone (tile list or not)
         shrink, expand = segment_kernels(case.path, K)
     if shrink is not None:
@@ -270,17 +272,18 @@ def split_k_lines(quick: bool, bw: float) -> list[str]:
     return out
 
 
-def _uniform_token_kernels(S: int):
-    """(shrink(set), expand(set, h)) of the two-launch one-adapter path, to time alone."""
+def _token_kernels(S: int, uniform: bool):
+    """(shrink(set), expand(set, h)) of the token kernels (the two-launch one-adapter path
+    with `uniform`), to time alone."""
     from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
     from kernels.lora_triton import _offsets
 
     def shrink(s):
-        return lora_shrink_tokens(s["x"], s["a"], s["meta"], s["ranks"], uniform=True)
+        return lora_shrink_tokens(s["x"], s["a"], s["meta"], s["ranks"], uniform=uniform)
 
     def expand(s, h):
         return lora_expand_tokens(h, s["b"], s["y"], s["meta"], _offsets(s["offsets"]), S,
-                                  s["ranks"], uniform=True)
+                                  s["ranks"], uniform=uniform)
     return shrink, expand
 
 
