@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_kernels import (BF16, expand_floor_bytes, layer_groups,  # noqa: E402
-                                      shrink_floor_bytes)
+from benchmarks.bench_kernels import (BF16, _token_kernels, expand_floor_bytes,  # noqa: E402
+                                      layer_groups, shrink_floor_bytes)
 from benchmarks.common import (copy_bandwidth, floor_seconds, rotating_sets,  # noqa: E402
                                time_graph)
 
@@ -77,14 +77,8 @@ def make_set(setup: Setup, group: str, T: int, slots: int, seed: int):
 
 
 def tokens_pair(s):
-    from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
-    from kernels.lora_triton import _offsets
-    offs, S = _offsets(s["offsets"]), len(s["offsets"]) - 1
-
-    def fn():
-        hp = lora_shrink_tokens(s["x"], s["a"], s["meta"], s["ranks"])
-        return lora_expand_tokens(hp, s["b"], s["y"], s["meta"], offs, S, s["ranks"])
-    return fn
+    shrink, expand = _token_kernels(len(s["offsets"]) - 1, uniform=False)
+    return lambda: expand(s, shrink(s))
 
 
 def segments_pair(s, params):

@@ -78,7 +78,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     runner = ModelRunner(
         model, kv_caches, lora_pool, config.block_size, device, sampler=sampler,
         graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
-        max_model_len=length)
+        max_model_len=length, tp=tp)
     # where adapter reads land; one spare made ahead, so adding an adapter of a shape
     # already seen does not wait for the driver to pin its buffer
     buffers = HostBufferPool(pin=device.type == "cuda", spares=1)

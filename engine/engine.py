@@ -19,9 +19,9 @@ queued while the host works. Tokens, logprobs and finish reasons are those of sy
 what the scheduler does with in-flight tokens and with requests that finish while a
 launched step still holds them is in engine/scheduler.py. A step falls back to sync
 (completes the step in flight before scheduling) when that step sampled a request whose
-sampler reads the token history (repetition penalty), and under tensor parallelism
-unless every row of that step took the greedy pick (only then does every rank hold its
-tokens on the device: engine/distributed/executor.py). A request id still held by the
+sampler reads the token history (repetition penalty); under tensor parallelism every
+rank holds every step's tokens on its device (engine/distributed/executor.py), so the
+same steps overlap there. A request id still held by the
 step in flight is reused only after that step completes (add_request completes it).
 Nothing else needs a quiescent device: KV blocks are only written by work queued on the
 compute stream, in order, and an adapter copy into a slot waits on the device for the

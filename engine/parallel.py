@@ -1,7 +1,8 @@
 """The tensor-parallel group one engine rank belongs to.
 
 Every model layer takes a TPGroup and shards its weights by (rank, size); the two
-collectives the Megatron layout needs are here so that every communication in the model
+collectives the Megatron layout needs (and the broadcast of rank 0's sampled tokens,
+engine/runner.py) are here so that every communication in the model
 is a visible call. At size 1 both are no-ops, so the single-device path pays nothing.
 """
 from __future__ import annotations
@@ -42,6 +43,15 @@ class TPGroup:
             if self.reducer is not None and self.reducer.fits(t):
                 return self.reducer.all_reduce(t)
             torch.distributed.all_reduce(t, group=self.group)
+        return t
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere), in place."""
+        if self.size > 1:
+            if self.group is None:   # the default group (NCCL)
+                torch.distributed.broadcast(t, 0)
+            else:   # a free-standing group (gloo on the CPU): no global rank to translate
+                self.group.broadcast(t, 0).wait()
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:

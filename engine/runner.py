@@ -23,7 +23,8 @@ parallelism, on eager steps too. Every rank computes the same all-gathered logit
 every rank picks the same tokens and keeps them on its device: a worker's next step can
 fill its placeholders from its own copy, which is what lets a tensor-parallel step be
 launched before the previous one's tokens are read (`PendingSample.tokens_on_every_rank`).
-`takes_greedy_pick` is the one place that decides.
+`takes_greedy_pick` is the one place that decides. Steps the Sampler serves under tensor
+parallelism get there by one broadcast of rank 0's sampled tokens (`_sample`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch
 from engine.cuda_graph import CudaGraphRunner, graph_key, greedy_pick, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
 from engine.model.batch import make_attention_metadata
+from engine.parallel import TPGroup
 from engine.pending import PendingSample
 from engine.request import Request
 from engine.sampling import Sampler
@@ -56,10 +58,14 @@ class ModelInputs:
 class ModelRunner:
     def __init__(self, model, kv_caches, lora_pool: LoRASlotPool, block_size: int,
                  device: torch.device | str = "cpu", sampler: Sampler | None = None,
-                 graph_max_batch: int = 0, max_model_len: int = 0):
+                 graph_max_batch: int = 0, max_model_len: int = 0,
+                 tp: TPGroup = TPGroup.single()):
         """graph_max_batch > 0 (CUDA only): decode steps of up to that many sequences
-        replay CUDA graphs; max_model_len bounds their block tables and attention range."""
+        replay CUDA graphs; max_model_len bounds their block tables and attention range.
+        `tp`: this rank's group (the model's); at size > 1 rank 0's sampled tokens are
+        broadcast to every rank (`_sample`)."""
         self.model = model
+        self.tp = tp
         self.kv_caches = kv_caches
         self.lora_pool = lora_pool
         self.block_size = block_size
@@ -165,6 +171,21 @@ class ModelRunner:
         return PendingSample.device_only(requests, picked[0].long())
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+        """The Sampler's (or a custom sampler's) tokens. Under tensor parallelism only rank
+        0 samples, then one broadcast leaves its tokens on every rank's device (a worker
+        receives them in place of sampling), like the greedy pick's."""
+        if self.tp.size == 1:
+            return self._sample_here(logits, requests)
+        if self.tp.is_first:
+            pending = self._sample_here(logits, requests)
+        else:
+            pending = PendingSample.device_only(requests, torch.empty(
+                len(requests), dtype=torch.int64, device=self.device))
+        self.tp.broadcast(pending.tokens)
+        pending.tokens_on_every_rank = True
+        return pending
+
+    def _sample_here(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         states = [r.sampling_state for r in requests]
         if type(self.sampler) is Sampler:
             return PendingSample.of_sampler(requests, self.sampler.sample_tensors(logits, states))
@@ -232,7 +253,8 @@ class ModelRunner:
             pending = self.run_graph(out, prev, greedy)
         else:
             pending = self.execute(self.prepare_inputs(out), prev, greedy)
-        pending.tokens_on_every_rank = bool(greedy)
+        # a step that samples nothing leaves no placeholder to fill
+        pending.tokens_on_every_rank |= bool(greedy) or not pending.requests
         for i, req in enumerate(pending.requests):
             req.sample_row = i
             # the sampler's step count includes this token from now on; the engine

@@ -133,6 +133,7 @@ class _Plan:
     reduce: bool
     block_r: int
     block_k: int
+    block_n: int
     tpp: int
     items: tuple[int, int, int]      # first item of slices 1, 2, 3
     num_items: int
@@ -163,18 +164,21 @@ def _plan(device: torch.device, T: int, L: int, slice_offsets: tuple[int, ...], 
     busy = min(programs, EXPECTED_ADAPTERS)     # tiles of a usual batch
     split = params.split_k or _auto_split(Kdim, busy, S, sms)
     split = max(1, min(split, triton.cdiv(Kdim, 16)))
-    n_tiles = [triton.cdiv(w, params.block_n) for w in widths]
+    # A and B tiles of at most 16 KB per pipeline stage, whatever the rank
+    block_r = max(16, triton.next_power_of_2(R))
+    block_k = min(params.block_k, max(32, 8192 // block_r),
+                  max(16, triton.next_power_of_2(Kdim)))
+    block_n = min(params.block_n, max(32, 8192 // block_r))
+    n_tiles = [triton.cdiv(w, block_n) for w in widths]
     tpp = params.tpp or _auto_tpp(sum(n_tiles), busy, sms)
     per_slice = [triton.cdiv(n, tpp) for n in n_tiles] + [0] * (MAX_SLICES - S)
     starts = [sum(per_slice[:i]) for i in range(1, MAX_SLICES)]
     offs = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
-    block_r = max(16, triton.next_power_of_2(R))
     return _Plan(takes=params.path == "segments", params=params, nseg=nseg,
                  seg_p=triton.next_power_of_2(nseg), tiles=tiles, programs=programs,
                  split_k=split,
                  reduce=params.reduce and split > 1, block_r=block_r,
-                 block_k=min(params.block_k, max(16, triton.next_power_of_2(Kdim))),
-                 tpp=tpp, items=tuple(starts), num_items=max(1, sum(per_slice)),
+                 block_k=block_k, block_n=block_n, tpp=tpp, items=tuple(starts), num_items=max(1, sum(per_slice)),
                  offsets=tuple(offs))
 
 
@@ -212,7 +216,7 @@ def lora_expand_mixed(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta, 
         ranks if ranks is not None else meta.seg_len, plan.nseg, plan.tiles, R, *plan.offsets,
         *plan.items, *hp.stride(), *b.stride(), y.stride(0), y.stride(1),
         1 if plan.reduce else plan.split_k, plan.tpp, HAS_RANKS=ranks is not None,
-        SEG_P=plan.seg_p, BLOCK_M=p.block_m, BLOCK_R=plan.block_r, BLOCK_N=p.block_n,
+        SEG_P=plan.seg_p, BLOCK_M=p.block_m, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n,
         PRECISION=_precision(b), UPCAST=y.is_cpu, num_warps=p.warps,
         num_stages=p.stages)
     return y

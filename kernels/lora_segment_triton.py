@@ -50,21 +50,18 @@ _BASE = {"k_short": SegConfig(64, 128, 8, 128, 4, 4, 3),
 _TABLE = {"H100": _BASE, "H200": _BASE, "default": _BASE}
 
 
-def _gpu_family(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "default"
-    name = torch.cuda.get_device_name(device)
-    return next((fam for fam in _TABLE if fam in name), "default")
-
-
 @functools.lru_cache(maxsize=None)
-def _config(family: str, Kdim: int) -> SegConfig:
+def _config(kind: str, index: int | None, Kdim: int) -> SegConfig:
+    family = "default"
+    if kind == "cuda":
+        name = torch.cuda.get_device_name(index)
+        family = next((fam for fam in _TABLE if fam in name), "default")
     return _TABLE[family]["k_long" if Kdim > 8192 else "k_short"]
 
 
 def config_for(device: torch.device, Kdim: int) -> SegConfig:
     """The table's launch parameters for this device and input width (fixed per process)."""
-    return _config(_gpu_family(device), Kdim)
+    return _config(device.type, device.index, Kdim)
 
 
 def _block_r(R: int) -> int:

@@ -49,8 +49,7 @@ class EngineSettings:
     # messages when every rank can set it up, else NCCL; "nccl"; "symm_mem" = required
     tp_allreduce: str = "auto"
     # launch step N+1 before reading step N's tokens (engine/engine.py); None = on for
-    # CUDA (any tp_size), off on the CPU. True works on the CPU too (tests the logic). At
-    # tp_size > 1 only steps after all-greedy steps overlap, others fall back to sync.
+    # CUDA (any tp_size), off on the CPU. True works on the CPU too (tests the logic).
     async_scheduling: bool | None = None
     # directories adapters may be read from (loramux_core/safe_files.py); empty: each
     # adapter directory named to add_adapter is trusted as its own root

@@ -129,6 +129,28 @@ def test_shrink_reduced_partials_match_reference():
     torch.testing.assert_close(hp[0, :, :n], want, atol=1e-5, rtol=1e-5)
 
 
+def test_high_rank_pool_with_tiles_kept_small():
+    """A rank-64 pool (BLOCK_R 64): K and column tiles shrink with the rank (about 16 KB
+    per pipeline stage), the result stays the reference's."""
+    offsets = SLICES[2]
+    g = torch.Generator().manual_seed(9)
+    a = (torch.randn(3, 2, 64, 96, generator=g) / 10).to(DEV)
+    b = (torch.randn(3, offsets[-1], 64, generator=g) / 8).to(DEV)
+    ranks = torch.tensor([64, 40, 3], dtype=torch.int32, device=DEV)
+    for slot, r in enumerate(ranks.tolist()):
+        a[slot, :, r:], b[slot, :, r:] = 0, 0
+    ts = _mapping("round_robin", 66, 3, seed=9)
+    g2 = torch.Generator().manual_seed(10)
+    x = torch.randn(66, 96, generator=g2).to(DEV)
+    y = torch.randn(66, offsets[-1], generator=g2).to(DEV)
+    params = MixedParams(split_k=2, block_k=512, block_n=512)
+    plan = lora_mixed_triton._plan(x.device, 66, 3, offsets, 64, 96, params)
+    assert (plan.block_r, plan.block_k, plan.block_n) == (64, 128, 128)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = add_lora_mixed(y.clone(), x, a, b, build_meta(ts, 3), offsets, ranks, params)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_junk_past_a_slots_rank_is_not_read():
     offsets = SLICES[1]
     a, b, ranks = _pool(1, offsets, [8, 16, 4], torch.float32, seed=7)

@@ -2,10 +2,12 @@
 against the same engine on one rank in sync mode: token for token and logprobs within 1e-5,
 on the Llama and Qwen2 test models, for a mixed batch of adapters of different ranks and
 base requests with chunked prefill, slot eviction and preemption; for a mix of greedy and
-sampled requests with stop strings, stop tokens, n > 1, top logprobs and aborts (their
-steps fall back to sync); through the adapter lifecycle; with nothing leaked at idle; and
-proof that TP steps really overlap (step N+1 launched before step N's update on rank 0);
-and a worker killed while a step is in flight (EngineDeadError, a clean close).
+sampled requests with stop strings, stop tokens, n > 1, top logprobs, a repetition
+penalty (its steps fall back to sync) and aborts; through the adapter lifecycle; with
+nothing leaked at idle; and proof that TP steps really overlap (step N+1 launched before
+step N's update on rank 0), greedy steps and sampled ones alike (rank 0's sampled tokens
+reach the worker's device by a broadcast); and a worker killed while a step is in flight
+(EngineDeadError, a clean close).
 
 The worker side of a placeholder is also checked in-process: a worker's runner fed plans
 with in-flight tokens fills them from its own picked tokens at the row rank 0 uses, and
@@ -107,9 +109,10 @@ def test_greedy_mixed_batch_matches_tp1_sync_and_overlaps(pair):
 
 
 def test_greedy_and_sampled_mix_matches_tp1_sync(pair):
-    """Sampled rows, top logprobs and a penalty force sync fallback steps; stops, n > 1
-    and aborts finish requests while a launched step holds them (draining, forgotten by
-    the plan tracker while in flight); the results are still those of TP=1 sync."""
+    """Sampled rows and top logprobs overlap like greedy ones, a penalty forces sync
+    fallback steps; stops, n > 1 and aborts finish requests while a launched step holds
+    them (draining, forgotten by the plan tracker while in flight); the results are still
+    those of TP=1 sync."""
     family, tp1, tp2 = pair
     requests = mixed_requests(family)
     requests.append(("pen", PROMPTS[2], SamplingParams(
@@ -119,14 +122,31 @@ def test_greedy_and_sampled_mix_matches_tp1_sync(pair):
     requests.append(("knobs", PROMPTS[4], SamplingParams(
         temperature=0.0, top_k=3, top_p=0.5, min_p=0.2, seed=9, max_tokens=7, logprobs=True,
         include_stop_str_in_output=True), "attn32"))
-    # a greedy request that outlives every sampled one, whatever order the scheduler admits
+    # a greedy request that outlives every other, whatever order the scheduler admits
     # them in: its last steps are all-greedy after sync ones, and must overlap again
     requests.append(("tail", PROMPTS[0], SamplingParams(
         temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True), None))
     out, lead = both(tp1, tp2, requests, abort_after={"m2": 3, "m6": 2, "m7/1": 4})
     assert [len(out[r]["tokens"]) for r in ("m2", "m6", "m7/1")] == [3, 2, 4]
-    assert lead.count(1) >= 3, "sampled steps were meant to fall back to sync"
-    assert lead.count(2) >= 3, "the greedy steps after the sampled ones should overlap"
+    assert lead.count(1) >= 3, "the penalty's steps were meant to fall back to sync"
+    assert lead.count(2) >= 3, "the greedy steps after the penalty's should overlap"
+
+
+def test_sampled_requests_overlap_and_match_tp1_sync(pair):
+    """Only sampled rows (seeded and engine-seeded, top-k/top-p/min-p, top logprobs, n > 1,
+    over adapters and base): rank 0 samples, the worker takes its tokens from the
+    broadcast for its placeholders; every step but the last overlaps the next, and tokens
+    and logprobs are those of TP=1 sync."""
+    family, tp1, tp2 = pair
+    sp = SamplingParams
+    specs = [sp(temperature=0.8, top_k=20, top_p=0.9, seed=5, max_tokens=9, logprobs=True),
+             sp(temperature=1.0, min_p=0.05, max_tokens=8, top_logprobs=3, ignore_eos=True),
+             sp(temperature=0.7, n=2, seed=11, max_tokens=7, logprobs=True, ignore_eos=True),
+             sp(temperature=1.2, max_tokens=9, logprobs=True, ignore_eos=True)]
+    requests = [(f"s{i}", PROMPTS[i], params, MIXED[i]) for i, params in enumerate(specs)]
+    out, lead = both(tp1, tp2, requests)
+    assert len(out["s1"]["tokens"]) == 8
+    assert lead.count(2) >= len(lead) - 2, lead
 
 
 def test_adapter_lifecycle_matches_tp1_sync(pair):

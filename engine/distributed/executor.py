@@ -6,12 +6,14 @@ them inside the model), but only rank 0 samples; the sampled tokens reach the wo
 "new tokens" in the next plan. Rank 0 owns every sampler state (seeds, penalties), so
 nothing else has to stay in sync.
 
-Async scheduling (`launch`): a step whose sampling rows all take the greedy pick leaves
-the same tokens on every rank's device (ModelRunner.takes_greedy_pick). Only after such a
-step may rank 0 launch the next one before reading its tokens: the next plan then
-carries, per request, one input token fewer than it runs, and each worker fills that
-placeholder from its own previous step's tokens at the same row, as rank 0 does (engine/runner.py). After
-any other step rank 0 reads the tokens first and sends them in the plan (engine/engine.py).
+Async scheduling (`launch`): every step leaves its tokens on every rank's device too: a
+step whose sampling rows all take the greedy pick, because every rank picks the same
+(ModelRunner.takes_greedy_pick), any other by a broadcast of rank 0's sampled tokens
+(ModelRunner._sample). So rank 0 may launch the next step before reading them: the next
+plan then carries, per request, one input token fewer than it runs, and each worker
+fills that placeholder from its own previous step's tokens at the same row, as rank 0
+does (engine/runner.py). After a step whose sampler reads the token history (repetition
+penalty) rank 0 reads the tokens first and sends them in the plan (engine/engine.py).
 """
 from __future__ import annotations
 

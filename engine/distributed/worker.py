@@ -4,8 +4,9 @@ It builds the same shard rank 0 builds (engine/assembly.py: model, LoRA slot poo
 cache of the agreed size, ModelRunner), then follows rank 0's messages until told to
 stop: where adapter versions' files are, and step plans (adapter ops by id, then the
 scheduled sequences) that its request mirror turns into the same SchedulerOutput rank 0
-ran. It never samples; the
-tokens a greedy step picks stay on its device for the next step's placeholders.
+ran. It never samples; a
+step's tokens (its own greedy pick, or rank 0's sampled tokens, broadcast) stay on its
+device for the next step's placeholders.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from loramux_core import open_audit
 
 class NoSampling:
     """The sampler of ranks >= 1: logits are computed (the head's all-gather is a
-    collective every rank joins) and dropped; rank 0 samples and sends the tokens."""
+    collective every rank joins) and dropped; rank 0 samples, and its tokens reach this
+    rank's device by a broadcast (ModelRunner._sample) and its mirror in the next plan."""
 
     def sample(self, logits, states) -> SamplerOutput:
         return SamplerOutput([], [], [])

@@ -185,7 +185,13 @@ class LifecycleStress:
                 self.eng.add_adapter(name, self.weights[key], pinned=True)
             self.stats.refused += 1
             return
-        aid = self.eng.add_adapter(name, self.weights[key], pinned=pin)
+        if pin or self.last_id % 2:
+            aid = self.eng.add_adapter(name, self.weights[key], pinned=pin)
+        else:  # every other load as the engine server makes it past a full host tier:
+            # checked, registered on disk, read at first use (no RNG drawn for the choice)
+            read = self.eng.read_adapter(name, self.weights[key], lazy=True)
+            assert read.weights is None
+            aid = self.eng.register_adapter(read)
         assert aid > self.last_id, "ids are never reused"
         self.last_id, self.version[aid] = aid, key
         self.pin_ops += pin
