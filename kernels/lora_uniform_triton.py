@@ -20,6 +20,8 @@ from kernels import lora_uniform_kernels_triton as K
 MAX_TOKENS = 256           # row blocks of 64: at most 4
 _SHRINK_PROGRAMS = 64      # split-K programs wanted per launch (each reads x's K chunk once)
 _MAX_SPLIT_K = 16          # partials an expand program sums (its loads are unrolled)
+AHEAD_SPLIT_K = 4          # uniform_shrink: beside a base matmul its length is hidden, so
+                           # few K chunks (the expand after it sums few partials)
 _MAX_SLICES = 4
 
 _sync: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -68,7 +70,7 @@ class LaunchShape:
 
 
 def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
-                 resident: int, R: int = 16) -> LaunchShape:
+                 resident: int, R: int = 16, max_split: int = _MAX_SPLIT_K) -> LaunchShape:
     """Tile sizes and program counts for T tokens, S slices of input width Kdim, rank
     R (tiles narrow as the rank grows: B's [block_n, R] and A's [block_k, R] tiles stay
     about 4K values, as x's and y's [block_m, block_k or block_n])."""
@@ -85,7 +87,7 @@ def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
         shrink_budget = room              # fewer K chunks, but every tile in one wave
     shrink_budget = max(m_blocks * S, shrink_budget)
     split = max(1, min(triton.cdiv(Kdim, block_k), shrink_budget // (m_blocks * S),
-                       _MAX_SPLIT_K))
+                       max_split))
     k_chunk = triton.cdiv(triton.cdiv(Kdim, split), block_k) * block_k
     split = triton.cdiv(Kdim, k_chunk)           # no empty chunk
     n_shrink = m_blocks * S * split
@@ -119,7 +121,7 @@ def uniform_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
                    ranks: torch.Tensor | None = None) -> Shrunk:
     """The shrink half of `add_lora_uniform` as a launch of its own (it needs only x, so it
     may run beside the base matmul on another stream); `uniform_expand` finishes it."""
-    shrunk = _prepare(x, a, token_slots, slice_offsets, ranks)
+    shrunk = _prepare(x, a, token_slots, slice_offsets, ranks, AHEAD_SPLIT_K)
     _launch(1, shrunk, x, a, x, x, 0)
     return shrunk
 
@@ -133,11 +135,12 @@ def uniform_expand(shrunk: Shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Te
     return y
 
 
-def _prepare(x, a, token_slots, slice_offsets, ranks) -> Shrunk:
+def _prepare(x, a, token_slots, slice_offsets, ranks, max_split=_MAX_SPLIT_K) -> Shrunk:
     T, Kdim = x.shape
     L, S, R, _ = a.shape
     assert 0 < T <= MAX_TOKENS and S <= _MAX_SLICES, (T, S)
-    shape = launch_shape(T, S, Kdim, tuple(slice_offsets), _resident_programs(x.device), R)
+    shape = launch_shape(T, S, Kdim, tuple(slice_offsets), _resident_programs(x.device), R,
+                         max_split)
     hp = torch.empty((shape.split_k, S, T, R), dtype=torch.float32, device=x.device)
     return Shrunk(hp, shape, token_slots, tuple(slice_offsets), ranks)
 
