@@ -188,6 +188,8 @@ def test_uniform_steps_need_no_metadata(monkeypatch):
     builds no LoRAMeta (no sort in the step); the other paths still do."""
     assert not lora_triton.uses_meta(1, True) and not lora_triton.uses_meta(256, True)
     assert lora_triton.uses_meta(257, True) and lora_triton.uses_meta(64, False)
+    monkeypatch.setattr(lora_triton, "ONE_LAUNCH_MAX_TOKENS", 16)
+    assert not lora_triton.uses_meta(16, True) and lora_triton.uses_meta(17, True)
     monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", False)
     assert lora_triton.uses_meta(64, True)
 
