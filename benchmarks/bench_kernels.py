@@ -183,14 +183,20 @@ def make_set(case: Case, seed: int):
                 meta=build_meta(ts, L))
 
 
-def check(s, uniform: bool = False) -> None:
-    """add_lora on all tokens equals the reference on sampled rows (tokens are independent)."""
+def check(s, uniform: bool = False, path: str = "-") -> None:
+    """add_lora on all tokens (path "ahead": its two halves on two streams) equals the
+    reference on sampled rows (tokens are independent)."""
     from kernels.lora_ref import add_lora_ref
     from kernels.lora_triton import add_lora
     T = s["x"].shape[0]
     rows = torch.unique(torch.cat([torch.arange(min(T, 64)), torch.randperm(T)[:64]])).cuda()
-    got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"], s["ranks"],
-                   s["meta"], uniform=uniform)[rows]
+    if path == AHEAD:
+        out = dict(s, y=s["y"].clone())
+        _lora_call(out, AHEAD, torch.cuda.Stream())()
+        got = out["y"][rows]
+    else:
+        got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"],
+                       s["ranks"], s["meta"], uniform=uniform)[rows]
     want = add_lora_ref(s["y"][rows].clone(), s["x"][rows], s["a"], s["b"], s["ts"][rows],
                         s["offsets"])
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=3e-2)
@@ -261,7 +267,7 @@ def _run_case(case: Case, bw: float) -> Result:
     M, r, L, S = case.tokens, case.rank, case.adapters, len(N)
     per_set = M * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + M * sum(N) * BF16
     sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
-    check(sets[0], uniform=L == 1)
+    check(sets[0], uniform=L == 1, path=case.path)
     side = torch.cuda.Stream()
 
     def lora(s):  # one adapter: as the engine's uniform graph launches it
