@@ -221,12 +221,14 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 
 UNIFORM_ONE_LAUNCH = True    # False: the uniform hint keeps two launches (benchmarks compare)
+ONE_LAUNCH_MAX_TOKENS = 256  # the one-launch path up to this many tokens (at most 256)
 
 
 def uses_meta(num_tokens: int, uniform: bool) -> bool:
     """Whether add_lora reads a `LoRAMeta` for this call: not on the one-launch path
     (it reads token_slots as they are), so a uniform step need not build one."""
-    return not (uniform and UNIFORM_ONE_LAUNCH and num_tokens <= TOKEN_PATH_MAX_TOKENS)
+    return not (uniform and UNIFORM_ONE_LAUNCH
+                and num_tokens <= min(ONE_LAUNCH_MAX_TOKENS, TOKEN_PATH_MAX_TOKENS))
 
 
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],

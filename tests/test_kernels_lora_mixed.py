@@ -123,6 +123,7 @@ def test_shrink_reduced_partials_match_reference():
     plan = lora_mixed_triton._plan(x.device, 90, a.shape[0], offsets, a.shape[2], x.shape[1],
                                    MixedParams(split_k=4, **SMALL))
     assert plan.reduce and plan.split_k == 3     # 48 = 3 K tiles of 16: no empty split
+    assert plan.k_chunk == 16
     hp = lora_mixed_triton.lora_shrink_mixed(x, a, meta, plan, ranks)
     n = int((ts >= 0).sum())
     want = lora_shrink_ref(x, a, ts)[:, meta.sorted_tokens[:n].long()]
@@ -173,6 +174,16 @@ def test_no_adapter_rows_only():
     got = add_lora_mixed(y.clone(), x, a, b, build_meta(ts, a.shape[0]), offsets, ranks,
                          MixedParams(split_k=2, **SMALL))
     assert torch.equal(got, y)
+
+
+def test_split_k_chunks_cover_k_with_none_empty():
+    for Kdim in (48, 100, 4096, 14336, 2048, 7168):
+        for split in range(1, 33):
+            plan = lora_mixed_triton._plan(torch.device("cpu"), 128, 64, (0, 32), 16, Kdim,
+                                           MixedParams(split_k=split))
+            c, n = plan.k_chunk, plan.split_k
+            assert c % plan.block_k == 0 or n == 1, (Kdim, split)
+            assert n * c >= Kdim and (n - 1) * c < Kdim and n <= split, (Kdim, split)
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
