@@ -374,6 +374,33 @@ def _two_kernels(s, M: int, L: int):
     return shrink_mixed, expand_mixed
 
 
+def expand_lines(quick: bool, bw: float) -> list[str]:
+    """The tile-list expand alone at T=8192 over 64 adapters for block sizes around the
+    table's (each new (BM, BN, N_LOOP) compiles once), per group."""
+    from kernels.lora_segment_triton import seg_expand, seg_shrink
+    out = []
+    for g, K, N in layer_groups():
+        if quick and g not in ("qkv", "gate_up"):
+            continue
+        case = Case(g, 16, 8192, 64, "contiguous", "tiles")
+        per_set = 2 * 8192 * sum(N) * BF16 + 64 * sum(N) * 16 * BF16
+        sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
+        hs = [seg_shrink(s["x"], s["a"], s["meta"], s["ranks"]) for s in sets]
+        floor = floor_seconds(expand_floor_bytes(8192, N, 16, 64), bw, 1)
+        for bm, bn, loop in ((64, 128, 1), (64, 128, 2), (64, 128, 4), (64, 128, 8),
+                             (64, 64, 8), (64, 256, 2), (128, 128, 4), (32, 128, 4)):
+            t = time_graph([lambda s=s, h=h: seg_expand(h, s["b"], s["y"], s["meta"],
+                                                         s["offsets"], s["ranks"], block_m=bm,
+                                                         block_n=bn, n_loop=loop)
+                            for s, h in zip(sets, hs)])
+            out.append(f"expand {g:8} T=8192 L=64 BM {bm:3} BN {bn:3} N_LOOP {loop}: "
+                       f"{t * 1e6:7.1f}us ({100 * floor / t:3.0f}%)")
+            print(out[-1], flush=True)
+        del sets, hs
+        torch.cuda.empty_cache()
+    return out
+
+
 def write(results: list[Result], bw: float, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = list(Result.__dataclass_fields__)
@@ -413,12 +440,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="T 8192 over 64 adapters (with --quick: qkv and down), rank 16: the "
                         "tile-list and row-block prefill paths side by side, then the "
                         "tile-list shrink at K splits 1/2/4/8")
+    p.add_argument("--sweep-expand", action="store_true",
+                   help="only the tile-list expand at T 8192 over 64 adapters for 8 block "
+                        "sizes (with --quick: qkv and gate_up), about 60-90 s")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
         return 2
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    if args.sweep_expand:
+        expand_lines(args.quick, bw)
+        return 0
     results = []
     print(f"{'group':8} {'r':>4} {'T':>5} {'L':>4} {'map':10} {'path':10} {'n':>2} {'us':>9} "
           f"{'floor':>8} {'GB/s':>7} {'%floor':>7} {'shrink':>14} {'expand':>14}")
