@@ -80,7 +80,8 @@ class Case:
 
 
 UNIFORM_PATHS = ("one-launch", "two-launch")
-AHEAD = "ahead"     # --uniform only: the shrink on a side stream (beside the base matmul)
+AHEAD = "ahead"     # --uniform only: the default kernels' shrink on a side stream (beside
+                    # the base matmul), the expand after it
 MIXED_PATHS = ("tokens", "segments")     # several adapters, 17..256 tokens: old and new
 SEGMENT_PATHS = ("tiles", "blocks")      # above 256 tokens (prefill): new and old
 
@@ -91,8 +92,8 @@ def uniform_path(path: str):
     path: the defaults)."""
     from kernels import lora_triton
     old = lora_triton.UNIFORM_ONE_LAUNCH, lora_triton.SEGMENT_TILE_LIST
-    if path in UNIFORM_PATHS + (AHEAD,):
-        lora_triton.UNIFORM_ONE_LAUNCH = path != "two-launch"
+    if path in UNIFORM_PATHS:
+        lora_triton.UNIFORM_ONE_LAUNCH = path == "one-launch"
     if path in SEGMENT_PATHS:
         lora_triton.SEGMENT_TILE_LIST = path == "tiles"
     try:
@@ -225,7 +226,7 @@ def _lora_call(s, path: str, side, matmul=None):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shrunk = lora_kernels.shrink_ahead(s["x"], s["a"], s["ts"], s["offsets"],
-                                                   s["ranks"], uniform=True)
+                                                   s["ranks"], meta=s["meta"], uniform=True)
                 done = torch.cuda.Event()
                 done.record(side)
             if matmul is not None:

@@ -44,19 +44,17 @@ def build_meta(token_slots: torch.Tensor, max_loras: int, uniform: bool = False)
 
 def shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
                  slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
-                 uniform: bool = False):
-    """The shrink half of `add_lora` launched on its own (it reads only x: it may run on
-    another stream beside the base matmul), for `expand_after`; None where the call would
-    not take the one-launch path (CPU, more than 256 tokens, not `uniform`): then use
-    `add_lora` as usual."""
-    if (not x.is_cuda or _triton is None or _triton.uses_meta(x.shape[0], uniform)
-            or x.shape[0] == 0 or slice_offsets[-1] == 0):
+                 meta=None, uniform: bool = False):
+    """The shrink half of `add_lora` for a `uniform` decode call, launched on its own (it
+    reads only x: it may run on another stream beside the base matmul), for
+    `expand_after`; None where that split does not apply (CPU, no Triton, more than 256
+    tokens, not `uniform`): then use `add_lora` as usual."""
+    if (not uniform or not x.is_cuda or _triton is None or x.shape[0] == 0
+            or x.shape[0] > _triton.TOKEN_PATH_MAX_TOKENS or slice_offsets[-1] == 0):
         return None
-    from kernels.lora_uniform_triton import uniform_shrink
-    return uniform_shrink(x, a, token_slots, tuple(int(o) for o in slice_offsets), ranks)
+    return _triton.shrink_ahead(x, a, token_slots, slice_offsets, ranks, meta)
 
 
 def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """y += the LoRA delta from a finished `shrink_ahead`, in place; returns y."""
-    from kernels.lora_uniform_triton import uniform_expand
-    return uniform_expand(shrunk, b, y)
+    return _triton.expand_after(shrunk, b, y)

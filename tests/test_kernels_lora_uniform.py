@@ -19,6 +19,12 @@ from kernels.lora_uniform_triton import (add_lora_uniform, launch_shape, uniform
 from tests.support.triton_mode import check_kernel_mode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def one_launch(monkeypatch):
+    """add_lora(uniform=True) takes the one-launch kernel here (it is not the default)."""
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", True)
 TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}
 # unequal widths; the first slice needs two 256-column tiles (q/k/v-like under GQA)
 SLICES = {1: (0, 300), 2: (0, 80, 160), 3: (0, 300, 364, 428), 4: (0, 40, 72, 72, 136)}
@@ -126,6 +132,25 @@ def test_shrink_and_expand_as_two_launches(T, S, case):
     assert lora_uniform_triton._sync_counters(torch.device(DEV)).tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("one", [False, True])
+@pytest.mark.parametrize("T,case", [(1, "one"), (64, "one_some_base"), (37, "mixed")])
+def test_shrink_ahead_then_expand(monkeypatch, one, T, case):
+    """kernels.lora_triton.shrink_ahead / expand_after, the halves the engine launches
+    apart (shrink beside the base matmul): the token kernels' (the default) or, with
+    UNIFORM_ONE_LAUNCH, the one-launch kernel's; the reference's result either way."""
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", one)
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, torch.float32, seed=T + 3)
+    ts = _slots(case, T, seed=T + 4)
+    x, y = _inputs(T, offsets[-1], torch.float32, seed=T + 5)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    shrunk = lora_triton.shrink_ahead(x, a, ts, offsets, ranks, None)
+    assert shrunk[0] == ("one" if one else "tok")
+    got = lora_triton.expand_after(shrunk, b, y.clone())
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert torch.equal(got[ts < 0], y[ts < 0])
+
+
 def test_uniform_hint_result_equals_two_launch_path():
     """One launch and the two-launch token path agree (float32, to rounding)."""
     offsets = SLICES[3]
@@ -203,14 +228,15 @@ def test_bench_decode_switches_the_uniform_path(monkeypatch):
     from engine.lora import batch as batch_module
     bench = importlib.import_module("benchmarks.bench_decode")
     monkeypatch.setattr(bench, "_DEFAULT_PATH", {})
-    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", True)
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", False)
     monkeypatch.setattr(batch_module, "SHRINK_AHEAD", False)
     released = []
     eng = SimpleNamespace(runner=SimpleNamespace(
         graphs=SimpleNamespace(release=lambda: released.append(1))))
-    for mode, want, n_released in (("one", (True, False), 0), ("one-split", (False, False), 1),
-                                   ("one-ahead", (True, True), 2), ("base", (True, False), 3),
-                                   ("distinct", (True, False), 3)):
+    for mode, want, n_released in (("one", (False, False), 0), ("one-split", (False, False), 0),
+                                   ("one-launch", (True, False), 1),
+                                   ("one-ahead", (False, True), 2), ("base", (False, False), 3),
+                                   ("distinct", (False, False), 3)):
         bench.select_uniform_path(eng, mode)
         assert (lora_triton.UNIFORM_ONE_LAUNCH, batch_module.SHRINK_AHEAD) == want, mode
         assert len(released) == n_released, mode

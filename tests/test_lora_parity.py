@@ -141,22 +141,25 @@ def test_mixed_batch_matches_peft(setup, device):
                 assert torch.all(got[token_slots < 0] == 0)
 
 
-@pytest.mark.parametrize("device,ahead", [
-    pytest.param("cpu", False),
-    pytest.param("cuda", False, marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                        reason="needs CUDA")),
-    pytest.param("cuda", True, marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                       reason="needs CUDA"))])
-def test_one_adapter_batch_matches_peft(setup, device, ahead, monkeypatch):
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device,one_launch,ahead", [
+    pytest.param("cpu", False, False), pytest.param("cpu", True, False),
+    pytest.param("cuda", False, False, marks=_CUDA), pytest.param("cuda", True, False, marks=_CUDA),
+    pytest.param("cuda", False, True, marks=_CUDA), pytest.param("cuda", True, True, marks=_CUDA)])
+def test_one_adapter_batch_matches_peft(setup, device, one_launch, ahead, monkeypatch):
     """A batch on one adapter with base rows at its end (a padded decode bucket), given as
-    uniform: the one-launch kernel per group (kernels/lora_uniform_triton.py), natively on
-    CUDA and under the Triton interpreter on the CPU (in place of the CPU's reference);
-    `ahead`: each group's shrink started by `prepare` on the side stream, then expanded."""
+    uniform: the token kernels' two launches per group, or `one_launch` the one-launch
+    kernel (kernels/lora_uniform_triton.py); natively on CUDA and under the Triton
+    interpreter on the CPU (in place of the CPU's reference); `ahead`: each group's shrink
+    started by `prepare` on the side stream, then expanded."""
     from engine.lora import batch as batch_module
     from kernels import lora as lora_kernels
     from kernels import lora_triton
     if device == "cpu":
         monkeypatch.setattr(lora_kernels, "add_lora", lora_triton.add_lora)
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", one_launch)
     monkeypatch.setattr(batch_module, "SHRINK_AHEAD", ahead)
     cfg, dirs, peft_models = setup
     names = ["r8_rslora", "patterns", "r32"]

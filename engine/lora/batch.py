@@ -90,7 +90,7 @@ class LoRABatch:
         side.wait_stream(main)
         with torch.cuda.stream(side):
             shrunk = lora_kernels.shrink_ahead(x, a, self.token_slots, offsets, ranks,
-                                               uniform=True)
+                                               meta=self.meta, uniform=True)
             done = torch.cuda.Event()
             done.record(side)
         if shrunk is not None:
