@@ -172,7 +172,7 @@ def bench(args) -> list[dict]:
                    "pct_matmul": 100 * work_flops / secs / peak,
                    "adapters_per_step": adapters_per_step(lengths, adapters, budget)}
             rows.append(row)
-            print(f"{mode:5} {path:7} {row['tokens']} tokens in {secs:.3f} s: "
+            print(f"prefill {mode:5} {path:7} {row['tokens']} tokens in {secs:.3f} s: "
                   f"{row['tokens_per_s']:,.0f} tok/s", flush=True)
     base = next((r["tokens_per_s"] for r in rows if r["mode"] == "base"), float("nan"))
     for r in rows:

@@ -23,7 +23,7 @@ cp "$TMP/d/decode.json" "$TMP/d/decode_throughput.png" "$TMP/d/profile.txt" "$OU
 grep -E "^async|^hf-peft|^\| " "$OUT/decode.log" | tail -34
 timeout ${PREFILL_S:-140} python3 benchmarks/bench_prefill.py --out "$TMP/p" \
   > "$OUT/prefill.log" 2>&1; echo "prefill rc=$?"
-grep -E "^device|^\| " "$OUT/prefill.log"
+grep -E "^device|^prefill|^\| " "$OUT/prefill.log"
 if [ -n "${SYNC_S:-}" ]; then
   timeout "$SYNC_S" python3 benchmarks/bench_decode.py --out "$TMP/s" --steps 16 --no-hf \
     --async-scheduling off --batches 64,256 > "$OUT/decode_sync.log" 2>&1; echo "sync rc=$?"
