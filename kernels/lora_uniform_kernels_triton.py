@@ -2,9 +2,10 @@
 expand of a layer group in a single Triton program grid (host wrapper:
 kernels/lora_uniform_triton.py).
 
-A decode step is launch- and latency-bound (one adapter's A/B of a group is ~0.3 MB), so
-the two launches of the token path cost more than their bytes. Here one 1-D grid does
-both, in two roles:
+A decode step is latency-bound (one adapter's A/B of a group is ~0.3 MB). Here one 1-D
+grid does shrink and expand, in two roles (on an H100 this was slower than the two token
+kernels back to back: the handoff below costs more than a kernel boundary; not the
+default, see kernels/lora_triton.py UNIFORM_ONE_LAUNCH):
 
 - programs [0, n_shrink): (row block, slice, K chunk): split-K partial sums
   hp[ks, s, tok, :] = x[tok, K chunk] @ A[slot, s, :, K chunk].T (float32, plain stores);

@@ -1,8 +1,12 @@
-"""Host wrapper of the one-launch LoRA kernel (kernels/lora_uniform_kernels_triton.py): the
-decode path of `kernels.lora_triton.add_lora` when the batch (likely) uses one adapter.
+"""Host wrapper of the one-launch LoRA kernel (kernels/lora_uniform_kernels_triton.py): a
+decode path of `kernels.lora_triton.add_lora` when the batch (likely) uses one adapter, taken
+with kernels/lora_triton.py UNIFORM_ONE_LAUNCH (off by default).
 
-Shrink and expand of a layer group in one launch instead of two: at decode sizes the pair
-costs launches and latency, not bytes. Grids come from static sizes only (token count,
+Shrink and expand of a layer group in one launch instead of two. Measured on an H100 it is
+slower than the two token kernels back to back in a CUDA graph (10.9-13.4 against
+6.2-10.5 us per group, qkv and down at 1 and 64 tokens): the in-kernel handoff from the
+shrink programs to the expand programs costs more than a kernel boundary. Kept for the
+record and for its halves (`uniform_shrink` / `uniform_expand`). Grids come from static sizes only (token count,
 slices, K and N), so the launch is capturable in CUDA graphs; the rows' slots are read on
 the device from token_slots itself (no sort, no per-step metadata). Any token->slot
 mapping is computed right (a block of several adapters is done adapter by adapter); a
