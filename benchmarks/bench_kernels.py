@@ -22,7 +22,7 @@ import argparse
 import contextlib
 import csv
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -80,6 +80,8 @@ class Case:
 
 
 UNIFORM_PATHS = ("one-launch", "two-launch")
+AHEAD = "ahead"     # --uniform only: the default kernels' shrink on a side stream (beside
+                    # the base matmul), the expand after it
 MIXED_PATHS = ("tokens", "segments")     # several adapters, 17..256 tokens: old and new
 SEGMENT_PATHS = ("tiles", "blocks")      # above 256 tokens (prefill): new and old
 
@@ -130,6 +132,8 @@ class Result:
     shrink_pct: float
     expand_us: float
     expand_pct: float
+    gemm_us: float = float("nan")        # --uniform: the group's base matmul alone ...
+    with_gemm_us: float = float("nan")   # ... and followed (or, ahead, overlapped) by LoRA
 
 
 def cases(quick: bool, targets: bool = False, uniform: bool = False,
@@ -154,7 +158,8 @@ def cases(quick: bool, targets: bool = False, uniform: bool = False,
                     maps = ["contiguous", "random"] if n > 1 and t > 1 and not prefill else [
                         "contiguous"]
                     for m in maps:
-                        paths = (UNIFORM_PATHS if n == 1 and t <= 256 else
+                        paths = (UNIFORM_PATHS + ((AHEAD,) if uniform else ())
+                                 if n == 1 and t <= 256 else
                                  MIXED_PATHS if 16 < t <= 256 else
                                  SEGMENT_PATHS if t > 256 else ("-",))
                         out.extend(Case(g, r, t, n, m, p) for p in paths)
@@ -179,35 +184,95 @@ def make_set(case: Case, seed: int):
                 meta=build_meta(ts, L))
 
 
-def check(s, uniform: bool = False) -> None:
-    """add_lora on all tokens equals the reference on sampled rows (tokens are independent)."""
+def check(s, uniform: bool = False, path: str = "-") -> None:
+    """add_lora on all tokens (path "ahead": its two halves on two streams) equals the
+    reference on sampled rows (tokens are independent)."""
     from kernels.lora_ref import add_lora_ref
     from kernels.lora_triton import add_lora
     T = s["x"].shape[0]
     rows = torch.unique(torch.cat([torch.arange(min(T, 64)), torch.randperm(T)[:64]])).cuda()
-    got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"], s["ranks"],
-                   s["meta"], uniform=uniform)[rows]
+    if path == AHEAD:
+        out = dict(s, y=s["y"].clone())
+        _lora_call(out, AHEAD, torch.cuda.Stream())()
+        got = out["y"][rows]
+    else:
+        got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"],
+                       s["ranks"], s["meta"], uniform=uniform)[rows]
     want = add_lora_ref(s["y"][rows].clone(), s["x"][rows], s["a"], s["b"], s["ts"][rows],
                         s["offsets"])
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=3e-2)
 
 
-def run_case(case: Case, bw: float) -> Result:
+def run_case(case: Case, bw: float, gemm: bool = False) -> Result:
+    """gemm: also time the group's base matmul alone and with the LoRA after it (or,
+    on path "ahead", with the shrink beside it on a side stream)."""
     with uniform_path(case.path), mixed_path(case.path):
-        return _run_case(case, bw)
+        res = _run_case(case, bw)
+        if gemm:
+            res = replace(res, **_with_gemm(case))
+        return res
+
+
+def _lora_call(s, path: str, side, matmul=None):
+    """One group's LoRA on buffer set s (after `matmul`, if given, as the engine does);
+    path "ahead": the shrink forked to stream `side` before the matmul, the expand after."""
+    from kernels import lora as lora_kernels
+    from kernels.lora_triton import add_lora
+    uniform = s["a"].shape[0] == 1
+
+    def run():
+        if path == AHEAD:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shrunk = lora_kernels.shrink_ahead(s["x"], s["a"], s["ts"], s["offsets"],
+                                                   s["ranks"], meta=s["meta"], uniform=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            if matmul is not None:
+                matmul(s)
+            main.wait_event(done)
+            lora_kernels.expand_after(shrunk, s["b"], s["y"])
+        else:
+            if matmul is not None:
+                matmul(s)
+            add_lora(s["y"], s["x"], s["a"], s["b"], s["ts"], s["offsets"], s["ranks"],
+                     s["meta"], uniform=uniform)
+    return run
+
+
+def _with_gemm(case: Case) -> dict:
+    """{gemm_us, with_gemm_us}: y = x·Wᵀ (random bf16 W of the group's shape, shared by
+    the rotating sets: it alone is larger than the L2) alone, and followed by LoRA."""
+    _, K, N = next(g for g in layer_groups() if g[0] == case.group)
+    sets = [make_set(case, seed) for seed in range(4)]
+    key = (case.group, case.tokens)
+    if key not in _GEMM:      # W and the matmul alone: the same for every path
+        _GEMM.clear()
+        w = torch.randn(sum(N), K, device="cuda").bfloat16()
+        _GEMM[key] = (w, time_graph([lambda s=s: torch.matmul(s["x"], w.t(), out=s["y"])
+                                     for s in sets]))
+    w, t_gemm = _GEMM[key]
+
+    def matmul(s):
+        torch.matmul(s["x"], w.t(), out=s["y"])
+    t_both = time_graph([_lora_call(s, case.path, torch.cuda.Stream(), matmul) for s in sets])
+    return dict(gemm_us=t_gemm * 1e6, with_gemm_us=t_both * 1e6)
+
+
+_GEMM: dict = {}
 
 
 def _run_case(case: Case, bw: float) -> Result:
-    from kernels.lora_triton import add_lora
     _, K, N = next(g for g in layer_groups() if g[0] == case.group)
     M, r, L, S = case.tokens, case.rank, case.adapters, len(N)
     per_set = M * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + M * sum(N) * BF16
     sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
-    check(sets[0], uniform=L == 1)
+    check(sets[0], uniform=L == 1, path=case.path)
+    side = torch.cuda.Stream()
 
     def lora(s):  # one adapter: as the engine's uniform graph launches it
-        return lambda: add_lora(s["y"], s["x"], s["a"], s["b"], s["ts"], s["offsets"],
-                                s["ranks"], s["meta"], uniform=L == 1)
+        return _lora_call(s, case.path, side)
     launches = count_launches(lora(sets[0]))
     t = time_graph([lora(s) for s in sets])
     fused = launches == 1
@@ -309,6 +374,33 @@ def _two_kernels(s, M: int, L: int):
     return shrink_mixed, expand_mixed
 
 
+def expand_lines(quick: bool, bw: float) -> list[str]:
+    """The tile-list expand alone at T=8192 over 64 adapters for block sizes around the
+    table's (each new (BM, BN, N_LOOP) compiles once), per group."""
+    from kernels.lora_segment_triton import seg_expand, seg_shrink
+    out = []
+    for g, K, N in layer_groups():
+        if quick and g not in ("qkv", "gate_up"):
+            continue
+        case = Case(g, 16, 8192, 64, "contiguous", "tiles")
+        per_set = 2 * 8192 * sum(N) * BF16 + 64 * sum(N) * 16 * BF16
+        sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
+        hs = [seg_shrink(s["x"], s["a"], s["meta"], s["ranks"]) for s in sets]
+        floor = floor_seconds(expand_floor_bytes(8192, N, 16, 64), bw, 1)
+        for bm, bn, loop in ((64, 128, 1), (64, 128, 2), (64, 128, 4), (64, 128, 8),
+                             (64, 64, 8), (64, 256, 2), (128, 128, 4), (32, 128, 4)):
+            t = time_graph([lambda s=s, h=h: seg_expand(h, s["b"], s["y"], s["meta"],
+                                                         s["offsets"], s["ranks"], block_m=bm,
+                                                         block_n=bn, n_loop=loop)
+                            for s, h in zip(sets, hs)])
+            out.append(f"expand {g:8} T=8192 L=64 BM {bm:3} BN {bn:3} N_LOOP {loop}: "
+                       f"{t * 1e6:7.1f}us ({100 * floor / t:3.0f}%)")
+            print(out[-1], flush=True)
+        del sets, hs
+        torch.cuda.empty_cache()
+    return out
+
+
 def write(results: list[Result], bw: float, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = list(Result.__dataclass_fields__)
@@ -342,26 +434,37 @@ def main(argv: list[str] | None = None) -> int:
                         "L 1/64")
     p.add_argument("--uniform", action="store_true",
                    help="one adapter, T 1/16/64 (with --quick: qkv and down, T 1/64), rank 16: "
-                        "the one-launch and two-launch paths side by side")
+                        "paths one-launch, two-launch and ahead side by side, each also "
+                        "timed after the group's base matmul (ahead: beside it)")
     p.add_argument("--prefill", action="store_true",
                    help="T 8192 over 64 adapters (with --quick: qkv and down), rank 16: the "
                         "tile-list and row-block prefill paths side by side, then the "
                         "tile-list shrink at K splits 1/2/4/8")
+    p.add_argument("--sweep-expand", action="store_true",
+                   help="only the tile-list expand at T 8192 over 64 adapters for 8 block "
+                        "sizes (with --quick: qkv and gate_up), about 60-90 s")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
         return 2
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    if args.sweep_expand:
+        expand_lines(args.quick, bw)
+        return 0
     results = []
     print(f"{'group':8} {'r':>4} {'T':>5} {'L':>4} {'map':10} {'path':10} {'n':>2} {'us':>9} "
           f"{'floor':>8} {'GB/s':>7} {'%floor':>7} {'shrink':>14} {'expand':>14}")
     for case in cases(args.quick, args.targets, args.uniform, args.prefill):
-        r = run_case(case, bw)
+        r = run_case(case, bw, gemm=args.uniform and case.adapters == 1)
         results.append(r)
+        gemm = ("" if r.gemm_us != r.gemm_us else
+                f" | matmul {r.gemm_us:7.1f}us, +LoRA {r.with_gemm_us:7.1f}us "
+                f"(LoRA adds {r.with_gemm_us - r.gemm_us:5.1f}us)")
         print(f"{r.group:8} {r.rank:4} {r.tokens:5} {r.adapters:4} {r.mapping:10} {r.path:10} "
               f"{r.launches:2} {r.us:9.1f} {r.floor_us:8.1f} {r.gbps:7.0f} {r.pct_floor:6.1f}%"
-              f"{_part(r.shrink_us, r.shrink_pct)}{_part(r.expand_us, r.expand_pct)}", flush=True)
+              f"{_part(r.shrink_us, r.shrink_pct)}{_part(r.expand_us, r.expand_pct)}{gemm}",
+              flush=True)
         torch.cuda.empty_cache()
     if args.prefill:
         split_k_lines(args.quick, bw)

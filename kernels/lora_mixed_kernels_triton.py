@@ -76,24 +76,23 @@ def _rank(ranks_ptr, slot, R, HAS_RANKS: tl.constexpr):
     return R
 
 
-@triton.jit(do_not_specialize=["NSEG", "TILES", "split_k"])
+@triton.jit(do_not_specialize=["NSEG", "TILES", "split_k", "k_chunk"])
 def lora_shrink_mixed_kernel(x_ptr, a_ptr, hp_ptr, count_ptr, sorted_ptr, seg_start_ptr,
                              seg_len_ptr, active_ptr, ranks_ptr, NSEG, TILES, K, R,
                              stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
                              stride_hk, stride_hs, stride_ht, stride_hr,
-                             split_k, HAS_RANKS: tl.constexpr,
+                             split_k, k_chunk, HAS_RANKS: tl.constexpr,
                              REDUCE: tl.constexpr, SEG_P: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (programs, S * split_k), tiles t = program_id(0), + programs, ... < TILES:
-    hp[ks, s, p, :] = x[tok(p), K range ks] @ a[slot, s].T for the tile's sorted
+    hp[ks, s, p, :] = x[tok(p), ks * k_chunk ...] @ a[slot, s].T for the tile's sorted
     positions p; with REDUCE the sum over ks lands in hp[0]."""
     s = tl.program_id(1) // split_k
     ks = tl.program_id(1) % split_k
     lens, n, ends = _segment_tiles(seg_len_ptr, NSEG, SEG_P, BLOCK_M)
-    k_chunk = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     k_lo = ks * k_chunk
-    k_hi = tl.minimum(K, k_lo + k_chunk)   # an empty range still stores (zeros)
+    k_hi = tl.minimum(K, k_lo + k_chunk)
     r_mask = tl.arange(0, BLOCK_R) < R
     for t in range(tl.program_id(0), TILES, tl.num_programs(0)):
         slot, p0, rows, m_mask, tok = _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr,

@@ -130,6 +130,7 @@ class _Plan:
     tiles: int                       # bound on the tiles of any batch
     programs: int                    # programs along them
     split_k: int
+    k_chunk: int                     # K columns per split (whole K tiles)
     reduce: bool
     block_r: int
     block_k: int
@@ -163,12 +164,14 @@ def _plan(device: torch.device, T: int, L: int, slice_offsets: tuple[int, ...], 
     programs = min(tiles, params.programs or EXPECTED_ADAPTERS + T // bm)
     busy = min(programs, EXPECTED_ADAPTERS)     # tiles of a usual batch
     split = params.split_k or _auto_split(Kdim, busy, S, sms)
-    split = max(1, min(split, triton.cdiv(Kdim, 16)))
     # A and B tiles of at most 16 KB per pipeline stage, whatever the rank
     block_r = max(16, triton.next_power_of_2(R))
     block_k = min(params.block_k, max(32, 8192 // block_r),
                   max(16, triton.next_power_of_2(Kdim)))
     block_n = min(params.block_n, max(32, 8192 // block_r))
+    # K chunks of whole K tiles, none empty (split_k * k_chunk covers K)
+    k_chunk = triton.cdiv(triton.cdiv(Kdim, max(1, split)), block_k) * block_k
+    split = triton.cdiv(Kdim, k_chunk)
     n_tiles = [triton.cdiv(w, block_n) for w in widths]
     tpp = params.tpp or _auto_tpp(sum(n_tiles), busy, sms)
     per_slice = [triton.cdiv(n, tpp) for n in n_tiles] + [0] * (MAX_SLICES - S)
@@ -176,10 +179,10 @@ def _plan(device: torch.device, T: int, L: int, slice_offsets: tuple[int, ...], 
     offs = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
     return _Plan(takes=params.path == "segments", params=params, nseg=nseg,
                  seg_p=triton.next_power_of_2(nseg), tiles=tiles, programs=programs,
-                 split_k=split,
-                 reduce=params.reduce and split > 1, block_r=block_r,
-                 block_k=block_k, block_n=block_n, tpp=tpp, items=tuple(starts), num_items=max(1, sum(per_slice)),
-                 offsets=tuple(offs))
+                 split_k=split, k_chunk=k_chunk,
+                 reduce=params.reduce and split > 1, block_r=block_r, block_k=block_k,
+                 block_n=block_n, tpp=tpp, items=tuple(starts),
+                 num_items=max(1, sum(per_slice)), offsets=tuple(offs))
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -197,10 +200,9 @@ def lora_shrink_mixed(x: torch.Tensor, a: torch.Tensor, meta, plan: _Plan,
     assert meta.counters.numel() >= plan.tiles * MAX_SLICES, "meta built for fewer tokens"
     K.lora_shrink_mixed_kernel[(plan.programs, S * plan.split_k)](
         x, a, hp, meta.counters, meta.sorted_tokens, meta.seg_start, meta.seg_len,
-        meta.active_slots,
-        ranks if ranks is not None else meta.seg_len, plan.nseg, plan.tiles, Kdim, R,
-        x.stride(0), x.stride(1), *a.stride(), *hp.stride(), plan.split_k,
-        HAS_RANKS=ranks is not None, REDUCE=plan.reduce,
+        meta.active_slots, ranks if ranks is not None else meta.seg_len, plan.nseg,
+        plan.tiles, Kdim, R, x.stride(0), x.stride(1), *a.stride(), *hp.stride(),
+        plan.split_k, plan.k_chunk, HAS_RANKS=ranks is not None, REDUCE=plan.reduce,
         SEG_P=plan.seg_p, BLOCK_M=p.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
         PRECISION=_precision(a), UPCAST=x.is_cpu, num_warps=p.warps, num_stages=p.stages)
     return hp

@@ -12,7 +12,13 @@ rounded up to a multiple of 16),
 so grids come from static sizes only and the launches stay capturable in CUDA graphs.
 
 Launch parameters come from a small table keyed by GPU and shape class, fixed at first
-use per (device, slices, K, N, rank block).
+use per (device, input width).
+
+Why two launches and not one per tile: at prefill sizes the expand's bytes (y read and
+written, e.g. 8192 x 28672 x 2 x 2 B for gate_up) dwarf h (S x T x R float32, from L2), and
+a fused program would either stream a whole row block's output alone (one program per
+tile: 128 programs for 8192 tokens, too few to keep HBM busy) or recompute its tile's
+shrink for every column chunk (x read from L2 once per chunk: 12x for qkv).
 """
 from __future__ import annotations
 

@@ -28,6 +28,8 @@ from kernels import lora_mixed_triton
 from kernels.lora_segment_triton import add_lora_seg
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
 from kernels.lora_uniform_triton import add_lora_uniform
+from kernels.lora_uniform_triton import uniform_expand as add_lora_uniform_expand
+from kernels.lora_uniform_triton import uniform_shrink as add_lora_uniform_shrink
 
 FUSED_MAX_TOKENS = 16      # lora_fused needs every segment within one 16-row block
 _TARGET_PROGRAMS = 264     # about two programs per SM on an H100 (132 SMs)
@@ -220,13 +222,42 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return add_lora_segments(y, x, a, b, meta, slice_offsets, ranks)
 
 
-UNIFORM_ONE_LAUNCH = True    # False: the uniform hint keeps two launches (benchmarks compare)
+# One launch per group for uniform calls (kernels/lora_uniform_triton.py): off, since on
+# an H100 it was slower than the two token kernels back to back in a CUDA graph (qkv at one
+# token 10.9 vs 6.2 us, at 64 tokens 12.0 vs 9.0 us): its in-kernel handoff from shrink to
+# expand costs more than a kernel boundary. Kept selectable for the record.
+UNIFORM_ONE_LAUNCH = False
+ONE_LAUNCH_MAX_TOKENS = 256  # the one-launch path up to this many tokens (at most 256)
 
 
 def uses_meta(num_tokens: int, uniform: bool) -> bool:
     """Whether add_lora reads a `LoRAMeta` for this call: not on the one-launch path
     (it reads token_slots as they are), so a uniform step need not build one."""
-    return not (uniform and UNIFORM_ONE_LAUNCH and num_tokens <= TOKEN_PATH_MAX_TOKENS)
+    return not (uniform and UNIFORM_ONE_LAUNCH
+                and num_tokens <= min(ONE_LAUNCH_MAX_TOKENS, TOKEN_PATH_MAX_TOKENS))
+
+
+def shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
+                 slice_offsets: tuple[int, ...], ranks: torch.Tensor | None,
+                 meta: LoRAMeta | None):
+    """The shrink half of a uniform decode call (T <= TOKEN_PATH_MAX_TOKENS) launched on
+    its own, for `expand_after`: the token kernels' shrink with the uniform launch
+    parameters, or with UNIFORM_ONE_LAUNCH the one-launch kernel's shrink."""
+    offsets = tuple(int(o) for o in slice_offsets)
+    if not uses_meta(x.shape[0], True):
+        return ("one", add_lora_uniform_shrink(x, a, token_slots, offsets, ranks))
+    if meta is None:
+        meta = build_meta(token_slots, a.shape[0])
+    return ("tok", lora_shrink_tokens(x, a, meta, ranks, uniform=True), meta, offsets, ranks)
+
+
+def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y += the delta of a finished `shrink_ahead` (after it in stream order), in place."""
+    if shrunk[0] == "one":
+        return add_lora_uniform_expand(shrunk[1], b, y)
+    _, hp, meta, offsets, ranks = shrunk
+    return lora_expand_tokens(hp, b, y, meta, _offsets(offsets), len(offsets) - 1, ranks,
+                              uniform=True)
 
 
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
