@@ -306,3 +306,4 @@ def test_tiny_adapters_round(tmp_path):
     short = table[table.index("In short"):].splitlines()
     assert short[2].startswith("| adapters | popularity | round | start s | out tok/s |")
     assert short[4].startswith("| 2 | zipf:1 | first | 0 |") and len(short) == 4 + 5
+    assert all(line.split(" | ")[-2] == "0" for line in short[4:])  # no request errors

@@ -192,7 +192,7 @@ def table(points: list[dict], meta: dict) -> str:
 
 _SHORT = ("adapters", "popularity", "round", "start s", "out tok/s", "TTFT p50 / p99 ms",
           "ITL p50 / p99 ms", "step ms", "swaps/s", "swap ms", "MB/s host->slot / disk",
-          "engine cores", "loads in window", "tok/s, TTFT p99 vs fewest")
+          "engine cores", "loads in window", "errors", "tok/s, TTFT p99 vs fewest")
 
 
 def _mean_ms(eng: dict, total: str, count: str) -> float | None:
@@ -216,6 +216,7 @@ def short_table(points: list[dict]) -> list[str]:
             _f(mv.get("swaps_per_s")), _f(_mean_ms(eng, "slot_load_s", "slot_load_count")),
             f"{_f(mv.get('slot_bytes_per_s'), 1e-6, 0)} / {_f(mv.get('disk_bytes_per_s'), 1e-6, 0)}",
             _f(busy.get("engine"), digits=2), str(p.get("loads_in_window", "-")),
+            ", ".join(f"{k} {v}" for k, v in sorted(s["errors"].items())) or "0",
             " / ".join(_f(x, digits=3) for x in vs_fewest(p, points))]
         out.append("| " + " | ".join(cells) + " |")
     return out
