@@ -24,13 +24,14 @@ slot swaps, and decode step time with and without swaps, on a Llama-3-8B-shaped 
 - swap:   one host -> slot copy through the engine's copier (its side stream), from issue
           to completion (host wall time, and device time between events), and the copies
           it queues.
-- step:   decode steps of a batch over adapters already in slots, without swaps, then with
+- step:   decode steps of a batch over adapters already in slots, without swaps and with
           one swap per step: each step, an adapter the batch does not use is prefetched
           into a slot the way the engine brings in a waiting request's adapter (residency
           prefetch, evicting an adapter without running requests; benchmarks/
           swap_steps.py), with the copy ordered as before issue 20's change (after all
           queued compute, the step in flight included) and as now (after the slot's last
-          reader only); each swap is counted.
+          reader only), and 4 swaps per step; each swap is counted. The modes alternate
+          in chunks of 10 steps, so the step time's drift (contexts grow) hits each alike.
 - profile (--profile): the device timeline of a few of those steps, both orderings
           (where each copy sits against the input uploads and graph replays); --trace:
           a torch.profiler trace of them (step_swap_trace.json, for ui.perfetto.dev).
@@ -56,7 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.llama8b import adapter_bytes, write_adapter, write_model_dir  # noqa: E402
 from benchmarks.swap_steps import (SwapIn, copies_after_all_compute,  # noqa: E402
-                                   profile_steps, slot_loads, trace_steps)
+                                   profile_steps, time_interleaved, trace_steps)
 
 RANK = 16
 BURST = 16
@@ -317,24 +318,29 @@ MULTI = 4    # swaps per step of the "swap_x4" mode (when the batch leaves that 
 
 
 def step_modes(device: torch.device, free_slots: int) -> list[tuple[str, int]]:
-    """(mode, swaps per step) in the order timed; "swap_after_all" copies as before."""
-    modes = [("no_swap", 0), ("swap_after_all", 1), ("swap", 1), ("swap_x4", MULTI),
-             ("no_swap_again", 0)]
+    """(mode, swaps per step); "swap_after_all" copies as before issue 20's change."""
+    modes = [("no_swap", 0), ("swap_after_all", 1), ("swap", 1), ("swap_x4", MULTI)]
     return [(m, n) for m, n in modes if (m != "swap_after_all" or device.type == "cuda")
             and n <= free_slots]
 
 
 def bench_steps(engine, ids: list[int], paths: list[Path], args, device: torch.device, log):
-    """Mean decode step time over `args.steps` steps: without swaps, then with swaps
-    through the engine's residency path (`SwapIn`): one per step with the copy ordered
-    as before (after all queued compute; CUDA only) and as now (after the slot's last
-    reader), MULTI per step (as now) where the batch leaves enough slots free, then
-    without again. Optionally the device timeline of a few steps of the swap modes."""
+    """Mean decode step time without swaps and with swaps through the engine's residency
+    path (`SwapIn`): one per step with the copy ordered as before (after all queued
+    compute; CUDA only) and as now (after the slot's last reader), and MULTI per step (as
+    now) where the batch leaves enough slots free. The modes are interleaved in chunks
+    (benchmarks/swap_steps.py: `time_interleaved`), so that the slow drift of the step
+    time (every context grows a token per step) weighs on each alike. Optionally the
+    device timeline of a few steps of each swap mode."""
     from engine import SamplingParams
 
     used = ids[:args.slots - 1]
+    chunk = min(10, args.steps)
+    rounds = max(2, args.steps // chunk)
     # every step below, with room to spare: no request finishes while steps are timed
-    steps = 6 * args.steps + 4 * args.profile_steps + args.slots + MULTI + SPARES + 40
+    steps = (20 + args.slots + MULTI + SPARES + 4 * rounds * chunk
+             + 4 * (args.profile_steps + 1) + 16)
+    assert 64 + steps <= engine.max_model_len, f"{steps} steps: lower --steps"
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [1 + (i * 7 + j) % 1000 for j in range(64)], params,
@@ -350,28 +356,14 @@ def bench_steps(engine, ids: list[int], paths: list[Path], args, device: torch.d
     for _ in range(len(spares)):         # each spare once through a slot, then the timing
         swap()
         engine.step()
-    out, profiles = {}, {}
+    after_all = {"swap_after_all": lambda: copies_after_all_compute(engine)}
+    out = time_interleaved(engine, swap, modes, chunk, rounds, after_all, log)
+    profiles = {}
     for mode, per_step in modes:
-        undo = copies_after_all_compute(engine) if mode == "swap_after_all" else None
-        try:
-            loads = slot_loads(engine)
-            sync(device)
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                if per_step:
-                    swap(per_step)
-                engine.step()
-            sync(device)
-            out[mode] = (time.perf_counter() - t) / args.steps
-            swaps = slot_loads(engine) - loads
-            log(f"steps {mode}: {ms(out[mode])} ms/step, {swaps} swaps")
-            if swaps != per_step * args.steps:
-                log(f"  WARNING: {swaps} swaps in {args.steps} steps, expected {per_step} "
-                    "per step")
-            if args.profile and per_step and device.type == "cuda":
-                profiles[mode] = profile_steps(engine, swap, args.profile_steps, log, mode,
-                                               per_step)
-        finally:
+        if args.profile and per_step and device.type == "cuda":
+            undo = after_all[mode]() if mode in after_all else None
+            profiles[mode] = profile_steps(engine, swap, args.profile_steps, log, mode,
+                                           per_step)
             if undo is not None:
                 undo()
     if args.trace and device.type == "cuda":
@@ -393,7 +385,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8,
                     help="max_loras; the batch uses min(adapters, slots - 1) of them")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=30,
+                    help="decode steps timed per mode (in chunks of 10, modes interleaved)")
     ap.add_argument("--swaps", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
                     help="the device timeline of a few steps with swaps (where each copy "
@@ -417,7 +410,7 @@ def main() -> None:
     started = time.perf_counter()
     if args.quick:
         args.swap_only = args.profile = True
-        args.steps, args.swaps, args.profile_steps = min(args.steps, 20), 5, 6
+        args.steps, args.swaps, args.profile_steps = 60, 5, 6
         args.slots = max(args.slots, args.adapters + MULTI + 2)  # room for swap_x4
     if args.device == "cpu":
         args.batch = min(args.batch, 4)
@@ -484,7 +477,6 @@ def engine_parts(tmp: Path, args, device: torch.device, log) -> dict:
         "swap_gb_s": round(mb / 1e3 / med(swap_dev), 1) if swap_dev else None,
         "copies_per_swap": med(copies),
         "step_ms": ms(steps["no_swap"]), "step_swap_ms": ms(steps["swap"]),
-        "step_ms_again": ms(steps["no_swap_again"]),
         "step_swap_ratio": round(steps["swap"] / steps["no_swap"], 3),
         "step_swap_after_all_ms": ms(steps["swap_after_all"]) if "swap_after_all" in steps
         else None,
@@ -522,7 +514,7 @@ def table(summary: dict, log) -> None:
             ("  one swap per step, copy after slot readers", summary["step_swap_ms"], ""),
             (f"  {MULTI} swaps per step, copy after slot readers",
              get(f"step_swap_x{MULTI}_ms"), ""),
-            ("decode step, no swaps again", summary["step_ms_again"], "")]
+            ]
     log(f"\n{summary['layers']} layers, adapter {summary['adapter_mb']} MB")
     log(f"{'what':<46}{'ms':>10}  target")
     for name, value, target in rows:

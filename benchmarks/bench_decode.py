@@ -3,9 +3,11 @@ the memory-bandwidth floor and, in the same run, Hugging Face transformers + PEF
 
     python benchmarks/bench_decode.py --out DIR [--quick] [--no-hf]
 
-Modes: "base" (no adapter), "one" (one rank-16 adapter for every request), "one-split"
-(the same through the two-launch LoRA path: add_lora's uniform path before one launch per
-group), "distinct" (one rank-16 adapter per request, on all seven projections). Distinct adapters are
+Modes: "base" (no adapter), "one" (one rank-16 adapter for every request, the engine's
+defaults), "one-split" (the same through the two-launch LoRA path), "one-launch" (through
+the one-launch kernel, kernels/lora_triton.py UNIFORM_ONE_LAUNCH), "one-ahead" (each
+group's shrink on a side stream beside its base matmul, engine/lora/batch.py
+SHRINK_AHEAD), "distinct" (one rank-16 adapter per request, on all seven projections). Distinct adapters are
 registered from a few adapter files under different names: each name gets its own id,
 slot and device copy, so a step reads every adapter's A/B separately exactly as with
 distinct files, without writing gigabytes of adapter files first.
@@ -100,21 +102,30 @@ class HostTimer:
         return out
 
 
+_DEFAULT_PATH: dict = {}
+
+
 def select_uniform_path(eng, mode: str) -> None:
-    """Mode "one-split": one-adapter batches take the two-launch LoRA path; any other
-    mode the default one launch. Captured graphs are dropped when the path changes (they
-    are captured again when next needed)."""
+    """Modes "one-split" (two launches per group), "one-launch" (one) and "one-ahead"
+    (the shrink beside the base matmul, the expand after it) set the one-adapter LoRA
+    path; any other mode the engine's defaults. Captured graphs are dropped when the path
+    changes (they are captured again when next needed)."""
+    from engine.lora import batch
     from kernels import lora_triton
-    one_launch = mode != "one-split"
-    if lora_triton.UNIFORM_ONE_LAUNCH != one_launch:
-        lora_triton.UNIFORM_ONE_LAUNCH = one_launch
+    if not _DEFAULT_PATH:
+        _DEFAULT_PATH.update(one=lora_triton.UNIFORM_ONE_LAUNCH, ahead=batch.SHRINK_AHEAD)
+    one_launch = {"one-launch": True, "one-split": False}.get(mode, _DEFAULT_PATH["one"])
+    ahead = {"one-ahead": True, "one-split": False, "one-launch": False}.get(
+        mode, _DEFAULT_PATH["ahead"])
+    if (lora_triton.UNIFORM_ONE_LAUNCH, batch.SHRINK_AHEAD) != (one_launch, ahead):
+        lora_triton.UNIFORM_ONE_LAUNCH, batch.SHRINK_AHEAD = one_launch, ahead
         if eng.runner.graphs is not None:
             eng.runner.graphs.release()
 
 
 def mode_adapters(mode: str, b: int, names: list[str]) -> list[str | None]:
     return {"base": [None] * b, "one": [names[0]] * b, "one-split": [names[0]] * b,
-            "distinct": names[:b], "d64": [names[i % 64] for i in range(b)]}[mode]
+            "one-ahead": [names[0]] * b, "one-launch": [names[0]] * b, "distinct": names[:b], "d64": [names[i % 64] for i in range(b)]}[mode]
 
 
 def graph_replay_s(eng, batch: int, use_lora: bool, reps: int = 20,
@@ -213,8 +224,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,8,16,32,64,128,256")
     ap.add_argument("--modes", default="base,one,distinct,d64",
-                    help="base; one adapter for all rows; one-split: the same through the "
-                         "two-launch LoRA path; distinct: one adapter per row; "
+                    help="base; one adapter for all rows; one-split / one-launch / "
+                         "one-ahead: the same through the two-launch, one-launch or "
+                         "shrink-beside-the-matmul LoRA path; "
+                         "distinct: one adapter per row; "
                          "d64: 64 adapters round robin (4 rows each at batch 256)")
     ap.add_argument("--profile-batches", default="64",
                     help="batches whose decode graphs are profiled")
@@ -264,7 +277,7 @@ def main() -> None:
             adapters = mode_adapters(mode, b, names)
             t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen)
             step = t["step"]
-            n_ad = {"base": 0, "one": 1, "one-split": 1, "distinct": b, "d64": min(b, 64)}[mode]
+            n_ad = {"base": 0, "distinct": b, "d64": min(b, 64)}.get(mode, 1)
             ctx = b * (args.prompt_len + 3 + args.steps // 2)
             floor_b = weight_bytes(cfg, b) + kv_bytes(cfg, ctx) + n_ad * adapter_bytes(cfg, RANK)
             floor = floor_b / bw
@@ -324,7 +337,7 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[i
         eng.step()
         graphs = eng.runner.graphs
         graph = graphs.graph_for(b, mode != "base", greedy=True,
-                                 uniform=mode in ("one", "one-split"))
+                                 uniform=mode.startswith("one"))
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):
@@ -342,7 +355,7 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[i
             eng.abort(r.request_id)
         while eng.has_unfinished():
             eng.step()
-    select_uniform_path(eng, "one")
+    select_uniform_path(eng, "base")
     path.write_text("\n".join(lines))
     print("\n".join(lines)[:6000], flush=True)
     return counts

@@ -1,6 +1,6 @@
 """Multi-adapter LoRA kernel benchmark on Llama-3-8B shapes against the memory floor.
 
-    python benchmarks/bench_kernels.py --out DIR [--quick | --targets | --uniform]
+    python benchmarks/bench_kernels.py --out DIR [--quick | --targets | --uniform | --prefill]
 
 Measures the device copy bandwidth in the same run, then for every layer group (qkv, o,
 gate_up, down), rank, token count, distinct-adapter count and token->adapter mapping:
@@ -9,9 +9,12 @@ over rotating buffer sets, counts its launches, and (on the two-kernel path) tim
 shrink and expand kernels alone. One-adapter cases up to 256 tokens run twice, as the
 engine's uniform graph launches them: path "one-launch" (kernels/lora_uniform_triton.py)
 and "two-launch" (the token kernels), side by side; cases of several adapters and 17-256
-tokens too: path "tokens" (the token kernels) and "segments" (kernels/lora_mixed_triton.py).
-Floors follow PERF.md. Writes kernels.csv and kernels.md to DIR and prints a short table.
-Needs a CUDA GPU; the arithmetic helpers do not.
+tokens too: path "tokens" (the token kernels) and "segments" (kernels/lora_mixed_triton.py);
+cases above 256 tokens (the prefill path) as well: path "tiles" (the tile-list grouped
+GEMM, kernels/lora_segment_triton.py) and "blocks" (the row-block segment kernels it
+replaced). `--prefill` also times the tile-list shrink alone at every K split. Floors
+follow PERF.md. Writes kernels.csv and kernels.md to DIR and prints a short table. Needs
+a CUDA GPU; the arithmetic helpers do not.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import argparse
 import contextlib
 import csv
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -71,25 +74,32 @@ class Case:
     tokens: int
     adapters: int
     mapping: str
-    path: str = "-"     # one adapter: "one-launch" or "two-launch" (uniform decode path)
+    # one adapter up to 256 tokens: "one-launch" or "two-launch" (uniform decode path);
+    # above 256 tokens: "tiles" or "blocks" (prefill path); else "-"
+    path: str = "-"
 
 
 UNIFORM_PATHS = ("one-launch", "two-launch")
+AHEAD = "ahead"     # --uniform only: the default kernels' shrink on a side stream (beside
+                    # the base matmul), the expand after it
 MIXED_PATHS = ("tokens", "segments")     # several adapters, 17..256 tokens: old and new
+SEGMENT_PATHS = ("tiles", "blocks")      # above 256 tokens (prefill): new and old
 
 
 @contextlib.contextmanager
 def uniform_path(path: str):
-    """add_lora(uniform=True) takes `path` inside the block ("-" or a mixed path: the
-    default)."""
+    """add_lora takes `path` inside the block, a uniform or a prefill one ("-" or a mixed
+    path: the defaults)."""
     from kernels import lora_triton
-    old = lora_triton.UNIFORM_ONE_LAUNCH
+    old = lora_triton.UNIFORM_ONE_LAUNCH, lora_triton.SEGMENT_TILE_LIST
     if path in UNIFORM_PATHS:
         lora_triton.UNIFORM_ONE_LAUNCH = path == "one-launch"
+    if path in SEGMENT_PATHS:
+        lora_triton.SEGMENT_TILE_LIST = path == "tiles"
     try:
         yield
     finally:
-        lora_triton.UNIFORM_ONE_LAUNCH = old
+        lora_triton.UNIFORM_ONE_LAUNCH, lora_triton.SEGMENT_TILE_LIST = old
 
 
 @contextlib.contextmanager
@@ -122,17 +132,22 @@ class Result:
     shrink_pct: float
     expand_us: float
     expand_pct: float
+    gemm_us: float = float("nan")        # --uniform: the group's base matmul alone ...
+    with_gemm_us: float = float("nan")   # ... and followed (or, ahead, overlapped) by LoRA
 
 
-def cases(quick: bool, targets: bool = False, uniform: bool = False) -> list[Case]:
+def cases(quick: bool, targets: bool = False, uniform: bool = False,
+          prefill: bool = False) -> list[Case]:
     groups = ["qkv", "down"] if quick else [g[0] for g in layer_groups()]
-    ranks = [16] if quick or targets or uniform else [8, 16, 64, 128]
+    ranks = [16] if quick or targets or uniform or prefill else [8, 16, 64, 128]
     tokens = [1, 64, 1024] if quick else [1, 16, 64, 256, 1024, 8192]
     adapters = [1, 8] if quick else [1, 8, 64, 128]
     if targets:  # the issue's target points: every group, rank 16 (T 128/256: decode, L 64)
         tokens, adapters = [1, 16, 64, 128, 256, 8192], [1, 64]
     if uniform:  # one adapter at decode sizes, both paths
         tokens, adapters = ([1, 64] if quick else [1, 16, 64]), [1]
+    if prefill:  # one chunk of prefill over 64 adapters, both prefill paths
+        tokens, adapters = [8192], [64]
     out = []
     for g in groups:
         for r in ranks:
@@ -140,9 +155,13 @@ def cases(quick: bool, targets: bool = False, uniform: bool = False) -> list[Cas
                 for n in adapters:
                     if n > t:
                         continue
-                    for m in (["contiguous", "random"] if n > 1 and t > 1 else ["contiguous"]):
-                        paths = (UNIFORM_PATHS if n == 1 and t <= 256 else
-                                 MIXED_PATHS if 16 < t <= 256 else ("-",))
+                    maps = ["contiguous", "random"] if n > 1 and t > 1 and not prefill else [
+                        "contiguous"]
+                    for m in maps:
+                        paths = (UNIFORM_PATHS + ((AHEAD,) if uniform else ())
+                                 if n == 1 and t <= 256 else
+                                 MIXED_PATHS if 16 < t <= 256 else
+                                 SEGMENT_PATHS if t > 256 else ("-",))
                         out.extend(Case(g, r, t, n, m, p) for p in paths)
     return out
 
@@ -165,35 +184,95 @@ def make_set(case: Case, seed: int):
                 meta=build_meta(ts, L))
 
 
-def check(s, uniform: bool = False) -> None:
-    """add_lora on all tokens equals the reference on sampled rows (tokens are independent)."""
+def check(s, uniform: bool = False, path: str = "-") -> None:
+    """add_lora on all tokens (path "ahead": its two halves on two streams) equals the
+    reference on sampled rows (tokens are independent)."""
     from kernels.lora_ref import add_lora_ref
     from kernels.lora_triton import add_lora
     T = s["x"].shape[0]
     rows = torch.unique(torch.cat([torch.arange(min(T, 64)), torch.randperm(T)[:64]])).cuda()
-    got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"], s["ranks"],
-                   s["meta"], uniform=uniform)[rows]
+    if path == AHEAD:
+        out = dict(s, y=s["y"].clone())
+        _lora_call(out, AHEAD, torch.cuda.Stream())()
+        got = out["y"][rows]
+    else:
+        got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"],
+                       s["ranks"], s["meta"], uniform=uniform)[rows]
     want = add_lora_ref(s["y"][rows].clone(), s["x"][rows], s["a"], s["b"], s["ts"][rows],
                         s["offsets"])
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=3e-2)
 
 
-def run_case(case: Case, bw: float) -> Result:
+def run_case(case: Case, bw: float, gemm: bool = False) -> Result:
+    """gemm: also time the group's base matmul alone and with the LoRA after it (or,
+    on path "ahead", with the shrink beside it on a side stream)."""
     with uniform_path(case.path), mixed_path(case.path):
-        return _run_case(case, bw)
+        res = _run_case(case, bw)
+        if gemm:
+            res = replace(res, **_with_gemm(case))
+        return res
+
+
+def _lora_call(s, path: str, side, matmul=None):
+    """One group's LoRA on buffer set s (after `matmul`, if given, as the engine does);
+    path "ahead": the shrink forked to stream `side` before the matmul, the expand after."""
+    from kernels import lora as lora_kernels
+    from kernels.lora_triton import add_lora
+    uniform = s["a"].shape[0] == 1
+
+    def run():
+        if path == AHEAD:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shrunk = lora_kernels.shrink_ahead(s["x"], s["a"], s["ts"], s["offsets"],
+                                                   s["ranks"], meta=s["meta"], uniform=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            if matmul is not None:
+                matmul(s)
+            main.wait_event(done)
+            lora_kernels.expand_after(shrunk, s["b"], s["y"])
+        else:
+            if matmul is not None:
+                matmul(s)
+            add_lora(s["y"], s["x"], s["a"], s["b"], s["ts"], s["offsets"], s["ranks"],
+                     s["meta"], uniform=uniform)
+    return run
+
+
+def _with_gemm(case: Case) -> dict:
+    """{gemm_us, with_gemm_us}: y = x·Wᵀ (random bf16 W of the group's shape, shared by
+    the rotating sets: it alone is larger than the L2) alone, and followed by LoRA."""
+    _, K, N = next(g for g in layer_groups() if g[0] == case.group)
+    sets = [make_set(case, seed) for seed in range(4)]
+    key = (case.group, case.tokens)
+    if key not in _GEMM:      # W and the matmul alone: the same for every path
+        _GEMM.clear()
+        w = torch.randn(sum(N), K, device="cuda").bfloat16()
+        _GEMM[key] = (w, time_graph([lambda s=s: torch.matmul(s["x"], w.t(), out=s["y"])
+                                     for s in sets]))
+    w, t_gemm = _GEMM[key]
+
+    def matmul(s):
+        torch.matmul(s["x"], w.t(), out=s["y"])
+    t_both = time_graph([_lora_call(s, case.path, torch.cuda.Stream(), matmul) for s in sets])
+    return dict(gemm_us=t_gemm * 1e6, with_gemm_us=t_both * 1e6)
+
+
+_GEMM: dict = {}
 
 
 def _run_case(case: Case, bw: float) -> Result:
-    from kernels.lora_triton import add_lora
     _, K, N = next(g for g in layer_groups() if g[0] == case.group)
     M, r, L, S = case.tokens, case.rank, case.adapters, len(N)
     per_set = M * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + M * sum(N) * BF16
     sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
-    check(sets[0], uniform=L == 1)
+    check(sets[0], uniform=L == 1, path=case.path)
+    side = torch.cuda.Stream()
 
     def lora(s):  # one adapter: as the engine's uniform graph launches it
-        return lambda: add_lora(s["y"], s["x"], s["a"], s["b"], s["ts"], s["offsets"],
-                                s["ranks"], s["meta"], uniform=L == 1)
+        return _lora_call(s, case.path, side)
     launches = count_launches(lora(sets[0]))
     t = time_graph([lora(s) for s in sets])
     fused = launches == 1
@@ -204,7 +283,11 @@ def _run_case(case: Case, bw: float) -> Result:
                expand_us=float("nan"), expand_pct=float("nan"))
     shrink, expand = _two_kernels(sets[0], M, L)
     if case.path == "two-launch":   # the one-adapter token kernels alone (uniform launch)
-        shrink, expand = _uniform_token_kernels(len(N))
+        shrink, expand = _token_kernels(len(N), uniform=True)
+    if case.path == "tokens":       # the mixed batch's token kernels alone (the old path)
+        shrink, expand = _token_kernels(len(N), uniform=False)
+    if case.path in SEGMENT_PATHS:  # the prefill path's kernels alone (tile list or not)
+        shrink, expand = segment_kernels(case.path, K)
     if shrink is not None:
         hs = [shrink(s) for s in sets]
         ts = time_graph([lambda s=s: shrink(s) for s in sets])
@@ -217,17 +300,55 @@ def _run_case(case: Case, bw: float) -> Result:
                   gbps=nbytes / t / 1e9, pct_floor=100 * floor / t, **res)
 
 
-def _uniform_token_kernels(S: int):
-    """(shrink(set), expand(set, h)) of the two-launch one-adapter path, to time alone."""
+def segment_kernels(path: str, K: int, split_k: int | None = None):
+    """(shrink(set) -> h, expand(set, h)) of one prefill path with add_lora's parameters."""
+    from kernels.lora_segment_triton import config_for, seg_expand, seg_shrink
+    from kernels.lora_triton import lora_expand, lora_shrink
+    if path == "tiles":
+        cfg = config_for(torch.device("cuda"), K)
+        return (lambda s: seg_shrink(s["x"], s["a"], s["meta"], s["ranks"], split_k=split_k),
+                lambda s, h: seg_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"],
+                                        cfg=cfg))
+    return (lambda s: lora_shrink(s["x"], s["a"], s["meta"], s["ranks"], block_m=64),
+            lambda s, h: lora_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"],
+                                     block_m=64))
+
+
+def split_k_lines(quick: bool, bw: float) -> list[str]:
+    """The tile-list shrink alone at T=8192 over 64 adapters for every K split (a runtime
+    argument: no compile per split), per group: what the table's split choice costs."""
+    out = []
+    for g, K, N in layer_groups():
+        if quick and g not in ("qkv", "down"):
+            continue
+        case = Case(g, 16, 8192, 64, "contiguous", "tiles")
+        per_set = 8192 * K * BF16 + 64 * len(N) * 16 * K * BF16
+        sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
+        floor = floor_seconds(shrink_floor_bytes(8192, K, len(N), 16, 64), bw, 1)
+        cells = []
+        for split in (1, 2, 4, 8):
+            shrink, _ = segment_kernels("tiles", K, split_k=split)
+            t = time_graph([lambda s=s: shrink(s) for s in sets])
+            cells.append(f"split {split}: {t * 1e6:6.1f}us ({100 * floor / t:3.0f}%)")
+        out.append(f"shrink {g:8} T=8192 L=64 " + "  ".join(cells))
+        print(out[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return out
+
+
+def _token_kernels(S: int, uniform: bool):
+    """(shrink(set), expand(set, h)) of the token kernels (the two-launch one-adapter path
+    with `uniform`), to time alone."""
     from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
     from kernels.lora_triton import _offsets
 
     def shrink(s):
-        return lora_shrink_tokens(s["x"], s["a"], s["meta"], s["ranks"], uniform=True)
+        return lora_shrink_tokens(s["x"], s["a"], s["meta"], s["ranks"], uniform=uniform)
 
     def expand(s, h):
         return lora_expand_tokens(h, s["b"], s["y"], s["meta"], _offsets(s["offsets"]), S,
-                                  s["ranks"], uniform=True)
+                                  s["ranks"], uniform=uniform)
     return shrink, expand
 
 
@@ -236,17 +357,9 @@ def _two_kernels(s, M: int, L: int):
     to time alone: the prefill kernels above the decode path, the mixed decode kernels
     where their table sends the shape; (None, None) otherwise."""
     from kernels import lora_mixed_triton
-    from kernels.lora_segment_triton import config_for, seg_expand, seg_shrink
     from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS
     if M > TOKEN_PATH_MAX_TOKENS:
-        cfg = config_for(s["x"].device, s["x"].shape[1])
-
-        def shrink(s):
-            return seg_shrink(s["x"], s["a"], s["meta"], s["ranks"])
-
-        def expand(s, h):
-            return seg_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"], cfg=cfg)
-        return shrink, expand
+        return segment_kernels("tiles", s["x"].shape[1])
     if L == 1 or not lora_mixed_triton.takes(s["x"], s["a"], s["offsets"]):
         return None, None
     plan = lora_mixed_triton._plan(s["x"].device, M, L, s["offsets"], s["a"].shape[2],
@@ -259,6 +372,33 @@ def _two_kernels(s, M: int, L: int):
         return lora_mixed_triton.lora_expand_mixed(h, s["b"], s["y"], s["meta"], plan,
                                                    s["ranks"])
     return shrink_mixed, expand_mixed
+
+
+def expand_lines(quick: bool, bw: float) -> list[str]:
+    """The tile-list expand alone at T=8192 over 64 adapters for block sizes around the
+    table's (each new (BM, BN, N_LOOP) compiles once), per group."""
+    from kernels.lora_segment_triton import seg_expand, seg_shrink
+    out = []
+    for g, K, N in layer_groups():
+        if quick and g not in ("qkv", "gate_up"):
+            continue
+        case = Case(g, 16, 8192, 64, "contiguous", "tiles")
+        per_set = 2 * 8192 * sum(N) * BF16 + 64 * sum(N) * 16 * BF16
+        sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
+        hs = [seg_shrink(s["x"], s["a"], s["meta"], s["ranks"]) for s in sets]
+        floor = floor_seconds(expand_floor_bytes(8192, N, 16, 64), bw, 1)
+        for bm, bn, loop in ((64, 128, 1), (64, 128, 2), (64, 128, 4), (64, 128, 8),
+                             (64, 64, 8), (64, 256, 2), (128, 128, 4), (32, 128, 4)):
+            t = time_graph([lambda s=s, h=h: seg_expand(h, s["b"], s["y"], s["meta"],
+                                                         s["offsets"], s["ranks"], block_m=bm,
+                                                         block_n=bn, n_loop=loop)
+                            for s, h in zip(sets, hs)])
+            out.append(f"expand {g:8} T=8192 L=64 BM {bm:3} BN {bn:3} N_LOOP {loop}: "
+                       f"{t * 1e6:7.1f}us ({100 * floor / t:3.0f}%)")
+            print(out[-1], flush=True)
+        del sets, hs
+        torch.cuda.empty_cache()
+    return out
 
 
 def write(results: list[Result], bw: float, out: Path) -> None:
@@ -294,23 +434,40 @@ def main(argv: list[str] | None = None) -> int:
                         "L 1/64")
     p.add_argument("--uniform", action="store_true",
                    help="one adapter, T 1/16/64 (with --quick: qkv and down, T 1/64), rank 16: "
-                        "the one-launch and two-launch paths side by side")
+                        "paths one-launch, two-launch and ahead side by side, each also "
+                        "timed after the group's base matmul (ahead: beside it)")
+    p.add_argument("--prefill", action="store_true",
+                   help="T 8192 over 64 adapters (with --quick: qkv and down), rank 16: the "
+                        "tile-list and row-block prefill paths side by side, then the "
+                        "tile-list shrink at K splits 1/2/4/8")
+    p.add_argument("--sweep-expand", action="store_true",
+                   help="only the tile-list expand at T 8192 over 64 adapters for 8 block "
+                        "sizes (with --quick: qkv and gate_up), about 60-90 s")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
         return 2
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    if args.sweep_expand:
+        expand_lines(args.quick, bw)
+        return 0
     results = []
     print(f"{'group':8} {'r':>4} {'T':>5} {'L':>4} {'map':10} {'path':10} {'n':>2} {'us':>9} "
           f"{'floor':>8} {'GB/s':>7} {'%floor':>7} {'shrink':>14} {'expand':>14}")
-    for case in cases(args.quick, args.targets, args.uniform):
-        r = run_case(case, bw)
+    for case in cases(args.quick, args.targets, args.uniform, args.prefill):
+        r = run_case(case, bw, gemm=args.uniform and case.adapters == 1)
         results.append(r)
+        gemm = ("" if r.gemm_us != r.gemm_us else
+                f" | matmul {r.gemm_us:7.1f}us, +LoRA {r.with_gemm_us:7.1f}us "
+                f"(LoRA adds {r.with_gemm_us - r.gemm_us:5.1f}us)")
         print(f"{r.group:8} {r.rank:4} {r.tokens:5} {r.adapters:4} {r.mapping:10} {r.path:10} "
               f"{r.launches:2} {r.us:9.1f} {r.floor_us:8.1f} {r.gbps:7.0f} {r.pct_floor:6.1f}%"
-              f"{_part(r.shrink_us, r.shrink_pct)}{_part(r.expand_us, r.expand_pct)}", flush=True)
+              f"{_part(r.shrink_us, r.shrink_pct)}{_part(r.expand_us, r.expand_pct)}{gemm}",
+              flush=True)
         torch.cuda.empty_cache()
+    if args.prefill:
+        split_k_lines(args.quick, bw)
     write(results, bw, args.out)
     print(f"wrote {args.out / 'kernels.csv'} and {args.out / 'kernels.md'}")
     return 0

@@ -9,7 +9,7 @@ client SDK, and the same workload through the offline engine in the same invocat
         --popularity uniform,zipf:1 --concurrency 256 --cold-first --no-offline
     python benchmarks/bench_serving.py --out DIR --concurrency 256 --no-offline \\
         --points 5/zipf:1,32/uniform,256/uniform,1000/zipf:1,2000/zipf:1 --cold-first \\
-        --background-loads --warm-s 5 --point-s 19 --drain-s 5   # issue 20's round
+        --background-loads --warm-s 4 --point-s 17 --drain-s 5   # issue 20's round
     python benchmarks/bench_serving.py --out DIR --tiny                # CPU, demo model
     python benchmarks/bench_serving.py --out DIR -- --max-loras 32     # after --: serve flags
 

@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# One device call on one GPU: the kernel target grid, the engine decode benchmark (its
-# default, async scheduling on; HF + PEFT baseline in the same run), then batches 64 and 256
-# again with async scheduling off, side by side. At most 8 files under $OUT:
+# One device call on one GPU (about 9.5 minutes at most): the kernel target grid, the engine
+# decode benchmark (its default, async scheduling on; HF + PEFT baseline in the same run) at
+# batches 1/16/64/256, the end-to-end prefill benchmark (base, one adapter, 64 adapters; the
+# LoRA prefill kernels before and after), and, only when SYNC_S is set, batches 64 and 256
+# again with async scheduling off. At most 8 files under $OUT:
 # kernels.log kernels.csv decode.log decode.json decode_throughput.png profile.txt
-# decode_sync.log. The CUDA test suite is a separate call:
+# prefill.log (and decode_sync.log). Time limits: KERNELS_S DECODE_S PREFILL_S SYNC_S.
+# The CUDA test suite is a separate call:
 #   LORAMUX_TEST_DEVICE=cuda python3 -m pytest -q tests
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/loramux-gpu}; mkdir -p "$OUT"
 TMP=$(mktemp -d /tmp/loramux-round.XXXX)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
-timeout ${KERNELS_S:-150} python3 benchmarks/bench_kernels.py --targets --out "$TMP/k" \
+timeout ${KERNELS_S:-190} python3 benchmarks/bench_kernels.py --targets --out "$TMP/k" \
   > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"
 cp "$TMP/k/kernels.csv" "$OUT/" 2>/dev/null
 tail -34 "$OUT/kernels.log"
-timeout ${DECODE_S:-330} python3 benchmarks/bench_decode.py --out "$TMP/d" --steps 16 \
-  > "$OUT/decode.log" 2>&1; echo "decode rc=$?"
+timeout ${DECODE_S:-240} python3 benchmarks/bench_decode.py --out "$TMP/d" --steps 16 \
+  --batches 1,16,64,256 > "$OUT/decode.log" 2>&1; echo "decode rc=$?"
 cp "$TMP/d/decode.json" "$TMP/d/decode_throughput.png" "$TMP/d/profile.txt" "$OUT/" 2>/dev/null
 grep -E "^async|^hf-peft|^\| " "$OUT/decode.log" | tail -34
-timeout ${SYNC_S:-100} python3 benchmarks/bench_decode.py --out "$TMP/s" --steps 16 --no-hf \
-  --async-scheduling off --batches 64,256 > "$OUT/decode_sync.log" 2>&1; echo "sync rc=$?"
-grep -E "^async|^loramux" "$OUT/decode_sync.log"
+timeout ${PREFILL_S:-140} python3 benchmarks/bench_prefill.py --out "$TMP/p" \
+  > "$OUT/prefill.log" 2>&1; echo "prefill rc=$?"
+grep -E "^device|^prefill|^\| " "$OUT/prefill.log"
+if [ -n "${SYNC_S:-}" ]; then
+  timeout "$SYNC_S" python3 benchmarks/bench_decode.py --out "$TMP/s" --steps 16 --no-hf \
+    --async-scheduling off --batches 64,256 > "$OUT/decode_sync.log" 2>&1; echo "sync rc=$?"
+  grep -E "^async|^loramux" "$OUT/decode_sync.log"
+fi

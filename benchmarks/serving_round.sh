@@ -6,9 +6,9 @@
 # cache); a later round on the same machine reuses the model files and the compiled
 # kernels under $WORK and starts faster.
 #
-# Time budget (s): no point starts unless it can end by DEADLINE_S (510; 470 for adapters)
+# Time budget (s): no point starts unless it can end by DEADLINE_S (510; 480 for adapters)
 # after the start; then the service stops, plots are drawn (~10-20 s); `timeout` stops the
-# run 30 s after the deadline (it still writes its table and plots), kills it 10 s later.
+# run 22 s after the deadline (it still writes its table and plots), kills it 8 s later.
 #   streams   64 adapters, closed loops of 64 and 256 streams, service then offline
 #             (target service/offline >= 0.95). Per point: <= 25 sending + 15 drain.
 #             start 240, loads <= 60 (64 adapters: ~10), warm-up round ~10, 2 points
@@ -22,22 +22,22 @@
 #             either path. Per point: <= 12 of arrivals + 8 drain (~15). start 240, loads
 #             <= LOAD_S (150), warm-up round ~5, 10 points ~150: the last sweep points are
 #             the ones skipped when loads are slow. Expected 400-510.
-#   adapters  issue 20's sweep in one call of <= 8.5 minutes (DEADLINE_S 470 for this round):
-#             256 closed-loop streams, every point windowed: WARM_S (5) s of its own
-#             warm-up, then measured until POINT_S (19) s (a 14 s window; the drain only
+#   adapters  issue 20's sweep in one call of <= 8.5 minutes (DEADLINE_S 480 for this round):
+#             256 closed-loop streams, every point windowed: WARM_S (4) s of its own
+#             warm-up, then measured until POINT_S (17) s (a 13 s window; the drain only
 #             waits for the window's first tokens). The first point (5 adapters, Zipf(1))
 #             runs right after "serving" with only its adapters loaded, then again (steady:
 #             the baseline of the 1,000 / 2,000 targets), then once more while the other
 #             1,995 adapters load in the background ("during loads": what loads cost the
 #             traffic); the later points start once their adapters are loaded, after up to
 #             30 s of waiting for the loads to finish, in the order of ADAPTER_POINTS (the
-#             targets' points first). Per point ~22 s. Fresh machine: start ~250 (less
+#             targets' points first). Per point ~20 s. Fresh machine: start ~250 (less
 #             with the kernels of an earlier run in TRITON_CACHE_DIR, default the shared
-#             ~/.triton/cache), 3 rounds of the first point ~66, loads of 2,000 at >= 50/s
+#             ~/.triton/cache), 3 rounds of the first point ~60, loads of 2,000 at >= 50/s
 #             mostly hidden in "during loads" (<= 30 s more), then 32u, 256u, 1000z, 2000z,
-#             32z, 256z (~130): what does not fit by the deadline is skipped (1000u, 2000u,
-#             1 come last); ~100 s faster start-up runs them all. Slow loads only delay
-#             (and skip) the points with many adapters.
+#             32z, 256z, 1000u (~140): what does not fit by the deadline is skipped (2000u
+#             and 1 come last); a start-up 30 s faster runs them all. Slow loads only delay
+#             (and skip) the points with many adapters. Ends ~495 s after the call starts.
 #             Prints the loads per second and each load's latency as adapters load, the
 #             first round over steady state, the targets, then the table.
 # Under $OUT: <round>.log (rows as points finish) and <round>/ (serving.json, table.md,
@@ -65,14 +65,14 @@ else
   RATE=${RATE:-8}; SWEEP=${SWEEP:-4,8,16,32,48}; STREAMS=64,256; STREAMS_N=64; ZIPF_N=5,1000
   SWEEP_N=1,32,256,1000,2000; WIDE=256
   POINTS=${ADAPTER_POINTS:-5/zipf:1,32/uniform,256/uniform,1000/zipf:1,2000/zipf:1,32/zipf:1,256/zipf:1,1000/uniform,2000/uniform,1/uniform}
-  WARM_S=${WARM_S:-5}; POINT_S=${POINT_S:-19}; WIDE_EXTRA=()
+  WARM_S=${WARM_S:-4}; POINT_S=${POINT_S:-17}; WIDE_EXTRA=()
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 fi
 run() {  # name, deadline s, bench flags...
   local name=$1 deadline=$2; shift 2
   local t0=$SECONDS
-  # SIGTERM at the deadline + 30 s: the run stops the service and still writes its table
-  timeout -k 10 $((deadline + 30)) python3 benchmarks/bench_serving.py --out "$OUT/$name" \
+  # SIGTERM at the deadline + 22 s: the run stops the service and still writes its table
+  timeout -k 8 $((deadline + 22)) python3 benchmarks/bench_serving.py --out "$OUT/$name" \
     --workdir "$WORK" --deadline-s "$deadline" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -E '^(service|offline): (serving|ready|loaded|skipped|one adapter)|warm-up|first round|^  service: |^target |adapters load / without' "$OUT/$name.log"
@@ -89,7 +89,7 @@ for r in ${ROUNDS:-streams}; do
     zipf)     run zipf "${DEADLINE_S:-510}" --adapters "$ZIPF_N" --popularity zipf:1 \
                 --rate "$RATE" --sweep "$SWEEP" --point-s 12 --drain-s 8 \
                 --load-s "${LOAD_S:-150}" --no-offline "${EXTRA[@]}" ;;
-    adapters) run adapters "${DEADLINE_S:-470}" --points "$POINTS" --concurrency "$WIDE" \
+    adapters) run adapters "${DEADLINE_S:-480}" --points "$POINTS" --concurrency "$WIDE" \
                 --cold-first --background-loads --settle-s "${SETTLE_S:-30}" --no-offline \
                 --warm-s "$WARM_S" --point-s "$POINT_S" --drain-s 5 "${WIDE_EXTRA[@]}" ;;
     *) echo "unknown round $r (streams, zipf, adapters)"; exit 2 ;;

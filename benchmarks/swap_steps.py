@@ -8,6 +8,7 @@ torch.profiler trace of them (`trace_steps`). CUDA only, except `SwapIn` and
 from __future__ import annotations
 
 import statistics
+import time
 import traceback
 from pathlib import Path
 
@@ -47,6 +48,40 @@ def copies_after_all_compute(engine):
 
     copier.queue = queue_after_all
     return lambda: setattr(copier, "queue", queue)
+
+
+def time_interleaved(engine, swap: SwapIn, modes: list[tuple[str, int]], chunk: int,
+                     rounds: int, setups: dict, log) -> dict[str, float]:
+    """Mean seconds per `engine.step()` of each (mode, swaps per step): `rounds` rounds of
+    `chunk` steps of every mode, in order, then in reverse order the next round (so what
+    one mode leaves in flight weighs on each neighbour alike), steps back to back without
+    a sync between chunks: the steady state of the step loop, async scheduling included.
+    `setups[mode]()`, where given, applies a mode's setting and returns its undo. Logs
+    each mode's mean and its swap count (WARNING where not `swaps per step` each)."""
+    spent = dict.fromkeys((m for m, _ in modes), 0.0)
+    swaps = dict.fromkeys(spent, 0)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    for r in range(rounds):
+        for mode, per_step in (modes if r % 2 == 0 else modes[::-1]):
+            undo = setups[mode]() if mode in setups else None
+            loads = slot_loads(engine)
+            t = time.perf_counter()
+            for _ in range(chunk):
+                if per_step:
+                    swap(per_step)
+                engine.step()
+            spent[mode] += time.perf_counter() - t
+            swaps[mode] += slot_loads(engine) - loads
+            if undo is not None:
+                undo()
+    n = rounds * chunk
+    for mode, per_step in modes:
+        log(f"steps {mode}: {spent[mode] / n * 1e3:.3f} ms/step over {n} steps "
+            f"({rounds} chunks of {chunk}), {swaps[mode]} swaps")
+        if swaps[mode] != per_step * n:
+            log(f"  WARNING: {swaps[mode]} swaps in {n} steps, expected {per_step} per step")
+    return {mode: spent[mode] / n for mode in spent}
 
 
 def profile_steps(engine, swap: SwapIn, steps: int, log, mode: str,

@@ -40,3 +40,21 @@ def build_meta(token_slots: torch.Tensor, max_loras: int, uniform: bool = False)
             and _triton.uses_meta(token_slots.shape[0], uniform)):
         return _triton.build_meta(token_slots, max_loras)
     return None
+
+
+def shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
+                 slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
+                 meta=None, uniform: bool = False):
+    """The shrink half of `add_lora` for a `uniform` decode call, launched on its own (it
+    reads only x: it may run on another stream beside the base matmul), for
+    `expand_after`; None where that split does not apply (CPU, no Triton, more than 256
+    tokens, not `uniform`): then use `add_lora` as usual."""
+    if (not uniform or not x.is_cuda or _triton is None or x.shape[0] == 0
+            or x.shape[0] > _triton.TOKEN_PATH_MAX_TOKENS or slice_offsets[-1] == 0):
+        return None
+    return _triton.shrink_ahead(x, a, token_slots, slice_offsets, ranks, meta)
+
+
+def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y += the LoRA delta from a finished `shrink_ahead`, in place; returns y."""
+    return _triton.expand_after(shrunk, b, y)

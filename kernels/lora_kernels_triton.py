@@ -1,6 +1,8 @@
 """Triton programs for batched multi-adapter LoRA (host wrappers: kernels/lora_triton.py):
-the single-launch kernel for small batches. (The prefill path's programs are in
-kernels/lora_segment_kernels_triton.py, the decode path's in lora_token_kernels_triton.py.)
+the row-block segment kernels (the prefill path before the tile list, kept selectable:
+`lora_triton.SEGMENT_TILE_LIST`) and the single-launch kernel for small batches. (The
+prefill path's tile-list programs are in kernels/lora_segment_kernels_triton.py, the
+decode path's in lora_token_kernels_triton.py.)
 
 Every program works on one *segment*: the run of tokens that share an adapter slot, in
 the order `LoRAMeta.sorted_tokens` lists them. Axis 2 of every grid walks the compacted
@@ -82,6 +84,70 @@ def _expand_tile(h, b_ptr, y_ptr, tok, m_mask, slot, rank, n0, hi,
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+@triton.jit
+def lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, seg_start_ptr, seg_len_ptr,
+                       active_ptr, ranks_ptr, K, R,
+                       stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
+                       stride_hs, stride_ht, stride_hr,
+                       HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (m-blocks, S * SPLIT_K, active entries): h[s, tok, :] = x[tok] @ a[slot, s].T.
+
+    With SPLIT_K > 1 each program sums one K range and adds atomically into a zeroed h."""
+    pid_m = tl.program_id(0)
+    s = tl.program_id(1) // SPLIT_K
+    ks = tl.program_id(1) % SPLIT_K
+    slot, seg_start, seg_len, rank = _segment(active_ptr, seg_start_ptr, seg_len_ptr,
+                                              ranks_ptr, tl.program_id(2), R, HAS_RANKS)
+    if (slot < 0) | (pid_m * BLOCK_M >= seg_len):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    tok = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    k_chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = ks * k_chunk
+    k_hi = tl.minimum(K, k_lo + k_chunk)
+    acc = _shrink_tile(x_ptr, a_ptr, tok, m_mask, slot, s, rank, k_lo, k_hi,
+                       stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
+                       BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, UPCAST)
+    offs_r = tl.arange(0, BLOCK_R)
+    h_ptrs = h_ptr + s * stride_hs + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr
+    mask = m_mask[:, None] & (offs_r < R)[None, :]
+    if SPLIT_K == 1:
+        tl.store(h_ptrs, acc, mask=mask)
+    else:
+        tl.atomic_add(h_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, seg_start_ptr, seg_len_ptr,
+                       active_ptr, ranks_ptr, R, n_blocks, o0, o1, o2, o3, o4,
+                       stride_hs, stride_ht, stride_hr, stride_bl, stride_bn, stride_br,
+                       stride_yt, stride_yn,
+                       HAS_RANKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """Grid (m-blocks, S * n_blocks, active entries): y[tok, slice s] += h[s, tok] @ b.T."""
+    pid_m = tl.program_id(0)
+    s = tl.program_id(1) // n_blocks
+    lo, hi = _slice_bounds(s, o0, o1, o2, o3, o4)
+    n0 = lo + (tl.program_id(1) % n_blocks) * BLOCK_N
+    slot, seg_start, seg_len, rank = _segment(active_ptr, seg_start_ptr, seg_len_ptr,
+                                              ranks_ptr, tl.program_id(2), R, HAS_RANKS)
+    if (slot < 0) | (pid_m * BLOCK_M >= seg_len) | (n0 >= hi):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    tok = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    h = tl.load(h_ptr + s * stride_hs + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr,
+                mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
+    _expand_tile(h, b_ptr, y_ptr, tok, m_mask, slot, rank, n0, hi,
+                 stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
+                 BLOCK_R, BLOCK_N, PRECISION, UPCAST)
 
 
 @triton.jit

@@ -44,10 +44,10 @@ def _segment_tiles(seg_len_ptr, NSEG, SEG_P: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr, NSEG, SEG_P: tl.constexpr,
-             BLOCK_M: tl.constexpr):
-    """(slot, first sorted position, rows) of tile t: BLOCK_M rows of its segment (the
-    last tile fewer); rows <= 0 past the last tile."""
+def _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr, sorted_ptr, NSEG,
+             SEG_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(slot, first sorted position, rows, row mask, token of each row) of tile t: BLOCK_M
+    rows of its segment (the last tile fewer); rows <= 0 past the last tile."""
     seg = tl.sum((ends <= t).to(tl.int32), 0)    # the first segment that ends past t
     here = tl.arange(0, SEG_P) == seg
     first_tile = tl.sum(tl.where(here, ends - n, 0), 0)
@@ -55,7 +55,18 @@ def _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr, NSEG, SEG_P: tl.conste
     i = tl.minimum(seg, NSEG - 1)
     row0 = (t - first_tile) * BLOCK_M
     rows = tl.minimum(seg_len - row0, BLOCK_M)
-    return tl.load(active_ptr + i), tl.load(seg_start_ptr + i) + row0, rows
+    p0 = tl.load(seg_start_ptr + i) + row0
+    m_mask = tl.arange(0, BLOCK_M) < rows
+    tok = tl.load(sorted_ptr + p0 + tl.arange(0, BLOCK_M), mask=m_mask, other=0)
+    return tl.load(active_ptr + i), p0, rows, m_mask, tok.to(tl.int64)
+
+
+@triton.jit
+def _h_ptrs(hp_ptr, s, p0, stride_hs, stride_ht, stride_hr, BLOCK_M: tl.constexpr,
+            BLOCK_R: tl.constexpr):
+    """[BLOCK_M, BLOCK_R] pointers to slice s of the partial sums, rows p0 ... (split 0)."""
+    return (hp_ptr + s * stride_hs + (p0 + tl.arange(0, BLOCK_M))[:, None] * stride_ht
+            + tl.arange(0, BLOCK_R)[None, :] * stride_hr)
 
 
 @triton.jit
@@ -65,39 +76,34 @@ def _rank(ranks_ptr, slot, R, HAS_RANKS: tl.constexpr):
     return R
 
 
-@triton.jit(do_not_specialize=["NSEG", "TILES", "split_k"])
+@triton.jit(do_not_specialize=["NSEG", "TILES", "split_k", "k_chunk"])
 def lora_shrink_mixed_kernel(x_ptr, a_ptr, hp_ptr, count_ptr, sorted_ptr, seg_start_ptr,
                              seg_len_ptr, active_ptr, ranks_ptr, NSEG, TILES, K, R,
                              stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
                              stride_hk, stride_hs, stride_ht, stride_hr,
-                             split_k, HAS_RANKS: tl.constexpr,
+                             split_k, k_chunk, HAS_RANKS: tl.constexpr,
                              REDUCE: tl.constexpr, SEG_P: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (programs, S * split_k), tiles t = program_id(0), + programs, ... < TILES:
-    hp[ks, s, p, :] = x[tok(p), K range ks] @ a[slot, s].T for the tile's sorted
+    hp[ks, s, p, :] = x[tok(p), ks * k_chunk ...] @ a[slot, s].T for the tile's sorted
     positions p; with REDUCE the sum over ks lands in hp[0]."""
     s = tl.program_id(1) // split_k
     ks = tl.program_id(1) % split_k
     lens, n, ends = _segment_tiles(seg_len_ptr, NSEG, SEG_P, BLOCK_M)
-    k_chunk = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     k_lo = ks * k_chunk
-    k_hi = tl.minimum(K, k_lo + k_chunk)   # an empty range still stores (zeros)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
+    k_hi = tl.minimum(K, k_lo + k_chunk)
+    r_mask = tl.arange(0, BLOCK_R) < R
     for t in range(tl.program_id(0), TILES, tl.num_programs(0)):
-        slot, p0, rows = _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr, NSEG, SEG_P,
-                                  BLOCK_M)
+        slot, p0, rows, m_mask, tok = _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr,
+                                               sorted_ptr, NSEG, SEG_P, BLOCK_M)
         if rows > 0:
-            m_mask = offs_m < rows
-            tok = tl.load(sorted_ptr + p0 + offs_m, mask=m_mask, other=0).to(tl.int64)
             acc = _shrink_tile(x_ptr, a_ptr, tok, m_mask, slot, s,
                                _rank(ranks_ptr, slot, R, HAS_RANKS), k_lo, k_hi,
                                stride_xt, stride_xk, stride_al, stride_as, stride_ar,
                                stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, UPCAST)
-            mask = m_mask[:, None] & (offs_r < R)[None, :]
-            h_ptrs = (hp_ptr + s * stride_hs + (p0 + offs_m)[:, None] * stride_ht
-                      + offs_r[None, :] * stride_hr)
+            mask = m_mask[:, None] & r_mask[None, :]
+            h_ptrs = _h_ptrs(hp_ptr, s, p0, stride_hs, stride_ht, stride_hr, BLOCK_M, BLOCK_R)
             tl.store(h_ptrs + ks * stride_hk, acc, mask=mask)
             if REDUCE:
                 # every thread's partial is written before the arrival is published
@@ -134,18 +140,13 @@ def lora_expand_mixed_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, seg_start_ptr, se
     n_first = lo + (i - item0) * (tpp * BLOCK_N)
     n_last = tl.minimum(hi, n_first + tpp * BLOCK_N)
     lens, n, ends = _segment_tiles(seg_len_ptr, NSEG, SEG_P, BLOCK_M)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
     for t in range(tl.program_id(0), TILES, tl.num_programs(0)):
-        slot, p0, rows = _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr, NSEG, SEG_P,
-                                  BLOCK_M)
+        slot, p0, rows, m_mask, tok = _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr,
+                                               sorted_ptr, NSEG, SEG_P, BLOCK_M)
         if rows > 0:
             rank = _rank(ranks_ptr, slot, R, HAS_RANKS)
-            m_mask = offs_m < rows
-            tok = tl.load(sorted_ptr + p0 + offs_m, mask=m_mask, other=0).to(tl.int64)
-            h_ptrs = (hp_ptr + s * stride_hs + (p0 + offs_m)[:, None] * stride_ht
-                      + offs_r[None, :] * stride_hr)
-            h_mask = m_mask[:, None] & (offs_r < rank)[None, :]
+            h_ptrs = _h_ptrs(hp_ptr, s, p0, stride_hs, stride_ht, stride_hr, BLOCK_M, BLOCK_R)
+            h_mask = m_mask[:, None] & (tl.arange(0, BLOCK_R) < rank)[None, :]
             h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             for k in range(partials):
                 h += tl.load(h_ptrs + k * stride_hk, mask=h_mask, other=0.0)

@@ -60,18 +60,39 @@ class MixedParams:
 TOKENS = MixedParams(path="tokens")
 SEGMENTS = MixedParams()
 
-# Shape classes not listed take DEFAULT's entry. Up to 64 tokens the token-sized kernels
-# stay (one program per token is as good as a 16-row tile of one row there) until
-# measured otherwise; above, the token kernels read an adapter once per row (sweep:
-# benchmarks/sweep_lora.py --mixed prints the rows to put here).
+
+def _seg(programs: int, split_k: int, reduce: bool, tpp: int) -> MixedParams:
+    return MixedParams(programs=programs, split_k=split_k, reduce=reduce, tpp=tpp)
+
+
+# Shape classes not listed take DEFAULT's entry: up to 64 tokens the token-sized kernels
+# (one program per token is as good as a 16-row tile of one row there), above them these
+# kernels at parameters sized from the shape (the token kernels read an adapter about
+# once per row there).
 DEFAULT: dict[tuple[int, str], MixedParams] = {
     **{(16, kind): TOKENS for kind in ("qkv", "o", "gate_up", "down")},
     **{(64, kind): TOKENS for kind in ("qkv", "o", "gate_up", "down")},
 }
 # Per GPU (a substring of the device name); an H200 has the H100's SMs and more
-# bandwidth: it takes the H100 rows unless it has its own.
+# bandwidth: it takes the H100 rows unless it has its own. The H100 rows: the best of
+# benchmarks/sweep_lora_mixed.py on one H100 80GB HBM3 (2026-11-25, copy bandwidth 2.96
+# TB/s; 64 adapters round robin, rank 16, bf16, Llama-3-8B groups), old token kernels ->
+# these, us per layer group (both launches).
 TABLE: dict[str, dict[tuple[int, str], MixedParams]] = {
-    "H100": {},
+    "H100": {
+        (256, "qkv"): _seg(80, 3, True, 6),       # 57.2 -> 36.7
+        (256, "o"): _seg(80, 8, True, 4),         # 34.0 -> 23.9
+        (256, "gate_up"): _seg(80, 5, True, 25),  # 108.7 -> 68.3
+        (256, "down"): _seg(80, 6, False, 2),     # 62.1 -> 31.0
+        (128, "qkv"): _seg(72, 3, True, 6),       # 37.3 -> 32.0
+        (128, "o"): _seg(64, 6, False, 3),        # 23.0 -> 19.1
+        (128, "gate_up"): _seg(64, 5, False, 16), # 65.0 -> 52.3
+        (128, "down"): _seg(64, 6, False, 3),     # 41.1 -> 27.3
+        (64, "qkv"): TOKENS,                      # 24.4 (these: 24.5)
+        (64, "o"): TOKENS,                        # 15.6 (16.7)
+        (64, "gate_up"): TOKENS,                  # 43.0 (48.7)
+        (64, "down"): _seg(64, 6, False, 2),      # 28.3 -> 24.2
+    },
     "H200": {},
 }
 _FALLBACK = {"H200": "H100"}
@@ -130,6 +151,7 @@ class _Plan:
     tiles: int                       # bound on the tiles of any batch
     programs: int                    # programs along them
     split_k: int
+    k_chunk: int                     # K columns per split (whole K tiles)
     reduce: bool
     block_r: int
     block_k: int
@@ -163,12 +185,14 @@ def _plan(device: torch.device, T: int, L: int, slice_offsets: tuple[int, ...], 
     programs = min(tiles, params.programs or EXPECTED_ADAPTERS + T // bm)
     busy = min(programs, EXPECTED_ADAPTERS)     # tiles of a usual batch
     split = params.split_k or _auto_split(Kdim, busy, S, sms)
-    split = max(1, min(split, triton.cdiv(Kdim, 16)))
     # A and B tiles of at most 16 KB per pipeline stage, whatever the rank
     block_r = max(16, triton.next_power_of_2(R))
     block_k = min(params.block_k, max(32, 8192 // block_r),
                   max(16, triton.next_power_of_2(Kdim)))
     block_n = min(params.block_n, max(32, 8192 // block_r))
+    # K chunks of whole K tiles, none empty (split_k * k_chunk covers K)
+    k_chunk = triton.cdiv(triton.cdiv(Kdim, max(1, split)), block_k) * block_k
+    split = triton.cdiv(Kdim, k_chunk)
     n_tiles = [triton.cdiv(w, block_n) for w in widths]
     tpp = params.tpp or _auto_tpp(sum(n_tiles), busy, sms)
     per_slice = [triton.cdiv(n, tpp) for n in n_tiles] + [0] * (MAX_SLICES - S)
@@ -176,10 +200,10 @@ def _plan(device: torch.device, T: int, L: int, slice_offsets: tuple[int, ...], 
     offs = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
     return _Plan(takes=params.path == "segments", params=params, nseg=nseg,
                  seg_p=triton.next_power_of_2(nseg), tiles=tiles, programs=programs,
-                 split_k=split,
-                 reduce=params.reduce and split > 1, block_r=block_r,
-                 block_k=block_k, block_n=block_n, tpp=tpp, items=tuple(starts), num_items=max(1, sum(per_slice)),
-                 offsets=tuple(offs))
+                 split_k=split, k_chunk=k_chunk,
+                 reduce=params.reduce and split > 1, block_r=block_r, block_k=block_k,
+                 block_n=block_n, tpp=tpp, items=tuple(starts),
+                 num_items=max(1, sum(per_slice)), offsets=tuple(offs))
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -197,10 +221,9 @@ def lora_shrink_mixed(x: torch.Tensor, a: torch.Tensor, meta, plan: _Plan,
     assert meta.counters.numel() >= plan.tiles * MAX_SLICES, "meta built for fewer tokens"
     K.lora_shrink_mixed_kernel[(plan.programs, S * plan.split_k)](
         x, a, hp, meta.counters, meta.sorted_tokens, meta.seg_start, meta.seg_len,
-        meta.active_slots,
-        ranks if ranks is not None else meta.seg_len, plan.nseg, plan.tiles, Kdim, R,
-        x.stride(0), x.stride(1), *a.stride(), *hp.stride(), plan.split_k,
-        HAS_RANKS=ranks is not None, REDUCE=plan.reduce,
+        meta.active_slots, ranks if ranks is not None else meta.seg_len, plan.nseg,
+        plan.tiles, Kdim, R, x.stride(0), x.stride(1), *a.stride(), *hp.stride(),
+        plan.split_k, plan.k_chunk, HAS_RANKS=ranks is not None, REDUCE=plan.reduce,
         SEG_P=plan.seg_p, BLOCK_M=p.block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
         PRECISION=_precision(a), UPCAST=x.is_cpu, num_warps=p.warps, num_stages=p.stages)
     return hp

@@ -110,6 +110,7 @@ def seg_expand_kernel(hp_ptr, b_ptr, y_ptr, tiles_ptr, sorted_ptr, ranks_ptr, R,
     h = tl.load(h_ptrs, mask=h_mask, other=0.0)
     for ks in range(1, split_k):
         h += tl.load(h_ptrs + ks * stride_hk, mask=h_mask, other=0.0)
+    h = h.to(b_ptr.dtype.element_ty)          # once for every column tile below
     b_base = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
     y_rows = y_ptr + tok[:, None] * stride_yt
     n_lo = lo + (c - first) * (BLOCK_N * N_LOOP)
@@ -118,7 +119,7 @@ def seg_expand_kernel(hp_ptr, b_ptr, y_ptr, tiles_ptr, sorted_ptr, ranks_ptr, R,
         n_mask = offs_n < hi
         bt = tl.load(b_base + offs_n[None, :] * stride_bn,
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        delta = dot_f32(h.to(bt.dtype), bt, PRECISION, UPCAST)
+        delta = dot_f32(h, bt, PRECISION, UPCAST)
         y_ptrs = y_rows + offs_n[None, :] * stride_yn
         mask = m_mask[:, None] & n_mask[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)

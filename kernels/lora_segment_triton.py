@@ -12,7 +12,13 @@ rounded up to a multiple of 16),
 so grids come from static sizes only and the launches stay capturable in CUDA graphs.
 
 Launch parameters come from a small table keyed by GPU and shape class, fixed at first
-use per (device, slices, K, N, rank block).
+use per (device, input width).
+
+Why two launches and not one per tile: at prefill sizes the expand's bytes (y read and
+written, e.g. 8192 x 28672 x 2 x 2 B for gate_up) dwarf h (S x T x R float32, from L2), and
+a fused program would either stream a whole row block's output alone (one program per
+tile: 128 programs for 8192 tokens, too few to keep HBM busy) or recompute its tile's
+shrink for every column chunk (x read from L2 once per chunk: 12x for qkv).
 """
 from __future__ import annotations
 
@@ -50,21 +56,18 @@ _BASE = {"k_short": SegConfig(64, 128, 8, 128, 4, 4, 3),
 _TABLE = {"H100": _BASE, "H200": _BASE, "default": _BASE}
 
 
-def _gpu_family(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "default"
-    name = torch.cuda.get_device_name(device)
-    return next((fam for fam in _TABLE if fam in name), "default")
-
-
 @functools.lru_cache(maxsize=None)
-def _config(family: str, Kdim: int) -> SegConfig:
+def _config(kind: str, index: int | None, Kdim: int) -> SegConfig:
+    family = "default"
+    if kind == "cuda":
+        name = torch.cuda.get_device_name(index)
+        family = next((fam for fam in _TABLE if fam in name), "default")
     return _TABLE[family]["k_long" if Kdim > 8192 else "k_short"]
 
 
 def config_for(device: torch.device, Kdim: int) -> SegConfig:
     """The table's launch parameters for this device and input width (fixed per process)."""
-    return _config(_gpu_family(device), Kdim)
+    return _config(device.type, device.index, Kdim)
 
 
 def _block_r(R: int) -> int:

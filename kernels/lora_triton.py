@@ -28,6 +28,8 @@ from kernels import lora_mixed_triton
 from kernels.lora_segment_triton import add_lora_seg
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
 from kernels.lora_uniform_triton import add_lora_uniform
+from kernels.lora_uniform_triton import uniform_expand as add_lora_uniform_expand
+from kernels.lora_uniform_triton import uniform_shrink as add_lora_uniform_shrink
 
 FUSED_MAX_TOKENS = 16      # lora_fused needs every segment within one 16-row block
 _TARGET_PROGRAMS = 264     # about two programs per SM on an H100 (132 SMs)
@@ -119,6 +121,51 @@ def _offsets(slice_offsets) -> list[int]:
     return offs + [offs[-1]] * (_MAX_SLICES + 1 - len(offs))
 
 
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta,
+                ranks: torch.Tensor | None = None, block_m: int = 64,
+                split_k: int | None = None) -> torch.Tensor:
+    """h[s, t, :] = x[t] @ a[slot(t), s].T in float32, all slices in one launch.
+
+    Returns h [S, T, R]; rows of tokens without a slot are left unwritten (never read).
+    split_k > 1 (default: chosen to fill the GPU) sums K ranges atomically into a zeroed h."""
+    T, Kdim = x.shape
+    L, S, R, _ = a.shape
+    m_blocks = triton.cdiv(T, block_m)
+    block_r = _block_r(R)
+    if split_k is None:
+        split_k = max(1, min(_TARGET_PROGRAMS // (m_blocks * S), Kdim // 1024))
+    alloc = torch.zeros if split_k > 1 else torch.empty
+    h = alloc((S, T, R), dtype=torch.float32, device=x.device)
+    block_k = 64 if block_r >= 64 else 128
+    grid = (m_blocks, S * split_k, meta.max_segments)
+    K.lora_shrink_kernel[grid](
+        x, a, h, meta.sorted_tokens, meta.seg_start, meta.seg_len, meta.active_slots,
+        ranks if ranks is not None else meta.seg_len, Kdim, R,
+        x.stride(0), x.stride(1), *a.stride(), *h.stride(),
+        HAS_RANKS=ranks is not None, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=block_r,
+        BLOCK_K=block_k, PRECISION=_precision(a), UPCAST=x.is_cpu)
+    return h
+
+
+def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta: LoRAMeta,
+                slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
+                block_m: int = 64, block_n: int = 128) -> torch.Tensor:
+    """y[t, slice s] += h[s, t] @ b[slot(t), slice s].T in place, all slices in one launch."""
+    T = y.shape[0]
+    L, N, R = b.shape
+    S = len(slice_offsets) - 1
+    widest = max(hi - lo for lo, hi in zip(slice_offsets, slice_offsets[1:]))
+    n_blocks = max(1, triton.cdiv(widest, block_n))
+    grid = (triton.cdiv(T, block_m), S * n_blocks, meta.max_segments)
+    K.lora_expand_kernel[grid](
+        h, b, y, meta.sorted_tokens, meta.seg_start, meta.seg_len, meta.active_slots,
+        ranks if ranks is not None else meta.seg_len, R, n_blocks, *_offsets(slice_offsets),
+        *h.stride(), *b.stride(), y.stride(0), y.stride(1),
+        HAS_RANKS=ranks is not None, BLOCK_M=block_m, BLOCK_R=_block_r(R),
+        BLOCK_N=block_n, PRECISION=_precision(b), UPCAST=y.is_cpu)
+    return y
+
+
 def lora_fused(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                meta: LoRAMeta, slice_offsets: tuple[int, ...],
                ranks: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
@@ -175,13 +222,42 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return add_lora_segments(y, x, a, b, meta, slice_offsets, ranks)
 
 
-UNIFORM_ONE_LAUNCH = True    # False: the uniform hint keeps two launches (benchmarks compare)
+# One launch per group for uniform calls (kernels/lora_uniform_triton.py): off, since on
+# an H100 it was slower than the two token kernels back to back in a CUDA graph (qkv at one
+# token 10.9 vs 6.2 us, at 64 tokens 12.0 vs 9.0 us): its in-kernel handoff from shrink to
+# expand costs more than a kernel boundary. Kept selectable for the record.
+UNIFORM_ONE_LAUNCH = False
+ONE_LAUNCH_MAX_TOKENS = 256  # the one-launch path up to this many tokens (at most 256)
 
 
 def uses_meta(num_tokens: int, uniform: bool) -> bool:
     """Whether add_lora reads a `LoRAMeta` for this call: not on the one-launch path
     (it reads token_slots as they are), so a uniform step need not build one."""
-    return not (uniform and UNIFORM_ONE_LAUNCH and num_tokens <= TOKEN_PATH_MAX_TOKENS)
+    return not (uniform and UNIFORM_ONE_LAUNCH
+                and num_tokens <= min(ONE_LAUNCH_MAX_TOKENS, TOKEN_PATH_MAX_TOKENS))
+
+
+def shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
+                 slice_offsets: tuple[int, ...], ranks: torch.Tensor | None,
+                 meta: LoRAMeta | None):
+    """The shrink half of a uniform decode call (T <= TOKEN_PATH_MAX_TOKENS) launched on
+    its own, for `expand_after`: the token kernels' shrink with the uniform launch
+    parameters, or with UNIFORM_ONE_LAUNCH the one-launch kernel's shrink."""
+    offsets = tuple(int(o) for o in slice_offsets)
+    if not uses_meta(x.shape[0], True):
+        return ("one", add_lora_uniform_shrink(x, a, token_slots, offsets, ranks))
+    if meta is None:
+        meta = build_meta(token_slots, a.shape[0])
+    return ("tok", lora_shrink_tokens(x, a, meta, ranks, uniform=True), meta, offsets, ranks)
+
+
+def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y += the delta of a finished `shrink_ahead` (after it in stream order), in place."""
+    if shrunk[0] == "one":
+        return add_lora_uniform_expand(shrunk[1], b, y)
+    _, hp, meta, offsets, ranks = shrunk
+    return lora_expand_tokens(hp, b, y, meta, _offsets(offsets), len(offsets) - 1, ranks,
+                              uniform=True)
 
 
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
@@ -196,7 +272,15 @@ def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
                               ranks, uniform=uniform)
 
 
+SEGMENT_TILE_LIST = True     # False: the row-block segment kernels (benchmarks compare)
+
+
 def add_lora_segments(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
                       ranks: torch.Tensor | None = None) -> torch.Tensor:
-    """The prefill path: a grouped GEMM over a tile list (kernels/lora_segment_triton.py)."""
-    return add_lora_seg(y, x, a, b, meta, slice_offsets, ranks)
+    """The prefill path: a grouped GEMM over a tile list (kernels/lora_segment_triton.py);
+    with SEGMENT_TILE_LIST off, one program per (row block of T, slice, active slot)."""
+    if SEGMENT_TILE_LIST:
+        return add_lora_seg(y, x, a, b, meta, slice_offsets, ranks)
+    block_m = 16 if x.shape[0] <= 64 else 64    # short segments: small row blocks
+    h = lora_shrink(x, a, meta, ranks, block_m=block_m)
+    return lora_expand(h, b, y, meta, slice_offsets, ranks, block_m=block_m)

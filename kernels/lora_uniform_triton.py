@@ -1,8 +1,12 @@
-"""Host wrapper of the one-launch LoRA kernel (kernels/lora_uniform_kernels_triton.py): the
-decode path of `kernels.lora_triton.add_lora` when the batch (likely) uses one adapter.
+"""Host wrapper of the one-launch LoRA kernel (kernels/lora_uniform_kernels_triton.py): a
+decode path of `kernels.lora_triton.add_lora` when the batch (likely) uses one adapter, taken
+with kernels/lora_triton.py UNIFORM_ONE_LAUNCH (off by default).
 
-Shrink and expand of a layer group in one launch instead of two: at decode sizes the pair
-costs launches and latency, not bytes. Grids come from static sizes only (token count,
+Shrink and expand of a layer group in one launch instead of two. Measured on an H100 it is
+slower than the two token kernels back to back in a CUDA graph (10.9-13.4 against
+6.2-10.5 us per group, qkv and down at 1 and 64 tokens): the in-kernel handoff from the
+shrink programs to the expand programs costs more than a kernel boundary. Kept for the
+record and for its halves (`uniform_shrink` / `uniform_expand`). Grids come from static sizes only (token count,
 slices, K and N), so the launch is capturable in CUDA graphs; the rows' slots are read on
 the device from token_slots itself (no sort, no per-step metadata). Any token->slot
 mapping is computed right (a block of several adapters is done adapter by adapter); a
@@ -20,6 +24,8 @@ from kernels import lora_uniform_kernels_triton as K
 MAX_TOKENS = 256           # row blocks of 64: at most 4
 _SHRINK_PROGRAMS = 64      # split-K programs wanted per launch (each reads x's K chunk once)
 _MAX_SPLIT_K = 16          # partials an expand program sums (its loads are unrolled)
+AHEAD_SPLIT_K = 4          # uniform_shrink: beside a base matmul its length is hidden, so
+                           # few K chunks (the expand after it sums few partials)
 _MAX_SLICES = 4
 
 _sync: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -68,7 +74,7 @@ class LaunchShape:
 
 
 def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
-                 resident: int, R: int = 16) -> LaunchShape:
+                 resident: int, R: int = 16, max_split: int = _MAX_SPLIT_K) -> LaunchShape:
     """Tile sizes and program counts for T tokens, S slices of input width Kdim, rank
     R (tiles narrow as the rank grows: B's [block_n, R] and A's [block_k, R] tiles stay
     about 4K values, as x's and y's [block_m, block_k or block_n])."""
@@ -85,7 +91,7 @@ def launch_shape(T: int, S: int, Kdim: int, slice_offsets: tuple[int, ...],
         shrink_budget = room              # fewer K chunks, but every tile in one wave
     shrink_budget = max(m_blocks * S, shrink_budget)
     split = max(1, min(triton.cdiv(Kdim, block_k), shrink_budget // (m_blocks * S),
-                       _MAX_SPLIT_K))
+                       max_split))
     k_chunk = triton.cdiv(triton.cdiv(Kdim, split), block_k) * block_k
     split = triton.cdiv(Kdim, k_chunk)           # no empty chunk
     n_shrink = m_blocks * S * split
@@ -99,20 +105,65 @@ def add_lora_uniform(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
     """y [T, N] += x·A[slot]ᵀ·B[slot]ᵀ per slice for every token with a slot (-1: none),
     in place, in one launch (T <= MAX_TOKENS); returns y. Shapes as
     `kernels.lora_triton.add_lora` (checked there); ranks: [L] int32 or None (then R)."""
+    shrunk = _prepare(x, a, token_slots, slice_offsets, ranks)
+    _launch(0, shrunk, x, a, b, y, shrunk.shape.n_expand)
+    return y
+
+
+@dataclass(frozen=True)
+class Shrunk:
+    """A shrink launched by `uniform_shrink`: its split-K partials, for `uniform_expand`."""
+    hp: torch.Tensor                   # [split_k, S, T, R] float32
+    shape: LaunchShape
+    token_slots: torch.Tensor
+    slice_offsets: tuple[int, ...]
+    ranks: torch.Tensor | None
+
+
+def uniform_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
+                   slice_offsets: tuple[int, ...],
+                   ranks: torch.Tensor | None = None) -> Shrunk:
+    """The shrink half of `add_lora_uniform` as a launch of its own (it needs only x, so it
+    may run beside the base matmul on another stream); `uniform_expand` finishes it."""
+    shrunk = _prepare(x, a, token_slots, slice_offsets, ranks, AHEAD_SPLIT_K)
+    _launch(1, shrunk, x, a, x, x, 0)
+    return shrunk
+
+
+def uniform_expand(shrunk: Shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y += h·B[slot]ᵀ from a finished `uniform_shrink` (launched after it in stream order,
+    or after waiting for it), in place; returns y."""
+    sh = shrunk.shape
+    n_tiles = triton.cdiv(shrunk.hp.shape[2], sh.block_m) * sh.cum_tiles[3]
+    _launch(2, shrunk, shrunk.hp, shrunk.hp, b, y, min(n_tiles, _resident_programs(y.device)))
+    return y
+
+
+def _prepare(x, a, token_slots, slice_offsets, ranks, max_split=_MAX_SPLIT_K) -> Shrunk:
     T, Kdim = x.shape
     L, S, R, _ = a.shape
     assert 0 < T <= MAX_TOKENS and S <= _MAX_SLICES, (T, S)
-    offsets = tuple(slice_offsets) + (slice_offsets[-1],) * (_MAX_SLICES + 1 - len(slice_offsets))
-    shape = launch_shape(T, S, Kdim, tuple(slice_offsets), _resident_programs(x.device), R)
+    shape = launch_shape(T, S, Kdim, tuple(slice_offsets), _resident_programs(x.device), R,
+                         max_split)
     hp = torch.empty((shape.split_k, S, T, R), dtype=torch.float32, device=x.device)
-    c1, c2, c3, per_block = shape.cum_tiles
-    K.lora_uniform_kernel[shape.grid](
-        x, a, b, y, hp, _sync_counters(x.device), token_slots,
-        ranks if ranks is not None else token_slots, T, Kdim, R, S, shape.k_chunk,
-        shape.n_shrink, shape.n_expand, per_block, *offsets, c1, c2, c3,
-        x.stride(0), x.stride(1), *a.stride(), *b.stride(), y.stride(0), y.stride(1),
-        *hp.stride(),
-        HAS_RANKS=ranks is not None, SPLIT_K=shape.split_k, BLOCK_M=shape.block_m, BLOCK_R=_block_r(R),
-        BLOCK_K=shape.block_k, BLOCK_N=shape.block_n, PRECISION=_precision(a),
-        UPCAST=x.is_cpu)
-    return y
+    return Shrunk(hp, shape, token_slots, tuple(slice_offsets), ranks)
+
+
+def _launch(role: int, shrunk: Shrunk, x, a, b, y, n_expand: int) -> None:
+    """One launch of the kernel in `role` (0: both halves, 1: shrink, 2: expand); the
+    operands a role does not read are stand-ins."""
+    sh, hp, offs = shrunk.shape, shrunk.hp, shrunk.slice_offsets
+    S, T, R = hp.shape[1:]
+    offsets = offs + (offs[-1],) * (_MAX_SLICES + 1 - len(offs))
+    c1, c2, c3, per_block = sh.cum_tiles
+    grid = (sh.n_shrink + n_expand if role == 0 else sh.n_shrink if role == 1 else n_expand,)
+    ranks = shrunk.ranks
+    K.lora_uniform_kernel[grid](
+        x, a, b, y, hp, _sync_counters(hp.device), shrunk.token_slots,
+        ranks if ranks is not None else shrunk.token_slots, T, x.shape[1], R, S, sh.k_chunk,
+        sh.n_shrink, n_expand, per_block, *offsets, c1, c2, c3,
+        x.stride(0), x.stride(1), *(a.stride() if a.dim() == 4 else (0, 0, 0, 0)),
+        *(b.stride() if b.dim() == 3 else (0, 0, 0)), y.stride(0), y.stride(1), *hp.stride(),
+        HAS_RANKS=ranks is not None, SPLIT_K=sh.split_k, BLOCK_M=sh.block_m,
+        BLOCK_R=_block_r(R), BLOCK_K=sh.block_k, BLOCK_N=sh.block_n,
+        PRECISION=_precision(b if role == 2 else a), UPCAST=hp.device.type == "cpu", ROLE=role)

@@ -152,27 +152,63 @@ def _read_whole(fd: int, before: os.stat_result, name: str, where: str,
     data = bytearray(size) if alloc is None else memoryview(alloc(size))[:size]
     view = memoryview(data)
     spans = chunk_spans(size)
-    hasher = ThreadPoolExecutor(min(HASH_THREADS, len(spans))) if len(spans) > 1 else None
-    chunks: list = []   # one digest (or Future of one) per span read so far
-    got = 0
+    threads = min(HASH_THREADS, len(spans))
+    hasher = ThreadPoolExecutor(threads) if len(spans) > 1 else None
     try:
-        while True:
-            while len(chunks) < len(spans) and min(spans[len(chunks)] + CHUNK, size) <= got:
-                chunk = view[spans[len(chunks)]:spans[len(chunks)] + CHUNK]
-                chunks.append(hasher.submit(chunk_sha256, chunk) if hasher else chunk_sha256(chunk))
-            if got >= size:
-                break
-            n = os.readv(fd, [view[got:got + CHUNK]])
-            if n == 0:
-                break
-            got += n
+        if threads > 1:
+            got, chunks = _read_parallel(fd, view, spans, hasher)
+        else:
+            got, chunks = _read_in_order(fd, view, spans, hasher)
     finally:
         if hasher is not None:
             hasher.shutdown(wait=False)  # the chunks still hashing finish on their own
     after = os.fstat(fd)
-    if got != size or os.read(fd, 1) or _moved(st, after):
+    if got != size or os.pread(fd, 1, size) or _moved(st, after):
         raise AdapterChangedError(f"{name} changed while being read", file=where)
     return FileRead(data, chunks, st)
+
+
+def _read_in_order(fd: int, view: memoryview, spans: range, hasher) -> tuple[int, list]:
+    """Read the file front to back on this thread, each chunk hashed (on `hasher` when
+    given) as soon as it is whole: (bytes read, digests or Futures of them)."""
+    size, chunks, got = len(view), [], 0
+    while True:
+        while len(chunks) < len(spans) and min(spans[len(chunks)] + CHUNK, size) <= got:
+            chunk = view[spans[len(chunks)]:spans[len(chunks)] + CHUNK]
+            chunks.append(hasher.submit(chunk_sha256, chunk) if hasher else chunk_sha256(chunk))
+        if got >= size:
+            return got, chunks
+        n = os.readv(fd, [view[got:got + CHUNK]])
+        if n == 0:
+            return got, chunks
+        got += n
+
+
+def _read_parallel(fd: int, view: memoryview, spans: range, pool) -> tuple[int, list]:
+    """Read every chunk on `pool`'s threads at once (pread: no shared file offset), then
+    hash them there: a page-cached file is read several times faster than by one thread,
+    and the caller may use the bytes while the digests finish. Each hash task waits for
+    its own chunk's read (all reads were queued first, so they all run before any hash
+    task can wait)."""
+    reads = [pool.submit(_pread_fully, fd, view[o:o + CHUNK], o) for o in spans]
+    chunks = [pool.submit(_hash_read, r, view[o:o + CHUNK]) for r, o in zip(reads, spans)]
+    return sum(r.result() for r in reads), chunks
+
+
+def _pread_fully(fd: int, into: memoryview, offset: int) -> int:
+    """Bytes read into `into` from `offset` (fewer only at the end of the file)."""
+    got = 0
+    while got < len(into):
+        n = os.preadv(fd, [into[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _hash_read(read, chunk: memoryview) -> bytes:
+    read.result()
+    return chunk_sha256(chunk)
 
 
 def _moved(a: os.stat_result, b: os.stat_result) -> bool:

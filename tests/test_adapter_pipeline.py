@@ -10,7 +10,7 @@ from engine.adapters.copier import InlineCopier, StreamCopier
 from tests.support import fake_cuda
 from tests.support.copies import PoisonedCopier
 from tests.test_engine_parity import prompts_of
-from tests.test_lifecycle_tiers import greedy, make_engine
+from tests.test_lifecycle_tiers import greedy, make_engine, run_to_end
 
 NAMES = ["rs4", "ap8", "attn32"]
 MAX_TOKENS = 5
@@ -129,18 +129,20 @@ def test_cpu_copies_are_inline(llama_family):
     assert not eng.adapters._copies
 
 
-def stream_engine(family, monkeypatch):
+def stream_engine(family, monkeypatch, **kw):
     """An engine whose copies go through StreamCopier on recorded CPU streams
     (tests/support/fake_cuda.py); every launch and slot load is checked on the record:
     a copy into slot s is ordered after the last launched step that read s, and after no
     later step in flight that does not read it (the copy overlaps that step); a step
     that reads s is ordered after the last copy into s."""
     cuda = fake_cuda.install(monkeypatch)
-    eng = make_engine(family, NAMES, max_loras=2, max_cpu_loras=3, async_scheduling=True)
+    eng = make_engine(family, NAMES, max_loras=2, max_cpu_loras=3, async_scheduling=True,
+                      **kw)
     copier = eng.adapters.copier = StreamCopier(torch.device("cpu"))
     side, compute = copier.stream, cuda.compute
     steps, copies = [], {}  # (position on compute, slots); slot -> position on side
-    overlapped = [0]        # copies queued while a step not reading their slot ran
+    # copies queued while the step in flight did not / did read their slot
+    overlapped = {False: 0, True: 0}
     launch, load = eng.runner.launch, eng.lora_pool.load
 
     def launch_ordered(out, prev=None, greedy=None):
@@ -158,10 +160,11 @@ def stream_engine(family, monkeypatch):
         readers = [pos for pos, slots in steps if slot in slots]
         assert not readers or cuda.covered(side, compute, readers[-1]), (
             f"copy into slot {slot} not ordered after the step that read it")
-        if eng._inflight is not None and slot not in steps[-1][1]:
-            assert not cuda.covered(side, compute, steps[-1][0]), (
+        if eng._inflight is not None:
+            reads = slot in steps[-1][1]
+            assert reads or not cuda.covered(side, compute, steps[-1][0]), (
                 f"copy into slot {slot} waits for the step in flight, which does not read it")
-            overlapped[0] += 1
+            overlapped[reads] += 1
         load(slot, weights, stream)
         copies[slot] = side.mark("copy", slot)
 
@@ -203,10 +206,48 @@ def test_swaps_overlap_steps_without_host_syncs(llama_family, references, monkey
     for (name, i), toks in got.items():
         assert toks[:MAX_TOKENS] == refs[name, i], (name, i)
     assert len(got) == len(prompts) and len(got[NAMES[0], 0]) == LONG and len(copies) == 2
-    assert overlapped[0] > 0, "no copy was queued while a step that does not read it ran"
+    assert overlapped[False] > 0, "no copy was queued while a step that does not read it ran"
     loads = sum(a["loads"] for a in eng.stats()["adapters"].values())
     assert loads >= 3, loads
     if variant == "host sync":
         assert cuda.syncs, "the sync was not seen"
     else:
         assert cuda.syncs == [], f"host syncs on the step path: {cuda.syncs}"
+
+
+@pytest.mark.parametrize("noted", [True, False])
+def test_copy_into_a_slot_the_step_in_flight_reads(llama_family, references, monkeypatch,
+                                                   noted):
+    """A request preempted (KV blocks run out) while its step is in flight leaves its
+    adapter without running requests: a waiting adapter may take that slot while the step
+    still reads it. The copy then waits for that step on the device (its noted read), as
+    the record shows; without the note it would not (`noted=False` is caught)."""
+    prompts, refs = references
+    eng, cuda, copies, overlapped = stream_engine(llama_family, monkeypatch, num_kv_blocks=7)
+    preempted = []
+    preempt = eng.scheduler._preempt
+    monkeypatch.setattr(eng.scheduler, "_preempt", lambda req: preempted.append(req) or
+                        preempt(req))
+    if not noted:
+        monkeypatch.setattr(eng.adapters, "note_step_reads", lambda slots: None)
+    eng.add_request("y", prompts[4], greedy(30), NAMES[1])
+    eng.add_request("x", prompts[2], greedy(30), NAMES[0])
+    outs = eng.step() + eng.step()
+    eng.add_request("z0", prompts[0], greedy(MAX_TOKENS), NAMES[2])
+    eng.add_request("z1", prompts[3], greedy(MAX_TOKENS), NAMES[2])
+    if not noted:
+        with pytest.raises(AssertionError, match="not ordered after the step that read it"):
+            run_to_end(eng)
+        return
+    tokens = {}
+    for _ in range(300):
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not eng.has_unfinished():
+            break
+        outs = eng.step()
+    assert preempted and overlapped[True] > 0, (preempted, overlapped)
+    assert cuda.syncs == []
+    for rid, (name, i) in {"y": (NAMES[1], 4), "x": (NAMES[0], 2), "z0": (NAMES[2], 0),
+                           "z1": (NAMES[2], 3)}.items():
+        assert tokens[rid][:MAX_TOKENS] == refs[name, i], rid

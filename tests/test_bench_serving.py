@@ -290,6 +290,7 @@ def test_tiny_adapters_round(tmp_path):
         assert s["engine"]["steps"] > 0 and s["cpu_busy"]["engine"] > 0
         assert s["movement"]["swaps_per_s"] >= 0 and p["loads_in_window"] >= 0
         assert ("service_from_start" in p) == (p["round"] in ("first", "steady"))
+        assert 0 <= p["idle_after_s"] < 10  # the next point starts on an idle engine
     assert all(p["service"]["engine"]["adapter_slot_loads"] > 0 for p in points[3:])
     loads = meta["loads"]
     assert loads["service_one"]["adapters"] == loads["service_second"]["adapters"] == 1

@@ -50,9 +50,16 @@ def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle):
     assert (2, False) in graphs.runner.graphs.captured  # base-only batch: no LoRA launches
 
 
-def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llama_oracle):
-    """Every row on one adapter: the uniform graph (one LoRA launch per group), with a
-    padding row (no adapter) in its bucket: 3 rows -> bucket 4."""
+@pytest.mark.parametrize("one_launch,ahead", [(False, False), (True, False), (False, True)])
+def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llama_oracle,
+                                                             one_launch, ahead, monkeypatch):
+    """Every row on one adapter: the uniform graph (two LoRA launches per group, or one
+    with `one_launch`, or with `ahead` the shrink on a side stream beside each base matmul,
+    then the expand), with a padding row (no adapter) in its bucket: 3 rows -> bucket 4."""
+    from engine.lora import batch as batch_module
+    from kernels import lora_triton
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", one_launch)
+    monkeypatch.setattr(batch_module, "SHRINK_AHEAD", ahead)
     names = ["rs4", "ap8"]
     graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
     prompts, adapters = prompts_of([6, 19, 2], seed=5), ["ap8"] * 3

@@ -15,8 +15,10 @@ from kernels import lora_kernels_triton, lora_segment_kernels_triton, lora_token
 from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref
 from kernels.lora_segment_triton import build_tiles, seg_expand, seg_shrink, tiles_bound
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
+from kernels import lora_triton
 from kernels.lora_triton import (TOKEN_PATH_MAX_TOKENS, add_lora, add_lora_segments,
-                                 add_lora_tokens, build_meta, lora_fused)
+                                 add_lora_tokens, build_meta, lora_expand, lora_fused,
+                                 lora_shrink)
 from tests.support.triton_mode import check_kernel_mode
 
 CUDA = torch.cuda.is_available()
@@ -185,11 +187,14 @@ def _segment_slots(lens_slots, seed):
 PREFILL_RUNS = [(1, 2), (17, 0), (300, 3), (40, -1), (64, 1), (2, 4)]
 
 
+@pytest.mark.parametrize("tile_list", [True, False], ids=["tiles", "blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("S", [1, 2, 3])
-def test_prefill_path_uneven_segments(dtype, S):
+def test_prefill_path_uneven_segments(dtype, S, tile_list, monkeypatch):
     """add_lora above TOKEN_PATH_MAX_TOKENS: segments of 1, 17 and 300 rows, no-adapter rows,
-    ranks below the pool's max rank, 1-3 slices, fresh random A and B."""
+    ranks below the pool's max rank, 1-3 slices, fresh random A and B; the tile-list
+    kernels and the row-block ones they replace (kept for comparison)."""
+    monkeypatch.setattr(lora_triton, "SEGMENT_TILE_LIST", tile_list)
     offsets = SLICES[S]
     a, b, ranks = _pool(S, offsets, [8, 32, 16, 4, 16], dtype, seed=20 + S)
     ts = _segment_slots(PREFILL_RUNS, seed=S)
@@ -244,6 +249,23 @@ def test_segment_kernels_split_k_slice_groups_and_chunks(R, split_k):
     got = seg_expand(hp, b, y.clone(), meta, offsets, ranks, block_m=32, block_n=16, n_loop=2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[~valid], y[~valid])
+
+
+def test_row_block_shrink_and_expand_with_split_k():
+    """The row-block segment kernels (SEGMENT_TILE_LIST off): atomic split-K into a zeroed h."""
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, [8, 32, 16], torch.float32, seed=3)
+    ts = _slots(40, 3, "random", seed=5)
+    x, y = _inputs(40, offsets[-1], torch.float32, seed=5)
+    meta = build_meta(ts, 3)
+    valid = ts >= 0
+    want_h = lora_shrink_ref(x, a, ts)
+    for split_k in (1, 3):
+        h = lora_shrink(x, a, meta, ranks, block_m=16, split_k=split_k)
+        torch.testing.assert_close(h[:, valid], want_h[:, valid], atol=1e-5, rtol=1e-5)
+    want = lora_expand_ref(want_h, b, ts, offsets, y.clone())
+    got = lora_expand(h, b, y.clone(), meta, offsets, ranks, block_m=16, block_n=16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_path_matches_reference_with_shared_adapters():

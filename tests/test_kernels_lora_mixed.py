@@ -123,6 +123,7 @@ def test_shrink_reduced_partials_match_reference():
     plan = lora_mixed_triton._plan(x.device, 90, a.shape[0], offsets, a.shape[2], x.shape[1],
                                    MixedParams(split_k=4, **SMALL))
     assert plan.reduce and plan.split_k == 3     # 48 = 3 K tiles of 16: no empty split
+    assert plan.k_chunk == 16
     hp = lora_mixed_triton.lora_shrink_mixed(x, a, meta, plan, ranks)
     n = int((ts >= 0).sum())
     want = lora_shrink_ref(x, a, ts)[:, meta.sorted_tokens[:n].long()]
@@ -175,6 +176,16 @@ def test_no_adapter_rows_only():
     assert torch.equal(got, y)
 
 
+def test_split_k_chunks_cover_k_with_none_empty():
+    for Kdim in (48, 100, 4096, 14336, 2048, 7168):
+        for split in range(1, 33):
+            plan = lora_mixed_triton._plan(torch.device("cpu"), 128, 64, (0, 32), 16, Kdim,
+                                           MixedParams(split_k=split))
+            c, n = plan.k_chunk, plan.split_k
+            assert c % plan.block_k == 0 or n == 1, (Kdim, split)
+            assert n * c >= Kdim and (n - 1) * c < Kdim and n <= split, (Kdim, split)
+
+
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_tile_bound_covers_every_mapping(block_m):
     """The grid's static tile count covers the tiles of any mapping: sum over segments of
@@ -223,27 +234,42 @@ def test_sweep_prints_rows_the_table_takes():
     assert rows == {"H100": {(128, "qkv"): best, (64, "down"): MixedParams(path="tokens")}}
 
 
-def test_sweep_descends_to_the_fastest_and_checks_it(tmp_path):
-    """The sweep's whole flow on the interpreter with tiny groups: both paths and the
-    chosen parameters checked against the reference (run for real), timings stood in by a
-    cost that is least at split_k 2, no reduction, tpp 1, 64 programs: the row it prints
-    is that choice."""
+def test_sweep_descends_to_the_fastest_right_choice(tmp_path, monkeypatch):
+    """The sweep's whole flow on the interpreter with tiny groups: every candidate checked
+    against the reference (run for real), timings stood in by a cost that is least at
+    split_k 2, no reduction, tpp 1, 16 programs; made wrong (on purpose, here) at split_k
+    2 with the reduction in the shrink, which must never be chosen: the row it prints is
+    the fastest right choice."""
     sweep = importlib.import_module("benchmarks.sweep_lora_mixed")
+    right_pair = sweep.segments_pair
+
+    def pair(s, params):
+        fn = right_pair(s, params)
+        if params.split_k == 2 and params.reduce:
+            return lambda: fn().add_(1.0)
+        return fn
+    monkeypatch.setattr(sweep, "segments_pair", pair)
+    for name, values in (("SPLITS", [1, 2]), ("TPPS", [1, 2]), ("BLOCK_NS", [64]),
+                         ("PROGRAMS", [16]), ("LAUNCH", [(8, 3)]), ("BLOCK_KS", [])):
+        monkeypatch.setattr(sweep, name, values)      # fewer candidates: the interpreter
 
     def cost(calls, params):
+        calls[0]()          # adds into the first set's y, as timing does
         if params is None:
             return 10.0
-        return (0.5 + abs(params.split_k - 2) + params.reduce + abs(params.tpp - 1)
-                + abs(params.programs - 64) / 64 + (params.warps != 4) + (params.block_n != 128)
+        return (0.5 + abs(params.split_k - 2) - 0.1 * params.reduce + abs(params.tpp - 1)
+                + abs(params.programs - 16) / 16 + (params.warps != 4) + (params.block_n != 128)
                 + (params.block_k != 256))
-    setup = sweep.Setup(groups=(("o", 48, (48,)),), tokens=(70,), device=DEV,
+    setup = sweep.Setup(groups=(("o", 48, (48,)),), tokens=(20,), device=DEV,
                         dtype=torch.float32, timer=cost)
-    lines = sweep.sweep(tmp_path, budget=600, slots=80, bw=3e12, gpu="H100", setup=setup)
+    lines = sweep.sweep(tmp_path, budget=600, slots=24, bw=3e12, gpu="H100", setup=setup)
     rows = eval("{" + "\n".join(lines) + "}", {"MixedParams": MixedParams})
-    best = rows["H100"][(128, "o")]
+    best = rows["H100"][(64, "o")]
     assert (best.path, best.split_k, best.reduce, best.tpp, best.programs) == (
-        "segments", 2, False, 1, 64)
-    assert (tmp_path / "sweep_mixed.csv").read_text().count("\n") > 10
+        "segments", 2, False, 1, 16)
+    csv_text = (tmp_path / "sweep_mixed.csv").read_text()
+    assert csv_text.count("\n") > 5 and "split_k=2, reduce=True" in csv_text
+    assert ",inf," in csv_text                  # the wrong one: timed as never
 
 
 def test_bench_times_old_and_new_paths_side_by_side():

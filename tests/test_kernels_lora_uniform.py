@@ -14,10 +14,17 @@ import torch
 from kernels import lora_triton, lora_uniform_kernels_triton, lora_uniform_triton
 from kernels.lora_ref import add_lora_ref
 from kernels.lora_triton import add_lora, build_meta
-from kernels.lora_uniform_triton import add_lora_uniform, launch_shape
+from kernels.lora_uniform_triton import (add_lora_uniform, launch_shape, uniform_expand,
+                                         uniform_shrink)
 from tests.support.triton_mode import check_kernel_mode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def one_launch(monkeypatch):
+    """add_lora(uniform=True) takes the one-launch kernel here (it is not the default)."""
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", True)
 TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}
 # unequal widths; the first slice needs two 256-column tiles (q/k/v-like under GQA)
 SLICES = {1: (0, 300), 2: (0, 80, 160), 3: (0, 300, 364, 428), 4: (0, 40, 72, 72, 136)}
@@ -109,6 +116,41 @@ def test_expand_programs_loop_over_tiles(monkeypatch):
         _check(100, 3, case, torch.float32, seed=5)
 
 
+@pytest.mark.parametrize("T,S,case", [(1, 3, "one"), (16, 2, "one_some_base"),
+                                      (64, 4, "mixed"), (100, 1, "one_some_base")])
+def test_shrink_and_expand_as_two_launches(T, S, case):
+    """The halves launched apart (the shrink may run beside the base matmul): the same
+    result, and the one-launch counters untouched."""
+    offsets = SLICES[S]
+    a, b, ranks = _pool(S, offsets, torch.float32, seed=T + 7)
+    ts = _slots(case, T, seed=T + 8)
+    x, y = _inputs(T, offsets[-1], torch.float32, seed=T + 9)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = uniform_expand(uniform_shrink(x, a, ts, offsets, ranks), b, y.clone())
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert torch.equal(got[ts < 0], y[ts < 0])
+    assert lora_uniform_triton._sync_counters(torch.device(DEV)).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("one", [False, True])
+@pytest.mark.parametrize("T,case", [(1, "one"), (64, "one_some_base"), (37, "mixed")])
+def test_shrink_ahead_then_expand(monkeypatch, one, T, case):
+    """kernels.lora_triton.shrink_ahead / expand_after, the halves the engine launches
+    apart (shrink beside the base matmul): the token kernels' (the default) or, with
+    UNIFORM_ONE_LAUNCH, the one-launch kernel's; the reference's result either way."""
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", one)
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, torch.float32, seed=T + 3)
+    ts = _slots(case, T, seed=T + 4)
+    x, y = _inputs(T, offsets[-1], torch.float32, seed=T + 5)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    shrunk = lora_triton.shrink_ahead(x, a, ts, offsets, ranks, None)
+    assert shrunk[0] == ("one" if one else "tok")
+    got = lora_triton.expand_after(shrunk, b, y.clone())
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert torch.equal(got[ts < 0], y[ts < 0])
+
+
 def test_uniform_hint_result_equals_two_launch_path():
     """One launch and the two-launch token path agree (float32, to rounding)."""
     offsets = SLICES[3]
@@ -154,10 +196,11 @@ def test_bench_times_both_uniform_paths_side_by_side():
     the path switch holds inside its block only."""
     import importlib
     bench = importlib.import_module("benchmarks.bench_kernels")
-    for kw in (dict(quick=False, uniform=True), dict(quick=False, targets=True)):
+    for kw, paths in ((dict(quick=False, uniform=True), bench.UNIFORM_PATHS + (bench.AHEAD,)),
+                      (dict(quick=False, targets=True), bench.UNIFORM_PATHS)):
         one = [c for c in bench.cases(**kw) if c.adapters == 1 and c.tokens <= 256]
-        assert one and {c.path for c in one} == set(bench.UNIFORM_PATHS)
-        assert len(one) == 2 * len({(c.group, c.tokens) for c in one})
+        assert one and {c.path for c in one} == set(paths)
+        assert len(one) == len(paths) * len({(c.group, c.tokens) for c in one})
     assert all(c.path not in bench.UNIFORM_PATHS
                for c in bench.cases(False, targets=True) if c.adapters > 1)
     with bench.uniform_path("two-launch"):
@@ -170,5 +213,30 @@ def test_uniform_steps_need_no_metadata(monkeypatch):
     builds no LoRAMeta (no sort in the step); the other paths still do."""
     assert not lora_triton.uses_meta(1, True) and not lora_triton.uses_meta(256, True)
     assert lora_triton.uses_meta(257, True) and lora_triton.uses_meta(64, False)
+    monkeypatch.setattr(lora_triton, "ONE_LAUNCH_MAX_TOKENS", 16)
+    assert not lora_triton.uses_meta(16, True) and lora_triton.uses_meta(17, True)
     monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", False)
     assert lora_triton.uses_meta(64, True)
+
+
+def test_bench_decode_switches_the_uniform_path(monkeypatch):
+    """bench_decode's modes one-split / one-ahead set the two switches and drop the captured
+    graphs when they change; other modes restore the defaults."""
+    import importlib
+    from types import SimpleNamespace
+
+    from engine.lora import batch as batch_module
+    bench = importlib.import_module("benchmarks.bench_decode")
+    monkeypatch.setattr(bench, "_DEFAULT_PATH", {})
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", False)
+    monkeypatch.setattr(batch_module, "SHRINK_AHEAD", False)
+    released = []
+    eng = SimpleNamespace(runner=SimpleNamespace(
+        graphs=SimpleNamespace(release=lambda: released.append(1))))
+    for mode, want, n_released in (("one", (False, False), 0), ("one-split", (False, False), 0),
+                                   ("one-launch", (True, False), 1),
+                                   ("one-ahead", (False, True), 2), ("base", (False, False), 3),
+                                   ("distinct", (False, False), 3)):
+        bench.select_uniform_path(eng, mode)
+        assert (lora_triton.UNIFORM_ONE_LAUNCH, batch_module.SHRINK_AHEAD) == want, mode
+        assert len(released) == n_released, mode

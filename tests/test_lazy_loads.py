@@ -7,6 +7,7 @@ A real engine behind real ZMQ sockets (tests/support/served.py)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 
@@ -192,3 +193,55 @@ def test_loading_a_lazily_loaded_name_again_changes_nothing(tmp_path):
             lazy = admin.load("a2", "a2")  # no free host place: checked, not read
             again = admin.load("a2", "a2")
             assert again.id == lazy.id != 0  # the same version: not loaded again
+
+
+def test_every_hostile_adapter_is_refused_lazily_too(tmp_path):
+    """The hostile corpus (tests/support/adapter_fuzz.py) through lazy registration: what
+    the checks without weights can see is refused at the load with the status an eager load
+    gets; the rest (values: NaN, inf, overflow once scaled) is registered, and its first
+    request ends with FAILED_PRECONDITION naming the problem, while a good adapter's
+    request beside it is served."""
+    from loramux_core.errors import AdapterError, error_code
+    from tests.support.adapter_fuzz import write_corpus
+    from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
+
+    model = make_model(tmp_path / "model", TinySpec())
+    root = tmp_path / "adapters"
+    good = make_adapter(root / "good", model, AdapterSpec(seed=21))
+    corpus = [c for c in write_corpus(root, good, tmp_path / "outside")
+              if not os.path.isabs(c.path)]
+    cfg = EngineConfig(model=str(model), max_loras=1, max_cpu_loras=1, max_lora_rank=64,
+                       block_size=8, num_kv_blocks=64, adapter_roots=(str(root),))
+    deferred = []
+    with Engine(cfg) as eng:
+        eng.add_adapter("good", "good")
+        for case in corpus:
+            try:
+                eng.read_adapter(case.name, case.path)
+            except AdapterError as err:
+                eager = err
+            else:
+                raise AssertionError(f"{case.what}: an eager load accepted it")
+            try:
+                read = eng.read_adapter(case.name, case.path, lazy=True)
+            except AdapterError as err:
+                assert error_code(err) == error_code(eager), (case.what, err, eager)
+                continue
+            assert eager.feature in ("non_finite", "magnitude"), (case.what, eager)
+            eng.register_adapter(read)
+            deferred.append(case)
+            eng.add_request(f"bad-{case.name}", [5, 6, 7], SamplingParams(max_tokens=2),
+                            case.name)
+            eng.add_request(f"good-{case.name}", [5, 6, 7], SamplingParams(max_tokens=2),
+                            "good")
+            outs = []
+            while eng.has_unfinished():
+                outs += eng.step()
+            bad = [o for o in outs if o.request_id == f"bad-{case.name}"]
+            assert len(bad) == 1 and bad[0].finished and bad[0].error is not None, case.what
+            assert error_code(bad[0].error) == engine_pb2.ERROR_CODE_FAILED_PRECONDITION
+            assert str(eager) in str(bad[0].error), (case.what, bad[0].error)  # same reason
+            good_tokens = [t for o in outs if o.request_id == f"good-{case.name}"
+                           for t in o.new_token_ids]
+            assert len(good_tokens) == 2, case.what
+    assert len(deferred) >= 60 and len(corpus) > 300  # 406 and 64 when written

@@ -141,15 +141,26 @@ def test_mixed_batch_matches_peft(setup, device):
                 assert torch.all(got[token_slots < 0] == 0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_one_adapter_batch_matches_peft(setup, device, monkeypatch):
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device,one_launch,ahead", [
+    pytest.param("cpu", False, False), pytest.param("cpu", True, False),
+    pytest.param("cuda", False, False, marks=_CUDA), pytest.param("cuda", True, False, marks=_CUDA),
+    pytest.param("cuda", False, True, marks=_CUDA), pytest.param("cuda", True, True, marks=_CUDA)])
+def test_one_adapter_batch_matches_peft(setup, device, one_launch, ahead, monkeypatch):
     """A batch on one adapter with base rows at its end (a padded decode bucket), given as
-    uniform: the one-launch kernel per group (kernels/lora_uniform_triton.py), natively on
-    CUDA and under the Triton interpreter on the CPU (in place of the CPU's reference)."""
+    uniform: the token kernels' two launches per group, or `one_launch` the one-launch
+    kernel (kernels/lora_uniform_triton.py); natively on CUDA and under the Triton
+    interpreter on the CPU (in place of the CPU's reference); `ahead`: each group's shrink
+    started by `prepare` on the side stream, then expanded."""
+    from engine.lora import batch as batch_module
     from kernels import lora as lora_kernels
     from kernels import lora_triton
     if device == "cpu":
         monkeypatch.setattr(lora_kernels, "add_lora", lora_triton.add_lora)
+    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", one_launch)
+    monkeypatch.setattr(batch_module, "SHRINK_AHEAD", ahead)
     cfg, dirs, peft_models = setup
     names = ["r8_rslora", "patterns", "r32"]
     pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK, device=device)
@@ -165,12 +176,50 @@ def test_one_adapter_batch_matches_peft(setup, device, monkeypatch):
         for layer in range(cfg.num_layers):
             for group in GROUPS:
                 x = torch.randn(T, shapes[group].in_features, generator=gen)
-                got = run_group(batch, layer, group, x.to(device),
-                                sum(shapes[group].out_features), gen).cpu()
+                xd = x.to(device)
+                batch.prepare(layer, group, xd)
+                got = run_group(batch, layer, group, xd, sum(shapes[group].out_features),
+                                gen).cpu()
                 want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
                                            msg=lambda m: f"T={T} layer {layer} {group}: {m}")
                 assert torch.all(got[token_slots < 0] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_batch_matches_peft(setup, device, monkeypatch):
+    """A prefill-sized batch (above the token path's limit): runs of 1, 17 and 200 tokens
+    and a few of other adapters, base-model rows between them, shuffled. The tile-list
+    prefill kernels (kernels/lora_segment_triton.py), natively on CUDA and under the Triton
+    interpreter on the CPU (in place of the CPU's reference)."""
+    from kernels import lora as lora_kernels
+    from kernels import lora_triton
+    if device == "cpu":
+        monkeypatch.setattr(lora_kernels, "add_lora", lora_triton.add_lora)
+    cfg, dirs, peft_models = setup
+    names = list(dirs)
+    pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK, device=device)
+    for slot, name in enumerate(names):
+        w = load_lora(dirs[name], cfg, MAX_RANK)
+        pool.load(slot, w.pin_memory() if device == "cuda" else w)
+    gen = torch.Generator().manual_seed(2)
+    runs = [(1, 0), (17, 1), (200, 2), (9, -1), (30, 3), (5, 4), (40, 6), (3, -1), (20, 8)]
+    token_slots = torch.cat([torch.full((n,), slot) for n, slot in runs])
+    token_slots = token_slots[torch.randperm(token_slots.shape[0], generator=gen)]
+    T = token_slots.shape[0]
+    assert T > lora_triton.TOKEN_PATH_MAX_TOKENS
+    batch = LoRABatch(pool, token_slots.to(device))
+    shapes = lora_group_shapes(cfg)
+    for layer in range(cfg.num_layers):
+        for group in GROUPS:
+            x = torch.randn(T, shapes[group].in_features, generator=gen)
+            got = run_group(batch, layer, group, x.to(device),
+                            sum(shapes[group].out_features), gen).cpu()
+            want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
+            assert want.abs().max() > 0.1  # the adapters really contribute
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"layer {layer} {group}: {m}")
+            assert torch.all(got[token_slots < 0] == 0)
 
 
 def test_reload_higher_rank_slot_leaves_no_stale_weights(setup):

@@ -82,7 +82,9 @@ def test_metrics_follow_load(cluster):
             admin.load(name, name)
     idle = wait_for(url, lambda s: value(s, "loramux:registry_adapters", state="loaded") == 3
                     and ("loramux:num_requests_waiting", (("replica", "0"),)) in s
-                    and value(s, "loramux:adapter_disk_read_seconds_count", replica="0") >= 3,  # three loads
+                    # the two loads that found room in the host tier (max_cpu_loras 2) read
+                    # their files; the third is lazy: read when a request first needs it
+                    and value(s, "loramux:adapter_disk_read_seconds_count", replica="0") >= 2,
                     what="the three adapters loaded")
     assert value(idle, "loramux:engine_up", replica="0") == 1
     assert value(idle, "loramux:num_requests_running", replica="0") == 0

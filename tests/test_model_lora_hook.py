@@ -51,6 +51,9 @@ class MergedDeltaLora:
     def apply_embedding(self, ids: torch.Tensor, h: torch.Tensor) -> None:
         """No LoRA on embed_tokens here (loramux_core/model/lora_targets.py END_TARGETS)."""
 
+    def prepare(self, layer_idx: int, group: str, x: torch.Tensor) -> None:
+        """Called before each group's base matmul; nothing to start ahead here."""
+
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         self.calls.append((layer_idx, group))
         assert x.shape[1] == self.shapes[group].in_features

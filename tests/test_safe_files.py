@@ -131,6 +131,39 @@ def test_file_growing_while_read_is_refused(tree, monkeypatch):
     assert ei.value.feature == "changed_on_disk"
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_reads_on_several_threads_give_the_same_bytes_and_digest(tree, monkeypatch, threads):
+    """Chunks read at once on the hash threads (or in order on one): the file's bytes, and
+    the digest file_digest gives them, whatever the thread count."""
+    from loramux_core.file_digest import CHUNK, file_digest
+    root, _ = tree
+    data = random.Random(3).randbytes(4 * CHUNK + 12345)
+    (root / "ok" / "big").write_bytes(data)
+    monkeypatch.setattr(safe_files, "HASH_THREADS", threads)
+    with AdapterRoots([str(root)]).open_dir("ok") as d:
+        got = d.read("big", len(data))
+    assert bytes(got.data) == data and got.digest == file_digest(data)
+
+
+def test_file_growing_while_read_on_threads_is_refused(tree, monkeypatch):
+    from loramux_core.file_digest import CHUNK
+    root, _ = tree
+    path = root / "ok" / "big"
+    path.write_bytes(b"x" * (3 * CHUNK))
+    real_preadv = os.preadv
+
+    def preadv_then_append(fd, bufs, offset):
+        n = real_preadv(fd, bufs, offset)
+        with open(path, "ab") as f:
+            f.write(b"more")
+        return n
+    monkeypatch.setattr(safe_files, "HASH_THREADS", 3)
+    monkeypatch.setattr(safe_files.os, "preadv", preadv_then_append)
+    with AdapterRoots([str(root)]).open_dir("ok") as d, pytest.raises(AdapterError) as ei:
+        d.read("big", 10 * CHUNK)
+    assert ei.value.feature == "changed_on_disk"
+
+
 def test_trusted_anchor_without_roots_still_never_follows_file_links(tree):
     root, _ = tree
     with open_adapter_dir(str(root / "ok"), None) as d:

@@ -132,6 +132,25 @@ def test_bad_adapter_is_refused_and_engine_goes_on(pair, tmp_path):
     assert_same(run_all(tp1, reqs)["outputs"], run_all(tp2, reqs)["outputs"])
 
 
+def test_a_lazily_registered_adapter_matches_tp1(pair):
+    """Registered from its checks alone (as loads past a full host tier are), read at its
+    first request by rank 0 and, under its fingerprint version, by the worker: the tokens
+    of the same files loaded at once, at TP=1 and TP=2."""
+    family, tp1, tp2 = pair
+    outs = {}
+    for tp, engine in ((1, tp1), (2, tp2)):
+        read = engine.read_adapter("lazy-ap8", family.adapters["ap8"], lazy=True)
+        assert read.weights is None and read.version.startswith("stat-")
+        engine.register_adapter(read)
+        try:
+            outs[tp] = run_all(engine, [("lazy", PROMPTS[1], "lazy-ap8"),
+                                        ("eager", PROMPTS[1], "ap8")])["outputs"]
+        finally:
+            engine.remove_adapter("lazy-ap8")
+    assert_same(outs[1], outs[2])
+    assert_same({"r": outs[2]["lazy"]}, {"r": outs[2]["eager"]})
+
+
 def test_host_copies_evicted_and_read_back_from_disk_match_tp1(llama_family):
     """max_cpu_loras=2 for 3 adapters: host copies are evicted (on rank 0, and on the
     workers through HOST_DROP) and read back from disk by every rank when a request names

@@ -24,6 +24,17 @@ def _event_counters(cluster) -> dict | None:
     return None if snap is None else snap[0]
 
 
+def _wait_engine_idle(cluster, timeout_s: float = 10.0) -> float | None:
+    """Wait for an engine event with nothing running or waiting (what a point cancelled at
+    its end is gone, so the next point starts on an idle engine): the seconds waited, None
+    if the engine was still busy after `timeout_s`."""
+    t = time.perf_counter()
+    msg = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event"
+                              and m.event.running_requests == 0
+                              and m.event.waiting_requests == 0, timeout_s)
+    return None if msg is None else time.perf_counter() - t
+
+
 def _event_snapshot(cluster) -> tuple[dict, float] | None:
     """(the counters of the engine's next event, when it arrived: perf_counter)."""
     msg = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
@@ -254,6 +265,10 @@ def _run_service_point(args, p: dict, cluster, pids: dict, budget) -> None:
         records, wall, (a, b) = run_service_marked(
             cluster.gateway_address, wl, p["concurrency"], limits,
             (limits.warm_s, limits.send_s), snapshot)
+        p["idle_after_s"] = _wait_engine_idle(cluster)  # the cancelled requests are gone
+        if p["idle_after_s"] is None or p["idle_after_s"] > 2.0:
+            print(f"service: the engine was idle only {p['idle_after_s']} s after the point "
+                  "(None: still busy after 10 s)", flush=True)
         dt = b["t"] - a["t"]
         cpu = {k: None if a["cpu"][k] is None or b["cpu"][k] is None or dt <= 0
                else (b["cpu"][k] - a["cpu"][k]) / dt for k in pids}

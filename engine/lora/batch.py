@@ -2,6 +2,10 @@
 
 The model calls `apply(layer_idx, group, x, y)` for each LoRA group of each layer (see
 loramux_core/model/lora_targets.py); per-step metadata is built once here, not per layer.
+It may call `prepare(layer_idx, group, x)` first, before the group's base matmul: with
+SHRINK_AHEAD, a uniform step's shrink then runs on a side stream beside that matmul and
+`apply` only waits for it and expands (one launch on the critical path, not shrink and
+expand in turn).
 """
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ import torch
 from engine.lora.pool import LoRASlotPool
 from kernels import lora as lora_kernels
 from kernels.moe import ExpertLoRA
+
+SHRINK_AHEAD = False   # uniform steps on CUDA: shrink beside the base matmul (see above)
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 class LoRABatch:
@@ -26,6 +33,7 @@ class LoRABatch:
         self.pool = pool
         self.uniform = uniform
         self.token_slots = token_slots
+        self._ahead: dict[tuple[int, str], tuple] = {}   # prepared shrinks and their events
         self.meta = meta if meta is not None else lora_kernels.build_meta(
             token_slots, pool.max_loras, uniform=uniform)
         pool.settle_dora()
@@ -69,10 +77,37 @@ class LoRABatch:
             return None
         return ExpertLoRA(self.token_slots, a13, b13, a2, b2)
 
+    def prepare(self, layer_idx: int, group: str, x: torch.Tensor) -> None:
+        """Before the group's base matmul: with SHRINK_AHEAD, start a uniform step's shrink
+        of x on the device's side stream (x must stay unchanged until `apply`)."""
+        if not (SHRINK_AHEAD and self.uniform and x.is_cuda):
+            return
+        a, _, ranks, offsets = self.pool.weights(layer_idx, group)
+        main = torch.cuda.current_stream(x.device)
+        side = _side_streams.get(x.device)
+        if side is None:
+            side = _side_streams[x.device] = torch.cuda.Stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shrunk = lora_kernels.shrink_ahead(x, a, self.token_slots, offsets, ranks,
+                                               meta=self.meta, uniform=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        if shrunk is not None:
+            self._ahead[(layer_idx, group)] = (shrunk, done)
+        else:
+            main.wait_event(done)
+
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += LoRA delta of `group` in layer `layer_idx`, in place (x, y: this rank's shards)."""
         a, b, ranks, offsets = self.pool.weights(layer_idx, group)
-        lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,
-                              meta=self.meta, uniform=self.uniform)
+        ahead = self._ahead.pop((layer_idx, group), None)
+        if ahead is not None:
+            shrunk, done = ahead
+            torch.cuda.current_stream(y.device).wait_event(done)
+            lora_kernels.expand_after(shrunk, b, y)
+        else:
+            lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,
+                                  meta=self.meta, uniform=self.uniform)
         if self.pool.dora_slots:  # DoRA: y (before the bias) scaled per row, per token's slot
             y.mul_(self.pool.dora_scale(layer_idx, group)[self.token_slots.long()])

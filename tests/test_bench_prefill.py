@@ -1,0 +1,38 @@
+"""benchmarks/bench_prefill.py: its arithmetic, and its whole flow on the CPU with a 2-layer
+toy model (the real run needs a GPU and the Llama-3-8B shape)."""
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_prefill
+from benchmarks.llama8b import LLAMA3_8B
+
+
+def test_adapters_per_step_follows_fcfs_packing():
+    # budget 10: [a:6, b:6 -> 4 here], [b:2, c:8], [c:1] -> {a,b}, {b,c}, {c}
+    assert bench_prefill.adapters_per_step([6, 6, 9], ["a", "b", "c"], 10) == 5 / 3
+    assert bench_prefill.adapters_per_step([6, 6, 9], [None] * 3, 10) == 0
+
+
+def test_flops_count_projections_and_causal_attention():
+    cfg = LLAMA3_8B
+    one = bench_prefill.flops(cfg, [1])
+    linear = 2 * 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336)
+    assert one == linear + 2 * 32 * 4096
+    two = bench_prefill.flops(cfg, [1024, 1024])
+    assert two == 2 * bench_prefill.flops(cfg, [1024])
+    assert bench_prefill.flops(cfg, [2048]) > two       # attention grows with n^2
+
+
+def test_whole_flow_on_the_cpu(tmp_path, capsys):
+    rc = bench_prefill.main(["--out", str(tmp_path), "--device", "cpu", "--tiny",
+                             "--prompts", "5", "--min-len", "3", "--max-len", "30",
+                             "--paths", "tiles,blocks"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "prefill.json").read_text())["rows"]
+    assert [(r["mode"], r["path"]) for r in rows] == [
+        ("base", "-"), ("one", "tiles"), ("one", "blocks"), ("l64", "tiles"), ("l64", "blocks")]
+    lengths = bench_prefill.prompt_lengths(5, 3, 30)
+    assert all(r["tokens"] == sum(lengths) and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["x_base"] == 1.0 and rows[3]["adapters_per_step"] >= 1
+    assert "| l64 | blocks | 5 |" in capsys.readouterr().out
