@@ -95,6 +95,8 @@ if [ "$REPLICAS" = 1 ] || [ "$REPLICAS" = only ]; then
   fi
 fi
 
+stamp "rank 0's step at batch 64 (host to replay / replay GPU; with async on the host part overlaps)"
+grep -h "^breakdown .* b= 64" "$OUT"/tp*.log 2>/dev/null | tee -a "$OUT/summary.txt"
 stamp "table"
 $B table --out "$JSON" --results "$OUT/results.json" 2>&1 | tee -a "$OUT/summary.txt"
 [ -f "$JSON/replicas/table.md" ] && tee -a "$OUT/summary.txt" < "$JSON/replicas/table.md"
