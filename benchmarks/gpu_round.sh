@@ -6,6 +6,7 @@
 # again with async scheduling off. At most 8 files under $OUT:
 # kernels.log kernels.csv decode.log decode.json decode_throughput.png profile.txt
 # prefill.log (and decode_sync.log). Time limits: KERNELS_S DECODE_S PREFILL_S SYNC_S.
+# DECODE_ARGS: more bench_decode.py options (e.g. "--no-hf --profile-batches 64,256").
 # The CUDA test suite is a separate call:
 #   LORAMUX_TEST_DEVICE=cuda python3 -m pytest -q tests
 set -o pipefail
@@ -18,7 +19,7 @@ timeout ${KERNELS_S:-190} python3 benchmarks/bench_kernels.py --targets --out "$
 cp "$TMP/k/kernels.csv" "$OUT/" 2>/dev/null
 tail -34 "$OUT/kernels.log"
 timeout ${DECODE_S:-240} python3 benchmarks/bench_decode.py --out "$TMP/d" --steps 16 \
-  --batches 1,16,64,256 > "$OUT/decode.log" 2>&1; echo "decode rc=$?"
+  --batches 1,16,64,256 ${DECODE_ARGS:-} > "$OUT/decode.log" 2>&1; echo "decode rc=$?"
 cp "$TMP/d/decode.json" "$TMP/d/decode_throughput.png" "$TMP/d/profile.txt" "$OUT/" 2>/dev/null
 grep -E "^async|^hf-peft|^\| " "$OUT/decode.log" | tail -34
 timeout ${PREFILL_S:-140} python3 benchmarks/bench_prefill.py --out "$TMP/p" \

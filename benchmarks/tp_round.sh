@@ -24,7 +24,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}   # shared by e
 OUT=${OUT:-/tmp/loramux-tp}; mkdir -p "$OUT"
 JSON=${JSON:-$(mktemp -d /tmp/loramux-tp-json.XXXX)}; mkdir -p "$JSON"
 TOTAL_S=${TOTAL_S:-285}; REPLICAS=${REPLICAS:-0}
-TP1_S=${TP1_S:-80}; TP2_S=${TP2_S:-110}; AR_S=${AR_S:-45}
+TP1_S=${TP1_S:-90}; TP2_S=${TP2_S:-120}; AR_S=${AR_S:-45}
 STEPS=${STEPS:-20}; REPEATS=${REPEATS:-3}   # 3 timed runs of 20 back-to-back steps a point
 DEVICE=${DEVICE:-cuda}
 B="python3 benchmarks/bench_tp.py"
@@ -95,6 +95,8 @@ if [ "$REPLICAS" = 1 ] || [ "$REPLICAS" = only ]; then
   fi
 fi
 
+stamp "rank 0's step at batch 64 (host to replay / replay GPU; with async on the host part overlaps)"
+grep -h "^breakdown .* b= 64" "$OUT"/tp*.log 2>/dev/null | tee -a "$OUT/summary.txt"
 stamp "table"
 $B table --out "$JSON" --results "$OUT/results.json" 2>&1 | tee -a "$OUT/summary.txt"
 [ -f "$JSON/replicas/table.md" ] && tee -a "$OUT/summary.txt" < "$JSON/replicas/table.md"

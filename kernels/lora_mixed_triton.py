@@ -60,18 +60,39 @@ class MixedParams:
 TOKENS = MixedParams(path="tokens")
 SEGMENTS = MixedParams()
 
-# Shape classes not listed take DEFAULT's entry. Up to 64 tokens the token-sized kernels
-# stay (one program per token is as good as a 16-row tile of one row there) until
-# measured otherwise; above, the token kernels read an adapter once per row (sweep:
-# benchmarks/sweep_lora.py --mixed prints the rows to put here).
+
+def _seg(programs: int, split_k: int, reduce: bool, tpp: int) -> MixedParams:
+    return MixedParams(programs=programs, split_k=split_k, reduce=reduce, tpp=tpp)
+
+
+# Shape classes not listed take DEFAULT's entry: up to 64 tokens the token-sized kernels
+# (one program per token is as good as a 16-row tile of one row there), above them these
+# kernels at parameters sized from the shape (the token kernels read an adapter about
+# once per row there).
 DEFAULT: dict[tuple[int, str], MixedParams] = {
     **{(16, kind): TOKENS for kind in ("qkv", "o", "gate_up", "down")},
     **{(64, kind): TOKENS for kind in ("qkv", "o", "gate_up", "down")},
 }
 # Per GPU (a substring of the device name); an H200 has the H100's SMs and more
-# bandwidth: it takes the H100 rows unless it has its own.
+# bandwidth: it takes the H100 rows unless it has its own. The H100 rows: the best of
+# benchmarks/sweep_lora_mixed.py on one H100 80GB HBM3 (2026-11-25, copy bandwidth 2.96
+# TB/s; 64 adapters round robin, rank 16, bf16, Llama-3-8B groups), old token kernels ->
+# these, us per layer group (both launches).
 TABLE: dict[str, dict[tuple[int, str], MixedParams]] = {
-    "H100": {},
+    "H100": {
+        (256, "qkv"): _seg(80, 3, True, 6),       # 57.2 -> 36.7
+        (256, "o"): _seg(80, 8, True, 4),         # 34.0 -> 23.9
+        (256, "gate_up"): _seg(80, 5, True, 25),  # 108.7 -> 68.3
+        (256, "down"): _seg(80, 6, False, 2),     # 62.1 -> 31.0
+        (128, "qkv"): _seg(72, 3, True, 6),       # 37.3 -> 32.0
+        (128, "o"): _seg(64, 6, False, 3),        # 23.0 -> 19.1
+        (128, "gate_up"): _seg(64, 5, False, 16), # 65.0 -> 52.3
+        (128, "down"): _seg(64, 6, False, 3),     # 41.1 -> 27.3
+        (64, "qkv"): TOKENS,                      # 24.4 (these: 24.5)
+        (64, "o"): TOKENS,                        # 15.6 (16.7)
+        (64, "gate_up"): TOKENS,                  # 43.0 (48.7)
+        (64, "down"): _seg(64, 6, False, 2),      # 28.3 -> 24.2
+    },
     "H200": {},
 }
 _FALLBACK = {"H200": "H100"}
