@@ -77,21 +77,25 @@ DEFAULT: dict[tuple[int, str], MixedParams] = {
 # bandwidth: it takes the H100 rows unless it has its own. The H100 rows: the best of
 # benchmarks/sweep_lora_mixed.py on one H100 80GB HBM3 (2026-11-25, copy bandwidth 2.96
 # TB/s; 64 adapters round robin, rank 16, bf16, Llama-3-8B groups), old token kernels ->
-# these, us per layer group (both launches).
+# these, us per layer group (both launches); but one program per tile (programs = T):
+# with fewer, a batch of one row per adapter (256 adapters at 256 tokens) had each
+# program walk several tiles one after the other and lost to the token kernels (decode
+# step 22.0 -> 29.9 ms), and at 64 tokens of one row per adapter down keeps the token
+# kernels too (bench_kernels: 30.3 us against 39.3).
 TABLE: dict[str, dict[tuple[int, str], MixedParams]] = {
     "H100": {
-        (256, "qkv"): _seg(80, 3, True, 6),       # 57.2 -> 36.7
-        (256, "o"): _seg(80, 8, True, 4),         # 34.0 -> 23.9
-        (256, "gate_up"): _seg(80, 5, True, 25),  # 108.7 -> 68.3
-        (256, "down"): _seg(80, 6, False, 2),     # 62.1 -> 31.0
-        (128, "qkv"): _seg(72, 3, True, 6),       # 37.3 -> 32.0
-        (128, "o"): _seg(64, 6, False, 3),        # 23.0 -> 19.1
-        (128, "gate_up"): _seg(64, 5, False, 16), # 65.0 -> 52.3
-        (128, "down"): _seg(64, 6, False, 3),     # 41.1 -> 27.3
+        (256, "qkv"): _seg(256, 3, True, 6),      # 57.2 -> 36.7
+        (256, "o"): _seg(256, 8, True, 4),        # 34.0 -> 23.9
+        (256, "gate_up"): _seg(256, 5, True, 25),  # 108.7 -> 68.3
+        (256, "down"): _seg(256, 6, False, 2),    # 62.1 -> 31.0
+        (128, "qkv"): _seg(128, 3, True, 6),      # 37.3 -> 32.0
+        (128, "o"): _seg(128, 6, False, 3),       # 23.0 -> 19.1
+        (128, "gate_up"): _seg(128, 5, False, 16),  # 65.0 -> 52.3
+        (128, "down"): _seg(128, 6, False, 3),    # 41.1 -> 27.3
         (64, "qkv"): TOKENS,                      # 24.4 (these: 24.5)
         (64, "o"): TOKENS,                        # 15.6 (16.7)
         (64, "gate_up"): TOKENS,                  # 43.0 (48.7)
-        (64, "down"): _seg(64, 6, False, 2),      # 28.3 -> 24.2
+        (64, "down"): TOKENS,                     # 30.3 (39.3)
     },
     "H200": {},
 }
