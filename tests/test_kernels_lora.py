@@ -19,6 +19,7 @@ from kernels import lora_triton
 from kernels.lora_triton import (TOKEN_PATH_MAX_TOKENS, add_lora, add_lora_segments,
                                  add_lora_tokens, build_meta, lora_expand, lora_fused,
                                  lora_shrink)
+from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode
 
 CUDA = torch.cuda.is_available()
@@ -30,15 +31,7 @@ K_IN = 48
 
 def _pool(S, offsets, ranks, dtype, R=32, seed=0):
     """Slot pool with per-slot ranks: weights past a slot's rank are zero, as loaded."""
-    g = torch.Generator().manual_seed(seed)
-    L = len(ranks)
-    a = torch.randn(L, S, R, K_IN, generator=g) / K_IN ** 0.5
-    b = torch.randn(L, offsets[-1], R, generator=g) / R ** 0.5
-    for slot, r in enumerate(ranks):
-        a[slot, :, r:] = 0
-        b[slot, :, r:] = 0
-    ranks_t = torch.tensor(ranks, dtype=torch.int32)
-    return a.to(DEV, dtype), b.to(DEV, dtype), ranks_t.to(DEV)
+    return slot_pool(S, offsets, ranks, K_IN, dtype, DEV, R, seed)
 
 
 def _slots(T, L, mapping, seed):

@@ -16,6 +16,7 @@ from kernels.lora_ref import add_lora_ref
 from kernels.lora_triton import add_lora, build_meta
 from kernels.lora_uniform_triton import (add_lora_uniform, launch_shape, uniform_expand,
                                          uniform_shrink)
+from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,14 +35,7 @@ RANKS = [8, 16, 4, 12, 16]   # below the pool's rank 16 except one; slot 4 stays
 
 def _pool(S, offsets, dtype, seed, R=16, ranks=RANKS):
     """Slot pool, weights past a slot's rank zero (as loaded); random A and B."""
-    g = torch.Generator().manual_seed(seed)
-    L = len(ranks)
-    a = torch.randn(L, S, R, K_IN, generator=g) / K_IN ** 0.5
-    b = torch.randn(L, offsets[-1], R, generator=g) / R ** 0.5
-    for slot, r in enumerate(ranks):
-        a[slot, :, r:] = 0
-        b[slot, :, r:] = 0
-    return a.to(DEV, dtype), b.to(DEV, dtype), torch.tensor(ranks, dtype=torch.int32, device=DEV)
+    return slot_pool(S, offsets, ranks, K_IN, dtype, DEV, R, seed)
 
 
 def _slots(case: str, T: int, seed: int) -> torch.Tensor:

@@ -108,6 +108,24 @@ def test_targets_match_peft(setup):
                     assert gw.slice_ranks[s] == peft_r, (name, layer, module)
 
 
+def _check_every_group(cfg, pool, peft_models, names, token_slots, device, gen, tol) -> None:
+    """Every layer group's LoRA delta for a batch mapped by `token_slots` (-1: base row)
+    equals PEFT's on fresh random inputs; base rows get exactly nothing."""
+    T = token_slots.shape[0]
+    batch = LoRABatch(pool, token_slots.to(device))
+    shapes = lora_group_shapes(cfg)
+    for layer in range(cfg.num_layers):
+        for group in GROUPS:
+            x = torch.randn(T, shapes[group].in_features, generator=gen)
+            got = run_group(batch, layer, group, x.to(device),
+                            sum(shapes[group].out_features), gen).cpu()
+            want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
+            assert want.abs().max() > 0.1  # the adapters really contribute
+            torch.testing.assert_close(got, want, **tol,
+                                       msg=lambda m: f"T={T} layer {layer} {group}: {m}")
+            assert torch.all(got[token_slots < 0] == 0)
+
+
 DEVICES = [pytest.param("cpu"),
            pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                          reason="needs CUDA"))]
@@ -127,18 +145,7 @@ def test_mixed_batch_matches_peft(setup, device):
     for T in (40, 7):  # a prefill-sized and a decode-sized batch
         token_slots = torch.randint(-1, len(names), (T,), generator=gen)
         token_slots[: min(T, len(names) + 1)] = torch.arange(-1, min(T, len(names) + 1) - 1)
-        batch = LoRABatch(pool, token_slots.to(device))
-        shapes = lora_group_shapes(cfg)
-        for layer in range(cfg.num_layers):
-            for group in GROUPS:
-                x = torch.randn(T, shapes[group].in_features, generator=gen)
-                got = run_group(batch, layer, group, x.to(device),
-                                sum(shapes[group].out_features), gen).cpu()
-                want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
-                assert want.abs().max() > 0.1  # the adapters really contribute
-                torch.testing.assert_close(got, want, **tol,
-                                           msg=lambda m: f"T={T} layer {layer} {group}: {m}")
-                assert torch.all(got[token_slots < 0] == 0)
+        _check_every_group(cfg, pool, peft_models, names, token_slots, device, gen, tol)
 
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -208,18 +215,8 @@ def test_prefill_batch_matches_peft(setup, device, monkeypatch):
     token_slots = token_slots[torch.randperm(token_slots.shape[0], generator=gen)]
     T = token_slots.shape[0]
     assert T > lora_triton.TOKEN_PATH_MAX_TOKENS
-    batch = LoRABatch(pool, token_slots.to(device))
-    shapes = lora_group_shapes(cfg)
-    for layer in range(cfg.num_layers):
-        for group in GROUPS:
-            x = torch.randn(T, shapes[group].in_features, generator=gen)
-            got = run_group(batch, layer, group, x.to(device),
-                            sum(shapes[group].out_features), gen).cpu()
-            want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
-            assert want.abs().max() > 0.1  # the adapters really contribute
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
-                                       msg=lambda m: f"layer {layer} {group}: {m}")
-            assert torch.all(got[token_slots < 0] == 0)
+    _check_every_group(cfg, pool, peft_models, names, token_slots, device, gen,
+                       dict(rtol=1e-4, atol=1e-4))
 
 
 def test_reload_higher_rank_slot_leaves_no_stale_weights(setup):
