@@ -108,6 +108,16 @@ def test_targets_match_peft(setup):
                     assert gw.slice_ranks[s] == peft_r, (name, layer, module)
 
 
+def _loaded_pool(cfg, dirs, names, device: str) -> LoRASlotPool:
+    """A slot pool with the adapters `names` in slots 0, 1, ... (pinned host copies on
+    CUDA, as the engine loads them)."""
+    pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK, device=device)
+    for slot, name in enumerate(names):
+        w = load_lora(dirs[name], cfg, MAX_RANK)
+        pool.load(slot, w.pin_memory() if device == "cuda" else w)
+    return pool
+
+
 def _check_every_group(cfg, pool, peft_models, names, token_slots, device, gen, tol) -> None:
     """Every layer group's LoRA delta for a batch mapped by `token_slots` (-1: base row)
     equals PEFT's on fresh random inputs; base rows get exactly nothing."""
@@ -136,10 +146,7 @@ def test_mixed_batch_matches_peft(setup, device):
     """On CUDA: pool on the device, pinned host copies, the Triton kernel via kernels.lora."""
     cfg, dirs, peft_models = setup
     names = list(dirs)
-    pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK, device=device)
-    for slot, name in enumerate(names):
-        w = load_lora(dirs[name], cfg, MAX_RANK)
-        pool.load(slot, w.pin_memory() if device == "cuda" else w)
+    pool = _loaded_pool(cfg, dirs, names, device)
     gen = torch.Generator().manual_seed(0)
     tol = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
     for T in (40, 7):  # a prefill-sized and a decode-sized batch
@@ -170,10 +177,7 @@ def test_one_adapter_batch_matches_peft(setup, device, one_launch, ahead, monkey
     monkeypatch.setattr(batch_module, "SHRINK_AHEAD", ahead)
     cfg, dirs, peft_models = setup
     names = ["r8_rslora", "patterns", "r32"]
-    pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK, device=device)
-    for slot, name in enumerate(names):
-        w = load_lora(dirs[name], cfg, MAX_RANK)
-        pool.load(slot, w.pin_memory() if device == "cuda" else w)
+    pool = _loaded_pool(cfg, dirs, names, device)
     gen = torch.Generator().manual_seed(1)
     shapes = lora_group_shapes(cfg)
     for T, slot in ((8, 1), (5, 2)):
@@ -205,10 +209,7 @@ def test_prefill_batch_matches_peft(setup, device, monkeypatch):
         monkeypatch.setattr(lora_kernels, "add_lora", lora_triton.add_lora)
     cfg, dirs, peft_models = setup
     names = list(dirs)
-    pool = LoRASlotPool(cfg, max_loras=len(names), max_lora_rank=MAX_RANK, device=device)
-    for slot, name in enumerate(names):
-        w = load_lora(dirs[name], cfg, MAX_RANK)
-        pool.load(slot, w.pin_memory() if device == "cuda" else w)
+    pool = _loaded_pool(cfg, dirs, names, device)
     gen = torch.Generator().manual_seed(2)
     runs = [(1, 0), (17, 1), (200, 2), (9, -1), (30, 3), (5, 4), (40, 6), (3, -1), (20, 8)]
     token_slots = torch.cat([torch.full((n,), slot) for n, slot in runs])
