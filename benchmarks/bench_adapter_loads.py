@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import TeeLog  # noqa: E402
 from benchmarks.llama8b import write_adapter, write_model_dir  # noqa: E402
 
 RANK = 16
@@ -184,12 +185,7 @@ def main() -> None:
     ap.add_argument("--no-add", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "adapter_loads.log", "w")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logf.write(msg + "\n")
+    log = TeeLog(out / "adapter_loads.log")
 
     log(f"device {args.device}, torch threads {torch.get_num_threads()}")
     summary: dict = {"device": args.device}
@@ -212,7 +208,7 @@ def main() -> None:
             f"({s['loaded']} of {s['adapters']} {s['model']} adapters, "
             f"max_cpu_loras {s['max_cpu_loras']})")
         log(f"  per block of {s['block']}: {s['loads_per_s_by_block']}")
-    logf.close()
+    log.close()
 
 
 if __name__ == "__main__":

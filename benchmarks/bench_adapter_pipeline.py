@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import TeeLog  # noqa: E402
 from benchmarks.llama8b import adapter_bytes, write_adapter, write_model_dir  # noqa: E402
 from benchmarks.swap_steps import (SwapIn, copies_after_all_compute,  # noqa: E402
                                    profile_steps, time_interleaved, trace_steps)
@@ -417,12 +418,7 @@ def main() -> None:
         args.steps = min(args.steps, 4)
         args.layers = args.layers or 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "adapter_pipeline.log", "w")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logf.write(msg + "\n")
+    log = TeeLog(out / "adapter_pipeline.log")
 
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -443,7 +439,7 @@ def main() -> None:
     (out / "adapter_pipeline.json").write_text(json.dumps(summary, indent=2))
     table(summary, log)
     log(f"total {time.perf_counter() - started:.1f} s")
-    logf.close()
+    log.close()
 
 
 def engine_parts(tmp: Path, args, device: torch.device, log) -> dict:

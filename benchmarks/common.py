@@ -4,6 +4,7 @@ and launch counting. Everything here needs CUDA except the pure arithmetic."""
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -107,3 +108,19 @@ def report(out: str | None, name: str, result: dict, row: dict[str, str]) -> Non
     print("\n| " + " | ".join(row) + " |")
     print("|" + "---|" * len(row))
     print("| " + " | ".join(row.values()) + " |")
+
+
+class TeeLog:
+    """log(msg): printed (flushed) and written to `path` (its folder made), so that the
+    whole output of a run is also among the files under --out."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w")
+
+    def __call__(self, msg: str) -> None:
+        print(msg, flush=True)
+        self._file.write(msg + "\n")
+
+    def close(self) -> None:
+        self._file.close()
