@@ -81,15 +81,19 @@ def combined_version(files: list[tuple[str, FileRead]], legacy: bool = False) ->
 FINGERPRINT_PREFIX = "stat-"
 
 
-def file_fingerprint(config_digest: str, head: bytes, st: os.stat_result) -> str:
+def file_fingerprint(config_digest: str, head: bytes, st: os.stat_result,
+                     legacy: bool = False) -> str:
     """The version an adapter is registered under before its weights are read: a digest
-    over its config's digest, the weights file's safetensors header and that file's
-    identity and change times (inode, size, mtime, ctime; not the device number, which
-    differs between hosts mounting one share). Any write to the file (and any change of
-    its metadata: the ctime) gives another fingerprint, so a first read of files changed
-    since registration is refused like any other version mismatch."""
-    h = hashlib.sha256(_DIGEST_TAG + b"fingerprint\n")
+    over its config's digest, the weights file's safetensors header and what changes
+    when the file's content does: its inode (a file renamed over it), size and mtime (a
+    write). Not the ctime: a chmod, chown or new hard link changes only the metadata, and
+    must not fail the first read of the bytes registered; not the device number, which
+    differs between hosts mounting one share. A first read of files written or replaced
+    since registration is refused like any other version mismatch. `legacy`: the
+    fingerprint as recorded before, which also covered the ctime (still honoured)."""
+    h = hashlib.sha256(_DIGEST_TAG + (b"fingerprint\n" if legacy else b"fingerprint v2\n"))
     h.update(config_digest.encode() + b"\0" + len(head).to_bytes(8, "little") + bytes(head))
-    for v in (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+    fields = (st.st_ino, st.st_size, st.st_mtime_ns) + ((st.st_ctime_ns,) if legacy else ())
+    for v in fields:
         h.update(int(v).to_bytes(16, "little", signed=True))
     return FINGERPRINT_PREFIX + h.hexdigest()

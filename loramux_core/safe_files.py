@@ -212,7 +212,9 @@ def _hash_read(read, chunk: memoryview) -> bytes:
 
 
 def _moved(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_size, a.st_mtime_ns, a.st_ctime_ns) != (b.st_size, b.st_mtime_ns, b.st_ctime_ns)
+    """The content may have moved: a write changes the size or the mtime. (The ctime also
+    moves on a chmod or a new hard link, which leave the bytes as they were.)"""
+    return (a.st_size, a.st_mtime_ns) != (b.st_size, b.st_mtime_ns)
 
 
 def _kind(mode: int) -> str:

@@ -169,6 +169,49 @@ def test_the_fingerprint_changes_with_the_file_not_with_a_reread(llama_family, t
     assert plan_adapter(path, cfg, 32, header_only=True).fingerprint != head
 
 
+def test_the_fingerprint_ignores_metadata_but_not_a_replaced_file(llama_family, tmp_path):
+    """A chmod or a new hard link changes only the ctime: the fingerprint stays; a file
+    renamed over the weights (a new inode, even with the same bytes) changes it. A
+    fingerprint recorded with the ctime, as before, is still honoured."""
+    from loramux_core.adapter.plan import plan_adapter
+    from loramux_core.file_digest import file_fingerprint
+    from loramux_core.model.hf_config import ModelConfig
+
+    cfg = ModelConfig.from_dir(llama_family.model_dir)
+    path = copy_adapter(llama_family, "rs4", tmp_path / "fp")
+    first = plan_adapter(path, cfg, 32, header_only=True)
+    os.chmod(path / WEIGHTS, 0o400)
+    os.link(path / WEIGHTS, tmp_path / "another-name")
+    assert plan_adapter(path, cfg, 32, header_only=True).fingerprint == first.fingerprint
+    full = plan_adapter(path, cfg, 32)
+    assert full.has_version(first.fingerprint)
+    assert full.has_version(full.legacy_fingerprint) and full.legacy_fingerprint.startswith(
+        "stat-") and full.legacy_fingerprint != full.fingerprint
+    head = bytes(full.weights[:8 + int.from_bytes(full.weights[:8], "little")])
+    now = os.stat(path / WEIGHTS)
+    assert full.legacy_fingerprint == file_fingerprint(
+        full.files[0][1].digest, head, now, legacy=True)
+    shutil.copy(path / WEIGHTS, tmp_path / "same-bytes")
+    os.utime(tmp_path / "same-bytes", ns=(now.st_atime_ns, now.st_mtime_ns))
+    os.replace(tmp_path / "same-bytes", path / WEIGHTS)  # a new inode, the same bytes
+    assert plan_adapter(path, cfg, 32, header_only=True).fingerprint != first.fingerprint
+
+
+def test_a_chmod_or_link_after_a_lazy_load_does_not_fail_the_first_read(llama_family,
+                                                                         tmp_path):
+    path = copy_adapter(llama_family, "ap8", tmp_path / "meta")
+    with Engine(config(llama_family)) as eng, ServedEngine(eng) as served:
+        assert load(served, "rs4", llama_family.adapters["rs4"]).ok
+        ack = load(served, "m", path)
+        assert ack.ok and ack.version.startswith("stat-")
+        for name in (WEIGHTS, "adapter_config.json"):
+            os.chmod(path / name, 0o444)
+            os.link(path / name, tmp_path / f"link-{name}")
+        served.generate("r", [5, 6, 7], 6, adapter="m")
+        got = outcome(served, {"r"})
+    assert got["r"] == ("tokens", eager_tokens(llama_family, "m", path, [5, 6, 7], 6))
+
+
 def test_loading_a_lazily_loaded_name_again_changes_nothing(tmp_path):
     """Through the control plane: the engine acks the fingerprint, the registry keeps it,
     and LoadAdapter of the same files again is the no-op it is for a read adapter (the

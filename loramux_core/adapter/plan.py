@@ -106,6 +106,8 @@ class AdapterPlan:
     files: tuple[tuple[str, FileRead], ...] = field(repr=False, compare=False, default=())
     # the files' version before their weights are read (file_digest.file_fingerprint)
     fingerprint: str = ""
+    # the same as recorded before the fingerprint left out the ctime (still honoured)
+    legacy_fingerprint: str = field(default="", repr=False, compare=False)
 
     @cached_property
     def version(self) -> str:
@@ -118,7 +120,7 @@ class AdapterPlan:
         registered before being read was recorded under), or the plain-sha256 version
         that was recorded for the same bytes before chunked digests."""
         if version.startswith(FINGERPRINT_PREFIX):
-            return version == self.fingerprint
+            return version in (self.fingerprint, self.legacy_fingerprint or self.fingerprint)
         return version == self.version or version == combined_version(list(self.files),
                                                                       legacy=True)
 
@@ -211,7 +213,8 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
                        else cache.get(("tensors", config_key, head, size), check_tensors))
     files = () if weights is None else ((CONFIG_NAME, config), (WEIGHTS_NAME, weights))
     return AdapterPlan(cfg, weights_file, modules, data, shapes, files,
-                       file_fingerprint(config.digest, head, st))
+                       file_fingerprint(config.digest, head, st),
+                       file_fingerprint(config.digest, head, st, legacy=True))
 
 
 def _check_tensors(cfg: AdapterConfig, model_cfg, data, size: int, weights_file: str,
