@@ -40,15 +40,23 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_token_ids)[-_PROMPT_CONTEXT:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._text = ""      # text of the generated tokens decoded so far (cut at a stop)
-        self._emitted = 0    # how much of _text push()/finish() have returned
+        # The text of the generated tokens decoded so far (cut at a stop) is _done + _tail,
+        # kept in two parts so that it grows by work linear in its length: appending each
+        # delta to one string would copy all of it per token. _tail, from character _base
+        # on, is what stop strings still need: the held-back text and the emitted end a
+        # stop string may begin in (_lookback characters); older text moves to _done.
+        self._done: list[str] = []
+        self._tail = ""
+        self._base = 0
+        self._lookback = max(map(len, self._stop), default=1) - 1
+        self._emitted = 0    # how much of the text push()/finish() have returned
         self._stop_str: str | None = None
         self._finished = False
 
     @property
     def text(self) -> str:
         """All text returned so far."""
-        return self._text[:self._emitted]
+        return "".join(self._done) + self._tail[:self._emitted - self._base]
 
     @property
     def stop_hit(self) -> bool:
@@ -97,17 +105,30 @@ class IncrementalDetokenizer:
 
     def _advance(self, delta: str, final: bool) -> str:
         """Append `delta`, cut at a stop string, and return what may be emitted now."""
-        old_len = len(self._text)
-        self._text += delta
+        old_len = self._base + len(self._tail)
+        self._tail += delta
         if self._stop:
             cut = self._find_stop(old_len)
             if cut is not None:
-                self._text = self._text[:cut]
+                assert cut >= self._base, "a stop string is never cut out of retired text"
+                self._tail = self._tail[:cut - self._base]
                 final = True
-        end = len(self._text) if final or self._include_stop else self._safe_end()
-        out = self._text[self._emitted:end]
+        end = self._len() if final or self._include_stop else self._safe_end()
+        out = self._tail[self._emitted - self._base:end - self._base]
         self._emitted = max(self._emitted, end)
+        self._retire()
         return out
+
+    def _len(self) -> int:
+        return self._base + len(self._tail)
+
+    def _retire(self) -> None:
+        """Move emitted text that no stop string can reach back into from _tail to _done."""
+        keep = min(self._emitted, self._len() - self._lookback) - self._base
+        if keep > 0:
+            self._done.append(self._tail[:keep])
+            self._tail = self._tail[keep:]
+            self._base += keep
 
     def _find_stop(self, old_len: int) -> int | None:
         """End of the kept text if a stop string occurs in text that grew past `old_len`,
@@ -115,23 +136,27 @@ class IncrementalDetokenizer:
         at the same character), as if text arrived one character at a time."""
         best: tuple[int, int, str] | None = None
         for s in self._stop:
-            # An occurrence found now must end after old_len, else it was found before.
-            idx = self._text.find(s, max(0, old_len - len(s) + 1))
-            if idx >= 0 and (best is None or (idx + len(s), idx) < best[:2]):
-                best = (idx + len(s), idx, s)
+            # An occurrence found now must end after old_len, else it was found before;
+            # it starts within _lookback of old_len, so inside _tail.
+            idx = self._tail.find(s, max(0, old_len - len(s) + 1 - self._base))
+            if idx >= 0:
+                idx += self._base
+                if best is None or (idx + len(s), idx) < best[:2]:
+                    best = (idx + len(s), idx, s)
         if best is None:
             return None
         end, idx, self._stop_str = best
         return end if self._include_stop else idx
 
     def _safe_end(self) -> int:
-        """Where text stops being safe to emit: before the longest suffix of _text that is
-        a proper prefix of some stop string (it may still grow into that stop string)."""
-        text = self._text
+        """Where text stops being safe to emit: before the longest suffix of the text that
+        is a proper prefix of some stop string (it may still grow into that stop string).
+        _tail holds at least the last _lookback characters, all such a suffix can be."""
+        text = self._tail
         hold = 0
         for s in self._stop:
             for k in range(min(len(s) - 1, len(text)), hold, -1):
                 if text.endswith(s[:k]):
                     hold = k
                     break
-        return max(self._emitted, len(text) - hold)
+        return max(self._emitted, self._len() - hold)

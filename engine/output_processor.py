@@ -21,10 +21,27 @@ from engine.scheduler import Sampled
 class OutputState:
     """What one request has produced for its caller (the processor's, on `Request.output`)."""
     detokenizer: IncrementalDetokenizer
-    text: str = ""
-    sent: int = 0   # characters of `text` already in a StepOutput
+    # The text handed out by the detokenizer, piece by piece: appending each piece to one
+    # string would copy the whole text per token (quadratic in a long generation).
+    pieces: list[str] = field(default_factory=list)
+    pieces_sent: int = 0   # how many of `pieces` are already in a StepOutput
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """All text so far."""
+        return "".join(self.pieces)
+
+    def add_text(self, piece: str) -> None:
+        if piece:
+            self.pieces.append(piece)
+
+    def take_unsent(self) -> str:
+        """The text not yet in a StepOutput, from now on counted as sent."""
+        new = "".join(self.pieces[self.pieces_sent:])
+        self.pieces_sent = len(self.pieces)
+        return new
 
 
 def token_stop(req: Request, eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
@@ -60,11 +77,11 @@ class OutputProcessor:
         if sampled.top_logprobs is not None:
             out.top_logprobs.append(sampled.top_logprobs)
         reason = token_stop(req, self.eos_token_ids, self.max_model_len)
-        out.text += out.detokenizer.push(req.all_token_ids[-1:])
+        out.add_text(out.detokenizer.push(req.all_token_ids[-1:]))
         if out.detokenizer.stop_hit:
             reason = FinishReason.STOP
         if reason is not None:
-            out.text += out.detokenizer.finish()  # release text held back for stop strings
+            out.add_text(out.detokenizer.finish())  # release text held back for stop strings
         return reason
 
     @staticmethod
@@ -72,7 +89,7 @@ class OutputProcessor:
         """What the caller has not seen yet: the newest token (unless `new_token` is
         False, e.g. a request that ends without one) and the text since the last call."""
         out, p = req.output, req.params
-        delta, out.sent = out.text[out.sent:], len(out.text)
+        delta = out.take_unsent()
         return StepOutput(
             request_id=req.request_id,
             new_token_ids=[req.all_token_ids[-1]] if new_token else [],

@@ -23,14 +23,20 @@ def finish_reason(resp: generate_pb2.GenerateResponse) -> str | None:
 class Choice:
     """One choice's output so far."""
     index: int
-    text: str = ""
+    # the text, piece by piece: `text += piece` would copy all of it per response
+    pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: generate_pb2.Usage | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
     def add(self, resp: generate_pb2.GenerateResponse) -> None:
-        self.text += resp.text
+        if resp.text:
+            self.pieces.append(resp.text)
         self.token_ids.extend(resp.token_ids)
         self.logprobs.extend(resp.logprobs)
         if resp.finish_reason:

@@ -98,15 +98,21 @@ class Completion:
     """The whole output of one Generate stream."""
 
     def __init__(self):
-        self.text = ""
+        self._pieces: list[str] = []  # `text += piece` would copy all of it per response
         self.token_ids: list[int] = []
         self.finish_reason = "unspecified"
         self.usage = generate_pb2.Usage()
         self.timings = generate_pb2.Timings()
         self.responses = 0
 
+    @property
+    def text(self) -> str:
+        """The text generated so far."""
+        return "".join(self._pieces)
+
     def add(self, resp: generate_pb2.GenerateResponse) -> None:
-        self.text += resp.text
+        if resp.text:
+            self._pieces.append(resp.text)
         self.token_ids.extend(resp.token_ids)
         self.responses += 1
         if resp.finish_reason:
