@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.elementwise_ref import rms_norm_ref
+
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     """h[s, t, :] = x[t] @ a[slot(t), s].T, float32; zero where token_slots[t] < 0.
@@ -48,3 +50,15 @@ def add_lora_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
     """y += LoRA(x) for a mixed-adapter batch; returns y."""
     h = lora_shrink_ref(x, a, token_slots)
     return lora_expand_ref(h, b, token_slots, slice_offsets, y)
+
+
+def add_rms_norm_shrink_ref(x: torch.Tensor | None, residual: torch.Tensor,
+                            weight: torch.Tensor, eps: float, a: torch.Tensor,
+                            token_slots: torch.Tensor):
+    """(rms_norm(residual + x), residual + x, h [S, T, R] float32: the LoRA shrink of the
+    normed rows, zero where token_slots[t] < 0); x None: nothing added to residual. The
+    oracle of kernels/norm_shrink_triton.py."""
+    if x is not None:
+        residual = residual + x
+    out = rms_norm_ref(residual, weight, eps)
+    return out, residual, lora_shrink_ref(out, a, token_slots)

@@ -120,14 +120,15 @@ def lora_shrink_tok_kernel(x_ptr, a_ptr, hp_ptr, sorted_ptr, sorted_slots_ptr, r
 
 
 @triton.jit
-def _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, row0, last, slot, R,
-                 lo, hi, u0, u_step, h_base, stride_hk, stride_ht, stride_hr,
+def _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, scale_ptr, row0, last, slot,
+                 R, lo, hi, u0, u_step, h_base, stride_hk, stride_ht, stride_hr,
                  stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
-                 HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 HAS_RANKS: tl.constexpr, HAS_SCALE: tl.constexpr, SPLIT_K: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """y rows of sorted positions row0..last (one slot) += h @ B.T over the slice's
-    BLOCK_N tiles u0, u0 + u_step, ... (h summed over the split-K partials once)."""
+    BLOCK_N tiles u0, u0 + u_step, ... (h summed over the split-K partials once, then
+    with HAS_SCALE each row times scale[tok])."""
     n_tiles = tl.cdiv(hi - lo, BLOCK_N)
     if u0 < n_tiles:
         rank = _rank_of(ranks_ptr, slot, R, HAS_RANKS)
@@ -140,6 +141,8 @@ def _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, row0, last, slot, 
         h = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
         for ks in tl.static_range(SPLIT_K):
             h += tl.load(h_ptrs + ks * stride_hk, mask=h_mask, other=0.0)
+        if HAS_SCALE:
+            h = h * tl.load(scale_ptr + tok, mask=m_mask, other=0.0)[:, None]
         for i in range(0, tl.cdiv(n_tiles - u0, u_step)):   # (a tensor step: not in range)
             _expand_tile(h, b_ptr, y_ptr, tok, m_mask, slot, rank,
                          lo + (u0 + i * u_step) * BLOCK_N, hi,
@@ -149,15 +152,18 @@ def _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, row0, last, slot, 
 
 @triton.jit
 def lora_expand_tok_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, sorted_slots_ptr, ranks_ptr,
-                           T, R, n_chunks, o0, o1, o2, o3, o4,
+                           scale_ptr, T, R, n_chunks, o0, o1, o2, o3, o4,
                            stride_hk, stride_hs, stride_ht, stride_hr,
                            stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
-                           HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr,
+                           HAS_RANKS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           SPLIT_K: tl.constexpr,
                            GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_NG: tl.constexpr, PRECISION: tl.constexpr,
                            UPCAST: tl.constexpr):
     """Grid (cdiv(T, GROUP), min(GROUP, T), S * n_chunks):
-    y[tok, slice s] += (sum_ks hp[ks, s, tok]) @ b[slot(tok), slice s].T.
+    y[tok, slice s] += (sum_ks hp[ks, s, tok]) @ b[slot(tok), slice s].T, with HAS_SCALE
+    the sum times scale[tok] first (a row factor the shrink could not apply: the 1/rms of
+    kernels/norm_shrink_kernels_triton.py).
 
     Lane (j, c) of a uniform block of LANES programs takes tiles j * n_chunks + c, stepping
     by LANES * n_chunks; a per-token program takes tiles c, c + n_chunks, ..."""
@@ -169,18 +175,18 @@ def lora_expand_tok_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, sorted_slots_ptr, r
     h_base = hp_ptr + s * stride_hs
     if big:
         if slot0 >= 0:
-            _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, first, last, slot0, R,
-                         lo, hi, j * n_chunks + c, GROUP * n_chunks, h_base,
+            _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, scale_ptr, first, last,
+                         slot0, R, lo, hi, j * n_chunks + c, GROUP * n_chunks, h_base,
                          stride_hk, stride_ht, stride_hr, stride_bl, stride_bn, stride_br,
-                         stride_yt, stride_yn, HAS_RANKS, SPLIT_K, GROUP, BLOCK_R, BLOCK_NG,
-                         PRECISION, UPCAST)
+                         stride_yt, stride_yn, HAS_RANKS, HAS_SCALE, SPLIT_K, GROUP, BLOCK_R,
+                         BLOCK_NG, PRECISION, UPCAST)
     elif sub:
         if sslot >= 0:
-            _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, sfirst, slast, sslot, R,
-                         lo, hi, (j % SUB) * n_chunks + c, SUB * n_chunks, h_base,
+            _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, scale_ptr, sfirst, slast,
+                         sslot, R, lo, hi, (j % SUB) * n_chunks + c, SUB * n_chunks, h_base,
                          stride_hk, stride_ht, stride_hr, stride_bl, stride_bn, stride_br,
-                         stride_yt, stride_yn, HAS_RANKS, SPLIT_K, SUB, BLOCK_R, BLOCK_N,
-                         PRECISION, UPCAST)
+                         stride_yt, stride_yn, HAS_RANKS, HAS_SCALE, SPLIT_K, SUB, BLOCK_R,
+                         BLOCK_N, PRECISION, UPCAST)
     else:
         p = first + j
         slot = tl.load(sorted_slots_ptr + tl.minimum(p, last))
@@ -193,6 +199,8 @@ def lora_expand_tok_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, sorted_slots_ptr, r
             for ks in tl.static_range(SPLIT_K):
                 h += tl.load(h_base + ks * stride_hk + tok * stride_ht + offs_r * stride_hr,
                              mask=r_mask, other=0.0)
+            if HAS_SCALE:
+                h = h * tl.load(scale_ptr + tok)
             b_base = b_ptr + slot.to(tl.int64) * stride_bl
             for i in range(0, tl.cdiv(tl.cdiv(hi - lo, BLOCK_N) - c, n_chunks)):
                 offs_n = lo + (c + i * n_chunks) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -97,11 +97,13 @@ def lora_shrink_tokens(x: torch.Tensor, a: torch.Tensor, meta, ranks: torch.Tens
 def lora_expand_tokens(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
                        offsets: list[int], num_slices: int,
                        ranks: torch.Tensor | None = None, block_n: int | None = None,
-                       n_chunks: int | None = None, uniform: bool = False) -> torch.Tensor:
+                       n_chunks: int | None = None, uniform: bool = False,
+                       row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y[t, slice s] += (sum of hp's partials)[s, t] @ b[slot(t), slice s].T, in place.
 
     offsets: the slice bounds padded to five entries (lora_triton._offsets); block_n and
-    n_chunks (tile width, programs per token and slice) default to the tuned choice."""
+    n_chunks (tile width, programs per token and slice) default to the tuned choice;
+    row_scale [T] float32: each token's summed h is multiplied by it first (or None)."""
     split_k, S, T, R = hp.shape
     block_r = _block_r(R)
     group = group_size(T)
@@ -114,8 +116,9 @@ def lora_expand_tokens(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
     grid = (triton.cdiv(T, group), min(group, T), num_slices * n_chunks)
     K.lora_expand_tok_kernel[grid](
         hp, b, y, meta.sorted_tokens, meta.sorted_slots,
-        ranks if ranks is not None else meta.seg_len, T, R, n_chunks, *offsets,
+        ranks if ranks is not None else meta.seg_len,
+        row_scale if row_scale is not None else hp, T, R, n_chunks, *offsets,
         *hp.stride(), *b.stride(), y.stride(0), y.stride(1),
-        HAS_RANKS=ranks is not None, SPLIT_K=split_k, GROUP=group, BLOCK_R=block_r,
+        HAS_RANKS=ranks is not None, HAS_SCALE=row_scale is not None, SPLIT_K=split_k, GROUP=group, BLOCK_R=block_r,
         BLOCK_N=block_n, BLOCK_NG=block_ng, PRECISION=_precision(b), UPCAST=y.is_cpu)
     return y

@@ -1,0 +1,101 @@
+"""Host wrapper of the add + RMSNorm + LoRA shrink launch
+(kernels/norm_shrink_kernels_triton.py) and the expand that finishes it.
+
+`add_rms_norm_shrink` returns the norm's output, the new residual and a `NormShrunk`
+(unscaled split-K partials and each row's 1/rms); `expand_norm_shrunk` adds the LoRA
+delta to the group's matmul output with the token-sized expand kernel
+(kernels/lora_token_triton.py), which scales each row's h by its 1/rms. Grids come from
+static sizes only (tokens, slices, K), so both launches are capturable in CUDA graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels import norm_shrink_kernels_triton as K
+from kernels.lora_token_triton import default_split_k, lora_expand_tokens
+
+MAX_TOKENS = 256           # the decode path (kernels/lora_triton.py TOKEN_PATH_MAX_TOKENS)
+MAX_SLICES = 4
+BLOCK_M = 16               # rows per shrink program (tl.dot needs 16)
+_MIN_K_CHUNK = 128
+_MIXED_PROGRAMS = 256      # shrink programs wanted for a mixed batch (about two per SM)
+_MAX_SPLIT_K = 32
+
+
+@dataclass(frozen=True)
+class NormShrunk:
+    """What `add_rms_norm_shrink` leaves for `expand_norm_shrunk`."""
+    hp: torch.Tensor              # [split_k, S, T, R] float32, partials of the unscaled rows
+    rstd: torch.Tensor            # [T] float32: 1/rms of each row (scales h in the expand)
+    slice_offsets: tuple[int, ...]
+    ranks: torch.Tensor | None
+    uniform: bool
+
+
+def split_k(T: int, S: int, Kdim: int, uniform: bool) -> int:
+    """K chunks per row block. `uniform`: the token shrink's tuned split (the expand then
+    sums as many partials as it does after that shrink); a mixed batch: about
+    _MIXED_PROGRAMS programs, since each row block is one pass per adapter in it."""
+    if uniform:
+        return default_split_k(T, S, Kdim, uniform=True)
+    want = -(-_MIXED_PROGRAMS // triton.cdiv(T, BLOCK_M))
+    return max(1, min(want, _MAX_SPLIT_K, Kdim // _MIN_K_CHUNK))
+
+
+def _block_k(block_sr: int, k_chunk: int) -> int:
+    # an [BLOCK_K, BLOCK_SR] A tile of about 8K values beside the [BLOCK_M, BLOCK_K] rows
+    return max(32, min(256, 8192 // block_sr, triton.next_power_of_2(k_chunk)))
+
+
+def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float, a: torch.Tensor, token_slots: torch.Tensor,
+                        slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
+                        uniform: bool = False, splits: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormShrunk]:
+    """(rms_norm(residual + x), residual + x, the LoRA shrink of the first) in one launch.
+
+    x None: rms_norm(residual) and residual itself (nothing added). The new residual is a
+    new tensor (the shrink programs read the old one meanwhile). x, residual [T, N]
+    (rows contiguous); weight [N]; a [L, S, R, N]; token_slots [T] (-1: no adapter);
+    ranks [L] int32 or None (then R); uniform: a hint that the rows share one adapter
+    (launch parameters only); splits: K chunks (default `split_k`)."""
+    T, N = residual.shape
+    L, S, R, Ka = a.shape
+    assert 0 < T <= MAX_TOKENS and 0 < S <= MAX_SLICES and Ka == N, (T, S, Ka, N)
+    assert residual.stride(-1) == 1 and weight.shape == (N,) and weight.stride(0) == 1
+    assert x is None or (x.shape == residual.shape and x.stride(-1) == 1)
+    assert token_slots.shape == (T,) and len(slice_offsets) == S + 1
+    splits = splits or split_k(T, S, N, uniform)
+    block_sr = max(16, triton.next_power_of_2(S * R))
+    block_k = _block_k(block_sr, triton.cdiv(N, splits))
+    k_chunk = triton.cdiv(triton.cdiv(N, splits), block_k) * block_k
+    splits = triton.cdiv(N, k_chunk)                 # no empty chunk
+    out = torch.empty_like(residual)
+    res_out = torch.empty_like(residual) if x is not None else residual
+    rstd = torch.empty(T, dtype=torch.float32, device=residual.device)
+    hp = torch.empty((splits, S, T, R), dtype=torch.float32, device=residual.device)
+    grid = (T + triton.cdiv(T, BLOCK_M) * splits,)
+    K.add_rms_norm_shrink_kernel[grid](
+        x if x is not None else residual, residual, weight, out, res_out, rstd, a, hp,
+        token_slots, ranks if ranks is not None else token_slots, T, N, R, S * R, k_chunk,
+        eps, (x if x is not None else residual).stride(0), residual.stride(0), out.stride(0),
+        res_out.stride(0), *a.stride(), *hp.stride(),
+        HAS_ADD=x is not None, HAS_RANKS=ranks is not None, SPLIT_K=splits,
+        BLOCK=triton.next_power_of_2(N), BLOCK_M=BLOCK_M, BLOCK_K=block_k,
+        BLOCK_SR=block_sr, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        UPCAST=residual.device.type == "cpu")
+    shrunk = NormShrunk(hp, rstd, tuple(int(o) for o in slice_offsets), ranks, uniform)
+    return out, res_out, shrunk
+
+
+def expand_norm_shrunk(shrunk: NormShrunk, b: torch.Tensor, y: torch.Tensor,
+                       meta) -> torch.Tensor:
+    """y [T, N] += (1/rms · h) · B[slot]ᵀ per slice from a finished `add_rms_norm_shrink`,
+    in place (after it in stream order); meta: the step's `LoRAMeta`. Returns y."""
+    offs = list(shrunk.slice_offsets)
+    padded = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
+    return lora_expand_tokens(shrunk.hp, b, y, meta, padded, len(offs) - 1, shrunk.ranks,
+                              uniform=shrunk.uniform, row_scale=shrunk.rstd)

@@ -1,0 +1,93 @@
+"""The add + RMSNorm + LoRA shrink launch (kernels/norm_shrink_triton.py) and the expand
+that finishes it, against the torch references (kernels/lora_ref.py): fresh random
+activations, residuals, norm weights, A and B; hidden sizes that are not powers of two,
+ranks below the pool's, one to three slices, split-K; one adapter, one adapter with base
+rows, no adapter, and mixed adapters per row. Under the Triton interpreter without a GPU
+(tests/conftest.py), compiled with one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import norm_shrink_kernels_triton
+from kernels.lora_ref import add_lora_ref, add_rms_norm_shrink_ref
+from kernels.lora_triton import build_meta
+from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_norm_shrunk
+from tests.support.lora_pool import slot_pool
+from tests.support.triton_mode import check_kernel_mode
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+SLICES = {1: (0, 72), 2: (0, 40, 80), 3: (0, 96, 120, 144)}
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}
+
+
+def _slots(case: str, T: int, L: int, g: torch.Generator) -> torch.Tensor:
+    one = int(torch.randint(0, L, (1,), generator=g))
+    return {"one": torch.full((T,), one),
+            "one_some_base": torch.where(torch.rand(T, generator=g) < 0.3, -1, one),
+            "all_base": torch.full((T,), -1),
+            "mixed": torch.randint(-1, L, (T,), generator=g)}[case].to(DEV)
+
+
+def _check(T, N, S, R, ranks, case, dtype, has_add=True, splits=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    offsets = SLICES[S]
+    a, b, ranks_t = slot_pool(S, offsets, ranks, N, dtype, DEV, R, seed)
+    ts = _slots(case, T, len(ranks), g)
+    x = (torch.randn(T, N, generator=g) * 2).to(DEV, dtype) if has_add else None
+    res = (torch.randn(T, N, generator=g) * 3).to(DEV, dtype)
+    w = (1 + torch.randn(N, generator=g) / 4).to(DEV, dtype)
+    y = torch.randn(T, offsets[-1], generator=g).to(DEV, dtype)
+    res_before = res.clone()
+    want_out, want_res, want_h = add_rms_norm_shrink_ref(x, res, w, EPS, a, ts)
+    out, new_res, shrunk = add_rms_norm_shrink(x, res, w, EPS, a, ts, offsets, ranks_t,
+                                               uniform=case.startswith("one"), splits=splits)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out, want_out, **tol)
+    torch.testing.assert_close(new_res, want_res, **tol)
+    assert torch.equal(res, res_before), "the old residual is read, never written"
+    with_slot = ts >= 0
+    h = shrunk.hp.sum(0) * shrunk.rstd[None, :, None]
+    torch.testing.assert_close(h[:, with_slot], want_h[:, with_slot], **tol)
+    got = expand_norm_shrunk(shrunk, b, y.clone(), build_meta(ts, len(ranks)))
+    want = add_lora_ref(y.clone(), want_out, a, b, ts, offsets)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[~with_slot], y[~with_slot]), "base rows must get nothing"
+    if with_slot.any():
+        assert (want - y).abs().max() > 0.1, "the adapters really contribute"
+
+
+def test_kernels_run_in_the_expected_mode():
+    check_kernel_mode(norm_shrink_kernels_triton)
+
+
+@pytest.mark.parametrize("case", ["one", "one_some_base", "mixed"])
+@pytest.mark.parametrize("T,N,S", [(1, 200, 3), (5, 96, 2), (19, 600, 3), (16, 136, 1)])
+def test_matches_reference(case, T, N, S):
+    _check(T, N, S, 16, [8, 16, 4, 12], case, torch.float32, seed=T * N + S)
+
+
+@pytest.mark.parametrize("R,ranks", [(8, [8, 2, 5]), (32, [32, 20, 7])])
+def test_other_pool_ranks(R, ranks):
+    _check(7, 160, 3, R, ranks, "mixed", torch.float32, seed=R)
+
+
+def test_no_adapter_rows_only():
+    _check(6, 96, 2, 16, [8, 16], "all_base", torch.float32, seed=3)
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+def test_given_split_k(splits):
+    _check(18, 600, 2, 16, [16, 12, 8], "one_some_base", torch.float32, splits=splits,
+           seed=splits)
+
+
+def test_first_layer_norms_the_residual_as_it_is():
+    """No x (the embedding starts the residual stream): nothing is added or written."""
+    _check(5, 200, 3, 16, [8, 16, 4], "mixed", torch.float32, has_add=False, seed=9)
+
+
+@pytest.mark.parametrize("case", ["one", "mixed"])
+def test_bfloat16(case):
+    _check(9, 264, 3, 16, [16, 8, 12], case, torch.bfloat16, seed=11)
