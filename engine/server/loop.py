@@ -25,12 +25,12 @@ from engine.server.convert import delta_to_proto
 from engine.server.events import engine_event, max_model_len
 from loramux_core.curve import ZmqKeys, start_authenticator
 from loramux_core.errors import error_code
+from loramux_core.pacing import BusyPacer
 from loramux_core.sampling import sampling_from_proto
 from loramux_core.v1 import engine_pb2
 
 _MAX_INPUTS_PER_ITERATION = 512
 _READ_POLL_MS = 5  # idle: how often to look for a finished adapter read
-_EVENT_BUSY_FACTOR = 10
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,7 @@ class EngineServer:
         self._stopping = False
         self._step = 0
         self._next_event = 0.0
-        self._last_event = 0.0   # when the last event was built, and what it cost (s)
-        self._event_cost = 0.0
+        self._event_pacer = BusyPacer()  # events sent early, at a residency change
         self._pub_lock = threading.Lock()
         self._progress = time.monotonic()  # the step thread's last completed iteration
         self._limits = (max_model_len(engine), engine.model_config.vocab_size)
@@ -187,20 +186,18 @@ class EngineServer:
         for ack in acks:
             self._publish(adapter_ack=ack)
             # residency changed: tell the control plane soon, but an event lists every
-            # adapter, so after a costly one wait _EVENT_BUSY_FACTOR times its cost (a
-            # stream of loads then spends a bounded share of the step thread on events,
-            # whatever the number of adapters)
-            self._next_event = min(self._next_event,
-                                   self._last_event + _EVENT_BUSY_FACTOR * self._event_cost)
+            # adapter, so after a costly one wait a multiple of its cost (a stream of
+            # loads then spends a bounded share of the step thread on events, whatever
+            # the number of adapters)
+            self._next_event = min(self._next_event, self._event_pacer.next_at())
 
     def _periodic(self) -> None:
         now = time.monotonic()
         if now >= self._next_event:
             self._next_event = now + self.cfg.event_interval_s
-            self._last_event = now
             self._publish(event=engine_event(self.engine.stats(), self.adapters.loaded,
                                              self.engine.histograms()))
-            self._event_cost = time.monotonic() - now
+            self._event_pacer.ran(now, time.monotonic())
 
     def _publish(self, **kind) -> None:
         data = engine_pb2.EngineOutput(instance_id=self.instance_id, **kind).SerializeToString()

@@ -7,9 +7,10 @@ admin call: O(N^2) to load N adapters (7 ms per load at 200 adapters, 23 ms at 8
 one CPU core). Changes are coalesced instead: `publish_later` sends the registry as it is
 then, at most once every `min_gap_s` (a gateway that misses a name waits for the next
 tables before refusing it: services/gateway/adapter_table.py), and at most once every
-BUSY_FACTOR times what the last table cost to build and send, so that with thousands of
-names and a steady stream of loads the tables take a bounded share of the event loop
-(about 1/BUSY_FACTOR) instead of a share growing with the number of names."""
+BUSY_FACTOR times what the last such table cost to build and send
+(loramux_core/pacing.py), so that with thousands of names and a steady stream of loads
+the tables take a bounded share of the event loop (about 1/BUSY_FACTOR) instead of a
+share growing with the number of names."""
 from __future__ import annotations
 
 import asyncio
@@ -18,12 +19,10 @@ from typing import Callable
 
 import zmq
 
-
 from loramux_core.curve import ZmqKeys, start_authenticator
+from loramux_core.pacing import BusyPacer
 from loramux_core.v1 import engine_pb2
 from services.control.registry import AdapterRecord
-
-BUSY_FACTOR = 10
 
 
 class TablePublisher:
@@ -40,10 +39,8 @@ class TablePublisher:
         self._interval_s = interval_s
         self._table = engine_pb2.AdapterTable()
         self._task: asyncio.Task | None = None
-        self._min_gap_s = min_gap_s
         self._pending: Callable[[], list[AdapterRecord]] | None = None
-        self._last_send = 0.0
-        self._last_cost = 0.0  # seconds the last publish_later table took to build and send
+        self._pacer = BusyPacer(min_gap_s=min_gap_s)  # paces the publish_later tables
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._periodic())
@@ -66,8 +63,7 @@ class TablePublisher:
             self.publish(records())
             return
         if self._pending is None:
-            gap = max(self._min_gap_s, BUSY_FACTOR * self._last_cost)
-            loop.call_later(max(0.0, self._last_send + gap - time.monotonic()), self._flush)
+            loop.call_later(max(0.0, self._pacer.next_at() - time.monotonic()), self._flush)
         self._pending = records
 
     def _flush(self) -> None:
@@ -75,11 +71,10 @@ class TablePublisher:
         if records is not None and not self._pub.closed:
             start = time.monotonic()
             self.publish(records())
-            self._last_cost = time.monotonic() - start
+            self._pacer.ran(start, time.monotonic())
 
     def _send(self) -> None:
         self._pub.send(self._table.SerializeToString())
-        self._last_send = time.monotonic()
 
     async def _periodic(self) -> None:
         while True:
