@@ -27,11 +27,10 @@ async def _table_pair(interval_s: float):
     await table.start()
     pub.start()
     pub.publish([])
-    for _ in range(200):  # the slow joiner: wait until the SUB side has a table
-        if table.received:
-            break
+    deadline = time.monotonic() + 30
+    while not table.received:  # the slow joiner: until the SUB side has a table
+        assert time.monotonic() < deadline, "no table arrived"
         await asyncio.sleep(0.01)
-    assert table.received
     return pub, table
 
 
@@ -45,7 +44,7 @@ def test_a_name_published_after_the_request_arrived_is_found():
             await asyncio.sleep(0.05)
             assert not waiting.done()       # it waits for newer tables instead of refusing
             pub.publish([record("fresh", admin_pb2.ADAPTER_STATE_LOADED)])
-            entry = await asyncio.wait_for(waiting, 2.0)
+            entry = await asyncio.wait_for(waiting, 30)
             assert entry.name == "fresh"
         finally:
             await table.close()
@@ -63,10 +62,11 @@ def test_refusals_stand_after_two_newer_tables(state, code):
             pub.publish([] if state is None else [record("x", state)])
             t0 = time.monotonic()
             with pytest.raises(Rejected) as info:
-                await table.resolve_current("x", wait_s=5.0)
+                await table.resolve_current("x", wait_s=60.0)
             assert info.value.code == code
-            # bounded by two publish intervals, well inside wait_s
-            assert time.monotonic() - t0 < 4.0
+            # bounded by two publish intervals (0.2 s), not by wait_s: the margin between
+            # them absorbs any stall of a loaded machine
+            assert time.monotonic() - t0 < 30.0
         finally:
             await table.close()
             await pub.close()
@@ -84,7 +84,7 @@ def test_changes_made_together_are_sent_as_one_table_holding_the_last_state():
             for i in range(300):
                 state.append(record(f"a{i:03d}", admin_pb2.ADAPTER_STATE_LOADED))
                 pub.publish_later(lambda: list(state))
-            entry = await asyncio.wait_for(table.resolve_current("a299"), 2.0)
+            entry = await asyncio.wait_for(table.resolve_current("a299"), 30)
             assert entry.name == "a299"
             assert len(table.loaded()) == 300
             assert pub._table.version - sent_before == 1
