@@ -52,7 +52,7 @@ def refused(fn) -> LoramuxError:
 
 def engine_adapters(cluster) -> dict[str, tuple[int, bool]]:
     """name -> (id, pinned) as the engine reports them in its next event."""
-    ev = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
+    ev = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 30)
     assert ev is not None, "no engine event"
     return {a.name: (a.id, a.pinned) for a in ev.event.adapters if not a.unloading}
 

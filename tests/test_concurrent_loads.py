@@ -48,7 +48,7 @@ def engine_ids(cluster, settle_s: float = 10.0) -> dict[str, int]:
     after every command was acknowledged."""
     deadline = time.monotonic() + settle_s
     while True:
-        ev = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
+        ev = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 30)
         assert ev is not None, "no engine event"
         held = {a.name: a.id for a in ev.event.adapters if not a.unloading}
         if time.monotonic() > deadline or all(not a.unloading for a in ev.event.adapters):

@@ -165,7 +165,7 @@ def test_admin_get_list_and_pagination(admin):
 
 def test_pin_and_unpin_reach_the_engine(cluster, admin):
     def engine_pins():
-        ev = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
+        ev = cluster.wait_output(lambda m: m.WhichOneof("kind") == "event", 30)
         return {a.name: a.pinned for a in ev.event.adapters}
     assert admin.pin("a1").pinned and engine_pins()["a1"] is True
     assert not admin.unpin("a1").pinned and engine_pins()["a1"] is False
@@ -396,7 +396,7 @@ def test_control_plane_restart(cluster, admin, gen, offline):
 
 
 def test_engine_killed_mid_stream_then_replayed(cluster, admin, gen, offline):
-    old_instance = cluster.wait_output(lambda m: True, 5).instance_id
+    old_instance = cluster.wait_output(lambda m: True, 30).instance_id
 
     async def scenario():
         async with AsyncGenerateClient(cluster.gateway_address) as client:

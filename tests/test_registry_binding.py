@@ -108,7 +108,7 @@ def _replayed(c: Cluster, timeout_s: float = 30.0) -> set[str]:
     while '"replayed"' not in c.log_tail("control", 100_000):
         assert time.monotonic() < deadline, c.log_tail("control")
         time.sleep(0.1)
-    ev = c.wait_output(lambda m: m.WhichOneof("kind") == "event", 5)
+    ev = c.wait_output(lambda m: m.WhichOneof("kind") == "event", 30)
     return {a.name for a in ev.event.adapters}
 
 
