@@ -176,6 +176,8 @@ def test_health_reflection_and_metrics(cluster, gen):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
     import urllib.request
 
+    for name in ("a1", "a2"):  # its own requests: the counters below do not rely on other tests
+        gen.generate(PROMPTS[0], name, temperature=0.0, max_tokens=3, ignore_eos=True)
     with grpc.insecure_channel(cluster.gateway_address) as ch:
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
         resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
