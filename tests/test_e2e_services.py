@@ -106,7 +106,7 @@ def is_idle(msg) -> bool:
             and all(a.in_flight_requests == 0 for a in ev.adapters))
 
 
-def assert_idle(cluster, timeout_s: float = 15.0):
+def assert_idle(cluster, timeout_s: float = 60.0):
     seen: list = []
     got = cluster.wait_output(is_idle, timeout_s, last=seen)
     events = [m.event for m in seen if m.WhichOneof("kind") == "event"]
@@ -283,7 +283,9 @@ def test_admission_limit(cluster, files):
 
         async def run():
             async with AsyncGenerateClient(listen, retry=False) as g:  # the refusal itself
-                streams = [g.stream("hi", None, temperature=0.0, max_tokens=LONG, ignore_eos=True)
+                # 900 tokens: still running when the third call arrives, however slow the
+                # machine (they are cancelled below, never read to their end)
+                streams = [g.stream("hi", None, temperature=0.0, max_tokens=900, ignore_eos=True)
                            for _ in range(2)]
                 for s in streams:
                     await s.__anext__()
@@ -357,16 +359,17 @@ def test_unload_during_streaming(cluster, admin, gen, offline):
     async def scenario():
         async with AsyncGenerateClient(cluster.gateway_address) as client:
             pairs = await _open(client, "a3", prompts)
-            t0 = time.monotonic()
             await asyncio.to_thread(admin.unload, "a3")
+            # refused whichever sees the unload first: the gateway (its adapter table) or
+            # the engine (a retiring adapter takes no new request); how long a refusal
+            # waits for tables is tests/test_gateway_table.py's
             with pytest.raises(LoramuxError) as info:
                 await client.generate("hi", "a3", max_tokens=2)
-            refused_after = time.monotonic() - t0
-            return info.value.code, refused_after, await finish(pairs)
-    code, refused_after, results = asyncio.run(scenario())
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and refused_after < 2.0
+            return info.value.code, await finish(pairs)
+    code, results = asyncio.run(scenario())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert [r[0] for r in results] == want and all(r[1] is None for r in results)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while admin.get("a3").state != admin_pb2.ADAPTER_STATE_REGISTERED:
         assert time.monotonic() < deadline, admin.get("a3")
         time.sleep(0.1)
@@ -409,7 +412,9 @@ def test_engine_killed_mid_stream_then_replayed(cluster, admin, gen, offline):
     t_kill, results = asyncio.run(scenario())
     for tokens, err, t_end in results:
         assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, err
-        assert t_end - t_kill < 2.0, t_end - t_kill
+        # the gateway's heartbeat timeout (1.5 s by default) and room for a loaded
+        # machine's stalls; a stream nothing ends would hang
+        assert t_end - t_kill < 5.0, t_end - t_kill
     assert code_of(lambda: gen.generate("hi", None, max_tokens=2)) == grpc.StatusCode.UNAVAILABLE
     cluster.start("engine")
     cluster.wait_ready("engine")
@@ -420,7 +425,7 @@ def test_engine_killed_mid_stream_then_replayed(cluster, admin, gen, offline):
     assert ev is not None, "no replay"
     assert {a.name: a.pinned for a in ev.event.adapters} == {"a1": False, "a2": True, "a3": False}
     assert ev.instance_id != old_instance
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while {a.name: a.id for a in admin.list()} != {a.name: a.id for a in ev.event.adapters}:
         assert time.monotonic() < deadline, (admin.list(), ev.event.adapters)
         time.sleep(0.1)
