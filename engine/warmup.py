@@ -104,6 +104,9 @@ def eager_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
                 if rest + context <= max_model_len:
                     # with an adapter: a step without one launches a subset of these
                     out.append(EagerShape(t, s, context, lora=True))
+    # ... but for the norms, which a LoRA step may run fused with the shrink
+    # (engine/lora/batch.py FUSED_NORM_SHRINK): their variants depend on the width only
+    out.append(EagerShape(1, 1, 0, lora=False))
     return out
 
 

@@ -56,5 +56,25 @@ def shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
 
 
 def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y += the LoRA delta from a finished `shrink_ahead`, in place; returns y."""
+    """y += the LoRA delta from a finished `shrink_ahead` or `norm_shrink_ahead`, in
+    place; returns y."""
     return _triton.expand_after(shrunk, b, y)
+
+
+def norm_shrink_ahead(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float, a: torch.Tensor, token_slots: torch.Tensor,
+                      slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
+                      meta=None, uniform: bool = False):
+    """rms_norm(residual + x) (x None: of residual as it is), the new residual, and the
+    shrink half of `add_lora` for those normed rows, in one launch: (out, residual,
+    shrunk) for `expand_after`, or None where that does not apply (CPU, no Triton, no
+    tokens or more than 256, rows not contiguous): then the plain norm and `add_lora`.
+    The new residual is a new tensor (kernels.elementwise.add_rms_norm updates it in
+    place on CUDA)."""
+    if (not residual.is_cuda or _triton is None or residual.dim() != 2
+            or not 0 < residual.shape[0] <= _triton.TOKEN_PATH_MAX_TOKENS
+            or slice_offsets[-1] == 0 or residual.stride(-1) != 1
+            or (x is not None and (x.shape != residual.shape or x.stride(-1) != 1))):
+        return None
+    return _triton.norm_shrink_ahead(x, residual, weight, eps, a, token_slots, slice_offsets,
+                                     ranks, meta, uniform)

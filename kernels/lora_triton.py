@@ -28,6 +28,7 @@ from kernels import lora_mixed_triton
 from kernels.lora_segment_triton import add_lora_seg
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
 from kernels.lora_uniform_triton import add_lora_uniform
+from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_norm_shrunk
 from kernels.lora_uniform_triton import uniform_expand as add_lora_uniform_expand
 from kernels.lora_uniform_triton import uniform_shrink as add_lora_uniform_shrink
 
@@ -251,10 +252,35 @@ def shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
     return ("tok", lora_shrink_tokens(x, a, meta, ranks, uniform=True), meta, offsets, ranks)
 
 
+def norm_shrink_ahead(x, residual, weight, eps, a, token_slots, slice_offsets,
+                      ranks: torch.Tensor | None, meta: LoRAMeta | None, uniform: bool):
+    """Add + RMSNorm and the shrink of its output in one launch
+    (kernels/norm_shrink_triton.py): (out, new residual, shrunk for `expand_after`)."""
+    offsets = tuple(int(o) for o in slice_offsets)
+    T, Kdim = residual.shape
+    L, S, R, Ka = a.shape
+    if Ka != Kdim or len(offsets) != S + 1 or S > _MAX_SLICES:
+        raise ValueError(f"a [L, S, R, K] {tuple(a.shape)} does not fit rows of width {Kdim} "
+                         f"and slice_offsets={offsets} (at most {_MAX_SLICES} slices)")
+    if token_slots.shape != (T,):
+        raise ValueError(f"token_slots has shape {tuple(token_slots.shape)}, expected ({T},)")
+    if meta is not None and (meta.num_tokens != T or meta.num_slots != L):
+        raise ValueError(f"meta was built for T={meta.num_tokens}, L={meta.num_slots}; "
+                         f"this call has T={T}, L={L}")
+    if meta is None:
+        meta = build_meta(token_slots, a.shape[0])
+    out, residual, shrunk = add_rms_norm_shrink(x, residual, weight, eps, a, token_slots,
+                                                offsets, ranks, uniform)
+    return out, residual, ("norm", shrunk, meta)
+
+
 def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y += the delta of a finished `shrink_ahead` (after it in stream order), in place."""
+    """y += the delta of a finished `shrink_ahead` or `norm_shrink_ahead` (after it in
+    stream order), in place."""
     if shrunk[0] == "one":
         return add_lora_uniform_expand(shrunk[1], b, y)
+    if shrunk[0] == "norm":
+        return expand_norm_shrunk(shrunk[1], b, y, shrunk[2])
     _, hp, meta, offsets, ranks = shrunk
     return lora_expand_tokens(hp, b, y, meta, _offsets(offsets), len(offsets) - 1, ranks,
                               uniform=True)

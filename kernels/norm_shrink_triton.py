@@ -38,11 +38,13 @@ class NormShrunk:
 def split_k(T: int, S: int, Kdim: int, uniform: bool) -> int:
     """K chunks per row block. `uniform`: the token shrink's tuned split (the expand then
     sums as many partials as it does after that shrink); a mixed batch: about
-    _MIXED_PROGRAMS programs, since each row block is one pass per adapter in it."""
+    _MIXED_PROGRAMS programs, since each row block is one pass per adapter in it (a power
+    of two: few compiled variants of the expand, which unrolls its sum over them)."""
     if uniform:
         return default_split_k(T, S, Kdim, uniform=True)
     want = -(-_MIXED_PROGRAMS // triton.cdiv(T, BLOCK_M))
-    return max(1, min(want, _MAX_SPLIT_K, Kdim // _MIN_K_CHUNK))
+    split = max(1, min(want, _MAX_SPLIT_K, Kdim // _MIN_K_CHUNK))
+    return 1 << (split.bit_length() - 1)
 
 
 def _block_k(block_sr: int, k_chunk: int) -> int:

@@ -91,3 +91,27 @@ def test_batch_invariance(setup):
         assert max(abs(a - b) for a, b in zip(alone.logprobs, batched[i].logprobs)) < 1e-5
     reordered = eng.generate(prompts[::-1], GREEDY, names[::-1])[::-1]
     assert [o.token_ids for o in reordered] == [o.token_ids for o in batched]
+
+
+def test_mixed_batch_with_norm_shrink_fused(llama_family, llama_oracle, monkeypatch):
+    """engine/lora/batch.py FUSED_NORM_SHRINK "all": every step's q/k/v and gate/up
+    shrinks run inside the add + RMSNorm before them (kernels/norm_shrink_triton.py,
+    under the Triton interpreter here), the expands after the matmuls; tokens equal the
+    reference's and the engine's with the switch off."""
+    from engine.lora import batch as batch_module
+    from kernels import lora as lora_kernels
+    from kernels import lora_triton
+    lengths, adapters = [3, 9, 1, 14, 6], ["rs4", None, "ap8", "attn32", "rs4"]
+    prompts = prompts_of(lengths, seed=5)
+    off = make_engine(llama_family).generate(prompts, GREEDY, adapters)
+    calls = [0]
+
+    def fused(*args, **kwargs):          # the Triton form: the dispatcher says None off CUDA
+        calls[0] += 1
+        return lora_triton.norm_shrink_ahead(*args, **kwargs)
+    monkeypatch.setattr(lora_kernels, "norm_shrink_ahead", fused)
+    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", "all")
+    on = make_engine(llama_family).generate(prompts, GREEDY, adapters)
+    assert calls[0] > 0
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert_matches(on, llama_oracle.generate(prompts, adapters, MAX_NEW))

@@ -293,3 +293,58 @@ def test_tensor_parallel_shards_sum_to_full_delta(setup, tp_size):
                     off_r += width
             if cuts[0].factor == "A":
                 torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-5)
+
+
+def _count_fused(monkeypatch, device: str) -> list[int]:
+    """kernels.lora.norm_shrink_ahead counted; on the CPU its Triton form (interpreted) in
+    place of the dispatcher's None, so the fused path really runs there too."""
+    from kernels import lora as lora_kernels
+    from kernels import lora_triton
+    inner = lora_triton.norm_shrink_ahead if device == "cpu" else lora_kernels.norm_shrink_ahead
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+    monkeypatch.setattr(lora_kernels, "norm_shrink_ahead", counted)
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode,case", [("uniform", "one_some_base"), ("all", "mixed"),
+                                       ("all", "all_base")])
+def test_norm_shrink_then_expand_matches_peft(setup, device, mode, case, monkeypatch):
+    """FUSED_NORM_SHRINK: the add + RMSNorm before q/k/v and gate/up also shrinks its
+    output (kernels/norm_shrink_triton.py), `apply` only expands. The norm's outputs equal
+    the reference's, the deltas PEFT's on the normed rows; base rows get nothing."""
+    from engine.lora import batch as batch_module
+    from kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref
+    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", mode)
+    calls = _count_fused(monkeypatch, device)
+    cfg, dirs, peft_models = setup
+    names = ["r8_rslora", "patterns", "r32"]
+    pool = _loaded_pool(cfg, dirs, names, device)
+    gen = torch.Generator().manual_seed(4)
+    shapes = lora_group_shapes(cfg)
+    T = 19                                    # two 16-row blocks
+    token_slots = {"one_some_base": torch.where(torch.rand(T, generator=gen) < 0.3, -1, 1),
+                   "mixed": torch.randint(-1, len(names), (T,), generator=gen),
+                   "all_base": torch.full((T,), -1)}[case]
+    batch = LoRABatch(pool, token_slots.to(device), uniform=mode == "uniform")
+    for layer in range(cfg.num_layers):
+        for group, first in (("qkv", True), ("qkv", False), ("gate_up", False)):
+            h = torch.randn(T, cfg.hidden_size, generator=gen)
+            res = torch.randn(T, cfg.hidden_size, generator=gen) * 2
+            w = 1 + torch.randn(cfg.hidden_size, generator=gen) / 4
+            want_x, want_res = (rms_norm_ref(res, w, 1e-5), res) if first else \
+                add_rms_norm_ref(h, res, w, 1e-5)
+            x, new_res = batch.add_norm(layer, group, None if first else h.to(device),
+                                        res.to(device), w.to(device), 1e-5)
+            torch.testing.assert_close(x.cpu(), want_x, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(new_res.cpu(), want_res, rtol=1e-5, atol=1e-5)
+            got = run_group(batch, layer, group, x, sum(shapes[group].out_features), gen).cpu()
+            want = expected_group_delta(peft_models, names, token_slots, layer, group, want_x)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"layer {layer} {group}: {m}")
+            assert torch.all(got[token_slots < 0] == 0)
+    assert calls[0] == 3 * cfg.num_layers

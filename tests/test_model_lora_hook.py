@@ -19,6 +19,7 @@ from engine.model.batch import make_attention_metadata
 from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
+from kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref
 from tests.support.tiny import TinySpec, load_hf_model, make_model
 
 RANK_R = 4
@@ -53,6 +54,13 @@ class MergedDeltaLora:
 
     def prepare(self, layer_idx: int, group: str, x: torch.Tensor) -> None:
         """Called before each group's base matmul; nothing to start ahead here."""
+
+    def add_norm(self, layer_idx, group, x, residual, weight, eps):
+        """The norm before a group, as the model would run it alone."""
+        self.calls.append((layer_idx, f"norm before {group}"))
+        if x is None:
+            return rms_norm_ref(residual, weight, eps), residual
+        return add_rms_norm_ref(x, residual, weight, eps)
 
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         self.calls.append((layer_idx, group))
@@ -116,7 +124,9 @@ def test_lora_hook_single_rank(dirs, name):
     # the deltas are large enough that skipping any call would fail the comparison
     base = run_prompt_and_decode(model, None, PROMPT)
     assert (base - ref).abs().max() > 0.05
-    per_step = [(i, g) for i in range(cfg.num_layers) for g in ("qkv", "o", "gate_up", "down")]
+    per_step = [(i, g) for i in range(cfg.num_layers)
+                for g in ("norm before qkv", "qkv", "o", "norm before gate_up", "gate_up",
+                          "down")]
     assert lora.calls == per_step * 2
 
 

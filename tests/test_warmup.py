@@ -16,14 +16,15 @@ from engine.scheduler import ScheduledRequest
 from engine.warmup import eager_shapes, graph_keys, token_counts, warm_up
 from kernels import (attention_kernels_triton, elementwise_kernels_triton,
                      lora_kernels_triton, lora_mixed_kernels_triton,
-                     lora_segment_kernels_triton, lora_token_kernels_triton)
+                     lora_segment_kernels_triton, lora_token_kernels_triton,
+                     norm_shrink_kernels_triton)
 from tests.support.launch_keys import LaunchKeys, force_triton
 from tests.test_engine_parity import prompts_of
 from tests.test_lifecycle_tiers import greedy, make_engine
 
 KERNEL_MODULES = (attention_kernels_triton, elementwise_kernels_triton, lora_kernels_triton,
                   lora_mixed_kernels_triton, lora_segment_kernels_triton,
-                  lora_token_kernels_triton)
+                  lora_token_kernels_triton, norm_shrink_kernels_triton)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=40)
 # past the kernels' thresholds: 16 sequences, 64 tokens, a split attention key range
 LARGE = dict(max_num_batched_tokens=66, max_num_seqs=17, max_model_len=300)
@@ -83,8 +84,14 @@ def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None):
     return eng, keys
 
 
-@pytest.mark.parametrize("limits", [SMALL, LARGE], ids=["small", "large"])
-def test_no_kernel_variant_is_compiled_after_warm_up(llama_family, monkeypatch, limits):
+@pytest.mark.parametrize("limits,norm_shrink", [(SMALL, "off"), (LARGE, "off"),
+                                               (SMALL, "all")],
+                         ids=["small", "large", "small-norm-shrink"])
+def test_no_kernel_variant_is_compiled_after_warm_up(llama_family, monkeypatch, limits,
+                                                     norm_shrink):
+    """norm_shrink: engine/lora/batch.py FUSED_NORM_SHRINK (its kernel's variants too)."""
+    from engine.lora import batch as batch_module
+    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink)
     eng, keys = warmed_engine(llama_family, monkeypatch, limits)
     warm = set(keys.keys)
     run_traffic(eng, limits, seed=5)

@@ -5,7 +5,10 @@ loramux_core/model/lora_targets.py); per-step metadata is built once here, not p
 It may call `prepare(layer_idx, group, x)` first, before the group's base matmul: with
 SHRINK_AHEAD, a uniform step's shrink then runs on a side stream beside that matmul and
 `apply` only waits for it and expands (one launch on the critical path, not shrink and
-expand in turn).
+expand in turn). With FUSED_NORM_SHRINK the model asks `add_norm` for the add + RMSNorm
+whose output is a group's input (q/k/v, gate/up): the group's shrink then runs in that
+same launch (kernels/norm_shrink_triton.py) and `apply` only expands (one launch less
+per group, and the norm's output is not read back for the shrink).
 """
 from __future__ import annotations
 
@@ -13,9 +16,15 @@ import torch
 
 from engine.lora.pool import LoRASlotPool
 from kernels import lora as lora_kernels
+from kernels.elementwise import add_rms_norm, rms_norm
 from kernels.moe import ExpertLoRA
 
 SHRINK_AHEAD = False   # uniform steps on CUDA: shrink beside the base matmul (see above)
+# The shrink of q/k/v and gate/up inside the add + RMSNorm before them, on CUDA up to 256
+# tokens: "off", "uniform" (steps whose rows share one adapter) or "all" (any mapping).
+# Off until measured on a GPU (benchmarks/bench_decode.py --norm-shrink).
+FUSED_NORM_SHRINK = "off"
+NORM_SHRINK_MODES = ("off", "uniform", "all")
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -77,10 +86,31 @@ class LoRABatch:
             return None
         return ExpertLoRA(self.token_slots, a13, b13, a2, b2)
 
+    def add_norm(self, layer_idx: int, group: str, x: torch.Tensor | None,
+                 residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """(rms_norm(residual + x), residual + x) for the norm whose output is `group`'s
+        input (x None: (rms_norm(residual), residual)). With FUSED_NORM_SHRINK, the same
+        launch starts the group's shrink of that output and `apply` only expands; the new
+        residual may then be a new tensor rather than `residual` updated in place."""
+        if FUSED_NORM_SHRINK == "all" or FUSED_NORM_SHRINK == "uniform" and self.uniform:
+            a, _, ranks, offsets = self.pool.weights(layer_idx, group)
+            fused = lora_kernels.norm_shrink_ahead(x, residual, weight, eps, a,
+                                                   self.token_slots, offsets, ranks,
+                                                   meta=self.meta, uniform=self.uniform)
+            if fused is not None:
+                out, residual, shrunk = fused
+                self._ahead[(layer_idx, group)] = (shrunk, None)
+                return out, residual
+        if x is None:
+            return rms_norm(residual, weight, eps), residual
+        return add_rms_norm(x, residual, weight, eps)
+
     def prepare(self, layer_idx: int, group: str, x: torch.Tensor) -> None:
         """Before the group's base matmul: with SHRINK_AHEAD, start a uniform step's shrink
-        of x on the device's side stream (x must stay unchanged until `apply`)."""
-        if not (SHRINK_AHEAD and self.uniform and x.is_cuda):
+        of x on the device's side stream (x must stay unchanged until `apply`); nothing
+        when `add_norm` already started it."""
+        if (not (SHRINK_AHEAD and self.uniform and x.is_cuda)
+                or (layer_idx, group) in self._ahead):
             return
         a, _, ranks, offsets = self.pool.weights(layer_idx, group)
         main = torch.cuda.current_stream(x.device)
@@ -104,7 +134,8 @@ class LoRABatch:
         ahead = self._ahead.pop((layer_idx, group), None)
         if ahead is not None:
             shrunk, done = ahead
-            torch.cuda.current_stream(y.device).wait_event(done)
+            if done is not None:           # started on the side stream
+                torch.cuda.current_stream(y.device).wait_event(done)
             lora_kernels.expand_after(shrunk, b, y)
         else:
             lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,

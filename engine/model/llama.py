@@ -159,6 +159,10 @@ class LlamaDecoderLayer(nn.Module):
                                       self.mlp if cfg.moe.shared_expert else None)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.layer_idx = layer_idx
+        # the MLP's gate/up reads the post-attention norm's output as is (a mixture of
+        # experts routes it first)
+        self._mlp_group = "gate_up" if isinstance(self.mlp, LlamaMLP) else None
 
     def forward(self, h: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache, lora,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,12 +170,22 @@ class LlamaDecoderLayer(nn.Module):
         norm to add (each residual add is fused into the RMSNorm after it: one launch on
         CUDA). `residual` None: h is the embedding, the residual stream's start."""
         if residual is None:
-            residual, x = h, self.input_layernorm(h)
+            x, residual = self._norm(self.input_layernorm, "qkv", None, h, lora)
         else:
-            x, residual = self.input_layernorm.add_forward(h, residual)
-        x, residual = self.post_attention_layernorm.add_forward(
-            self.self_attn(x, attn, kv_cache, lora), residual)
+            x, residual = self._norm(self.input_layernorm, "qkv", h, residual, lora)
+        x, residual = self._norm(self.post_attention_layernorm, self._mlp_group,
+                                 self.self_attn(x, attn, kv_cache, lora), residual, lora)
         return self.mlp(x, lora), residual
+
+    def _norm(self, norm: RMSNorm, group: str | None, x: torch.Tensor | None,
+              residual: torch.Tensor, lora) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), x None: (norm(residual), residual); the
+        LoRA batch may start `group`'s shrink of the result in the same launch."""
+        if lora is not None and group is not None:
+            return lora.add_norm(self.layer_idx, group, x, residual, norm.weight, norm.eps)
+        if x is None:
+            return norm(residual), residual
+        return norm.add_forward(x, residual)
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
         return {

@@ -16,6 +16,11 @@ must add the delta of every adapter in the batch into `y` in place.
     "gate_up" gate_proj 0, up_proj 1            column     normed hidden [T, hidden]   merged gate|up output
     "down"    down_proj 0                       row        act(gate)*up [T, I/tp]      local partial, before all-reduce
 
+The norm before "qkv" (and before "gate_up" in a dense MLP) is asked of the LoRA object
+too: `lora.add_norm(layer_idx, group, x, residual, weight, eps)` must return
+(rms_norm(residual + x) with that weight, residual + x), x None: (rms_norm(residual),
+residual); the engine's pool may start the group's LoRA shrink in the same launch.
+
 The ends: the model also calls `lora.apply_embedding(input_ids, h)` on the embedding's
 output, and `compute_logits(hidden, lora, rows)` calls `lora.apply_head(rows, hidden,
 logits)` (END_TARGETS below).
