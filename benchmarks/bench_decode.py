@@ -7,7 +7,11 @@ Modes: "base" (no adapter), "one" (one rank-16 adapter for every request, the en
 defaults), "one-split" (the same through the two-launch LoRA path), "one-launch" (through
 the one-launch kernel, kernels/lora_triton.py UNIFORM_ONE_LAUNCH), "one-ahead" (each
 group's shrink on a side stream beside its base matmul, engine/lora/batch.py
-SHRINK_AHEAD), "distinct" (one rank-16 adapter per request, on all seven projections). Distinct adapters are
+SHRINK_AHEAD), "distinct" (one rank-16 adapter per request, on all seven projections).
+--norm-shrink off,all runs every mode once per setting of engine/lora/batch.py
+FUSED_NORM_SHRINK (the q/k/v and gate/up shrinks inside the add + RMSNorm before them),
+on the same engine: the rows of a setting other than the first are labelled
+"MODE/ns-SETTING", and each setting's profile goes to its own file. Distinct adapters are
 registered from a few adapter files under different names: each name gets its own id,
 slot and device copy, so a step reads every adapter's A/B separately exactly as with
 distinct files, without writing gigabytes of adapter files first.
@@ -112,7 +116,7 @@ def select_uniform_path(eng, mode: str) -> None:
     changes (they are captured again when next needed)."""
     from engine.lora import batch
     from kernels import lora_triton
-    if not _DEFAULT_PATH:
+    if "one" not in _DEFAULT_PATH:
         _DEFAULT_PATH.update(one=lora_triton.UNIFORM_ONE_LAUNCH, ahead=batch.SHRINK_AHEAD)
     one_launch = {"one-launch": True, "one-split": False}.get(mode, _DEFAULT_PATH["one"])
     ahead = {"one-ahead": True, "one-split": False, "one-launch": False}.get(
@@ -121,6 +125,23 @@ def select_uniform_path(eng, mode: str) -> None:
         lora_triton.UNIFORM_ONE_LAUNCH, batch.SHRINK_AHEAD = one_launch, ahead
         if eng.runner.graphs is not None:
             eng.runner.graphs.release()
+
+
+def select_norm_shrink(eng, setting: str) -> None:
+    """engine/lora/batch.py FUSED_NORM_SHRINK = setting ("default": as the engine ships);
+    captured graphs are dropped when it changes."""
+    from engine.lora import batch
+    if "norm" not in _DEFAULT_PATH:
+        _DEFAULT_PATH["norm"] = batch.FUSED_NORM_SHRINK
+    setting = _DEFAULT_PATH["norm"] if setting == "default" else setting
+    if batch.FUSED_NORM_SHRINK != setting:
+        batch.FUSED_NORM_SHRINK = setting
+        if eng.runner.graphs is not None:
+            eng.runner.graphs.release()
+
+
+def mode_label(mode: str, setting: str, settings: list[str]) -> str:
+    return mode if setting == settings[0] else f"{mode}/ns-{setting}"
 
 
 def mode_adapters(mode: str, b: int, names: list[str]) -> list[str | None]:
@@ -242,7 +263,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                     help="auto: the engine's default (on for one CUDA device)")
+    ap.add_argument("--norm-shrink", default="default",
+                    help="comma list of engine/lora/batch.py FUSED_NORM_SHRINK settings "
+                         "(off, uniform, all; default: the engine's): every mode runs "
+                         "once per setting, in this order, on one engine")
     args = ap.parse_args()
+    settings = args.norm_shrink.split(",")
+    from engine.lora.batch import NORM_SHRINK_MODES
+    bad = [s for s in settings if s not in NORM_SHRINK_MODES + ("default",)]
+    if bad:
+        ap.error(f"--norm-shrink: {bad} not in {NORM_SHRINK_MODES + ('default',)}")
     if args.quick:
         args.batches, args.steps, args.hf_batches = "1,64", 8, "8"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -271,8 +301,10 @@ def main() -> None:
         names.append(f"bench{i}")
         eng.add_adapter(names[-1], str(adapter_dirs[i % len(adapter_dirs)]))
     cfg = LLAMA3_8B
-    for mode in args.modes.split(","):
+    for setting, mode in [(st, m) for st in settings for m in args.modes.split(",")]:
         select_uniform_path(eng, mode)
+        select_norm_shrink(eng, setting)
+        label = mode_label(mode, setting, settings)
         for b in batches:
             adapters = mode_adapters(mode, b, names)
             t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen)
@@ -281,23 +313,26 @@ def main() -> None:
             ctx = b * (args.prompt_len + 3 + args.steps // 2)
             floor_b = weight_bytes(cfg, b) + kv_bytes(cfg, ctx) + n_ad * adapter_bytes(cfg, RANK)
             floor = floor_b / bw
-            rows.append({"system": "loramux", "mode": mode, "batch": b, "step_ms": step * 1e3,
+            rows.append({"system": "loramux", "mode": label, "batch": b, "step_ms": step * 1e3,
                          "tokens_per_s": b / step, "floor_ms": floor * 1e3,
                          "x_floor": step / floor, "gpu_ms": t["gpu"] * 1e3,
                          "gpu_x_floor": t["gpu"] / floor, "host_ms": t["host"] * 1e3,
                          "schedule_ms": t["schedule"] * 1e3, "fill_ms": t["fill"] * 1e3,
                          "update_ms": t["update"] * 1e3})
-            print(f"loramux {mode:8s} b={b:4d}: {step*1e3:7.2f} ms/step {b/step:9.1f} tok/s "
+            print(f"loramux {label:8s} b={b:4d}: {step*1e3:7.2f} ms/step {b/step:9.1f} tok/s "
                   f"floor {floor*1e3:6.2f} ms x{step/floor:.2f} | graph {t['gpu']*1e3:6.2f} ms "
                   f"x{t['gpu']/floor:.2f} | host {t['host']*1e3:5.2f} ms", flush=True)
     launches = []
-    if not args.eager:
-        launches = profile_graphs(eng, names, args, gen, args.out / "profile.txt",
-                                  [int(b) for b in args.profile_batches.split(",")],
-                                  args.profile_modes.split(","))
+    for setting in settings if not args.eager else []:
+        select_norm_shrink(eng, setting)
+        name = "profile.txt" if setting == settings[0] else f"profile-ns-{setting}.txt"
+        launches += profile_graphs(eng, names, args, gen, args.out / name,
+                                   [int(b) for b in args.profile_batches.split(",")],
+                                   args.profile_modes.split(","),
+                                   lambda m, st=setting: mode_label(m, st, settings))
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
-            "async_scheduling": eng.config.use_async_scheduling}
+            "async_scheduling": eng.config.use_async_scheduling, "norm_shrink": settings}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                       "launches": launches}, indent=2))
     plot(rows, args.out / "decode_throughput.png")
@@ -317,10 +352,11 @@ def main() -> None:
 
 
 def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[int],
-                   modes: list[str]) -> list[dict]:
+                   modes: list[str], label=lambda mode: mode) -> list[dict]:
     """Kernel time by name over 5 replays of each batch's decode graph in each mode
     ("distinct": 64 adapters round robin, one per row up to batch 64; profile evidence for
-    BENCHMARKS.md), and the launches per replay (device events / replays), all and LoRA's."""
+    BENCHMARKS.md), and the launches per replay (device events / replays), all and LoRA's
+    (the fused norm + shrink counts as LoRA's); rows named label(mode)."""
     from torch.profiler import ProfilerActivity, profile
     lines, counts, replays = [], [], 5
     for b, mode in [(b, m) for m in modes for b in batches if b <= len(names)]:
@@ -345,10 +381,11 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[i
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
         events = device_events(prof)
-        counts.append({"mode": mode, "batch": b, "launches": len(events) / replays,
-                       "lora_launches": sum("lora" in e.name for e in events) / replays,
+        counts.append({"mode": label(mode), "batch": b, "launches": len(events) / replays,
+                       "lora_launches": sum("lora" in e.name or "shrink" in e.name
+                                            for e in events) / replays,
                        "gpu_ms": sum(e.device_time_total for e in events) / replays / 1e3})
-        lines += [f"== batch {b} {mode}: {replays} graph replays, "
+        lines += [f"== batch {b} {label(mode)}: {replays} graph replays, "
                   f"{counts[-1]['launches']:.0f} launches per replay "
                   f"({counts[-1]['lora_launches']:.0f} LoRA) ==", table]
         for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):

@@ -33,7 +33,12 @@ def assert_same(got, want):
         assert diff < 1e-4, f"request {i}: logprob differs by {diff}"
 
 
-def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle):
+@pytest.mark.parametrize("norm_shrink", ["off", "all"])
+def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle, norm_shrink,
+                                           monkeypatch):
+    """norm_shrink: engine/lora/batch.py FUSED_NORM_SHRINK (graphs and eager steps)."""
+    from engine.lora import batch as batch_module
+    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink)
     names = ["rs4", "ap8", "attn32"]
     graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None
@@ -50,16 +55,22 @@ def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle):
     assert (2, False) in graphs.runner.graphs.captured  # base-only batch: no LoRA launches
 
 
-@pytest.mark.parametrize("one_launch,ahead", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("one_launch,ahead,norm_shrink", [
+    (False, False, "off"), (True, False, "off"), (False, True, "off"),
+    (False, False, "uniform"), (False, True, "uniform")])
 def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llama_oracle,
-                                                             one_launch, ahead, monkeypatch):
+                                                             one_launch, ahead, norm_shrink,
+                                                             monkeypatch):
     """Every row on one adapter: the uniform graph (two LoRA launches per group, or one
     with `one_launch`, or with `ahead` the shrink on a side stream beside each base matmul,
-    then the expand), with a padding row (no adapter) in its bucket: 3 rows -> bucket 4."""
+    then the expand; with `norm_shrink` "uniform" the q/k/v and gate/up shrinks inside the
+    norms before them), with a padding row (no adapter) in its bucket: 3 rows -> bucket 4.
+    The eager engine's steps are not uniform: they take the plain path."""
     from engine.lora import batch as batch_module
     from kernels import lora_triton
     monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", one_launch)
     monkeypatch.setattr(batch_module, "SHRINK_AHEAD", ahead)
+    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink)
     names = ["rs4", "ap8"]
     graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
     prompts, adapters = prompts_of([6, 19, 2], seed=5), ["ap8"] * 3

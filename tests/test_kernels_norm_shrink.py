@@ -91,3 +91,25 @@ def test_first_layer_norms_the_residual_as_it_is():
 @pytest.mark.parametrize("case", ["one", "mixed"])
 def test_bfloat16(case):
     _check(9, 264, 3, 16, [16, 8, 12], case, torch.bfloat16, seed=11)
+
+
+def test_bench_decode_switches_norm_shrink(monkeypatch):
+    """bench_decode --norm-shrink: each setting sets FUSED_NORM_SHRINK and drops the
+    captured graphs when it changes; "default" restores the engine's; rows of a later
+    setting are labelled apart."""
+    import importlib
+    from types import SimpleNamespace
+
+    from engine.lora import batch as batch_module
+    bench = importlib.import_module("benchmarks.bench_decode")
+    monkeypatch.setattr(bench, "_DEFAULT_PATH", {})
+    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", "off")
+    released = []
+    eng = SimpleNamespace(runner=SimpleNamespace(
+        graphs=SimpleNamespace(release=lambda: released.append(1))))
+    for setting, want, n_released in (("off", "off", 0), ("all", "all", 1), ("all", "all", 1),
+                                      ("uniform", "uniform", 2), ("default", "off", 3)):
+        bench.select_norm_shrink(eng, setting)
+        assert batch_module.FUSED_NORM_SHRINK == want and len(released) == n_released
+    assert bench.mode_label("one", "off", ["off", "all"]) == "one"
+    assert bench.mode_label("one", "all", ["off", "all"]) == "one/ns-all"
