@@ -18,18 +18,31 @@ except ImportError:
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              token_slots: torch.Tensor, slice_offsets: tuple[int, ...],
-             ranks: torch.Tensor | None = None, meta=None, uniform: bool = False) -> torch.Tensor:
+             ranks: torch.Tensor | None = None, meta=None, uniform: bool = False,
+             spread: bool = False) -> torch.Tensor:
     """y[t] += x[t] · A[slot(t)]ᵀ · B[slot(t)]ᵀ per slice, in place, for every token with
     token_slots[t] >= 0; returns y.
 
     y: [T, N]; x: [T, K]; a: [L, S, R, K]; b: [L, N, R]; token_slots: [T] int;
     ranks: [L] int32 (lets the kernel skip padded rank columns; optional);
     meta: what `build_meta` returned for these token_slots, or None; uniform: a hint that
-    the tokens share one adapter (launch parameters only; the result is the same)."""
+    the tokens share one adapter (launch parameters only; the result is the same);
+    spread: a hint that the tokens with an adapter average fewer than `mixed_min_rows` rows
+    per adapter (which kernels run; the result is the same)."""
     if y.is_cuda and _triton is not None:
         return _triton.add_lora(y, x, a, b, token_slots, slice_offsets, ranks=ranks, meta=meta,
-                                uniform=uniform)
+                                uniform=uniform, spread=spread)
     return add_lora_ref(y, x, a, b, token_slots, slice_offsets)
+
+
+def mixed_min_rows(device: torch.device, num_tokens: int) -> int:
+    """Rows per adapter (rows with an adapter / distinct adapters) a batch of num_tokens
+    tokens needs on `device` to go without the `spread` hint; 0 where the hint changes
+    nothing (the reference, sizes whose kernels do not depend on it). A host-side number:
+    callers count rows and adapters from the slot ids they have, with no device sync."""
+    if torch.device(device).type == "cuda" and _triton is not None:
+        return _triton.mixed_min_rows(device, num_tokens)
+    return 0
 
 
 def build_meta(token_slots: torch.Tensor, max_loras: int, uniform: bool = False):

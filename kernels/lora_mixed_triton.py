@@ -4,6 +4,10 @@ and their launch parameters, from a small table keyed by GPU and shape class.
 `add_lora` (kernels/lora_triton.py) sends a decode batch (up to TOKEN_PATH_MAX_TOKENS
 tokens, not hinted uniform) here when the table's entry for its shape class says
 path="segments"; "tokens" keeps the token-sized kernels (kernels/lora_token_triton.py).
+A batch hinted `spread` (fewer rows per adapter than the GPU's MIN_ROWS_PER_ADAPTER, which
+the caller knows on the host: `min_rows_per_adapter`) keeps the token kernels whatever
+the table says: a tile of one row reads its adapter as a token program does, but costs
+more.
 
 Shape class: tokens bucket (16, 64, 128, 256) and layer kind ("qkv": 3 slices, "gate_up":
 2, "down": one slice narrower than its input, "o": one slice otherwise). Parameters are
@@ -65,13 +69,14 @@ def _seg(programs: int, split_k: int, reduce: bool, tpp: int) -> MixedParams:
     return MixedParams(programs=programs, split_k=split_k, reduce=reduce, tpp=tpp)
 
 
+KINDS = ("qkv", "o", "gate_up", "down")
 # Shape classes not listed take DEFAULT's entry: up to 64 tokens the token-sized kernels
 # (one program per token is as good as a 16-row tile of one row there), above them these
 # kernels at parameters sized from the shape (the token kernels read an adapter about
 # once per row there).
 DEFAULT: dict[tuple[int, str], MixedParams] = {
-    **{(16, kind): TOKENS for kind in ("qkv", "o", "gate_up", "down")},
-    **{(64, kind): TOKENS for kind in ("qkv", "o", "gate_up", "down")},
+    **{(16, kind): TOKENS for kind in KINDS},
+    **{(64, kind): TOKENS for kind in KINDS},
 }
 # Per GPU (a substring of the device name); an H200 has the H100's SMs and more
 # bandwidth: it takes the H100 rows unless it has its own. The H100 rows: the best of
@@ -100,8 +105,17 @@ TABLE: dict[str, dict[tuple[int, str], MixedParams]] = {
     "H200": {},
 }
 _FALLBACK = {"H200": "H100"}
+# Rows per adapter (rows with an adapter / distinct adapters) a mixed decode batch needs
+# for the table's segment entries; below it (the `spread` hint) the token kernels. Per GPU
+# as TABLE. H100, one decode step (Llama-3-8B shape, bf16, rank 16, 7 projections, 32
+# layers) at batch 256: 64 adapters (4 rows each) 19.20 ms on the token kernels, 16.62 ms
+# on the segment kernels; 256 adapters (one row each) 22.03 ms on the token kernels,
+# 29.91 ms (1db51b4) and 25.65 ms (42a0953) on the segment kernels.
+MIN_ROWS_PER_ADAPTER: dict[str, int] = {"H100": 4}
+DEFAULT_MIN_ROWS_PER_ADAPTER = 4    # unknown GPUs (and the interpreter), as the H100
 # "tokens" or "segments": every mixed decode batch takes that path whatever the table says
-# (benchmarks time both side by side); None: the table decides
+# (benchmarks time both side by side); "table": the table alone, `spread` ignored (the
+# choice before the rows-per-adapter rule); None: the table and the rule decide
 PATH: str | None = None
 
 
@@ -125,6 +139,21 @@ def lookup(gpu: str | None, cls: tuple[int, str]) -> MixedParams:
     return DEFAULT.get(cls, SEGMENTS)
 
 
+def min_rows(gpu: str | None, T: int) -> int:
+    """The rows per adapter a mixed decode batch of T tokens needs on a GPU key (None:
+    unknown) for the segment kernels (fewer: the caller hints `spread`): its
+    MIN_ROWS_PER_ADAPTER, with the table's fallbacks; 0 where the hint changes no launch
+    (no layer kind at T tokens takes the segment kernels)."""
+    bucket, _ = shape_class(T, 1, 1, 1)
+    if all(lookup(gpu, (bucket, kind)).path != "segments" for kind in KINDS):
+        return 0
+    while gpu is not None:
+        if gpu in MIN_ROWS_PER_ADAPTER:
+            return MIN_ROWS_PER_ADAPTER[gpu]
+        gpu = _FALLBACK.get(gpu)
+    return DEFAULT_MIN_ROWS_PER_ADAPTER
+
+
 @functools.lru_cache(maxsize=None)
 def _device(device: torch.device) -> tuple[str | None, int]:
     if device.type != "cuda":
@@ -138,10 +167,19 @@ def params_for(device: torch.device, T: int, S: int, K: int, widest: int) -> Mix
     return lookup(gpu, shape_class(T, S, K, widest))
 
 
-def takes(x: torch.Tensor, a: torch.Tensor, slice_offsets: tuple[int, ...]) -> bool:
-    """Whether this decode batch's shape class runs on the segment kernels."""
-    if PATH is not None:
+def min_rows_per_adapter(device: torch.device, T: int) -> int:
+    """`min_rows` of this device's GPU."""
+    return min_rows(_device(device)[0], T)
+
+
+def takes(x: torch.Tensor, a: torch.Tensor, slice_offsets: tuple[int, ...],
+          spread: bool = False) -> bool:
+    """Whether this decode batch runs on the segment kernels: its shape class's entry,
+    unless `spread` (fewer rows per adapter than `min_rows_per_adapter`)."""
+    if PATH in ("tokens", "segments"):
         return PATH == "segments"
+    if spread and PATH != "table":
+        return False
     T, Kdim = x.shape
     return _plan(x.device, T, a.shape[0], slice_offsets, a.shape[2], Kdim, None).takes
 

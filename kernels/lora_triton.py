@@ -196,7 +196,7 @@ TOKEN_PATH_MAX_TOKENS = 256   # decode batches: grids sized by tokens (lora_toke
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              token_slots: torch.Tensor, slice_offsets: tuple[int, ...],
              ranks: torch.Tensor | None = None, meta: LoRAMeta | None = None,
-             uniform: bool = False) -> torch.Tensor:
+             uniform: bool = False, spread: bool = False) -> torch.Tensor:
     """y [T, N] += LoRA(x) per token's slot (-1: nothing), in place; returns y.
 
     x [T, K]; a [L, S, R, K]; b [L, N, R] (scaling folded in); slice_offsets: S+1 ints;
@@ -204,12 +204,14 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     here when absent and needed (pass it in: it is shared by every layer of a step; see
     `uses_meta`); uniform: a hint
     that the tokens share one adapter, which picks the decode path's launch parameters
-    tuned for that (any mapping stays correct).
+    tuned for that (any mapping stays correct); spread: a hint that the rows average fewer
+    than `mixed_min_rows` rows per adapter (the token kernels then; same result).
 
     Up to TOKEN_PATH_MAX_TOKENS tokens: with `uniform` (and UNIFORM_ONE_LAUNCH) one launch
     (kernels/lora_uniform_triton.py), else two launches: of the segment-tile kernels for
-    a mixed batch of a shape class their table gives them (kernels/lora_mixed_triton.py),
-    else of the token-sized kernels; above it the two segment kernels."""
+    a mixed batch, not `spread`, of a shape class their table gives them
+    (kernels/lora_mixed_triton.py), else of the token-sized kernels; above it the two
+    segment kernels."""
     slice_offsets = tuple(int(o) for o in slice_offsets)
     _check(y, x, a, b, token_slots, slice_offsets, meta)
     if x.shape[0] == 0 or slice_offsets[-1] == 0:
@@ -219,8 +221,18 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if meta is None:
         meta = build_meta(token_slots, a.shape[0])
     if x.shape[0] <= TOKEN_PATH_MAX_TOKENS:
-        return add_lora_tokens(y, x, a, b, meta, slice_offsets, ranks, uniform)
+        return add_lora_tokens(y, x, a, b, meta, slice_offsets, ranks, uniform, spread)
     return add_lora_segments(y, x, a, b, meta, slice_offsets, ranks)
+
+
+def mixed_min_rows(device: torch.device, num_tokens: int) -> int:
+    """Rows per adapter a mixed batch of num_tokens tokens needs on `device` for the
+    segment-tile kernels (fewer: hint `spread` to add_lora, which then keeps the token
+    kernels); 0 where the hint changes no launch (above TOKEN_PATH_MAX_TOKENS tokens, or no
+    shape class of that size on the segment-tile kernels)."""
+    if not 0 < num_tokens <= TOKEN_PATH_MAX_TOKENS:
+        return 0
+    return lora_mixed_triton.min_rows_per_adapter(torch.device(device), num_tokens)
 
 
 # One launch per group for uniform calls (kernels/lora_uniform_triton.py): off, since on
@@ -287,11 +299,12 @@ def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def add_lora_tokens(y, x, a, b, meta: LoRAMeta, slice_offsets: tuple[int, ...],
-                    ranks: torch.Tensor | None = None, uniform: bool = False) -> torch.Tensor:
+                    ranks: torch.Tensor | None = None, uniform: bool = False,
+                    spread: bool = False) -> torch.Tensor:
     """The decode path: token-sized grids (kernels/lora_token_triton.py), or for a mixed
-    batch whose shape class the table gives them, tiles of segments
+    batch, not `spread`, whose shape class the table gives them, tiles of segments
     (kernels/lora_mixed_triton.py: each adapter's A and B read once per tile)."""
-    if not uniform and lora_mixed_triton.takes(x, a, slice_offsets):
+    if not uniform and lora_mixed_triton.takes(x, a, slice_offsets, spread):
         return lora_mixed_triton.add_lora_mixed(y, x, a, b, meta, slice_offsets, ranks)
     hp = lora_shrink_tokens(x, a, meta, ranks, uniform=uniform)
     return lora_expand_tokens(hp, b, y, meta, _offsets(slice_offsets), len(slice_offsets) - 1,

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from kernels import lora_mixed_kernels_triton, lora_mixed_triton
+from engine.lora.batch import spread_over_adapters
+from kernels import lora_triton
 from kernels.lora_mixed_triton import (DEFAULT, SEGMENTS, TABLE, MixedParams, add_lora_mixed,
-                                       gpu_key, lookup, shape_class)
+                                       gpu_key, lookup, min_rows, shape_class)
 from kernels.lora_ref import add_lora_ref, lora_shrink_ref
 from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS, add_lora, build_meta
 from tests.support.triton_mode import check_kernel_mode
@@ -94,6 +96,72 @@ def test_mixed_automatic_parameters_and_dispatch():
                                    None)
     assert plan.takes and plan.split_k >= 1 and plan.tpp >= 1
     assert 1 <= plan.programs <= plan.tiles
+
+
+def _spy_segments(monkeypatch) -> list:
+    """Records each add_lora_mixed call (the segment kernels) that add_lora makes."""
+    calls, real = [], lora_mixed_triton.add_lora_mixed
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape[0])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(lora_mixed_triton, "add_lora_mixed", spy)
+    return calls
+
+
+@pytest.mark.parametrize("seed,S", [(0, 3), (1, 1)])
+def test_both_mixed_paths_match_reference(seed, S, monkeypatch):
+    """A random batch of 65..160 tokens (the CPU's table: segment kernels) over a random
+    number of adapters, some rows base: the rows-per-adapter rule on its host slot ids
+    picks the path (spread: the token kernels), and either path gives the reference's
+    sums (random B)."""
+    g = torch.Generator().manual_seed(seed)
+    T = int(torch.randint(65, 161, (1,), generator=g))
+    ranks = torch.randint(1, 33, (40,), generator=g).tolist()
+    offsets = SLICES[S]
+    a, b, r = _pool(S, offsets, ranks, torch.float32, seed=seed)
+    used = int(torch.randint(4, 41, (1,), generator=g))
+    ts = torch.randperm(40, generator=g)[torch.randint(0, used, (T,), generator=g)]
+    ts[torch.rand(T, generator=g) < 0.2] = -1
+    x, y = _inputs(T, offsets[-1], torch.float32, seed=seed)
+    want = add_lora_ref(y.clone(), x, a, b, ts.to(DEV), offsets)
+    rule = spread_over_adapters(((s, 1) for s in ts.tolist()),
+                                lora_triton.mixed_min_rows("cpu", T))
+    calls = _spy_segments(monkeypatch)
+    for spread in (rule, not rule):
+        got = lora_triton.add_lora(y.clone(), x, a, b, ts.to(DEV), offsets, ranks=r,
+                                   spread=spread)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+        assert torch.equal(got[ts < 0], y[ts < 0])
+        assert len(calls) == (not spread), (T, used, spread)
+        calls.clear()
+
+
+def test_rows_per_adapter_rule_at_the_boundary(monkeypatch):
+    """96 tokens (the CPU's rule: 4 rows per adapter) over 24 adapters stay on the segment
+    kernels, over 25 take the token kernels; the same on the H100's table above 64
+    tokens; "table" (the choice before the rule) keeps the segment kernels for both."""
+    assert lora_triton.mixed_min_rows("cpu", 96) == 4
+    offsets = SLICES[1]
+    a, b, r = _pool(1, offsets, [16] * 25, torch.float32, seed=11)
+    x, y = _inputs(96, offsets[-1], torch.float32, seed=11)
+    calls = _spy_segments(monkeypatch)
+    for adapters, segments in ((24, True), (25, False)):
+        ts = torch.arange(96) % adapters
+        spread = spread_over_adapters(((s, 1) for s in ts.tolist()), 4)
+        got = lora_triton.add_lora(y.clone(), x, a, b, ts.to(DEV), offsets, ranks=r,
+                                   spread=spread)
+        torch.testing.assert_close(got, add_lora_ref(y.clone(), x, a, b, ts.to(DEV), offsets),
+                                   **TOL[torch.float32])
+        assert bool(calls) == segments, adapters
+        calls.clear()
+        assert lora_mixed_triton.takes(x, a, offsets, spread) == segments
+        monkeypatch.setattr(lora_mixed_triton, "PATH", "table")
+        assert lora_mixed_triton.takes(x, a, offsets, spread)
+        monkeypatch.setattr(lora_mixed_triton, "PATH", None)
+    assert [min_rows("H100", t) for t in (1, 64, 65, 128, 256)] == [0, 0, 4, 4, 4]
+    assert min_rows("H200", 200) == min_rows("H100", 200) and min_rows(None, 100) == 4
+    assert lora_triton.mixed_min_rows("cpu", 257) == 0     # the prefill path: no rule
 
 
 def test_counters_reset_and_replay_gives_the_same_result():
@@ -287,3 +355,4 @@ def test_bench_times_old_and_new_paths_side_by_side():
             assert lora_mixed_triton.takes(x, a, offsets) == want
             assert lora_mixed_triton.takes(x[:30], a, offsets) == want
     assert lora_mixed_triton.PATH is None
+

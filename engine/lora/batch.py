@@ -12,6 +12,8 @@ per group, and the norm's output is not read back for the shrink).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from engine.lora.pool import LoRASlotPool
@@ -28,19 +30,38 @@ NORM_SHRINK_MODES = ("off", "uniform", "all")
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def spread_over_adapters(slot_rows: Iterable[tuple[int, int]], min_rows: int) -> bool:
+    """Whether a batch's rows with an adapter average fewer than `min_rows` rows per
+    adapter (more distinct adapters than rows / min_rows): the `spread` hint of LoRABatch.
+    `slot_rows`: (slot, rows) per request, slot -1 (base model) not counted; host ints the
+    step already has, so no device sync. `min_rows` from kernels.lora.mixed_min_rows for
+    the step's token count; 0 (the hint changes nothing there): never spread."""
+    if min_rows <= 0:
+        return False
+    rows, slots = 0, set()
+    for slot, n in slot_rows:
+        if slot >= 0:
+            rows += n
+            slots.add(slot)
+    return len(slots) * min_rows > rows
+
+
 class LoRABatch:
     """Adds every token's adapter delta for one step.
 
     `token_slots[t]` is the pool slot of token t's adapter, -1 for the base model. The
     tensor must stay alive and unchanged for the step (a CUDA graph may hold it).
     `uniform`: the tokens (likely) share one adapter, which picks the kernels' launch
-    parameters tuned for that (a CUDA graph captured so serves such batches best)."""
+    parameters tuned for that (a CUDA graph captured so serves such batches best).
+    `spread`: the rows average few rows per adapter (`spread_over_adapters`), which keeps
+    a mixed decode batch on the token kernels (kernels/lora_mixed_triton.py)."""
 
     def __init__(self, pool: LoRASlotPool, token_slots: torch.Tensor, meta=None,
-                 uniform: bool = False):
+                 uniform: bool = False, spread: bool = False):
         assert token_slots.dim() == 1, token_slots.shape
         self.pool = pool
         self.uniform = uniform
+        self.spread = spread
         self.token_slots = token_slots
         self._ahead: dict[tuple[int, str], tuple] = {}   # prepared shrinks and their events
         self.meta = meta if meta is not None else lora_kernels.build_meta(
@@ -139,6 +160,7 @@ class LoRABatch:
             lora_kernels.expand_after(shrunk, b, y)
         else:
             lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,
-                                  meta=self.meta, uniform=self.uniform)
+                                  meta=self.meta, uniform=self.uniform,
+                                  spread=self.spread)
         if self.pool.dora_slots:  # DoRA: y (before the bias) scaled per row, per token's slot
             y.mul_(self.pool.dora_scale(layer_idx, group)[self.token_slots.long()])
