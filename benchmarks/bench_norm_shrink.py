@@ -1,0 +1,132 @@
+"""The add + RMSNorm + LoRA shrink launch (kernels/norm_shrink_triton.py) against the
+engine's separate path, per layer group on Llama-3-8B shapes (bf16, rank 16).
+
+    python benchmarks/bench_norm_shrink.py --out DIR [--quick]
+
+For q/k/v and gate/up (both read the hidden state after a norm), token counts 1 to 256
+and one adapter for every row ("one", the uniform launch parameters) or one adapter per
+row over up to 64 adapters ("distinct"): path "separate" is the add + RMSNorm kernel then
+`add_lora` (shrink and expand, or the mixed kernels where their table says), path "fused"
+the fused launch then the expand with the 1/rms row scale. Each is checked against the
+other first, then timed in CUDA graphs over rotating buffer sets (benchmarks/common.py),
+with its launch count. Writes norm_shrink.csv to DIR and prints a table. Needs CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import count_launches, rotating_sets, time_graph  # noqa: E402
+
+HIDDEN, KV, INTER, RANK, EPS = 4096, 1024, 14336, 16, 1e-5
+GROUPS = {"qkv": (HIDDEN, KV, KV), "gate_up": (INTER, INTER)}
+MAX_ADAPTERS = 64
+
+
+def make_set(group: str, T: int, mapping: str, seed: int) -> dict:
+    """Random bf16 activations, residual, norm weight, output and an adapter pool."""
+    from kernels.lora_triton import build_meta
+    N = GROUPS[group]
+    L = 1 if mapping == "one" else min(T, MAX_ADAPTERS)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kw = dict(device="cuda", generator=g)
+    a = (torch.randn(L, len(N), RANK, HIDDEN, **kw) / HIDDEN ** 0.5).bfloat16()
+    b = (torch.randn(L, sum(N), RANK, **kw) / RANK ** 0.5).bfloat16()
+    ts = torch.arange(T, device="cuda") % L
+    offsets = tuple(int(v) for v in torch.tensor((0,) + N).cumsum(0))
+    return dict(x=torch.randn(T, HIDDEN, **kw).bfloat16(),
+                res=(torch.randn(T, HIDDEN, **kw) * 4).bfloat16(),
+                w=(1 + torch.randn(HIDDEN, **kw) / 8).bfloat16(),
+                y=torch.randn(T, sum(N), **kw).bfloat16(), a=a, b=b, ts=ts,
+                ranks=torch.full((L,), RANK, dtype=torch.int32, device="cuda"),
+                offsets=offsets, meta=build_meta(ts, L), uniform=mapping == "one")
+
+
+def separate(s: dict, res: torch.Tensor, y: torch.Tensor):
+    """The engine's path with the switch off: add + RMSNorm, then shrink and expand."""
+    from kernels.elementwise_triton import add_rms_norm
+    from kernels.lora_triton import add_lora
+    out, _ = add_rms_norm(s["x"], res, s["w"], EPS)
+    add_lora(y, out, s["a"], s["b"], s["ts"], s["offsets"], s["ranks"], s["meta"],
+             uniform=s["uniform"])
+    return out
+
+
+def fused(s: dict, res: torch.Tensor, y: torch.Tensor):
+    """With the switch on: the norm and the shrink in one launch, then the expand."""
+    from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_norm_shrunk
+    out, _, shrunk = add_rms_norm_shrink(s["x"], res, s["w"], EPS, s["a"], s["ts"],
+                                         s["offsets"], s["ranks"], uniform=s["uniform"])
+    expand_norm_shrunk(shrunk, s["b"], y, s["meta"])
+    return out
+
+
+PATHS = {"separate": separate, "fused": fused}
+
+
+def check(s: dict) -> None:
+    """Both paths give the same normed rows and LoRA deltas (bf16 tolerance)."""
+    got = {}
+    for name, fn in PATHS.items():
+        y = s["y"].clone()
+        out = fn(s, s["res"].clone(), y)
+        got[name] = (out.float(), (y.float() - s["y"].float()))
+    torch.testing.assert_close(got["fused"][0], got["separate"][0], atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got["fused"][1], got["separate"][1], atol=6e-2, rtol=3e-2)
+    assert got["fused"][1].abs().max() > 0.1
+
+
+def run(group: str, T: int, mapping: str) -> dict:
+    first = make_set(group, T, mapping, seed=0)
+    check(first)
+    per_set = sum(t.nbytes for t in first.values() if isinstance(t, torch.Tensor))
+    sets = [first] + [make_set(group, T, mapping, seed=i)
+                      for i in range(1, rotating_sets(per_set))]
+    row = {"group": group, "tokens": T, "mapping": mapping}
+    for name, fn in PATHS.items():
+        calls = [lambda s=s, fn=fn: fn(s, s["res"], s["y"]) for s in sets]
+        row[f"{name}_us"] = time_graph(calls) * 1e6
+        row[f"{name}_launches"] = count_launches(calls[0])
+    row["saved_us"] = row["separate_us"] - row["fused_us"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--quick", action="store_true", help="1 and 64 tokens only")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokens = (1, 64) if args.quick else (1, 4, 16, 32, 64, 128, 256)
+    print(f"device {torch.cuda.get_device_name()}", flush=True)
+    rows = []
+    for group in GROUPS:
+        for mapping in ("one", "distinct"):
+            for T in tokens:
+                if mapping == "distinct" and T == 1:
+                    continue
+                rows.append(run(group, T, mapping))
+                r = rows[-1]
+                print(f"{group:8s} {mapping:8s} T={T:4d}: separate {r['separate_us']:6.1f} us "
+                      f"({r['separate_launches']}) fused {r['fused_us']:6.1f} us "
+                      f"({r['fused_launches']})", flush=True)
+    with open(args.out / "norm_shrink.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print("\n| group | mapping | tokens | separate us (launches) | fused us (launches) | "
+          "saved us |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['group']} | {r['mapping']} | {r['tokens']} | {r['separate_us']:.1f} "
+              f"({r['separate_launches']}) | {r['fused_us']:.1f} ({r['fused_launches']}) | "
+              f"{r['saved_us']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
