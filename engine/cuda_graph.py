@@ -16,8 +16,12 @@ max_seq_len = max_model_len, which fixes its split-KV count per graph (empty spl
 merged away). Batches without any adapter replay a graph without the LoRA launches;
 batches whose rows all use one adapter replay a "uniform" graph, whose LoRA kernels were
 captured with launch parameters tuned for one adapter (kernels/lora_token_triton.py; any
-mapping would still be computed right). Graphs are captured at start-up (`capture_all`,
-engine/warmup.py), or else the first time a (bucket, lora, greedy, uniform) key is needed.
+mapping would still be computed right). Mixed batches whose rows average fewer rows per
+adapter than the kernels' rule for the bucket (`min_rows`, kernels.lora.mixed_min_rows)
+replay a "spread" graph, captured on the token kernels where the other one has the
+segment kernels (kernels/lora_mixed_triton.py); the bit is counted on the host from the
+rows' slots. Graphs are captured at start-up (`capture_all`, engine/warmup.py), or else
+the first time a `GraphKey` is needed.
 
 A "greedy" graph also runs lm_head and picks every row's token inside the graph (argmax
 of the float32 logits and its raw log-softmax logprob: the Sampler's own ops for a greedy
@@ -25,10 +29,15 @@ row without penalty), so such a step reads back one [2, n] tensor with one sync.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 import torch
 
 from engine.lora import LoRABatch, LoRASlotPool
+from engine.lora.batch import spread_over_adapters
 from engine.scheduler import ScheduledRequest
+from kernels import lora as lora_kernels
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -47,13 +56,35 @@ def bucket_for(buckets: tuple[int, ...], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def graph_key(buckets: tuple[int, ...], scheduled: list[ScheduledRequest],
-              greedy: bool) -> tuple[int, bool, bool, bool]:
-    """(bucket, lora, greedy, uniform) of the graph a decode step of `scheduled` replays:
-    lora when any row uses an adapter, uniform when every row uses the same one."""
+class GraphKey(NamedTuple):
+    """What a decode graph was captured for: `bucket` rows; `lora`: any row uses an
+    adapter; `greedy`: the graph also picks the tokens; `uniform`: every row uses the same
+    adapter; `spread`: mixed rows averaging fewer rows per adapter than the bucket's
+    `min_rows` (never with uniform)."""
+    bucket: int
+    lora: bool
+    greedy: bool
+    uniform: bool = False
+    spread: bool = False
+
+
+def graph_key(buckets: tuple[int, ...], scheduled: list[ScheduledRequest], greedy: bool,
+              min_rows: Mapping[int, int]) -> GraphKey:
+    """The key of the graph a decode step of `scheduled` replays. `min_rows[bucket]`: the
+    rows per adapter a mixed batch of that bucket needs to go without the spread hint
+    (kernels.lora.mixed_min_rows; 0: the hint changes nothing there)."""
+    bucket = bucket_for(buckets, len(scheduled))
     slots = {s.slot for s in scheduled}
     use_lora = max(slots) >= 0
-    return bucket_for(buckets, len(scheduled)), use_lora, greedy, use_lora and len(slots) == 1
+    uniform = use_lora and len(slots) == 1
+    spread = (use_lora and not uniform
+              and spread_over_adapters(((s.slot, 1) for s in scheduled), min_rows[bucket]))
+    return GraphKey(bucket, use_lora, greedy, uniform, spread)
+
+
+def decode_min_rows(buckets: tuple[int, ...], device: torch.device) -> dict[int, int]:
+    """`min_rows` of graph_key for each bucket, on `device`."""
+    return {b: lora_kernels.mixed_min_rows(device, b) for b in buckets}
 
 
 def is_decode_step(scheduled: list[ScheduledRequest]) -> bool:
@@ -160,8 +191,8 @@ class CudaGraphRunner:
         self.buckets = decode_buckets(max_batch)
         max_blocks = -(-max_model_len // block_size)
         self.staging = DecodeStaging(max_batch, max_blocks, block_size, max_model_len, device)
-        self._graphs: dict[tuple[int, bool, bool, bool],
-                           tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.min_rows = decode_min_rows(self.buckets, device)
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.num_replays = 0
 
@@ -182,57 +213,58 @@ class CudaGraphRunner:
         return sorted({key[:2] for key in self._graphs})
 
     def capture_all(self, keys) -> int:
-        """Capture every (bucket, lora, greedy, uniform) of `keys` not captured yet (the
-        start-up warm-up: engine/warmup.py); returns how many were captured."""
-        todo = [k for k in keys if k not in self._graphs]
+        """Capture every GraphKey of `keys` not captured yet (the start-up warm-up:
+        engine/warmup.py); returns how many were captured."""
+        todo = [GraphKey(*k) for k in keys if GraphKey(*k) not in self._graphs]
         for key in todo:
-            self._graphs[key] = self._capture(*key)
+            self._graphs[key] = self._capture(key)
         return len(todo)
 
     @property
-    def graph_keys(self) -> list[tuple[int, bool, bool, bool]]:
+    def graph_keys(self) -> list[GraphKey]:
         return sorted(self._graphs)
 
-    def graph_for(self, n: int, use_lora: bool, greedy: bool = False, uniform: bool = False):
-        """The captured graph serving n rows, or None (benchmarks time its replay)."""
-        entry = self._graphs.get((bucket_for(self.buckets, n), use_lora, greedy,
-                                  use_lora and uniform))
+    def key_for(self, scheduled: list[ScheduledRequest], greedy: bool) -> GraphKey:
+        """The key of the graph a decode step of `scheduled` replays (`graph_key`)."""
+        return graph_key(self.buckets, scheduled, greedy, self.min_rows)
+
+    def graph_for(self, key: GraphKey):
+        """The captured graph of `key`, or None (benchmarks time its replay)."""
+        entry = self._graphs.get(key)
         return entry[0] if entry else None
 
-    def run(self, scheduled: list[ScheduledRequest], use_lora: bool,
-            greedy: bool = False, uniform: bool = False, patch=None) -> torch.Tensor:
-        """`uniform`: every row uses the same adapter (picks the uniform LoRA graph).
+    def run(self, scheduled: list[ScheduledRequest], key: GraphKey,
+            patch=None) -> torch.Tensor:
+        """Replays the graph of `key` (`key_for(scheduled, ...)`) for `scheduled`.
         `patch(input_ids, rows)`, when given, writes the in-flight input tokens of `rows`
         into the static input-id buffer on the device before the replay."""
-        bucket = bucket_for(self.buckets, len(scheduled))
-        key = (bucket, use_lora, greedy, use_lora and uniform)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(*key)
+            self._graphs[key] = self._capture(key)
         graph, out = self._graphs[key]
-        holes = self.staging.fill(scheduled, bucket)
+        holes = self.staging.fill(scheduled, key.bucket)
         self.staging.upload()
         if holes:
             assert patch is not None, "in-flight input tokens without a previous step"
             patch(self.staging.d64[0], holes)
         graph.replay()
         self.num_replays += 1
-        return out[:, :len(scheduled)] if greedy else out[:len(scheduled)]
+        return out[:, :len(scheduled)] if key.greedy else out[:len(scheduled)]
 
-    def _forward(self, bucket: int, use_lora: bool, greedy: bool = False,
-                 uniform: bool = False) -> torch.Tensor:
-        ids, attn, token_slots = self.staging.views(bucket)
-        lora = LoRABatch(self.lora_pool, token_slots, uniform=uniform) if use_lora else None
+    def _forward(self, key: GraphKey) -> torch.Tensor:
+        ids, attn, token_slots = self.staging.views(key.bucket)
+        lora = (LoRABatch(self.lora_pool, token_slots, uniform=key.uniform, spread=key.spread)
+                if key.lora else None)
         hidden = self.model.forward(ids, attn, self.kv_caches, lora)
-        return greedy_pick(self.model.compute_logits(hidden)) if greedy else hidden
+        return greedy_pick(self.model.compute_logits(hidden)) if key.greedy else hidden
 
-    def _capture(self, bucket: int, use_lora: bool, greedy: bool, uniform: bool):
+    def _capture(self, key: GraphKey):
         # Inputs of the warm-up and the capture: all padding (no KV writes, no adapter).
-        self.staging.fill_padding(0, bucket)
+        self.staging.fill_padding(0, key.bucket)
         self.staging.upload()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # compiles the Triton kernels outside the capture
-            self._forward(bucket, use_lora, greedy, uniform)
+            self._forward(key)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         if self._pool is None:
@@ -241,6 +273,6 @@ class CudaGraphRunner:
         # thread_local: the adapter reader thread may pin host memory meanwhile, which
         # in the default (global) mode invalidates the capture (seen on an H200)
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(bucket, use_lora, greedy, uniform)
+            out = self._forward(key)
         torch.cuda.synchronize()
         return graph, out

@@ -32,14 +32,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graph import CudaGraphRunner, graph_key, greedy_pick, is_decode_step
+from engine.cuda_graph import CudaGraphRunner, greedy_pick, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
+from engine.lora.batch import spread_over_adapters
 from engine.model.batch import make_attention_metadata
 from engine.parallel import TPGroup
 from engine.pending import PendingSample
 from engine.request import Request
 from engine.sampling import Sampler
 from engine.scheduler import Sampled, ScheduledRequest, SchedulerOutput
+from kernels import lora as lora_kernels
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -52,6 +54,7 @@ class ModelInputs:
     logits_indices: torch.Tensor   # [S] flat index of the last token of each sampling seq
     sample_requests: list[Request]  # the S requests that sample, in row order
     has_lora: bool                 # any token uses an adapter (known on the host: no sync)
+    lora_spread: bool = False      # few rows per adapter (LoRABatch's `spread`; the host's)
     holes: tuple[list[int], list[int]] = ([], [])  # placeholder: flat index, row in prev
 
 
@@ -108,13 +111,16 @@ class ModelRunner:
         attn.positions, attn.slot_mapping = to_dev(attn.positions), to_dev(attn.slot_mapping)
         attn.query_start_loc, attn.seq_lens = to_dev(attn.query_start_loc), to_dev(attn.seq_lens)
         attn.block_tables = to_dev(attn.block_tables)
+        spread = spread_over_adapters(((s.slot, s.num_new_tokens) for s in out.scheduled),
+                                      lora_kernels.mixed_min_rows(self.device, len(ids)))
         return ModelInputs(
             input_ids=to_dev(torch.tensor(ids, dtype=torch.int64)),
             attn=attn,
             token_slots=to_dev(torch.tensor(slots, dtype=torch.int32)),
             logits_indices=to_dev(torch.tensor(last, dtype=torch.int64)),
             sample_requests=samplers,
-            has_lora=any(s.slot >= 0 for s in out.scheduled), holes=holes)
+            has_lora=any(s.slot >= 0 for s in out.scheduled), lora_spread=spread,
+            holes=holes)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor -> device; on CUDA through pinned memory without blocking (the
@@ -148,7 +154,8 @@ class ModelRunner:
         return self._sample(logits, inputs.sample_requests)
 
     def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, LoRABatch | None]:
-        lora = LoRABatch(self.lora_pool, inputs.token_slots) if inputs.has_lora else None
+        lora = (LoRABatch(self.lora_pool, inputs.token_slots, spread=inputs.lora_spread)
+                if inputs.has_lora else None)
         return self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora), lora
 
     def _logits(self, inputs: ModelInputs, hidden: torch.Tensor,
@@ -202,7 +209,7 @@ class ModelRunner:
         """A decode-only step through the CUDA graph of its batch-size bucket; `greedy`
         (see `takes_greedy_pick`) replays the graph that also picks every row's token."""
         sched = out.scheduled
-        _, use_lora, _, uniform = graph_key(self.graphs.buckets, sched, greedy)
+        key = self.graphs.key_for(sched, greedy)
         patch = None
         if prev is not None:
             def patch(input_ids: torch.Tensor, rows: list[int]) -> None:
@@ -210,9 +217,9 @@ class ModelRunner:
                                  prev)
         requests = [s.request for s in sched]
         if greedy:
-            picked = self.graphs.run(sched, use_lora, greedy=True, uniform=uniform, patch=patch)
+            picked = self.graphs.run(sched, key, patch=patch)
             return self._greedy_pending(requests, picked)
-        hidden = self.graphs.run(sched, use_lora, uniform=uniform, patch=patch)
+        hidden = self.graphs.run(sched, key, patch=patch)
         rows = [i for i, s in enumerate(sched) if s.samples]
         if not rows:
             return PendingSample.known({}, [], self.device)

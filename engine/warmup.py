@@ -4,8 +4,8 @@ configured limits can reach, before the engine serves, so that the first request
 
 What a step can look like is bounded by the config:
 - A decode step of n <= max_num_seqs sequences replays the graph of its bucket, keyed
-  (bucket, lora, greedy, uniform) (engine/cuda_graph.py): `graph_keys` lists them all and
-  every one is captured.
+  (bucket, lora, greedy, uniform, spread) (engine/cuda_graph.py GraphKey): `graph_keys`
+  lists every key some batch can reach and every one is captured.
 - Any other step (prefill, mixed, decode with CUDA graphs off) runs eagerly over
   T <= max_num_batched_tokens tokens of s <= max_num_seqs sequences, with or without
   adapters. A kernel variant is a function of (T, s, context length) through the
@@ -13,8 +13,10 @@ What a step can look like is bounded by the config:
   integer specialisation (a value of 1, a multiple of 16): `eager_shapes` visits every
   token count up to 64, then every power of two and its neighbours and every multiple of
   16 next to them up to the limit, as decode-only, one-prefill and mixed steps, with
-  short and long contexts. tests/test_warmup.py records the kernels' launch keys and
-  fails if a step after warm-up launches one the warm-up did not.
+  short and long contexts; and where the LoRA kernels of T tokens depend on the rows per
+  adapter (kernels.lora.mixed_min_rows), a step of T tokens with one adapter row among
+  base rows (the `spread` LoRA path). tests/test_warmup.py records the kernels' launch
+  keys and fails if a step after warm-up launches one the warm-up did not.
 
 Compiled kernels also persist on disk: the engine server points TRITON_CACHE_DIR at its
 work dir (and the container image at a volume), so a restart loads instead of compiling.
@@ -22,13 +24,15 @@ work dir (and the container image at a volume), so a restart loads instead of co
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from engine.cuda_graph import decode_buckets
+from engine.cuda_graph import GraphKey, decode_buckets
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from kernels import lora as lora_kernels
 
 
 @dataclass(frozen=True)
@@ -48,16 +52,36 @@ class EagerShape:
     num_seqs: int        # s: s - 1 one-token rows (decodes), then one row with the rest
     context: int         # tokens already cached before this step, per sequence
     lora: bool
+    spread: bool = False  # only the first row uses an adapter, the rest the base model
 
 
-def graph_keys(max_num_seqs: int) -> list[tuple[int, bool, bool, bool]]:
-    """Every (bucket, lora, greedy, uniform) a decode step can need."""
+def mixed_variants(bucket: int, min_rows: int) -> tuple[bool, ...]:
+    """The `spread` bits a decode batch in `bucket`, with adapters but not all on one,
+    can have when a batch needs `min_rows` rows per adapter to go without it. A batch of
+    `bucket` rows reaches each bit that any batch of the bucket reaches: spread with one
+    adapter row among base rows (min_rows >= 2); not spread with min_rows rows of one
+    adapter and a base row (min_rows + 1 rows; a mixed batch without it needs at least as
+    many), or any mixed batch when min_rows is 0 or 1."""
+    if bucket < 2:
+        return ()
+    out = []
+    if min_rows < 2 or bucket >= min_rows + 1:
+        out.append(False)
+    if min_rows >= 2:
+        out.append(True)
+    return tuple(out)
+
+
+def graph_keys(max_num_seqs: int, min_rows: Mapping[int, int]) -> list[GraphKey]:
+    """Every GraphKey a decode step can need (`min_rows`: per bucket, as graph_key's)."""
     keys = []
     for bucket in decode_buckets(max_num_seqs):
-        for lora in (False, True):
-            for greedy in (False, True):
-                for uniform in ((False, True) if lora else (False,)):
-                    keys.append((bucket, lora, greedy, uniform))
+        lora_kinds = [(True, False)] + [(False, spread) for spread in
+                                        mixed_variants(bucket, min_rows[bucket])]
+        for greedy in (False, True):
+            keys.append(GraphKey(bucket, False, greedy))
+            keys += [GraphKey(bucket, True, greedy, uniform, spread)
+                     for uniform, spread in lora_kinds]
     return keys
 
 
@@ -87,10 +111,15 @@ def contexts(rest: int, max_model_len: int) -> list[int]:
 
 
 def eager_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 graphs: bool) -> list[EagerShape]:
-    """The eager steps the warm-up runs (module docstring)."""
+                 graphs: bool, min_rows: Callable[[int], int]) -> list[EagerShape]:
+    """The eager steps the warm-up runs (module docstring); `min_rows(T)`: the rows per
+    adapter a step of T tokens needs to go without the spread hint (0: no such hint)."""
     out = []
     for t in token_counts(max_num_batched_tokens):
+        # spread: one adapter row (the LoRA kernels depend on T alone: one shape will do)
+        m, s = min_rows(t), min(t, 2, max_num_seqs)
+        if m >= 2 and (s == 2 or m > t):
+            out.append(EagerShape(t, s, 0, lora=True, spread=True))
         seq_counts = {1, min(t, 2), min(t, max_num_seqs)}
         if not graphs:
             seq_counts.update({s for s in (3, 16, 17) if s <= min(t, max_num_seqs)})
@@ -117,12 +146,13 @@ def warm_up(runner, num_kv_blocks: int, block_size: int, max_num_seqs: int,
     start = time.perf_counter()
     graphs = runner.graphs
     shapes = eager_shapes(max_num_batched_tokens, max_num_seqs, max_model_len,
-                          graphs is not None)
+                          graphs is not None,
+                          lambda t: lora_kernels.mixed_min_rows(runner.device, t))
     for shape in shapes:
         _eager_step(runner, shape, num_kv_blocks, block_size)
     captured = 0
     if graphs is not None:
-        captured = graphs.capture_all(graph_keys(graphs.buckets[-1]))
+        captured = graphs.capture_all(graph_keys(graphs.buckets[-1], graphs.min_rows))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return WarmupReport(time.perf_counter() - start, captured, len(shapes))
@@ -133,13 +163,14 @@ def _eager_step(runner, shape: EagerShape, num_kv_blocks: int, block_size: int) 
     """One forward pass (and greedy pick) of `shape` on garbage inputs."""
     rows = [1] * (shape.num_seqs - 1) + [shape.num_tokens - (shape.num_seqs - 1)]
     sched, next_block = [], 0
-    for n in rows:
+    for i, n in enumerate(rows):
         total = shape.context + n
         blocks = -(-total // block_size)
         ids = tuple((next_block + i) % num_kv_blocks for i in range(blocks))
         next_block += blocks
         req = SimpleNamespace(all_token_ids=[1] * total, sample_row=0)
-        sched.append(ScheduledRequest(req, shape.context, n, ids, 0 if shape.lora else -1,
+        lora = shape.lora and not (shape.spread and i > 0)
+        sched.append(ScheduledRequest(req, shape.context, n, ids, 0 if lora else -1,
                                       samples=True))
     inputs = runner.prepare_inputs(SchedulerOutput(scheduled=sched))
     runner.forward_pick(inputs)

@@ -1,22 +1,27 @@
 """Start-up warm-up (engine/warmup.py) covers every shape the scheduler can produce.
 
-Graphs: every decode batch the limits allow (any size, adapters none / one / mixed,
-greedy or not) maps to a key the warm-up captures. Kernels: on the CPU the engine's
+Graphs: every decode batch the limits allow (any size, adapters none / one / mixed with
+many or few rows per adapter, greedy or not) maps to a key the warm-up captures, and the
+warm-up captures no key that no batch reaches. Kernels: on the CPU the engine's
 kernel dispatch is routed to the Triton kernels, every launch is keyed as Triton keys its
 compiled variants (tests/support/launch_keys.py; the kernels are not run, only their
 launches followed: the values are garbage, the shapes real), and real traffic after the
 warm-up (chunked prefills, decodes, mixed steps, adapters and base, long and short
-contexts) must launch no variant the warm-up did not."""
+contexts) must launch no variant the warm-up did not, nor run the LoRA kernels of a token
+count on a path (spread over adapters or not) that the warm-up did not: with the tiny
+test model both paths' kernels can share their Triton variants, so the path is followed
+apart."""
 import random
 
 import pytest
 
 from engine.cuda_graph import decode_buckets, graph_key
+from engine.lora.batch import spread_over_adapters
 from engine.scheduler import ScheduledRequest
 from engine.warmup import eager_shapes, graph_keys, token_counts, warm_up
 from kernels import (attention_kernels_triton, elementwise_kernels_triton,
                      lora_kernels_triton, lora_mixed_kernels_triton,
-                     lora_segment_kernels_triton, lora_token_kernels_triton,
+                     lora_segment_kernels_triton, lora_token_kernels_triton, lora_triton,
                      norm_shrink_kernels_triton)
 from tests.support.launch_keys import LaunchKeys, force_triton
 from tests.test_engine_parity import prompts_of
@@ -30,18 +35,77 @@ SMALL = dict(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=40)
 LARGE = dict(max_num_batched_tokens=66, max_num_seqs=17, max_model_len=300)
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 5, 64])
-def test_every_decode_batch_has_a_captured_graph(max_num_seqs):
-    keys = set(graph_keys(max_num_seqs))
+def batches(n: int, rng: random.Random):
+    """Slot lists of n decode rows: base, one adapter, random, round robin over 3, one
+    adapter per row, a base row among one adapter's, one adapter row among base rows, and
+    4 and 3-4 rows per adapter (either side of the H100's rule)."""
+    yield from ([-1] * n, [0] * n, [rng.randrange(-1, 4) for _ in range(n)],
+                [i % 3 for i in range(n)], list(range(n)), [0] * (n - 1) + [-1],
+                [0] + [-1] * (n - 1), [i % max(1, n // 4) for i in range(n)],
+                [i % (n // 4 + 1) for i in range(n)])
+
+
+# rows per adapter the LoRA kernels need by bucket: none, the CPU's (the interpreter's
+# table: the segment kernels above 64 tokens) and a rule of 2 everywhere
+RULES = {"none": lambda b: 0, "cpu": lambda b: lora_triton.mixed_min_rows("cpu", b),
+         "two": lambda b: 2}
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("max_num_seqs", [1, 5, 64, 130])
+def test_every_decode_batch_has_a_captured_graph(max_num_seqs, rule):
+    """Every batch's key is captured (both spread bits where the rule has them) and every
+    captured key is some batch's."""
     buckets = decode_buckets(max_num_seqs)
+    min_rows = {b: RULES[rule](b) for b in buckets}
+    keys = set(graph_keys(max_num_seqs, min_rows))
     rng = random.Random(max_num_seqs)
+    reached = set()
     for n in range(1, max_num_seqs + 1):
-        for slots in ([-1] * n, [0] * n, [rng.randrange(-1, 4) for _ in range(n)],
-                      [i % 3 for i in range(n)]):
+        for slots in batches(n, rng):
             sched = [ScheduledRequest(None, 0, 1, (), s, True) for s in slots]
             for greedy_step in (False, True):
-                assert graph_key(buckets, sched, greedy_step) in keys, (n, slots)
-    assert len(keys) == 6 * len(buckets)
+                key = graph_key(buckets, sched, greedy_step, min_rows)
+                assert key in keys, (n, slots)
+                reached.add(key)
+    assert reached == keys
+    spread = {k.bucket for k in keys if k.spread}
+    if rule == "cpu" and max_num_seqs > 64:
+        assert spread == {128, 130}
+    assert spread == ({b for b in buckets if b >= 2 and min_rows[b] >= 2})
+
+
+def test_graph_key_follows_the_rows_per_adapter_rule():
+    """At 4 rows per adapter (the CPU's rule at 128 rows) a mixed batch keeps the segment
+    kernels' graph; one adapter more (3.8 rows each) takes the spread graph; rows of the
+    base model are not counted; one adapter or none is never spread."""
+    buckets = decode_buckets(128)
+    min_rows = {b: lora_triton.mixed_min_rows("cpu", b) for b in buckets}
+    assert min_rows[128] == 4 and min_rows[64] == 0
+
+    def key(slots):
+        return graph_key(buckets, [ScheduledRequest(None, 0, 1, (), s, True) for s in slots],
+                         True, min_rows)
+    four = key([i % 24 for i in range(96)])
+    fewer = key([i % 25 for i in range(96)])
+    assert four[:4] == fewer[:4] == (128, True, True, False)
+    assert (four.spread, fewer.spread) == (False, True) and four != fewer
+    assert key([i % 24 for i in range(96)] + [-1] * 30) == four
+    assert key([i % 25 for i in range(96)] + [-1] * 30) == fewer
+    assert not key([3] * 100).spread and not key([3] + [-1] * 99).uniform
+    assert key([3] + [-1] * 99).spread and not key([-1] * 100).spread
+    assert key([i % 25 for i in range(60)]) == (64, True, True, False, False)  # 0: no rule
+
+
+def test_spread_rule_at_the_boundary():
+    for adapters in (1, 2, 7, 64):
+        rows = 4 * adapters
+        at = [(i % adapters, 1) for i in range(rows)]
+        assert not spread_over_adapters(at, 4)
+        assert spread_over_adapters(at[:-1] + [(-1, 1)] * 5, 4)
+        assert not spread_over_adapters([(i, 4) for i in range(adapters)], 4)
+        assert spread_over_adapters([(i, 4) for i in range(adapters)] + [(adapters, 3)], 4)
+        assert not spread_over_adapters(at[:-1], 0)
 
 
 def test_token_counts_reach_the_limit():
@@ -70,12 +134,27 @@ def run_traffic(eng, limits: dict, seed: int) -> None:
     raise AssertionError("no progress")
 
 
+class LoRAPaths:
+    """`paths`: (tokens, spread) of every eager step with adapters the runner ran."""
+
+    def __init__(self, runner, monkeypatch):
+        self.paths: set[tuple[int, bool]] = set()
+        forward = runner._forward
+
+        def recorded(inputs):
+            if inputs.has_lora:
+                self.paths.add((inputs.input_ids.shape[0], inputs.lora_spread))
+            return forward(inputs)
+        monkeypatch.setattr(runner, "_forward", recorded)
+
+
 def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None):
     force_triton(monkeypatch)
     blocks = limits["max_num_seqs"] * limits["max_model_len"] // 8 + 8
     eng = make_engine(llama_family, ["rs4", "ap8", "attn32"], max_loras=2, block_size=8,
                       num_kv_blocks=blocks, **limits)
     keys = LaunchKeys().install(monkeypatch, *KERNEL_MODULES, execute=False)
+    keys.lora_paths = LoRAPaths(eng.runner, monkeypatch)
     if shapes is not None:
         monkeypatch.setattr("engine.warmup.eager_shapes", lambda *a: shapes)
     report = warm_up(eng.runner, eng.num_kv_blocks, 8, limits["max_num_seqs"],
@@ -93,16 +172,20 @@ def test_no_kernel_variant_is_compiled_after_warm_up(llama_family, monkeypatch, 
     from engine.lora import batch as batch_module
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink)
     eng, keys = warmed_engine(llama_family, monkeypatch, limits)
-    warm = set(keys.keys)
+    warm, warm_paths = set(keys.keys), set(keys.lora_paths.paths)
     run_traffic(eng, limits, seed=5)
     new = keys.keys - warm
     assert not new, f"{len(new)} kernel variants first launched after warm-up: {sorted(new)[:3]}"
+    new_paths = keys.lora_paths.paths - warm_paths
+    assert not new_paths, f"LoRA (tokens, spread) first run after warm-up: {sorted(new_paths)}"
+    if limits is LARGE:   # past 64 tokens the CPU's table has both paths; traffic reaches them
+        assert {(66, False), (66, True)} <= keys.lora_paths.paths
 
 
 def test_a_partial_warm_up_is_caught(llama_family, monkeypatch):
     """The check above can fail: warming up short steps only leaves variants for later."""
     short = [s for s in eager_shapes(SMALL["max_num_batched_tokens"], SMALL["max_num_seqs"],
-                                     SMALL["max_model_len"], False)
+                                     SMALL["max_model_len"], False, lambda t: 0)
              if s.num_tokens <= 2 and s.context == 0]
     eng, keys = warmed_engine(llama_family, monkeypatch, SMALL, shapes=short)
     warm = set(keys.keys)

@@ -4,9 +4,10 @@ properties Triton specialises on (an integer equal to 1 or a multiple of 16, a t
 dtype). Works compiled (CUDA) and interpreted (the CPU), through
 each kernel's pre-run hook.
 
-`force_triton(monkeypatch)` routes the model's kernel dispatch (kernels/lora.py,
-kernels/elementwise.py, the model's attention call) to the Triton modules for CPU
-tensors too, so an engine on the CPU runs the same kernels (interpreted) as on a GPU."""
+`force_triton(monkeypatch)` routes the model's kernel dispatch (kernels/lora.py, its
+rows-per-adapter rule included, kernels/elementwise.py, the model's attention call) to
+the Triton modules for CPU tensors too, so an engine on the CPU runs the same kernels
+(interpreted) as on a GPU."""
 from __future__ import annotations
 
 import inspect
@@ -83,6 +84,7 @@ def force_triton(monkeypatch) -> None:
             return lora_triton.build_meta(token_slots, max_loras)
         return None
     monkeypatch.setattr(lora, "build_meta", build_meta)
+    monkeypatch.setattr(lora, "mixed_min_rows", lora_triton.mixed_min_rows)
     monkeypatch.setattr(llama, "paged_attention",
                         lambda q, k, v, attn, scale, window=None:
                         attention_triton.paged_attention(q, k, v, attn, scale))
