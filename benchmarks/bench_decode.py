@@ -15,6 +15,11 @@ on the same engine: the rows of a setting other than the first are labelled
 registered from a few adapter files under different names: each name gets its own id,
 slot and device copy, so a step reads every adapter's A/B separately exactly as with
 distinct files, without writing gigabytes of adapter files first.
+--mixed-paths table,rule runs the mixed modes ("distinct", "d64": 64 adapters round robin)
+once per choice of kernels/lora_mixed_triton.py PATH: "rule" (the engine's: the GPU's
+table and its rows-per-adapter rule), "table" (the table alone, the choice before that
+rule), "tokens", "segments"; rows of a choice other than "rule" are labelled
+"MODE/mp-CHOICE", so one run gives before and after.
 """
 from __future__ import annotations
 
@@ -144,19 +149,44 @@ def mode_label(mode: str, setting: str, settings: list[str]) -> str:
     return mode if setting == settings[0] else f"{mode}/ns-{setting}"
 
 
+MIXED_MODES = ("distinct", "d64")         # modes whose steps take the mixed LoRA path
+MIXED_PATHS = {"rule": None, "table": "table", "tokens": "tokens", "segments": "segments"}
+
+
+def select_mixed_path(eng, path: str) -> None:
+    """kernels/lora_mixed_triton.py PATH = MIXED_PATHS[path]; captured graphs are dropped
+    when it changes."""
+    from kernels import lora_mixed_triton
+    if lora_mixed_triton.PATH != MIXED_PATHS[path]:
+        lora_mixed_triton.PATH = MIXED_PATHS[path]
+        if eng.runner.graphs is not None:
+            eng.runner.graphs.release()
+
+
+def mixed_label(label: str, path: str) -> str:
+    return label if path == "rule" else f"{label}/mp-{path}"
+
+
+def decode_graph(graphs, adapters: list[str | None]):
+    """The captured greedy decode graph that rows on `adapters` replay (None: none yet)."""
+    from engine.scheduler import ScheduledRequest
+    slot = {a: i for i, a in enumerate(dict.fromkeys(a for a in adapters if a is not None))}
+    sched = [ScheduledRequest(None, 0, 1, (), slot.get(a, -1), True) for a in adapters]
+    return graphs.graph_for(graphs.key_for(sched, greedy=True))
+
+
 def mode_adapters(mode: str, b: int, names: list[str]) -> list[str | None]:
     return {"base": [None] * b, "one": [names[0]] * b, "one-split": [names[0]] * b,
             "one-ahead": [names[0]] * b, "one-launch": [names[0]] * b, "distinct": names[:b], "d64": [names[i % 64] for i in range(b)]}[mode]
 
 
-def graph_replay_s(eng, batch: int, use_lora: bool, reps: int = 20,
-                   uniform: bool = False) -> float:
-    """Median GPU time of one replay of the decode graph that served `batch` (the forward
-    pass alone: no sampling, no host work)."""
+def graph_replay_s(eng, adapters: list[str | None], reps: int = 20) -> float:
+    """Median GPU time of one replay of the decode graph that served rows on `adapters`
+    (the forward pass alone: no sampling, no host work)."""
     graphs = eng.runner.graphs
     if graphs is None:
         return float("nan")
-    graph = graphs.graph_for(batch, use_lora, greedy=True, uniform=uniform)
+    graph = decode_graph(graphs, adapters)
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -189,8 +219,7 @@ def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
         host.append(timer.take())
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps
-    gpu = graph_replay_s(eng, batch, any(a is not None for a in adapters),
-                         uniform=len(set(adapters)) == 1)
+    gpu = graph_replay_s(eng, adapters)
     for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
         eng.abort(r.request_id)
     while eng.has_unfinished():
@@ -251,7 +280,7 @@ def main() -> None:
                          "distinct: one adapter per row; "
                          "d64: 64 adapters round robin (4 rows each at batch 256)")
     ap.add_argument("--profile-batches", default="64",
-                    help="batches whose decode graphs are profiled")
+                    help="batches whose decode graphs are profiled (empty: none)")
     ap.add_argument("--profile-modes", default="base,one,distinct",
                     help="modes profiled at those batches (distinct: 64 adapters round robin)")
     ap.add_argument("--steps", type=int, default=20)
@@ -267,7 +296,14 @@ def main() -> None:
                     help="comma list of engine/lora/batch.py FUSED_NORM_SHRINK settings "
                          "(off, uniform, all; default: the engine's): every mode runs "
                          "once per setting, in this order, on one engine")
+    ap.add_argument("--mixed-paths", default="rule",
+                    help="comma list of mixed decode LoRA paths (rule: the engine's; table: "
+                         "the table alone, before the rows-per-adapter rule; tokens; "
+                         "segments): the modes distinct and d64 run once per path")
     args = ap.parse_args()
+    paths = args.mixed_paths.split(",")
+    if not set(paths) <= set(MIXED_PATHS):
+        ap.error(f"--mixed-paths: {paths} not all in {tuple(MIXED_PATHS)}")
     settings = args.norm_shrink.split(",")
     from engine.lora.batch import NORM_SHRINK_MODES
     bad = [s for s in settings if s not in NORM_SHRINK_MODES + ("default",)]
@@ -301,10 +337,13 @@ def main() -> None:
         names.append(f"bench{i}")
         eng.add_adapter(names[-1], str(adapter_dirs[i % len(adapter_dirs)]))
     cfg = LLAMA3_8B
-    for setting, mode in [(st, m) for st in settings for m in args.modes.split(",")]:
+    points = [(st, m, p) for st in settings for m in args.modes.split(",")
+              for p in (paths if m in MIXED_MODES else ["rule"])]
+    for setting, mode, path in points:
         select_uniform_path(eng, mode)
         select_norm_shrink(eng, setting)
-        label = mode_label(mode, setting, settings)
+        select_mixed_path(eng, path)
+        label = mixed_label(mode_label(mode, setting, settings), path)
         for b in batches:
             adapters = mode_adapters(mode, b, names)
             t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen)
@@ -322,17 +361,19 @@ def main() -> None:
             print(f"loramux {label:8s} b={b:4d}: {step*1e3:7.2f} ms/step {b/step:9.1f} tok/s "
                   f"floor {floor*1e3:6.2f} ms x{step/floor:.2f} | graph {t['gpu']*1e3:6.2f} ms "
                   f"x{t['gpu']/floor:.2f} | host {t['host']*1e3:5.2f} ms", flush=True)
+    select_mixed_path(eng, "rule")
     launches = []
     for setting in settings if not args.eager else []:
         select_norm_shrink(eng, setting)
         name = "profile.txt" if setting == settings[0] else f"profile-ns-{setting}.txt"
         launches += profile_graphs(eng, names, args, gen, args.out / name,
-                                   [int(b) for b in args.profile_batches.split(",")],
+                                   [int(b) for b in args.profile_batches.split(",") if b],
                                    args.profile_modes.split(","),
                                    lambda m, st=setting: mode_label(m, st, settings))
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
-            "async_scheduling": eng.config.use_async_scheduling, "norm_shrink": settings}
+            "async_scheduling": eng.config.use_async_scheduling, "norm_shrink": settings,
+            "mixed_paths": paths}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                       "launches": launches}, indent=2))
     plot(rows, args.out / "decode_throughput.png")
@@ -371,9 +412,7 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[i
         while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
             eng.step()
         eng.step()
-        graphs = eng.runner.graphs
-        graph = graphs.graph_for(b, mode != "base", greedy=True,
-                                 uniform=mode.startswith("one"))
+        graph = decode_graph(eng.runner.graphs, adapters)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):

@@ -356,3 +356,31 @@ def test_bench_times_old_and_new_paths_side_by_side():
             assert lora_mixed_triton.takes(x[:30], a, offsets) == want
     assert lora_mixed_triton.PATH is None
 
+
+def test_bench_decode_times_before_and_after_the_rule(monkeypatch):
+    """bench_decode --mixed-paths: "table" (the choice before the rows-per-adapter rule)
+    and "rule" set the kernels' switch and drop captured graphs when it changes; the graph
+    it times for 256 distinct adapters is the spread one, for 64 adapters round robin not."""
+    from types import SimpleNamespace
+
+    from engine.cuda_graph import decode_buckets, graph_key
+    bench = importlib.import_module("benchmarks.bench_decode")
+    monkeypatch.setattr(lora_mixed_triton, "PATH", None)
+    released = []
+    eng = SimpleNamespace(runner=SimpleNamespace(
+        graphs=SimpleNamespace(release=lambda: released.append(1))))
+    for path, want, n_released in (("rule", None, 0), ("table", "table", 1),
+                                   ("table", "table", 1), ("rule", None, 2)):
+        bench.select_mixed_path(eng, path)
+        assert (lora_mixed_triton.PATH, len(released)) == (want, n_released), path
+    buckets = decode_buckets(256)
+    min_rows = {b: lora_triton.mixed_min_rows("cpu", b) for b in buckets}
+    graphs = SimpleNamespace(key_for=lambda sched, greedy: graph_key(buckets, sched, greedy,
+                                                                     min_rows),
+                             graph_for=lambda key: key)
+    names = [f"bench{i}" for i in range(256)]
+    distinct = bench.decode_graph(graphs, bench.mode_adapters("distinct", 256, names))
+    d64 = bench.decode_graph(graphs, bench.mode_adapters("d64", 256, names))
+    assert distinct == (256, True, True, False, True) and d64 == (256, True, True, False, False)
+    assert (bench.mixed_label("d64", "rule"), bench.mixed_label("d64", "table")) == (
+        "d64", "d64/mp-table")
