@@ -119,6 +119,7 @@ def lora_expand_tokens(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
         ranks if ranks is not None else meta.seg_len,
         row_scale if row_scale is not None else hp, T, R, n_chunks, *offsets,
         *hp.stride(), *b.stride(), y.stride(0), y.stride(1),
-        HAS_RANKS=ranks is not None, HAS_SCALE=row_scale is not None, SPLIT_K=split_k, GROUP=group, BLOCK_R=block_r,
+        HAS_RANKS=ranks is not None, HAS_SCALE=row_scale is not None, SPLIT_K=split_k,
+        GROUP=group, BLOCK_R=block_r,
         BLOCK_N=block_n, BLOCK_NG=block_ng, PRECISION=_precision(b), UPCAST=y.is_cpu)
     return y

@@ -12,14 +12,16 @@ The 1-D grid has two roles, independent of each other:
 - programs [T, T + row blocks * SPLIT_K): (row block, K chunk): split-K partials of the
   shrink of the *unscaled* normed rows, hp[ks, s, t, :] = (w * (x + res))[t, K chunk] @
   A[slot(t), s, :, K chunk].T, all slices at once (slice and rank columns side by side,
-  S * R wide). The row's 1/rms is a scalar of the whole row, which no K chunk knows; the
-  expand multiplies each row's summed h by it (lora_expand_tokens' row_scale).
+  S * R wide); with PER_ROW (mixed batches) one row per program instead of a block.
+  The row's 1/rms is a scalar of the whole row, which no K chunk knows; the expand
+  multiplies each row's summed h by it (lora_expand_tokens' row_scale).
 
 The shrink programs read x and the old residual while the norm programs run, so the new
-residual is never written in place. Rows are in batch order, BLOCK_M to a block, each
-block done one adapter at a time (the largest slot among its rows not done yet, until
-only rows without an adapter, slot -1, are left: those get no partials and are never
-read). A block of one adapter is one matrix product.
+residual is never written in place. Rows are in batch order, BLOCK_M to a block (one
+adapter for all rows: A read once per block), each block done one adapter at a time
+(the largest slot among its rows not done yet, until only rows without an adapter, slot
+-1, are left: those get no partials and are never read). A block of one adapter is one
+matrix product.
 """
 from __future__ import annotations
 
@@ -113,6 +115,47 @@ def _shrink_block(x_ptr, res_ptr, w_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q,
 
 
 @triton.jit
+def _shrink_row(x_ptr, res_ptr, w_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, N, R, SR,
+                k_chunk, stride_x, stride_r, stride_al, stride_as, stride_ar, stride_ak,
+                stride_hk, stride_hs, stride_ht, stride_hr,
+                HAS_ADD: tl.constexpr, HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_SR: tl.constexpr):
+    """Shrink program q = (row, K chunk) of a mixed batch: the row's unscaled split-K
+    partials in hp, a vector product on its own adapter's A (rows of distinct adapters
+    gain nothing from a matrix product; a block of them would take one pass each)."""
+    t = (q // SPLIT_K).to(tl.int64)
+    ks = q % SPLIT_K
+    slot = tl.load(slots_ptr + t).to(tl.int32)
+    if slot >= 0:
+        if HAS_RANKS:
+            rank = tl.load(ranks_ptr + slot)
+        else:
+            rank = R
+        cols = tl.arange(0, BLOCK_SR)
+        col_s = cols // R
+        col_r = cols % R
+        c_in = cols < SR
+        a_cols = a_ptr + slot.to(tl.int64) * stride_al + col_s * stride_as + col_r * stride_ar
+        a_mask = c_in & (col_r < rank)
+        k_lo = ks * k_chunk
+        k_hi = tl.minimum(N, k_lo + k_chunk)
+        acc = tl.zeros([BLOCK_SR], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            s = tl.load(res_ptr + t * stride_r + offs_k, mask=k_mask, other=0.0)
+            if HAS_ADD:
+                x = tl.load(x_ptr + t * stride_x + offs_k, mask=k_mask, other=0.0)
+                s = (x.to(tl.float32) + s.to(tl.float32)).to(res_ptr.dtype.element_ty)
+            u = tl.load(w_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32) * s.to(tl.float32)
+            at = tl.load(a_cols[None, :] + offs_k[:, None] * stride_ak,
+                         mask=k_mask[:, None] & a_mask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(at * u[:, None], axis=0)
+        tl.store(hp_ptr + ks * stride_hk + col_s * stride_hs + t * stride_ht
+                 + col_r * stride_hr, acc, mask=c_in)
+
+
+@triton.jit
 def add_rms_norm_shrink_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd_ptr,
                                a_ptr, hp_ptr, slots_ptr, ranks_ptr,
                                T, N, R, SR, k_chunk, eps,
@@ -122,15 +165,21 @@ def add_rms_norm_shrink_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd
                                HAS_ADD: tl.constexpr, HAS_RANKS: tl.constexpr,
                                SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                               BLOCK_SR: tl.constexpr, PRECISION: tl.constexpr,
-                               UPCAST: tl.constexpr):
-    """Grid (T + cdiv(T, BLOCK_M) * SPLIT_K,): program p < T normalises row p; the others
-    shrink (see the module docstring). HAS_ADD False: no x, the residual is normed as it
-    is (the first layer) and res_out is not written."""
+                               BLOCK_SR: tl.constexpr, PER_ROW: tl.constexpr,
+                               PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (T + cdiv(T, BLOCK_M) * SPLIT_K,), PER_ROW (T + T * SPLIT_K,): program p < T
+    normalises row p; the others shrink (see the module docstring), PER_ROW one row each.
+    HAS_ADD False: no x, the residual is normed as it is (the first layer) and res_out is
+    not written."""
     pid = tl.program_id(0)
     if pid < T:
         _norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd_ptr, pid.to(tl.int64), N,
                   stride_x, stride_r, stride_o, stride_ro, eps, HAS_ADD, BLOCK)
+    elif PER_ROW:
+        _shrink_row(x_ptr, res_ptr, w_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, pid - T, N, R,
+                    SR, k_chunk, stride_x, stride_r, stride_al, stride_as, stride_ar,
+                    stride_ak, stride_hk, stride_hs, stride_ht, stride_hr,
+                    HAS_ADD, HAS_RANKS, SPLIT_K, BLOCK_K, BLOCK_SR)
     else:
         _shrink_block(x_ptr, res_ptr, w_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, pid - T,
                       T, N, R, SR, k_chunk, stride_x, stride_r,

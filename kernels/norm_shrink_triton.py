@@ -21,7 +21,8 @@ MAX_TOKENS = 256           # the decode path (kernels/lora_triton.py TOKEN_PATH_
 MAX_SLICES = 4
 BLOCK_M = 16               # rows per shrink program (tl.dot needs 16)
 _MIN_K_CHUNK = 128
-_MIXED_PROGRAMS = 256      # shrink programs wanted for a mixed batch (about two per SM)
+_MIXED_PROGRAMS = 512      # one-row shrink programs wanted for a mixed batch (about four
+                           # per SM: each reads its own adapter's A chunk)
 _MAX_SPLIT_K = 32
 
 
@@ -37,12 +38,12 @@ class NormShrunk:
 
 def split_k(T: int, S: int, Kdim: int, uniform: bool) -> int:
     """K chunks per row block. `uniform`: the token shrink's tuned split (the expand then
-    sums as many partials as it does after that shrink); a mixed batch: about
-    _MIXED_PROGRAMS programs, since each row block is one pass per adapter in it (a power
-    of two: few compiled variants of the expand, which unrolls its sum over them)."""
+    sums as many partials as it does after that shrink); a mixed batch (one row per
+    program): about _MIXED_PROGRAMS programs, a power of two (few compiled variants of the
+    expand, which unrolls its sum over them)."""
     if uniform:
         return default_split_k(T, S, Kdim, uniform=True)
-    want = -(-_MIXED_PROGRAMS // triton.cdiv(T, BLOCK_M))
+    want = -(-_MIXED_PROGRAMS // T)
     split = max(1, min(want, _MAX_SPLIT_K, Kdim // _MIN_K_CHUNK))
     return 1 << (split.bit_length() - 1)
 
@@ -63,7 +64,8 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     new tensor (the shrink programs read the old one meanwhile). x, residual [T, N]
     (rows contiguous); weight [N]; a [L, S, R, N]; token_slots [T] (-1: no adapter);
     ranks [L] int32 or None (then R); uniform: a hint that the rows share one adapter
-    (launch parameters only); splits: K chunks (default `split_k`)."""
+    (BLOCK_M-row matrix products; otherwise one row per shrink program: the result is the
+    same); splits: K chunks (default `split_k`)."""
     T, N = residual.shape
     L, S, R, Ka = a.shape
     assert 0 < T <= MAX_TOKENS and 0 < S <= MAX_SLICES and Ka == N, (T, S, Ka, N)
@@ -79,7 +81,7 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     res_out = torch.empty_like(residual) if x is not None else residual
     rstd = torch.empty(T, dtype=torch.float32, device=residual.device)
     hp = torch.empty((splits, S, T, R), dtype=torch.float32, device=residual.device)
-    grid = (T + triton.cdiv(T, BLOCK_M) * splits,)
+    grid = (T + (triton.cdiv(T, BLOCK_M) if uniform else T) * splits,)
     K.add_rms_norm_shrink_kernel[grid](
         x if x is not None else residual, residual, weight, out, res_out, rstd, a, hp,
         token_slots, ranks if ranks is not None else token_slots, T, N, R, S * R, k_chunk,
@@ -87,7 +89,8 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
         res_out.stride(0), *a.stride(), *hp.stride(),
         HAS_ADD=x is not None, HAS_RANKS=ranks is not None, SPLIT_K=splits,
         BLOCK=triton.next_power_of_2(N), BLOCK_M=BLOCK_M, BLOCK_K=block_k,
-        BLOCK_SR=block_sr, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_SR=block_sr, PER_ROW=not uniform,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         UPCAST=residual.device.type == "cpu")
     shrunk = NormShrunk(hp, rstd, tuple(int(o) for o in slice_offsets), ranks, uniform)
     return out, res_out, shrunk

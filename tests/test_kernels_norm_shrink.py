@@ -30,7 +30,9 @@ def _slots(case: str, T: int, L: int, g: torch.Generator) -> torch.Tensor:
             "mixed": torch.randint(-1, L, (T,), generator=g)}[case].to(DEV)
 
 
-def _check(T, N, S, R, ranks, case, dtype, has_add=True, splits=None, seed=0):
+def _check(T, N, S, R, ranks, case, dtype, has_add=True, splits=None, seed=0, uniform=None):
+    """uniform: the hint (row blocks or one row per shrink program); default: whether the
+    case has one adapter."""
     g = torch.Generator().manual_seed(seed)
     offsets = SLICES[S]
     a, b, ranks_t = slot_pool(S, offsets, ranks, N, dtype, DEV, R, seed)
@@ -42,7 +44,8 @@ def _check(T, N, S, R, ranks, case, dtype, has_add=True, splits=None, seed=0):
     res_before = res.clone()
     want_out, want_res, want_h = add_rms_norm_shrink_ref(x, res, w, EPS, a, ts)
     out, new_res, shrunk = add_rms_norm_shrink(x, res, w, EPS, a, ts, offsets, ranks_t,
-                                               uniform=case.startswith("one"), splits=splits)
+                                               uniform=case.startswith("one")
+                                               if uniform is None else uniform, splits=splits)
     tol = TOL[dtype]
     torch.testing.assert_close(out, want_out, **tol)
     torch.testing.assert_close(new_res, want_res, **tol)
@@ -66,6 +69,12 @@ def test_kernels_run_in_the_expected_mode():
 @pytest.mark.parametrize("T,N,S", [(1, 200, 3), (5, 96, 2), (19, 600, 3), (16, 136, 1)])
 def test_matches_reference(case, T, N, S):
     _check(T, N, S, 16, [8, 16, 4, 12], case, torch.float32, seed=T * N + S)
+
+
+@pytest.mark.parametrize("case,uniform", [("mixed", True), ("one_some_base", False)])
+def test_a_wrong_hint_changes_nothing(case, uniform):
+    """Row blocks over several adapters (one pass each), one-row programs on one adapter."""
+    _check(21, 200, 3, 16, [8, 16, 4, 12], case, torch.float32, seed=21, uniform=uniform)
 
 
 @pytest.mark.parametrize("R,ranks", [(8, [8, 2, 5]), (32, [32, 20, 7])])
