@@ -25,6 +25,10 @@ a background thread (allocated, pages touched, registered): a new adapter of a s
 already seen then gets a ready buffer instead of waiting for the driver to pin one, the
 slowest part of adding it.
 
+With `shared`, buffers are cut from anonymous shared memory (engine/lora/shared_memory.py)
+so an adapter loader process can write a host copy straight into one
+(engine/adapters/loader_pool.py); `HostBuffer.shared` says where it lies.
+
 `scratch` holds the buffers adapter files are read into before conversion, never pinned:
 reusing them spares the page faults of fresh memory on every read (most of a read's
 time), and the bytes are only needed until the host copy is built.
@@ -37,6 +41,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from engine.lora.shared_memory import SegmentCutter, SharedPlace
+
 _GRANULE = 1 << 16
 _ALIGN = 4096
 
@@ -44,9 +50,11 @@ _ALIGN = 4096
 class HostBuffer:
     """One buffer: `data` is a uint8 tensor of `nbytes` (page-aligned)."""
 
-    def __init__(self, data: torch.Tensor, nbytes: int, registered_ptr: int | None):
+    def __init__(self, data: torch.Tensor, nbytes: int, registered_ptr: int | None,
+                 shared: SharedPlace | None = None):
         self.data = data
         self.nbytes = nbytes
+        self.shared = shared  # where it lies in shared memory, if it does
         self._registered_ptr = registered_ptr
         self._fences: list = []
         self._lock = threading.Lock()
@@ -93,9 +101,10 @@ class HostBuffer:
 class HostBufferPool:
     """Free lists of host buffers by size; thread-safe (disk reads run on several threads)."""
 
-    def __init__(self, pin: bool = False, spares: int = 0):
+    def __init__(self, pin: bool = False, spares: int = 0, shared: bool = False):
         self.pin = pin
         self.spares = spares
+        self._cutter = SegmentCutter() if shared else None
         self._making: dict[int, Future] = {}  # size -> spare being made
         self._maker: ThreadPoolExecutor | None = None
         self.num_spares_made = 0
@@ -196,8 +205,16 @@ class HostBufferPool:
         with self._lock:
             return sum(len(v) for v in self._free.values())
 
+    @property
+    def shared(self) -> bool:
+        return self._cutter is not None
+
     def _allocate(self, size: int) -> HostBuffer:
-        buf = HostBuffer(_aligned(size), size, None)
+        if self._cutter is not None:
+            data, place = self._cutter.cut(size)
+            buf = HostBuffer(data, size, None, shared=place)
+        else:
+            buf = HostBuffer(_aligned(size), size, None)
         if self.pin:  # registered later, off the caller's path (module docstring)
             with self._lock:
                 if self._pinner is None:
@@ -205,6 +222,14 @@ class HostBufferPool:
                 self._registering = [f for f in self._registering if not f.done()]
                 self._registering.append(self._pinner.submit(buf.register))
         return buf
+
+    def close(self) -> None:
+        """Let go of the free buffers and cut no more from open shared segments: their
+        memory goes back to the system once the buffers handed out are gone too."""
+        with self._lock:
+            self._free.clear()
+        if self._cutter is not None:
+            self._cutter.forget()
 
     def wait_registered(self) -> None:
         """Block until every buffer handed out so far went through registration."""

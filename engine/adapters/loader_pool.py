@@ -1,0 +1,275 @@
+"""Adapter reads in a few loader processes, so the engine process does O(1) work per read.
+
+Reading an adapter (file reads, sha256, checks, dtype/scaling/layout/TP conversion) costs
+CPU and memory bandwidth in whatever process runs it; on threads of the engine process it
+slows the step thread (the GIL, the memory bus), by a tenth of the step time with
+thousands of adapters. Here each read runs in a child process
+(engine/adapters/loader_process.py) that writes the host copy straight into one of the
+engine's host buffers, cut from shared memory (engine/lora/shared_memory.py; on CUDA the
+engine page-locks them as before, engine/lora/host_buffers.py). The engine only hands
+out the buffer and, when the child answers `done`, builds views over it: a host copy is
+never seen before the child has finished writing it.
+
+    reader thread (engine)      loader process
+      load(path, version)  ──▶  plan, read, hash, check          (same code as in-process)
+      acquire(nbytes), fd  ◀─▶  need / buffer                     (loader_wire.py)
+      views of the buffer  ◀──  done: places of the tensors       | error: the same refusal
+
+Failures stay with the adapter being read: a child that dies or stays silent past
+`timeout_s` is killed, the read fails with AdapterError (feature "loader_process") and
+the next read starts a fresh child. Buffers handed to a failed child go back to the pool
+only once it is dead. Children start on first use, at most `processes` of them; they
+exit with the engine (loader_process.py watches its parent).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.adapters.loader_wire import LoaderGone, decode_error, rebuild, recv, send, \
+    socket_pair
+from engine.lora.host_buffers import HostBufferPool
+from loramux_core.errors import AdapterError
+
+_REPO = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """What a loader process needs to read adapters as this rank would."""
+    model: str
+    max_lora_rank: int
+    dtype: str                      # torch dtype name
+    roots: tuple[str, ...] = ()     # adapter roots; empty: the path is its own root
+    tp_rank: int = 0
+    tp_size: int = 1
+    reference_path: bool = True     # the CPU reference path serves DoRA and end targets
+    threads: int = 1                # torch threads of the child
+
+
+class LoaderFailed(Exception):
+    """The child died or hung during a read (killed now); the message says which."""
+
+
+class _Refused(Exception):
+    """The child refused the adapter: `error` is the refusal, as an in-process read
+    raises it."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+class LoaderProcess:
+    """One child and the engine's end of its socket."""
+
+    def __init__(self, spec: LoaderSpec, start_timeout_s: float):
+        mine, theirs = socket_pair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.adapters.loader_process", str(theirs.fileno()),
+             str(os.getpid())],
+            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.sock = mine
+        try:
+            send(mine, {"op": "init", **asdict(spec)})
+            msg, _ = self.recv(time.monotonic() + start_timeout_s, "start")
+        except BaseException:
+            self.kill()
+            raise
+        if msg.get("op") != "ready":
+            self.kill()
+            raise LoaderFailed(f"the loader process did not start: {msg}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def recv(self, deadline: float, what: str) -> tuple[dict, list[int]]:
+        """The child's next message; LoaderFailed (the child killed) when it died or said
+        nothing before `deadline`."""
+        try:
+            self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            return recv(self.sock)
+        except TimeoutError:
+            self.kill()
+            raise LoaderFailed(f"its loader process did not {what} in time and was "
+                               "stopped") from None
+        except (LoaderGone, OSError):
+            raise LoaderFailed(f"its loader process died ({self.kill()})") from None
+
+    @property
+    def alive(self) -> bool:
+        return self.sock.fileno() >= 0 and self.proc.poll() is None
+
+    def kill(self) -> str:
+        """Stop the child (if it still runs) and reap it; how it ended, in words."""
+        self.sock.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        code = self.proc.wait()
+        return (f"killed by {signal.Signals(-code).name}" if code < 0
+                else f"exit code {code}")
+
+
+class LoaderPool:
+    """`read(path, version)` -> this rank's LoRAWeights, from a loader process; callable
+    from several threads at once (one read per child at a time)."""
+
+    def __init__(self, spec: LoaderSpec, buffers: HostBufferPool, shapes, dtype,
+                 processes: int = 2, timeout_s: float = 300.0, start_timeout_s: float = 300.0,
+                 fallback=None):
+        """`fallback(path, version)`: the in-process read, used from the first time a
+        child cannot be started on (the reason is kept in `broken`); None: that fails
+        the read."""
+        assert buffers.shared and processes >= 1
+        self.spec, self.buffers = spec, buffers
+        self._shapes, self._dtype = dict(shapes), dtype
+        self.processes, self.timeout_s, self.start_timeout_s = processes, timeout_s, \
+            start_timeout_s
+        self._idle: list[LoaderProcess] = []
+        self._all: set[LoaderProcess] = set()
+        self._starting = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self.num_replaced = 0       # children killed after a crash or a hang
+        self.fallback = fallback
+        self.broken: str | None = None
+
+    def pids(self) -> list[int]:
+        with self._cond:
+            return sorted(p.pid for p in self._all)
+
+    @property
+    def num_idle(self) -> int:
+        with self._cond:
+            return len(self._idle)
+
+    def read(self, path: str, version: str | None, timeout_s: float | None = None):
+        """`timeout_s`: how long the child may take (default: the pool's)."""
+        if self.broken is not None and self.fallback is not None:
+            return self.fallback(path, version)
+        try:
+            proc = self._take()
+        except (LoaderFailed, OSError) as e:
+            self.broken = str(e)
+            if self.fallback is None:
+                raise AdapterError(f"no adapter loader process could be started: {e}",
+                                   feature="loader_process", file=str(path)) from None
+            return self.fallback(path, version)
+        try:
+            weights = self._load(proc, str(path), version,
+                                 self.timeout_s if timeout_s is None else timeout_s)
+        except LoaderFailed as f:
+            self._discard(proc)
+            raise AdapterError(f"the adapter could not be read: {f}", feature="loader_process",
+                               file=str(path)) from None
+        except BaseException:
+            (self._give_back if proc.alive else self._discard)(proc)
+            raise
+        self._give_back(proc)
+        return weights
+
+    def _load(self, proc: LoaderProcess, path: str, version: str | None, timeout_s: float):
+        """The child's host copy, or its refusal raised; every buffer handed to it goes
+        back to the pool once it wrote its last byte (answered, or is dead)."""
+        handed: list = []
+        try:
+            return self._exchange(proc, path, version, time.monotonic() + timeout_s, handed)
+        except _Refused as r:
+            self._release(handed)
+            raise r.error from None
+        except OSError as e:  # the socket broke under a send: the child is dying
+            self._release(handed, proc)
+            raise LoaderFailed(f"its loader process died ({e}; {proc.kill()})") from None
+        except BaseException:
+            self._release(handed, proc)
+            raise
+
+    def _exchange(self, proc: LoaderProcess, path: str, version: str | None,
+                  deadline: float, handed: list):
+        send(proc.sock, {"op": "load", "path": path, "version": version})
+        while True:
+            msg, fds = proc.recv(deadline, "finish the read")
+            for fd in fds:
+                os.close(fd)
+            if msg.get("op") == "need":
+                handed.append(self.buffers.acquire(int(msg["nbytes"])))
+                place = handed[-1].shared
+                send(proc.sock, {"op": "buffer", "offset": place.offset,
+                                 "nbytes": handed[-1].nbytes}, [place.fd])
+            elif msg.get("op") == "done":
+                return self._adopt(proc, msg["weights"], handed)
+            else:
+                raise _Refused(decode_error(msg.get("error", {})))
+
+    def _release(self, handed: list, proc: LoaderProcess | None = None) -> None:
+        if proc is not None:
+            proc.kill()   # no byte written into a buffer once it is back in the pool
+        for buf in handed:
+            self.buffers.release(buf)
+        handed.clear()
+
+    def _adopt(self, proc: LoaderProcess, desc: dict, handed: list):
+        try:
+            weights = rebuild(desc, [b.data for b in handed], self._shapes, self._dtype,
+                              handed[0] if handed else None)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            proc.kill()
+            raise LoaderFailed(f"its loader process answered nonsense ({e})") from None
+        for buf in handed:
+            self.buffers.attach(weights, buf)
+        return weights
+
+    def _take(self) -> LoaderProcess:
+        with self._cond:
+            while (not self._closed and not self._idle
+                   and len(self._all) + self._starting >= self.processes):
+                self._cond.wait()
+            if self._closed:
+                raise RuntimeError("the adapter loader pool is closed")
+            if self._idle:
+                return self._idle.pop()
+            self._starting += 1
+        try:
+            proc = LoaderProcess(self.spec, self.start_timeout_s)
+        finally:
+            with self._cond:
+                self._starting -= 1
+                self._cond.notify_all()
+        with self._cond:
+            self._all.add(proc)
+        return proc
+
+    def _give_back(self, proc: LoaderProcess) -> None:
+        with self._cond:
+            if self._closed:
+                proc.kill()
+            else:
+                self._idle.append(proc)
+            self._cond.notify_all()
+
+    def _discard(self, proc: LoaderProcess) -> None:
+        proc.kill()
+        with self._cond:
+            self._all.discard(proc)
+            self.num_replaced += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop every child (a read in progress fails)."""
+        with self._cond:
+            self._closed = True
+            procs, self._idle = list(self._all), []
+            self._all.clear()
+            self._cond.notify_all()
+        for proc in procs:
+            proc.kill()

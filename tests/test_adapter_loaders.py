@@ -1,0 +1,235 @@
+"""Adapter reads in loader processes (engine/adapters/loader_pool.py): the host copy a
+child writes into the engine's shared buffers is the in-process read's, bit for bit,
+whatever the buffers held before (poisoned with NaN); every refusal of the hostile corpus
+is the same error with the same message; a child that dies or hangs fails only the read
+it was doing and is replaced; shared memory goes back when host copies go; the children
+die with the engine. Real files (tests/support/tiny.py), real processes."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.adapters.loader_pool import LoaderPool, LoaderSpec
+from engine.lora import load_lora
+from engine.lora.host_buffers import HostBufferPool
+from engine.parallel import TPGroup
+from loramux_core.errors import AdapterError
+from loramux_core.model.hf_config import ModelConfig
+from loramux_core.model.lora_targets import lora_group_shapes
+from loramux_core.safe_files import AdapterRoots
+from tests.support.adapter_fuzz import path_attacks, write_corpus
+from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
+
+pytestmark = pytest.mark.timeout(600)
+RANK = 16
+MOE = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loaders")
+    model = make_model(root / "model", TinySpec(tie_word_embeddings=False))
+    adapters = root / "adapters"
+    specs = {"a": AdapterSpec(r=8, seed=1), "b": AdapterSpec(r=4, seed=2),
+             "mixed": AdapterSpec(r=4, rank_pattern={"k_proj": 8}, seed=3,
+                                  target_modules=("q_proj", "k_proj", "down_proj")),
+             "head": AdapterSpec(r=8, seed=4, target_modules=("v_proj", "lm_head"))}
+    paths = {n: make_adapter(adapters / n, model, s) for n, s in specs.items()}
+    moe_model = make_model(root / "moe-model", TinySpec(arch="qwen2_moe"))
+    paths["moe"] = make_adapter(adapters / "moe", moe_model, AdapterSpec(
+        r=4, seed=5, target_modules=("q_proj",), target_parameters=MOE))
+    return {"root": root, "model": model, "moe_model": moe_model, "adapters": adapters,
+            "paths": paths}
+
+
+def make_pool(model, roots=(), tp=TPGroup.single(), dtype=torch.float32, **kw):
+    mc = ModelConfig.from_dir(model)
+    spec = LoaderSpec(str(model), RANK, str(dtype).split(".")[-1], tuple(map(str, roots)),
+                      tp.rank, tp.size)
+    return LoaderPool(spec, HostBufferPool(shared=True), lora_group_shapes(mc, tp.size),
+                      dtype, **kw)
+
+
+def poison(buffers: HostBufferPool, sizes) -> None:
+    """Free buffers of `sizes` full of NaN: the next reads get them back."""
+    bufs = [buffers.acquire(n) for n in sizes]
+    for b in bufs:
+        b.data.view(torch.float32).fill_(float("nan"))
+    for b in bufs:
+        buffers.release(b)
+
+
+def all_tensors(w) -> dict:
+    out = {("buf",): w.buffer.data[:w.buffer_bytes]} if w.buffer is not None else {}
+    for k, g in w.groups.items():
+        out[k + ("a",)], out[k + ("b",)] = g.a, g.b
+        if g.magnitude is not None:
+            out[k + ("m",)] = g.magnitude
+    for k, (a, b) in {**w.stacked, **w.ends, **w.experts}.items():
+        out[(k, "A")], out[(k, "B")] = a, b
+    return out
+
+
+def assert_same(got, want) -> None:
+    for field in ("num_layers", "max_rank", "target_modules", "tp_rank", "tp_size",
+                  "source", "version", "shapes"):
+        assert getattr(got, field) == getattr(want, field), field
+    for k in ("groups", "stacked", "ends", "experts"):
+        assert getattr(got, k).keys() == getattr(want, k).keys(), k
+    g, w = all_tensors(got), all_tensors(want)
+    assert g.keys() == w.keys()
+    for k in w:
+        assert g[k].dtype == w[k].dtype and g[k].shape == w[k].shape, k
+        assert torch.equal(g[k], w[k]), k
+    assert [gw.slice_ranks for gw in got.groups.values()] == \
+        [gw.slice_ranks for gw in want.groups.values()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loaded_copy_is_the_in_process_copy_over_poisoned_buffers(files, dtype):
+    model, paths = files["model"], files["paths"]
+    mc = ModelConfig.from_dir(model)
+    for tp in (TPGroup.single(), TPGroup(1, 2)):
+        pool = make_pool(model, tp=tp, dtype=dtype)
+        try:
+            want = {n: load_lora(paths[n], mc, RANK, tp=tp, dtype=dtype)
+                    for n in ("a", "b", "mixed", "head")}
+            poison(pool.buffers, [w.buffer.nbytes for w in want.values()] * 2)
+            for name, w in want.items():
+                got = pool.read(str(paths[name]), w.version)
+                assert got.buffer.shared is not None  # written by the child, in place
+                assert_same(got, w)
+        finally:
+            pool.close()
+
+
+def test_expert_factors_cross_too(files):
+    mc = ModelConfig.from_dir(files["moe_model"])
+    pool = make_pool(files["moe_model"])
+    try:
+        want = load_lora(files["paths"]["moe"], mc, RANK)
+        assert want.experts
+        poison(pool.buffers, [want.buffer.nbytes, 1 << 16, 1 << 17])
+        assert_same(pool.read(str(files["paths"]["moe"]), None), want)
+    finally:
+        pool.close()
+
+
+def _outcome(read, path):
+    try:
+        read(path)
+        return "ok"
+    except Exception as e:
+        return type(e).__name__, str(e), getattr(e, "feature", None), getattr(e, "file", None)
+
+
+def test_every_refusal_is_the_in_process_one(files, tmp_path):
+    """The hostile corpus and every path attack, read inside one root both ways: the
+    same error type, message, feature and file, each case in bounded time."""
+    root = tmp_path / "root"
+    good = make_adapter(root / "good", files["model"], AdapterSpec(seed=9))
+    outside = tmp_path / "outside"
+    import shutil
+    from tests.support.adapter_fuzz import CANARY
+    shutil.copytree(good, outside / CANARY)
+    cases = write_corpus(root, good, outside) + path_attacks(root, outside, "good")
+    mc, roots = ModelConfig.from_dir(files["model"]), AdapterRoots([str(root)])
+    pool = make_pool(files["model"], roots=[root], timeout_s=60.0)
+    try:
+        differ, slow = [], []
+        for c in cases:
+            want = _outcome(lambda p: load_lora(p, mc, RANK, roots=roots), c.path)
+            t0 = time.monotonic()
+            got = _outcome(lambda p: pool.read(p, None), c.path)
+            if time.monotonic() - t0 > 30:
+                slow.append(c.name)
+            if got != want:
+                differ.append(f"{c.name} {c.what}: {got} != {want}")
+        assert not differ, "\n".join(differ[:20])
+        assert not slow
+        assert pool.num_replaced == 0  # a refusal is an answer, not a failure
+    finally:
+        pool.close()
+
+
+def _read_in_thread(pool, path, **kw):
+    """Start `pool.read(path)` on a thread; returns once it holds an idle child."""
+    idle = pool.num_idle
+    out = {}
+
+    def run():
+        try:
+            out["weights"] = pool.read(path, None, **kw)
+        except Exception as e:
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 120
+    while pool.num_idle == idle and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the thread took the child (a condition, not a delay)
+    return t, out
+
+
+def test_a_child_that_dies_fails_only_its_read_and_is_replaced(files):
+    paths = files["paths"]
+    pool = make_pool(files["model"], processes=1)
+    try:
+        pool.read(str(paths["a"]), None)
+        (victim,) = pool.pids()
+        os.kill(victim, signal.SIGSTOP)   # it takes the next read and never answers
+        t, out = _read_in_thread(pool, str(paths["b"]))
+        os.kill(victim, signal.SIGKILL)
+        t.join()
+        err = out["error"]
+        assert isinstance(err, AdapterError) and err.feature == "loader_process"
+        assert "died" in str(err) and str(paths["b"]) in str(err)
+        assert pool.num_replaced == 1
+        w = pool.read(str(paths["b"]), None)   # a fresh child
+        assert pool.pids() != [victim] and w.version
+    finally:
+        pool.close()
+
+
+def test_a_child_that_hangs_is_stopped_and_others_serve_meanwhile(files):
+    paths = files["paths"]
+    pool = make_pool(files["model"], processes=2)
+    try:
+        pool.read(str(paths["a"]), None)
+        (stuck,) = pool.pids()
+        os.kill(stuck, signal.SIGSTOP)
+        t, out = _read_in_thread(pool, str(paths["b"]), timeout_s=1.0)
+        t.join()
+        err = out["error"]
+        assert isinstance(err, AdapterError) and err.feature == "loader_process"
+        assert "in time" in str(err)
+        assert stuck not in pool.pids() and pool.num_replaced == 1
+        with pytest.raises(ProcessLookupError):   # killed and reaped
+            os.kill(stuck, 0)
+        assert_same(pool.read(str(paths["b"]), None),
+                    load_lora(paths["b"], ModelConfig.from_dir(files["model"]), RANK))
+    finally:
+        pool.close()
+
+
+def test_a_stuck_child_holds_up_no_other_read(files):
+    paths = files["paths"]
+    pool = make_pool(files["model"], processes=2)
+    try:
+        pool.read(str(paths["a"]), None)
+        (stuck,) = pool.pids()
+        os.kill(stuck, signal.SIGSTOP)
+        t, out = _read_in_thread(pool, str(paths["b"]))  # waits on the stopped child
+        w = pool.read(str(paths["mixed"]), None)          # a second child serves this one
+        assert w.version and "weights" not in out and "error" not in out
+        os.kill(stuck, signal.SIGCONT)
+        t.join()
+        assert out["weights"].version
+    finally:
+        pool.close()
