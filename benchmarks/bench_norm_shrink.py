@@ -1,7 +1,7 @@
 """The add + RMSNorm + LoRA shrink launch (kernels/norm_shrink_triton.py) against the
 engine's separate path, per layer group on Llama-3-8B shapes (bf16, rank 16).
 
-    python benchmarks/bench_norm_shrink.py --out DIR [--quick]
+    python benchmarks/bench_norm_shrink.py --out DIR [--quick] [--sweep]
 
 For q/k/v and gate/up (both read the hidden state after a norm), token counts 1 to 256
 and one adapter for every row ("one", the uniform launch parameters) or one adapter per
@@ -9,7 +9,9 @@ row over up to 64 adapters ("distinct"): path "separate" is the add + RMSNorm ke
 `add_lora` (shrink and expand, or the mixed kernels where their table says), path "fused"
 the fused launch then the expand with the 1/rms row scale. Each is checked against the
 other first, then timed in CUDA graphs over rotating buffer sets (benchmarks/common.py),
-with its launch count. Writes norm_shrink.csv to DIR and prints a table. Needs CUDA.
+with its launch count. Writes norm_shrink.csv to DIR and prints a table. --sweep also
+times the fused path's launch parameters (warps, K step, K split) on one-adapter batches
+(norm_shrink_sweep.csv). Needs CUDA.
 """
 from __future__ import annotations
 
@@ -57,11 +59,12 @@ def separate(s: dict, res: torch.Tensor, y: torch.Tensor):
     return out
 
 
-def fused(s: dict, res: torch.Tensor, y: torch.Tensor):
+def fused(s: dict, res: torch.Tensor, y: torch.Tensor, **launch):
     """With the switch on: the norm and the shrink in one launch, then the expand."""
     from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_norm_shrunk
     out, _, shrunk = add_rms_norm_shrink(s["x"], res, s["w"], EPS, s["a"], s["ts"],
-                                         s["offsets"], s["ranks"], uniform=s["uniform"])
+                                         s["offsets"], s["ranks"], uniform=s["uniform"],
+                                         **launch)
     expand_norm_shrunk(shrunk, s["b"], y, s["meta"])
     return out
 
@@ -96,10 +99,39 @@ def run(group: str, T: int, mapping: str) -> dict:
     return row
 
 
+# (num_warps, block_k, splits); None: the default
+SWEEP = [(4, None, None), (8, None, None), (4, 32, None), (4, 128, None), (8, 128, None),
+         (4, None, 4), (4, None, 16), (8, None, 16)]
+
+
+def sweep(group: str, T: int) -> list[dict]:
+    """The fused path's launch parameters on a one-adapter batch, each checked first."""
+    from kernels.norm_shrink_triton import add_rms_norm_shrink
+    from kernels.lora_ref import add_rms_norm_shrink_ref
+    sets = [make_set(group, T, "one", seed=i) for i in range(4)]
+    s0 = sets[0]
+    _, _, want = add_rms_norm_shrink_ref(s0["x"], s0["res"], s0["w"], EPS, s0["a"], s0["ts"])
+    rows = []
+    for warps, block_k, splits in SWEEP:
+        launch = dict(num_warps=warps, block_k=block_k, splits=splits)
+        _, _, shrunk = add_rms_norm_shrink(s0["x"], s0["res"].clone(), s0["w"], EPS, s0["a"],
+                                           s0["ts"], s0["offsets"], s0["ranks"], True, **launch)
+        torch.testing.assert_close(shrunk.hp.sum(0) * shrunk.rstd[None, :, None], want,
+                                   atol=6e-2, rtol=3e-2)
+        calls = [lambda s=s: fused(s, s["res"], s["y"], **launch) for s in sets]
+        rows.append({"group": group, "tokens": T, "num_warps": warps,
+                     "block_k": block_k or "default", "splits": splits or "default",
+                     "fused_us": time_graph(calls) * 1e6})
+        print(f"sweep {group:8s} T={T:4d} warps {warps} block_k {block_k} splits {splits}: "
+              f"{rows[-1]['fused_us']:6.1f} us", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="1 and 64 tokens only")
+    p.add_argument("--sweep", action="store_true", help="also the fused launch parameters")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     tokens = (1, 64) if args.quick else (1, 4, 16, 32, 64, 128, 256)
@@ -125,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['group']} | {r['mapping']} | {r['tokens']} | {r['separate_us']:.1f} "
               f"({r['separate_launches']}) | {r['fused_us']:.1f} ({r['fused_launches']}) | "
               f"{r['saved_us']:.1f} |")
+    if args.sweep:
+        found = [r for group in GROUPS for T in (1, 16, 64) for r in sweep(group, T)]
+        with open(args.out / "norm_shrink_sweep.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(found[0]))
+            w.writeheader()
+            w.writerows(found)
     return 0
 
 

@@ -48,15 +48,19 @@ def split_k(T: int, S: int, Kdim: int, uniform: bool) -> int:
     return 1 << (split.bit_length() - 1)
 
 
-def _block_k(block_sr: int, k_chunk: int) -> int:
-    # an [BLOCK_K, BLOCK_SR] A tile of about 8K values beside the [BLOCK_M, BLOCK_K] rows
-    return max(32, min(256, 8192 // block_sr, triton.next_power_of_2(k_chunk)))
+def _block_k(block_sr: int, k_chunk: int, per_row: bool) -> int:
+    """An [BLOCK_K, BLOCK_SR] A tile of about 8K values for a one-row program, 4K beside
+    a block's [BLOCK_M, BLOCK_K] rows (sm_90, q/k/v at rank 16, 4 warps: 125 and 207
+    registers; 8K in a block program takes all 255)."""
+    values = 8192 if per_row else 4096
+    return max(32, min(256, values // block_sr, triton.next_power_of_2(k_chunk)))
 
 
 def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float, a: torch.Tensor, token_slots: torch.Tensor,
                         slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
-                        uniform: bool = False, splits: int | None = None
+                        uniform: bool = False, splits: int | None = None,
+                        block_k: int | None = None, num_warps: int = 4
                         ) -> tuple[torch.Tensor, torch.Tensor, NormShrunk]:
     """(rms_norm(residual + x), residual + x, the LoRA shrink of the first) in one launch.
 
@@ -65,7 +69,8 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     (rows contiguous); weight [N]; a [L, S, R, N]; token_slots [T] (-1: no adapter);
     ranks [L] int32 or None (then R); uniform: a hint that the rows share one adapter
     (BLOCK_M-row matrix products; otherwise one row per shrink program: the result is the
-    same); splits: K chunks (default `split_k`)."""
+    same); splits, block_k, num_warps: launch parameters (defaults: `split_k`, `_block_k`,
+    4 as the plain norm; benchmarks/bench_norm_shrink.py --sweep tries others)."""
     T, N = residual.shape
     L, S, R, Ka = a.shape
     assert 0 < T <= MAX_TOKENS and 0 < S <= MAX_SLICES and Ka == N, (T, S, Ka, N)
@@ -74,7 +79,7 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     assert token_slots.shape == (T,) and len(slice_offsets) == S + 1
     splits = splits or split_k(T, S, N, uniform)
     block_sr = max(16, triton.next_power_of_2(S * R))
-    block_k = _block_k(block_sr, triton.cdiv(N, splits))
+    block_k = block_k or _block_k(block_sr, triton.cdiv(N, splits), not uniform)
     k_chunk = triton.cdiv(triton.cdiv(N, splits), block_k) * block_k
     splits = triton.cdiv(N, k_chunk)                 # no empty chunk
     out = torch.empty_like(residual)
@@ -91,7 +96,7 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
         BLOCK=triton.next_power_of_2(N), BLOCK_M=BLOCK_M, BLOCK_K=block_k,
         BLOCK_SR=block_sr, PER_ROW=not uniform,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        UPCAST=residual.device.type == "cpu")
+        UPCAST=residual.device.type == "cpu", num_warps=num_warps)
     shrunk = NormShrunk(hp, rstd, tuple(int(o) for o in slice_offsets), ranks, uniform)
     return out, res_out, shrunk
 
