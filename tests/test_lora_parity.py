@@ -296,16 +296,18 @@ def test_tensor_parallel_shards_sum_to_full_delta(setup, tp_size):
 
 
 def _count_fused(monkeypatch, device: str) -> list[int]:
-    """kernels.lora.norm_shrink_ahead counted; on the CPU its Triton form (interpreted) in
-    place of the dispatcher's None, so the fused path really runs there too."""
+    """kernels.lora.norm_shrink_ahead's fused launches counted; on the CPU its Triton form
+    (interpreted) in place of the dispatcher's None, so the fused path really runs there
+    too."""
     from kernels import lora as lora_kernels
     from kernels import lora_triton
     inner = lora_triton.norm_shrink_ahead if device == "cpu" else lora_kernels.norm_shrink_ahead
     calls = [0]
 
     def counted(*args, **kwargs):
-        calls[0] += 1
-        return inner(*args, **kwargs)
+        fused = inner(*args, **kwargs)
+        calls[0] += fused is not None
+        return fused
     monkeypatch.setattr(lora_kernels, "norm_shrink_ahead", counted)
     return calls
 
