@@ -26,6 +26,20 @@ def engine(family, eager, adapters):
     return eng
 
 
+def count_fused(monkeypatch) -> list[int]:
+    """Launches of the fused add + RMSNorm + shrink (kernels.lora.norm_shrink_ahead's
+    non-None results), counted."""
+    from kernels import lora as lora_kernels
+    inner, calls = lora_kernels.norm_shrink_ahead, [0]
+
+    def counted(*args, **kwargs):
+        fused = inner(*args, **kwargs)
+        calls[0] += fused is not None
+        return fused
+    monkeypatch.setattr(lora_kernels, "norm_shrink_ahead", counted)
+    return calls
+
+
 def assert_same(got, want):
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.token_ids == w.token_ids, f"request {i}: tokens differ"
@@ -39,6 +53,7 @@ def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle, norm_shri
     """norm_shrink: engine/lora/batch.py FUSED_NORM_SHRINK (graphs and eager steps)."""
     from engine.lora import batch as batch_module
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink)
+    fused = count_fused(monkeypatch)
     names = ["rs4", "ap8", "attn32"]
     graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None
@@ -53,6 +68,7 @@ def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle, norm_shri
     base = prompts_of([4, 11], seed=1)
     assert_same(graphs.generate(base, GREEDY), eager.generate(base, GREEDY))
     assert (2, False) in graphs.runner.graphs.captured  # base-only batch: no LoRA launches
+    assert (fused[0] > 0) == (norm_shrink != "off")
 
 
 @pytest.mark.parametrize("one_launch,ahead,norm_shrink", [
@@ -71,6 +87,7 @@ def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llam
     monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", one_launch)
     monkeypatch.setattr(batch_module, "SHRINK_AHEAD", ahead)
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink)
+    fused = count_fused(monkeypatch)
     names = ["rs4", "ap8"]
     graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
     prompts, adapters = prompts_of([6, 19, 2], seed=5), ["ap8"] * 3
@@ -79,6 +96,7 @@ def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llam
     for g, (toks, _) in zip(got, llama_oracle.generate(prompts, adapters, MAX_NEW)):
         assert g.token_ids == toks
     assert any(k[0] == 4 and k[1] and k[3] for k in graphs.runner.graphs.graph_keys)
+    assert (fused[0] > 0) == (norm_shrink != "off")
 
 
 def test_adapter_loaded_after_capture(llama_family, llama_oracle):
