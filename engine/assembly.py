@@ -17,6 +17,7 @@ import torch
 
 from engine.adapters.host_cache import HostCache
 from engine.adapters.loader import DiskLoader
+from engine.adapters.loader_pool import LoaderPool, LoaderSpec
 from engine.adapters.pins import Pins
 from engine.adapters.registry import AdapterRegistry
 from engine.adapters.residency import AdapterResidency
@@ -32,6 +33,7 @@ from engine.lora.host_buffers import HostBufferPool
 from engine.model.dummy import init_dummy_weights
 from engine.model.build import build_model
 from loramux_core.model.hf_config import ModelConfig
+from loramux_core.model.lora_targets import lora_group_shapes
 from engine.parallel import TPGroup
 from engine.resolve import kv_blocks
 from engine.runner import ModelRunner
@@ -49,6 +51,12 @@ class ModelParts:
     read_adapter: Callable   # (path, expected version) -> this rank's LoRAWeights
     check_adapter: Callable | None = None  # (path, expected version) -> AdapterPlan
                                            # checked without reading the weights
+    loaders: LoaderPool | None = None  # the processes read_adapter runs in, if any
+
+    def close_reader(self) -> None:
+        """Stop the loader processes (reads fail afterwards)."""
+        if self.loaders is not None:
+            self.loaders.close()
 
 
 def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -79,19 +87,36 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
         model, kv_caches, lora_pool, config.block_size, device, sampler=sampler,
         graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
         max_model_len=length, tp=tp)
-    # where adapter reads land; one spare made ahead, so adding an adapter of a shape
-    # already seen does not wait for the driver to pin its buffer
-    buffers = HostBufferPool(pin=device.type == "cuda", spares=1)
+    # where adapter reads land (shared memory when loader processes write them); one
+    # spare made ahead, so adding an adapter of a shape already seen does not wait for
+    # the driver to pin its buffer
+    buffers = HostBufferPool(pin=device.type == "cuda", spares=1,
+                             shared=config.adapter_loaders > 0)
     plans = PlanCache()  # adapters of one shape share their header's analysis
-    return ModelParts(model, lora_pool, blocks, runner,
-                      adapter_reader(config, mc, tp, buffers, plans),
-                      adapter_checker(config, mc, plans))
+    read = adapter_reader(config, mc, tp, buffers, plans)
+    loaders = None
+    if config.adapter_loaders > 0:
+        loaders = adapter_loaders(config, mc, tp, buffers, fallback=read)
+        read = loaders.read
+    return ModelParts(model, lora_pool, blocks, runner, read,
+                      adapter_checker(config, mc, plans), loaders)
+
+
+def adapter_loaders(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
+                    buffers: HostBufferPool, fallback: Callable | None = None) -> LoaderPool:
+    """Loader processes that read as adapter_reader does, into `buffers` (shared);
+    `fallback`: the in-process read, where no loader process can be started."""
+    spec = LoaderSpec(config.model, config.max_lora_rank, config.dtype,
+                      tuple(config.adapter_roots), tp.rank, tp.size,
+                      reference_path=torch.device(config.device).type == "cpu")
+    return LoaderPool(spec, buffers, lora_group_shapes(mc, tp.size), config.torch_dtype,
+                      processes=config.adapter_loaders, fallback=fallback)
 
 
 def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
                    buffers: HostBufferPool, plans: PlanCache | None = None) -> Callable:
     """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
-    read inside the adapter roots."""
+    read inside the adapter roots, on the calling thread."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
     # DoRA and lm_head/embed_tokens LoRA are served by the CPU reference path only
     reference = torch.device(config.device).type == "cpu"
@@ -124,7 +149,7 @@ def build_adapter_parts(config: EngineConfig, parts: ModelParts, device: torch.d
     # load and host-copy drop on the other ranks (by adapter id)
     adapters = AdapterResidency(
         registry, slots, HostCache(config.max_cpu_loras, pins),
-        DiskLoader(parts.read_adapter), parts.lora_pool, device,
+        DiskLoader(parts.read_adapter, on_close=parts.close_reader), parts.lora_pool, device,
         mirror=executor.adapter_mirror(registry))
     return registry, adapters, AdapterService(registry, slots, pins, adapters, kv,
                                               check=parts.check_adapter)

@@ -87,6 +87,7 @@ class Engine:
                                   self.executor.agree_min)
         self.model, self.lora_pool, self.runner = parts.model, parts.lora_pool, parts.runner
         self.num_kv_blocks = parts.num_kv_blocks
+        self.adapter_loaders = parts.loaders  # loader processes (None: reads in-process)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.pins = Pins(config.max_loras)  # the one owner of pin state

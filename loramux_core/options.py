@@ -204,6 +204,10 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("load_format", "--load-format", choice("auto", "dummy"),
            "auto (default: the model's safetensors) or dummy (random weights of the "
            "model's shapes, for benchmarks)", env="LORAMUX_LOAD_FORMAT"),
+    Option("adapter_loaders", "--adapter-loaders", non_negative_int,
+           "processes per rank that read, check and convert adapters into shared host "
+           "memory, off the engine process (default: 2; 0: on threads of the engine "
+           "process)", env="LORAMUX_ADAPTER_LOADERS"),
     Option("tp_allreduce", "--tp-allreduce", choice("auto", "nccl", "symm_mem"),
            "all-reduce under tensor parallelism on GPUs (default: auto: one-shot over "
            "symmetric memory for decode-sized messages where possible, else NCCL)",

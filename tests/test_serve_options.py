@@ -30,7 +30,7 @@ NON_DEFAULT = {
     "num_kv_blocks": ("40", 40), "block_size": ("8", 8),
     "enable_prefix_caching": (None, False), "enforce_eager": (None, True),
     "async_scheduling": ("on", True), "cpu_threads": ("1", 1), "seed": ("7", 7), "load_format": ("dummy", "dummy"),
-    "tp_allreduce": ("nccl", "nccl"),
+    "tp_allreduce": ("nccl", "nccl"), "adapter_loaders": ("0", 0),
 }
 
 

@@ -136,9 +136,8 @@ def run_service_points(args, start: ServiceFiles, files_ready, serve_argv: list[
         with Cluster(cfg) as cluster:
             t = time.perf_counter()
             cluster.start()
-            # every hard link exists before the first LoadAdapter: a lazy load (past a full
-            # host tier) fingerprints its files with the inode's ctime, which a new link to
-            # the same weight set would change
+            # every hard link exists before the first LoadAdapter (a lazy load's fingerprint
+            # no longer covers the ctime a new link changes, but the files are ready first)
             files = args.files = files_ready()
             for p in args.points:  # drawn while the engine starts, not between points
                 workload(p)

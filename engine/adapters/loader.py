@@ -1,9 +1,10 @@
 """The disk tier: reading an adapter's files into host memory off the step path.
 
-Reads run on a few background threads (the file is read once through
-loramux_core/safe_files.py and converted straight into a reused, page-locked host
-buffer: engine/lora/weights.py; CPU work the step loop should not wait for), so several
-adapters are read at once. Each loaded version remembers the sha256 version of its files
+Reads run on a few background threads, so several adapters are read at once; each
+thread hands its read to a loader process (engine/adapters/loader_pool.py: the file is
+read once through loramux_core/safe_files.py and converted straight into a reused
+shared, page-locked host buffer, engine/lora/weights.py; CPU work neither the step loop
+nor its process should carry), or with `adapter_loaders=0` does it itself. Each loaded version remembers the sha256 version of its files
 (the bytes are read once and hashed, and the weights are built from those very bytes); a
 read for an id whose files hash otherwise fails (AdapterChangedError), because an id
 stands for the weights it was loaded with and must never silently serve others.
@@ -25,8 +26,11 @@ class DiskLoader:
     """Background reads keyed by adapter id; `load_weights(path, expected_version)` does
     the reading (expected_version None: any version; the weights carry theirs)."""
 
-    def __init__(self, load_weights: Callable[[str, str | None], Any], num_threads: int = 4):
+    def __init__(self, load_weights: Callable[[str, str | None], Any], num_threads: int = 4,
+                 on_close: Callable[[], None] = lambda: None):
+        """`on_close`: stops what `load_weights` runs on (loader processes)."""
         self._load_weights = load_weights
+        self._on_close = on_close
         self._num_threads = num_threads
         self._executor: ThreadPoolExecutor | None = None  # started on first use
         self._pending: dict[int, Future] = {}
@@ -81,3 +85,4 @@ class DiskLoader:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        self._on_close()

@@ -79,12 +79,14 @@ class Worker:
         # this rank's shard of a version rank 0 has read and validated already (the same
         # bytes: their hash must be the version)
         self.adapters = ShardCache(parts.read_adapter)
+        self._close_reader = parts.close_reader
         self.channel = PlanChannel(self.control, self.tp.rank)
 
     def serve(self) -> None:
         try:
             self._serve()
         finally:
+            self._close_reader()
             self.runner.release_graphs()  # before NCCL's teardown (CudaGraphRunner.release)
 
     def _serve(self) -> None:
