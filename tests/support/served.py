@@ -8,7 +8,6 @@ import time
 import zmq
 
 from engine.server.loop import EngineServer, ServerConfig
-from loramux_core.probe import wait_heartbeat
 from loramux_core.v1 import engine_pb2
 from services.launcher import free_port
 
@@ -27,8 +26,13 @@ class ServedEngine:
 
     def __enter__(self) -> "ServedEngine":
         self._loop.start()
-        assert wait_heartbeat(self.output, 10) is not None
-        time.sleep(0.2)  # let our own SUB socket join before anything is sent
+        # a heartbeat on our own SUB socket: it has joined, so nothing sent from now on
+        # can be published before it listens (the slow joiner), however slow the machine
+        try:
+            self.collect(lambda m: m.WhichOneof("kind") == "heartbeat", timeout_s=60)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
