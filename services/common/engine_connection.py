@@ -2,7 +2,11 @@
 
 Liveness comes from heartbeats: no heartbeat for `heartbeat_timeout_s` means the engine is
 down; a heartbeat with a new instance id means it restarted (everything it held is gone).
-Both are reported through `on_down`, and the next heartbeat through `on_up`."""
+Both are reported through `on_down`, and the next heartbeat through `on_up`.
+
+The silence is counted only while this process runs: when the watchdog itself wakes late
+(this process was descheduled, paused or busy), the heartbeats sent meanwhile are still
+unread in the socket, so that time is not held against the engine."""
 from __future__ import annotations
 
 import asyncio
@@ -46,6 +50,7 @@ class EngineConnection:
         self.instance_id = ""
         self.heartbeat = engine_pb2.Heartbeat()
         self._last_heartbeat = 0.0
+        self._own_stall_s = 0.0  # time since the last heartbeat this process was not running
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -96,6 +101,7 @@ class EngineConnection:
 
     def _heartbeat(self, hb: engine_pb2.Heartbeat) -> None:
         self._last_heartbeat = time.monotonic()
+        self._own_stall_s = 0.0
         self.heartbeat = hb
         if hb.instance_id != self.instance_id:
             if self.up:
@@ -107,9 +113,15 @@ class EngineConnection:
             self._on_up(hb.instance_id)
 
     async def _watch(self) -> None:
+        tick = time.monotonic()
         while True:
             await asyncio.sleep(_WATCHDOG_PERIOD_S)
-            silent = time.monotonic() - self._last_heartbeat
+            now = time.monotonic()
+            late = now - tick - _WATCHDOG_PERIOD_S
+            if late > _WATCHDOG_PERIOD_S:  # a stall of this process, not scheduling jitter
+                self._own_stall_s += late
+            tick = now
+            silent = now - self._last_heartbeat - self._own_stall_s
             if self.up and silent > self.heartbeat_timeout_s:
                 self.up = False
                 self._on_down(f"no heartbeat from the engine for {silent:.1f} s")
