@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -144,7 +143,7 @@ def _model_ids(base: str) -> set[str]:
     return {m["id"] for m in body["data"]}
 
 
-def _wait_models(base: str, want: set[str], absent: set[str] = frozenset(), timeout_s=10.0):
+def _wait_models(base: str, want: set[str], absent: set[str] = frozenset(), timeout_s=30.0):
     deadline = time.monotonic() + timeout_s
     while True:
         ids = _model_ids(base)
@@ -303,7 +302,7 @@ def test_stop_strings(client, grpc_client):
     assert out.choices[0].text == full[:full.index(stop)]
 
 
-def test_stream_ends_with_done(server):
+def test_stream_ends_with_done(server, admin):
     status, raw = _http(server["base"], "/v1/completions",
                         {"model": "a1", "prompt": PROMPTS[0], "max_tokens": 3, "stream": True})
     assert status == 200
@@ -364,7 +363,7 @@ def test_error_shapes(client, server):
 
 
 def test_overload_is_429_and_others_are_undisturbed(client, server):
-    streams = [client.completions.create(model="a1", prompt=PROMPTS[0], max_tokens=400,
+    streams = [client.completions.create(model="a1", prompt=PROMPTS[0], max_tokens=900,
                                          temperature=0.0, stream=True)
                for _ in range(MAX_INFLIGHT)]
     try:
@@ -377,7 +376,7 @@ def test_overload_is_429_and_others_are_undisturbed(client, server):
     finally:
         for s in streams:
             s.close()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 30
     while True:  # the aborted streams leave the admission count
         try:
             out = client.completions.create(model="a1", prompt="x", max_tokens=2)
@@ -408,24 +407,59 @@ def test_grpc_errors_carry_field_violations(server, grpc_client):
     assert info.value.code == grpc.StatusCode.NOT_FOUND and not info.value.field_violations
 
 
-def test_overload_retry_info_and_sdk_retries(server):
-    """At the admission limit: RESOURCE_EXHAUSTED with RetryInfo; the SDK's retry policy
-    carries a call over the moment a slot frees, a client without retries fails at once."""
+def _gateway_metric(server, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(server["metrics"], timeout=30).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and s.labels == labels)
+
+
+def test_overload_retry_info_and_sdk_retries(server, admin):
+    """At the admission limit: RESOURCE_EXHAUSTED with RetryInfo; a client without retries
+    fails at once, the SDK's retry policy tries the call again (every attempt reaches the
+    gateway: its refusals are counted) until a slot frees or its attempts run out, and once
+    a slot frees a call is served.
+
+    Counted, not timed: the policy's backoff is random (gRPC draws each wait between zero
+    and the current backoff), so a slot freed at a fixed time may come after the last try,
+    and a stream may end on its own during the tries."""
+    from loramux._channel import _BACKOFF
+
+    def refusals() -> float:
+        return _gateway_metric(server, "loramux_requests_total", adapter="",
+                               status="RESOURCE_EXHAUSTED")
+
     with GenerateClient(server["gateway"], retry=False) as plain, \
             GenerateClient(server["gateway"]) as retrying:
-        streams = [plain.stream(PROMPTS[0], "a1", max_tokens=400, ignore_eos=True)
+        streams = [plain.stream(PROMPTS[0], "a1", max_tokens=900, ignore_eos=True)
                    for _ in range(MAX_INFLIGHT)]
         for s in streams:
             next(s)
         try:
+            before = refusals()
             with pytest.raises(LoramuxError) as info:
                 plain.generate("x", None, max_tokens=2)
             assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert info.value.retry_delay == 1.0
-            release = threading.Timer(0.2, streams.pop().close)
-            release.start()
-            out = retrying.generate("x", None, max_tokens=2)  # refused, retried, served
-            release.join()
+            assert refusals() - before == 1
+            try:  # its first attempt comes while the gateway is still full
+                retried = retrying.generate("x", None, max_tokens=2)
+            except LoramuxError as err:
+                retried = err
+            attempts_refused = refusals() - before - 1
+            if isinstance(retried, LoramuxError):  # every attempt was refused
+                assert retried.code == grpc.StatusCode.RESOURCE_EXHAUSTED, retried
+                assert attempts_refused == _BACKOFF["maxAttempts"]
+            else:  # refused, retried, served
+                assert 1 <= attempts_refused < _BACKOFF["maxAttempts"]
+                assert len(retried.token_ids) == 2
+            streams.pop().close()
+            deadline = time.monotonic() + 30
+            while _gateway_metric(server, "loramux_inflight_requests") >= MAX_INFLIGHT:
+                assert time.monotonic() < deadline, "the closed stream kept its slot"
+                time.sleep(0.05)
+            out = retrying.generate("x", None, max_tokens=2)
             assert len(out.token_ids) == 2
         finally:
             for s in streams:
