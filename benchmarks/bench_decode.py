@@ -8,10 +8,11 @@ defaults), "one-split" (the same through the two-launch LoRA path), "one-launch"
 the one-launch kernel, kernels/lora_triton.py UNIFORM_ONE_LAUNCH), "one-ahead" (each
 group's shrink on a side stream beside its base matmul, engine/lora/batch.py
 SHRINK_AHEAD), "distinct" (one rank-16 adapter per request, on all seven projections).
---norm-shrink off,all runs every mode once per setting of engine/lora/batch.py
-FUSED_NORM_SHRINK (the q/k/v and gate/up shrinks inside the add + RMSNorm before them),
-on the same engine: the rows of a setting other than the first are labelled
-"MODE/ns-SETTING", and each setting's profile goes to its own file. Distinct adapters are
+--norm-shrink off,all,all+all runs every mode once per setting of engine/lora/batch.py
+FUSED_NORM_SHRINK (the q/k/v and gate/up shrinks inside the add + RMSNorm before them)
+and, after a "+", FUSED_SILU_SHRINK (down's inside the SiLU-and-multiply; without one:
+the engine's), on the same engine: the rows of a setting other than the first are
+labelled "MODE/ns-SETTING", and each setting's profile goes to its own file. Distinct adapters are
 registered from a few adapter files under different names: each name gets its own id,
 slot and device copy, so a step reads every adapter's A/B separately exactly as with
 distinct files, without writing gigabytes of adapter files first.
@@ -132,15 +133,23 @@ def select_uniform_path(eng, mode: str) -> None:
             eng.runner.graphs.release()
 
 
+def norm_shrink_pair(setting: str) -> tuple[str, str]:
+    """(FUSED_NORM_SHRINK, FUSED_SILU_SHRINK) of a --norm-shrink entry "NORM[+SILU]"."""
+    norm, _, silu = setting.partition("+")
+    return norm, silu or "default"
+
+
 def select_norm_shrink(eng, setting: str) -> None:
-    """engine/lora/batch.py FUSED_NORM_SHRINK = setting ("default": as the engine ships);
-    captured graphs are dropped when it changes."""
+    """engine/lora/batch.py FUSED_NORM_SHRINK and FUSED_SILU_SHRINK as `setting` says
+    (norm_shrink_pair; "default": as the engine ships); captured graphs are dropped when
+    either changes."""
     from engine.lora import batch
     if "norm" not in _DEFAULT_PATH:
-        _DEFAULT_PATH["norm"] = batch.FUSED_NORM_SHRINK
-    setting = _DEFAULT_PATH["norm"] if setting == "default" else setting
-    if batch.FUSED_NORM_SHRINK != setting:
-        batch.FUSED_NORM_SHRINK = setting
+        _DEFAULT_PATH["norm"] = (batch.FUSED_NORM_SHRINK, batch.FUSED_SILU_SHRINK)
+    want = tuple(default if value == "default" else value
+                 for value, default in zip(norm_shrink_pair(setting), _DEFAULT_PATH["norm"]))
+    if (batch.FUSED_NORM_SHRINK, batch.FUSED_SILU_SHRINK) != want:
+        batch.FUSED_NORM_SHRINK, batch.FUSED_SILU_SHRINK = want
         if eng.runner.graphs is not None:
             eng.runner.graphs.release()
 
@@ -294,7 +303,8 @@ def main() -> None:
                     help="auto: the engine's default (on for one CUDA device)")
     ap.add_argument("--norm-shrink", default="default",
                     help="comma list of engine/lora/batch.py FUSED_NORM_SHRINK settings "
-                         "(off, uniform, all; default: the engine's): every mode runs "
+                         "(off, uniform, all; default: the engine's), each with "
+                         "+FUSED_SILU_SHRINK's or not (e.g. all+all): every mode runs "
                          "once per setting, in this order, on one engine")
     ap.add_argument("--mixed-paths", default="rule",
                     help="comma list of mixed decode LoRA paths (rule: the engine's; table: "
@@ -306,7 +316,8 @@ def main() -> None:
         ap.error(f"--mixed-paths: {paths} not all in {tuple(MIXED_PATHS)}")
     settings = args.norm_shrink.split(",")
     from engine.lora.batch import NORM_SHRINK_MODES
-    bad = [s for s in settings if s not in NORM_SHRINK_MODES + ("default",)]
+    bad = [s for s in settings for v in norm_shrink_pair(s)
+           if v not in NORM_SHRINK_MODES + ("default",)]
     if bad:
         ap.error(f"--norm-shrink: {bad} not in {NORM_SHRINK_MODES + ('default',)}")
     if args.quick:

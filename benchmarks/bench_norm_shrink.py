@@ -1,13 +1,15 @@
-"""The add + RMSNorm + LoRA shrink launch (kernels/norm_shrink_triton.py) against the
-engine's separate path, per layer group on Llama-3-8B shapes (bf16, rank 16).
+"""The add + RMSNorm + LoRA shrink launch (kernels/norm_shrink_triton.py) and the
+SiLU-and-multiply + shrink launch (kernels/silu_shrink_triton.py) against the engine's
+separate path, per layer group on Llama-3-8B shapes (bf16, rank 16).
 
     python benchmarks/bench_norm_shrink.py --out DIR [--quick] [--sweep]
 
-For q/k/v and gate/up (both read the hidden state after a norm), token counts 1 to 256
-and one adapter for every row ("one", the uniform launch parameters) or one adapter per
-row over up to 64 adapters ("distinct"): path "separate" is the add + RMSNorm kernel then
-`add_lora` (shrink and expand, or the mixed kernels where their table says), path "fused"
-the fused launch then the expand with the 1/rms row scale. Each is checked against the
+For q/k/v and gate/up (both read the hidden state after a norm) and down (reads the
+activation), token counts 1 to 256 and one adapter for every row ("one", the uniform
+launch parameters) or one adapter per row over up to 64 adapters ("distinct"): path
+"separate" is the add + RMSNorm (or SiLU) kernel then `add_lora` (shrink and expand, or
+the mixed kernels where their table says), path "fused" the fused launch then the expand
+(with the 1/rms row scale after a norm). Each is checked against the
 other first, then timed in CUDA graphs over rotating buffer sets (benchmarks/common.py),
 with its launch count. Writes norm_shrink.csv to DIR and prints a table. --sweep also
 times the fused path's launch parameters (warps, K step, K split) on one-adapter batches
@@ -26,22 +28,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import count_launches, rotating_sets, time_graph  # noqa: E402
 
 HIDDEN, KV, INTER, RANK, EPS = 4096, 1024, 14336, 16, 1e-5
-GROUPS = {"qkv": (HIDDEN, KV, KV), "gate_up": (INTER, INTER)}
+GROUPS = {"qkv": (HIDDEN, KV, KV), "gate_up": (INTER, INTER), "down": (HIDDEN,)}
+K_IN = {"qkv": HIDDEN, "gate_up": HIDDEN, "down": INTER}
 MAX_ADAPTERS = 64
 
 
 def make_set(group: str, T: int, mapping: str, seed: int) -> dict:
-    """Random bf16 activations, residual, norm weight, output and an adapter pool."""
+    """Random bf16 activations (down: [gate | up]), residual, norm weight, output and an
+    adapter pool."""
     from kernels.lora_triton import build_meta
-    N = GROUPS[group]
+    N, K = GROUPS[group], K_IN[group]
     L = 1 if mapping == "one" else min(T, MAX_ADAPTERS)
     g = torch.Generator(device="cuda").manual_seed(seed)
     kw = dict(device="cuda", generator=g)
-    a = (torch.randn(L, len(N), RANK, HIDDEN, **kw) / HIDDEN ** 0.5).bfloat16()
+    a = (torch.randn(L, len(N), RANK, K, **kw) / K ** 0.5).bfloat16()
     b = (torch.randn(L, sum(N), RANK, **kw) / RANK ** 0.5).bfloat16()
     ts = torch.arange(T, device="cuda") % L
     offsets = tuple(int(v) for v in torch.tensor((0,) + N).cumsum(0))
-    return dict(x=torch.randn(T, HIDDEN, **kw).bfloat16(),
+    return dict(x=torch.randn(T, 2 * K if group == "down" else K, **kw).bfloat16(),
                 res=(torch.randn(T, HIDDEN, **kw) * 4).bfloat16(),
                 w=(1 + torch.randn(HIDDEN, **kw) / 8).bfloat16(),
                 y=torch.randn(T, sum(N), **kw).bfloat16(), a=a, b=b, ts=ts,
@@ -50,22 +54,30 @@ def make_set(group: str, T: int, mapping: str, seed: int) -> dict:
 
 
 def separate(s: dict, res: torch.Tensor, y: torch.Tensor):
-    """The engine's path with the switch off: add + RMSNorm, then shrink and expand."""
-    from kernels.elementwise_triton import add_rms_norm
+    """The engine's path with the switch off: add + RMSNorm (down: SiLU-and-multiply),
+    then shrink and expand."""
+    from kernels.elementwise_triton import add_rms_norm, silu_mul
     from kernels.lora_triton import add_lora
-    out, _ = add_rms_norm(s["x"], res, s["w"], EPS)
+    out = silu_mul(s["x"]) if s["a"].shape[-1] == INTER else \
+        add_rms_norm(s["x"], res, s["w"], EPS)[0]
     add_lora(y, out, s["a"], s["b"], s["ts"], s["offsets"], s["ranks"], s["meta"],
              uniform=s["uniform"])
     return out
 
 
 def fused(s: dict, res: torch.Tensor, y: torch.Tensor, **launch):
-    """With the switch on: the norm and the shrink in one launch, then the expand."""
-    from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_norm_shrunk
-    out, _, shrunk = add_rms_norm_shrink(s["x"], res, s["w"], EPS, s["a"], s["ts"],
-                                         s["offsets"], s["ranks"], uniform=s["uniform"],
-                                         **launch)
-    expand_norm_shrunk(shrunk, s["b"], y, s["meta"])
+    """With the switch on: the norm (down: SiLU) and the shrink in one launch, then the
+    expand."""
+    from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_fused_shrunk
+    from kernels.silu_shrink_triton import silu_mul_shrink
+    if s["a"].shape[-1] == INTER:
+        out, shrunk = silu_mul_shrink(s["x"], s["a"], s["ts"], s["offsets"], s["ranks"],
+                                      uniform=s["uniform"], **launch)
+    else:
+        out, _, shrunk = add_rms_norm_shrink(s["x"], res, s["w"], EPS, s["a"], s["ts"],
+                                             s["offsets"], s["ranks"], uniform=s["uniform"],
+                                             **launch)
+    expand_fused_shrunk(shrunk, s["b"], y, s["meta"])
     return out
 
 
@@ -105,19 +117,19 @@ SWEEP = [(4, None, None), (8, None, None), (4, 32, None), (4, 128, None), (8, 12
 
 
 def sweep(group: str, T: int) -> list[dict]:
-    """The fused path's launch parameters on a one-adapter batch, each checked first."""
-    from kernels.norm_shrink_triton import add_rms_norm_shrink
-    from kernels.lora_ref import add_rms_norm_shrink_ref
+    """The fused path's launch parameters on a one-adapter batch, each checked first
+    against the separate path."""
     sets = [make_set(group, T, "one", seed=i) for i in range(4)]
     s0 = sets[0]
-    _, _, want = add_rms_norm_shrink_ref(s0["x"], s0["res"], s0["w"], EPS, s0["a"], s0["ts"])
+    y0 = s0["y"].clone()                 # the timed calls add into s0["y"]
+    want = y0.clone()
+    separate(s0, s0["res"].clone(), want)
     rows = []
     for warps, block_k, splits in SWEEP:
         launch = dict(num_warps=warps, block_k=block_k, splits=splits)
-        _, _, shrunk = add_rms_norm_shrink(s0["x"], s0["res"].clone(), s0["w"], EPS, s0["a"],
-                                           s0["ts"], s0["offsets"], s0["ranks"], True, **launch)
-        torch.testing.assert_close(shrunk.hp.sum(0) * shrunk.rstd[None, :, None], want,
-                                   atol=6e-2, rtol=3e-2)
+        got = y0.clone()
+        fused(s0, s0["res"].clone(), got, **launch)
+        torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=3e-2)
         calls = [lambda s=s: fused(s, s["res"], s["y"], **launch) for s in sets]
         rows.append({"group": group, "tokens": T, "num_warps": warps,
                      "block_k": block_k or "default", "splits": splits or "default",

@@ -69,8 +69,8 @@ def shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
 
 
 def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y += the LoRA delta from a finished `shrink_ahead` or `norm_shrink_ahead`, in
-    place; returns y."""
+    """y += the LoRA delta from a finished `shrink_ahead`, `norm_shrink_ahead` or
+    `silu_shrink_ahead`, in place; returns y."""
     return _triton.expand_after(shrunk, b, y)
 
 
@@ -91,3 +91,17 @@ def norm_shrink_ahead(x: torch.Tensor | None, residual: torch.Tensor, weight: to
         return None
     return _triton.norm_shrink_ahead(x, residual, weight, eps, a, token_slots, slice_offsets,
                                      ranks, meta, uniform)
+
+
+def silu_shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
+                      slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
+                      meta=None, uniform: bool = False):
+    """silu(gate) * up of x = [gate | up] and the shrink half of `add_lora` for it (a
+    one-slice group: down_proj) in one launch: (out, shrunk) for `expand_after`, or None
+    where that does not apply (CPU, no Triton, no tokens or more than 256, rows not
+    contiguous): then kernels.elementwise.silu_mul and `add_lora`."""
+    if (not x.is_cuda or _triton is None or x.dim() != 2
+            or not 0 < x.shape[0] <= _triton.TOKEN_PATH_MAX_TOKENS
+            or slice_offsets[-1] == 0 or x.stride(-1) != 1):
+        return None
+    return _triton.silu_shrink_ahead(x, a, token_slots, slice_offsets, ranks, meta, uniform)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.elementwise_ref import rms_norm_ref
+from kernels.elementwise_ref import rms_norm_ref, silu_mul_ref
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -62,3 +62,10 @@ def add_rms_norm_shrink_ref(x: torch.Tensor | None, residual: torch.Tensor,
         residual = residual + x
     out = rms_norm_ref(residual, weight, eps)
     return out, residual, lora_shrink_ref(out, a, token_slots)
+
+
+def silu_mul_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor):
+    """(silu(gate) * up of x = [gate | up], h [1, T, R] float32: the LoRA shrink of it,
+    zero where token_slots[t] < 0). The oracle of kernels/silu_shrink_triton.py."""
+    out = silu_mul_ref(x)
+    return out, lora_shrink_ref(out, a, token_slots)

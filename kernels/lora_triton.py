@@ -28,7 +28,8 @@ from kernels import lora_mixed_triton
 from kernels.lora_segment_triton import add_lora_seg
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
 from kernels.lora_uniform_triton import add_lora_uniform
-from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_norm_shrunk
+from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_fused_shrunk
+from kernels.silu_shrink_triton import silu_mul_shrink
 from kernels.lora_uniform_triton import uniform_expand as add_lora_uniform_expand
 from kernels.lora_uniform_triton import uniform_shrink as add_lora_uniform_shrink
 
@@ -283,16 +284,34 @@ def norm_shrink_ahead(x, residual, weight, eps, a, token_slots, slice_offsets,
         meta = build_meta(token_slots, a.shape[0])
     out, residual, shrunk = add_rms_norm_shrink(x, residual, weight, eps, a, token_slots,
                                                 offsets, ranks, uniform)
-    return out, residual, ("norm", shrunk, meta)
+    return out, residual, ("fused", shrunk, meta)
+
+
+def silu_shrink_ahead(x, a, token_slots, slice_offsets, ranks: torch.Tensor | None,
+                      meta: LoRAMeta | None, uniform: bool):
+    """SiLU-and-multiply and the shrink of its output in one launch
+    (kernels/silu_shrink_triton.py): (out, shrunk for `expand_after`)."""
+    offsets = tuple(int(o) for o in slice_offsets)
+    T, two_i = x.shape
+    L, S, R, Ka = a.shape
+    if S != 1 or two_i != 2 * Ka or len(offsets) != 2:
+        raise ValueError(f"a [L, S, R, K] {tuple(a.shape)} and slice_offsets={offsets}: need "
+                         f"one slice of K={two_i // 2} (x is [gate | up] of width {two_i})")
+    if token_slots.shape != (T,):
+        raise ValueError(f"token_slots has shape {tuple(token_slots.shape)}, expected ({T},)")
+    if meta is None:
+        meta = build_meta(token_slots, L)
+    out, shrunk = silu_mul_shrink(x, a, token_slots, offsets, ranks, uniform)
+    return out, ("fused", shrunk, meta)
 
 
 def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y += the delta of a finished `shrink_ahead` or `norm_shrink_ahead` (after it in
-    stream order), in place."""
+    """y += the delta of a finished `shrink_ahead`, `norm_shrink_ahead` or
+    `silu_shrink_ahead` (after it in stream order), in place."""
     if shrunk[0] == "one":
         return add_lora_uniform_expand(shrunk[1], b, y)
-    if shrunk[0] == "norm":
-        return expand_norm_shrunk(shrunk[1], b, y, shrunk[2])
+    if shrunk[0] == "fused":
+        return expand_fused_shrunk(shrunk[1], b, y, shrunk[2])
     _, hp, meta, offsets, ranks = shrunk
     return lora_expand_tokens(hp, b, y, meta, _offsets(offsets), len(offsets) - 1, ranks,
                               uniform=True)

@@ -1,8 +1,9 @@
 """Host wrapper of the add + RMSNorm + LoRA shrink launch
-(kernels/norm_shrink_kernels_triton.py) and the expand that finishes it.
+(kernels/norm_shrink_kernels_triton.py), and the expand that finishes it or any shrink
+fused into the op that makes a group's input (kernels/silu_shrink_triton.py too).
 
-`add_rms_norm_shrink` returns the norm's output, the new residual and a `NormShrunk`
-(unscaled split-K partials and each row's 1/rms); `expand_norm_shrunk` adds the LoRA
+`add_rms_norm_shrink` returns the norm's output, the new residual and a `FusedShrunk`
+(unscaled split-K partials and each row's 1/rms); `expand_fused_shrunk` adds the LoRA
 delta to the group's matmul output with the token-sized expand kernel
 (kernels/lora_token_triton.py), which scales each row's h by its 1/rms. Grids come from
 static sizes only (tokens, slices, K), so both launches are capturable in CUDA graphs.
@@ -27,10 +28,10 @@ _MAX_SPLIT_K = 32
 
 
 @dataclass(frozen=True)
-class NormShrunk:
-    """What `add_rms_norm_shrink` leaves for `expand_norm_shrunk`."""
-    hp: torch.Tensor              # [split_k, S, T, R] float32, partials of the unscaled rows
-    rstd: torch.Tensor            # [T] float32: 1/rms of each row (scales h in the expand)
+class FusedShrunk:
+    """What a shrink fused into the op before it leaves for `expand_fused_shrunk`."""
+    hp: torch.Tensor              # [split_k, S, T, R] float32 partials (of unscaled rows)
+    rstd: torch.Tensor | None     # [T] float32: 1/rms of each row, scales h in the expand
     slice_offsets: tuple[int, ...]
     ranks: torch.Tensor | None
     uniform: bool
@@ -48,12 +49,14 @@ def split_k(T: int, S: int, Kdim: int, uniform: bool) -> int:
     return 1 << (split.bit_length() - 1)
 
 
-def _block_k(block_sr: int, k_chunk: int, per_row: bool) -> int:
+def default_block_k(block_sr: int, k_chunk: int, per_row: bool) -> int:
     """An [BLOCK_K, BLOCK_SR] A tile of about 8K values for a one-row program, 4K beside
-    a block's [BLOCK_M, BLOCK_K] rows (sm_90, q/k/v at rank 16, 4 warps: 125 and 207
-    registers; 8K in a block program takes all 255)."""
-    values = 8192 if per_row else 4096
-    return max(32, min(256, values // block_sr, triton.next_power_of_2(k_chunk)))
+    a block's [BLOCK_M, BLOCK_K] rows of at most 2K (sm_90, bf16, 4 warps: q/k/v at rank
+    16 125 and 207 registers, the SiLU block 155; 8K A values or 4K rows in a block
+    program take all 255)."""
+    if per_row:
+        return max(32, min(256, 8192 // block_sr, triton.next_power_of_2(k_chunk)))
+    return max(32, min(2048 // BLOCK_M, 4096 // block_sr, triton.next_power_of_2(k_chunk)))
 
 
 def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
@@ -61,7 +64,7 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
                         slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
                         uniform: bool = False, splits: int | None = None,
                         block_k: int | None = None, num_warps: int = 4
-                        ) -> tuple[torch.Tensor, torch.Tensor, NormShrunk]:
+                        ) -> tuple[torch.Tensor, torch.Tensor, FusedShrunk]:
     """(rms_norm(residual + x), residual + x, the LoRA shrink of the first) in one launch.
 
     x None: rms_norm(residual) and residual itself (nothing added). The new residual is a
@@ -69,8 +72,9 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     (rows contiguous); weight [N]; a [L, S, R, N]; token_slots [T] (-1: no adapter);
     ranks [L] int32 or None (then R); uniform: a hint that the rows share one adapter
     (BLOCK_M-row matrix products; otherwise one row per shrink program: the result is the
-    same); splits, block_k, num_warps: launch parameters (defaults: `split_k`, `_block_k`,
-    4 as the plain norm; benchmarks/bench_norm_shrink.py --sweep tries others)."""
+    same); splits, block_k, num_warps: launch parameters (defaults: `split_k`,
+    `default_block_k`, 4 as the plain norm; benchmarks/bench_norm_shrink.py --sweep tries
+    others)."""
     T, N = residual.shape
     L, S, R, Ka = a.shape
     assert 0 < T <= MAX_TOKENS and 0 < S <= MAX_SLICES and Ka == N, (T, S, Ka, N)
@@ -79,7 +83,7 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     assert token_slots.shape == (T,) and len(slice_offsets) == S + 1
     splits = splits or split_k(T, S, N, uniform)
     block_sr = max(16, triton.next_power_of_2(S * R))
-    block_k = block_k or _block_k(block_sr, triton.cdiv(N, splits), not uniform)
+    block_k = block_k or default_block_k(block_sr, triton.cdiv(N, splits), not uniform)
     k_chunk = triton.cdiv(triton.cdiv(N, splits), block_k) * block_k
     splits = triton.cdiv(N, k_chunk)                 # no empty chunk
     out = torch.empty_like(residual)
@@ -97,14 +101,15 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
         BLOCK_SR=block_sr, PER_ROW=not uniform,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         UPCAST=residual.device.type == "cpu", num_warps=num_warps)
-    shrunk = NormShrunk(hp, rstd, tuple(int(o) for o in slice_offsets), ranks, uniform)
+    shrunk = FusedShrunk(hp, rstd, tuple(int(o) for o in slice_offsets), ranks, uniform)
     return out, res_out, shrunk
 
 
-def expand_norm_shrunk(shrunk: NormShrunk, b: torch.Tensor, y: torch.Tensor,
-                       meta) -> torch.Tensor:
-    """y [T, N] += (1/rms · h) · B[slot]ᵀ per slice from a finished `add_rms_norm_shrink`,
-    in place (after it in stream order); meta: the step's `LoRAMeta`. Returns y."""
+def expand_fused_shrunk(shrunk: FusedShrunk, b: torch.Tensor, y: torch.Tensor,
+                        meta) -> torch.Tensor:
+    """y [T, N] += (1/rms · h) · B[slot]ᵀ per slice from a finished `add_rms_norm_shrink`
+    (h · B[slot]ᵀ where there is no row scale), in place (after it in stream order);
+    meta: the step's `LoRAMeta`. Returns y."""
     offs = list(shrunk.slice_offsets)
     padded = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
     return lora_expand_tokens(shrunk.hp, b, y, meta, padded, len(offs) - 1, shrunk.ranks,

@@ -26,17 +26,23 @@ def engine(family, eager, adapters):
     return eng
 
 
-def count_fused(monkeypatch) -> list[int]:
-    """Launches of the fused add + RMSNorm + shrink (kernels.lora.norm_shrink_ahead's
-    non-None results), counted."""
+def count_fused(monkeypatch, setting: str) -> list[int]:
+    """FUSED_NORM_SHRINK and FUSED_SILU_SHRINK = setting; the launches of the fused
+    norm + shrink and SiLU + shrink (kernels.lora's non-None results), counted."""
+    from engine.lora import batch as batch_module
     from kernels import lora as lora_kernels
-    inner, calls = lora_kernels.norm_shrink_ahead, [0]
+    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", setting)
+    monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", setting)
+    calls = [0]
 
-    def counted(*args, **kwargs):
-        fused = inner(*args, **kwargs)
-        calls[0] += fused is not None
-        return fused
-    monkeypatch.setattr(lora_kernels, "norm_shrink_ahead", counted)
+    def counted(inner):
+        def run(*args, **kwargs):
+            fused = inner(*args, **kwargs)
+            calls[0] += fused is not None
+            return fused
+        return run
+    for name in ("norm_shrink_ahead", "silu_shrink_ahead"):
+        monkeypatch.setattr(lora_kernels, name, counted(getattr(lora_kernels, name)))
     return calls
 
 
@@ -50,10 +56,9 @@ def assert_same(got, want):
 @pytest.mark.parametrize("norm_shrink", ["off", "all"])
 def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle, norm_shrink,
                                            monkeypatch):
-    """norm_shrink: engine/lora/batch.py FUSED_NORM_SHRINK (graphs and eager steps)."""
-    from engine.lora import batch as batch_module
-    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink)
-    fused = count_fused(monkeypatch)
+    """norm_shrink: engine/lora/batch.py FUSED_NORM_SHRINK and FUSED_SILU_SHRINK (graphs
+    and eager steps)."""
+    fused = count_fused(monkeypatch, norm_shrink)
     names = ["rs4", "ap8", "attn32"]
     graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None
@@ -80,14 +85,14 @@ def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llam
     """Every row on one adapter: the uniform graph (two LoRA launches per group, or one
     with `one_launch`, or with `ahead` the shrink on a side stream beside each base matmul,
     then the expand; with `norm_shrink` "uniform" the q/k/v and gate/up shrinks inside the
-    norms before them), with a padding row (no adapter) in its bucket: 3 rows -> bucket 4.
+    norms before them, down's inside the activation), with a padding row (no adapter) in
+    its bucket: 3 rows -> bucket 4.
     The eager engine's steps are not uniform: they take the plain path."""
     from engine.lora import batch as batch_module
     from kernels import lora_triton
     monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", one_launch)
     monkeypatch.setattr(batch_module, "SHRINK_AHEAD", ahead)
-    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink)
-    fused = count_fused(monkeypatch)
+    fused = count_fused(monkeypatch, norm_shrink)
     names = ["rs4", "ap8"]
     graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
     prompts, adapters = prompts_of([6, 19, 2], seed=5), ["ap8"] * 3

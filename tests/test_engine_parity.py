@@ -94,24 +94,29 @@ def test_batch_invariance(setup):
 
 
 def test_mixed_batch_with_norm_shrink_fused(llama_family, llama_oracle, monkeypatch):
-    """engine/lora/batch.py FUSED_NORM_SHRINK "all": every step's q/k/v and gate/up
-    shrinks run inside the add + RMSNorm before them (kernels/norm_shrink_triton.py,
-    under the Triton interpreter here), the expands after the matmuls; tokens equal the
-    reference's and the engine's with the switch off."""
+    """engine/lora/batch.py FUSED_NORM_SHRINK and FUSED_SILU_SHRINK "all": every step's
+    q/k/v and gate/up shrinks run inside the add + RMSNorm before them
+    (kernels/norm_shrink_triton.py), down's inside the SiLU-and-multiply
+    (kernels/silu_shrink_triton.py), under the Triton interpreter here, the expands after
+    the matmuls; tokens equal the reference's and the engine's with the switches off."""
     from engine.lora import batch as batch_module
     from kernels import lora as lora_kernels
     from kernels import lora_triton
     lengths, adapters = [3, 9, 1, 14, 6], ["rs4", None, "ap8", "attn32", "rs4"]
     prompts = prompts_of(lengths, seed=5)
     off = make_engine(llama_family).generate(prompts, GREEDY, adapters)
-    calls = [0]
+    calls = {}
 
-    def fused(*args, **kwargs):          # the Triton form: the dispatcher says None off CUDA
-        calls[0] += 1
-        return lora_triton.norm_shrink_ahead(*args, **kwargs)
-    monkeypatch.setattr(lora_kernels, "norm_shrink_ahead", fused)
+    def fused(name):                     # the Triton forms: the dispatcher says None off CUDA
+        def run(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return getattr(lora_triton, name)(*args, **kwargs)
+        return run
+    for name in ("norm_shrink_ahead", "silu_shrink_ahead"):
+        monkeypatch.setattr(lora_kernels, name, fused(name))
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", "all")
+    monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", "all")
     on = make_engine(llama_family).generate(prompts, GREEDY, adapters)
-    assert calls[0] > 0
+    assert set(calls) == {"norm_shrink_ahead", "silu_shrink_ahead"}
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert_matches(on, llama_oracle.generate(prompts, adapters, MAX_NEW))

@@ -1,18 +1,20 @@
-"""The add + RMSNorm + LoRA shrink launch (kernels/norm_shrink_triton.py) and the expand
-that finishes it, against the torch references (kernels/lora_ref.py): fresh random
-activations, residuals, norm weights, A and B; hidden sizes that are not powers of two,
-ranks below the pool's, one to three slices, split-K; one adapter, one adapter with base
-rows, no adapter, and mixed adapters per row. Under the Triton interpreter without a GPU
+"""The add + RMSNorm + LoRA shrink launch (kernels/norm_shrink_triton.py), the SiLU-and-
+multiply + shrink launch (kernels/silu_shrink_triton.py) and the expand that finishes
+either, against the torch references (kernels/lora_ref.py): fresh random activations,
+residuals, norm weights, A and B; widths that are not powers of two, ranks below the
+pool's, one to three slices, split-K; one adapter, one adapter with base rows, no
+adapter, and mixed adapters per row. Under the Triton interpreter without a GPU
 (tests/conftest.py), compiled with one."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import norm_shrink_kernels_triton
-from kernels.lora_ref import add_lora_ref, add_rms_norm_shrink_ref
+from kernels import norm_shrink_kernels_triton, silu_shrink_kernels_triton
+from kernels.lora_ref import add_lora_ref, add_rms_norm_shrink_ref, silu_mul_shrink_ref
 from kernels.lora_triton import build_meta
-from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_norm_shrunk
+from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_fused_shrunk
+from kernels.silu_shrink_triton import silu_mul_shrink
 from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode
 
@@ -53,7 +55,7 @@ def _check(T, N, S, R, ranks, case, dtype, has_add=True, splits=None, seed=0, un
     with_slot = ts >= 0
     h = shrunk.hp.sum(0) * shrunk.rstd[None, :, None]
     torch.testing.assert_close(h[:, with_slot], want_h[:, with_slot], **tol)
-    got = expand_norm_shrunk(shrunk, b, y.clone(), build_meta(ts, len(ranks)))
+    got = expand_fused_shrunk(shrunk, b, y.clone(), build_meta(ts, len(ranks)))
     want = add_lora_ref(y.clone(), want_out, a, b, ts, offsets)
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(got[~with_slot], y[~with_slot]), "base rows must get nothing"
@@ -103,9 +105,9 @@ def test_bfloat16(case):
 
 
 def test_bench_decode_switches_norm_shrink(monkeypatch):
-    """bench_decode --norm-shrink: each setting sets FUSED_NORM_SHRINK and drops the
-    captured graphs when it changes; "default" restores the engine's; rows of a later
-    setting are labelled apart."""
+    """bench_decode --norm-shrink: each setting sets FUSED_NORM_SHRINK (and after a "+"
+    FUSED_SILU_SHRINK) and drops the captured graphs when they change; "default" restores
+    the engine's; rows of a later setting are labelled apart."""
     import importlib
     from types import SimpleNamespace
 
@@ -113,12 +115,61 @@ def test_bench_decode_switches_norm_shrink(monkeypatch):
     bench = importlib.import_module("benchmarks.bench_decode")
     monkeypatch.setattr(bench, "_DEFAULT_PATH", {})
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", "off")
+    monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", "off")
     released = []
     eng = SimpleNamespace(runner=SimpleNamespace(
         graphs=SimpleNamespace(release=lambda: released.append(1))))
-    for setting, want, n_released in (("off", "off", 0), ("all", "all", 1), ("all", "all", 1),
-                                      ("uniform", "uniform", 2), ("default", "off", 3)):
+    for setting, want, n_released in (
+            ("off", ("off", "off"), 0), ("all", ("all", "off"), 1), ("all", ("all", "off"), 1),
+            ("all+all", ("all", "all"), 2), ("uniform+off", ("uniform", "off"), 3),
+            ("default", ("off", "off"), 4)):
         bench.select_norm_shrink(eng, setting)
-        assert batch_module.FUSED_NORM_SHRINK == want and len(released) == n_released
+        got = (batch_module.FUSED_NORM_SHRINK, batch_module.FUSED_SILU_SHRINK)
+        assert got == want and len(released) == n_released, setting
     assert bench.mode_label("one", "off", ["off", "all"]) == "one"
     assert bench.mode_label("one", "all", ["off", "all"]) == "one/ns-all"
+
+
+def _check_silu(T, I, R, ranks, case, dtype, splits=None, seed=0, uniform=None):
+    """The SiLU-and-multiply + shrink launch (kernels/silu_shrink_triton.py) against
+    silu_mul_shrink_ref, then its expand against add_lora_ref on the reference rows."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = (0, 80)
+    a, b, ranks_t = slot_pool(1, offsets, ranks, I, dtype, DEV, R, seed)
+    ts = _slots(case, T, len(ranks), g)
+    x = (torch.randn(T, 2 * I, generator=g) * 2).to(DEV, dtype)
+    y = torch.randn(T, offsets[-1], generator=g).to(DEV, dtype)
+    want_out, want_h = silu_mul_shrink_ref(x, a, ts)
+    out, shrunk = silu_mul_shrink(x, a, ts, offsets, ranks_t, splits=splits,
+                                  uniform=case.startswith("one") if uniform is None else uniform)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out, want_out, **tol)
+    with_slot = ts >= 0
+    torch.testing.assert_close(shrunk.hp.sum(0)[:, with_slot], want_h[:, with_slot], **tol)
+    got = expand_fused_shrunk(shrunk, b, y.clone(), build_meta(ts, len(ranks)))
+    want = add_lora_ref(y.clone(), want_out, a, b, ts, offsets)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[~with_slot], y[~with_slot]), "base rows must get nothing"
+    if with_slot.any():
+        assert (want - y).abs().max() > 0.1, "the adapters really contribute"
+
+
+def test_silu_kernels_run_in_the_expected_mode():
+    check_kernel_mode(silu_shrink_kernels_triton)
+
+
+@pytest.mark.parametrize("case", ["one", "one_some_base", "mixed", "all_base"])
+@pytest.mark.parametrize("T,I", [(1, 200), (19, 136)])
+def test_silu_shrink_matches_reference(case, T, I):
+    _check_silu(T, I, 16, [8, 16, 4, 12], case, torch.float32, seed=T + I)
+
+
+@pytest.mark.parametrize("case,uniform,splits", [("mixed", True, 3), ("one", False, None),
+                                                 ("one_some_base", True, 1)])
+def test_silu_shrink_hint_and_split(case, uniform, splits):
+    _check_silu(18, 600, 32, [32, 20, 7], case, torch.float32, splits, seed=5, uniform=uniform)
+
+
+@pytest.mark.parametrize("case", ["one", "mixed"])
+def test_silu_shrink_bfloat16(case):
+    _check_silu(9, 264, 16, [16, 8, 12], case, torch.bfloat16, seed=13)

@@ -296,19 +296,22 @@ def test_tensor_parallel_shards_sum_to_full_delta(setup, tp_size):
 
 
 def _count_fused(monkeypatch, device: str) -> list[int]:
-    """kernels.lora.norm_shrink_ahead's fused launches counted; on the CPU its Triton form
-    (interpreted) in place of the dispatcher's None, so the fused path really runs there
-    too."""
+    """The fused launches of kernels.lora.norm_shrink_ahead and silu_shrink_ahead counted;
+    on the CPU their Triton forms (interpreted) in place of the dispatcher's None, so the
+    fused paths really run there too."""
     from kernels import lora as lora_kernels
     from kernels import lora_triton
-    inner = lora_triton.norm_shrink_ahead if device == "cpu" else lora_kernels.norm_shrink_ahead
     calls = [0]
 
-    def counted(*args, **kwargs):
-        fused = inner(*args, **kwargs)
-        calls[0] += fused is not None
-        return fused
-    monkeypatch.setattr(lora_kernels, "norm_shrink_ahead", counted)
+    def counted(inner):
+        def run(*args, **kwargs):
+            fused = inner(*args, **kwargs)
+            calls[0] += fused is not None
+            return fused
+        return run
+    for name in ("norm_shrink_ahead", "silu_shrink_ahead"):
+        inner = getattr(lora_triton if device == "cpu" else lora_kernels, name)
+        monkeypatch.setattr(lora_kernels, name, counted(inner))
     return calls
 
 
@@ -317,11 +320,14 @@ def _count_fused(monkeypatch, device: str) -> list[int]:
                                        ("all", "all_base")])
 def test_norm_shrink_then_expand_matches_peft(setup, device, mode, case, monkeypatch):
     """FUSED_NORM_SHRINK: the add + RMSNorm before q/k/v and gate/up also shrinks its
-    output (kernels/norm_shrink_triton.py), `apply` only expands. The norm's outputs equal
-    the reference's, the deltas PEFT's on the normed rows; base rows get nothing."""
+    output (kernels/norm_shrink_triton.py), FUSED_SILU_SHRINK: the SiLU-and-multiply
+    before down too (kernels/silu_shrink_triton.py); `apply` only expands. The norm's and
+    activation's outputs equal the references', the deltas PEFT's on those rows; base
+    rows get nothing."""
     from engine.lora import batch as batch_module
-    from kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref
+    from kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", mode)
+    monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", mode)
     calls = _count_fused(monkeypatch, device)
     cfg, dirs, peft_models = setup
     names = ["r8_rslora", "patterns", "r32"]
@@ -349,4 +355,13 @@ def test_norm_shrink_then_expand_matches_peft(setup, device, mode, case, monkeyp
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"layer {layer} {group}: {m}")
             assert torch.all(got[token_slots < 0] == 0)
-    assert calls[0] == 3 * cfg.num_layers
+        gate_up = torch.randn(T, 2 * shapes["down"].in_features, generator=gen) * 2
+        want_x = silu_mul_ref(gate_up)
+        x = batch.act(layer, "down", gate_up.to(device))
+        torch.testing.assert_close(x.cpu(), want_x, rtol=1e-5, atol=1e-5)
+        got = run_group(batch, layer, "down", x, sum(shapes["down"].out_features), gen).cpu()
+        want = expected_group_delta(peft_models, names, token_slots, layer, "down", want_x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"layer {layer} down: {m}")
+        assert torch.all(got[token_slots < 0] == 0)
+    assert calls[0] == 4 * cfg.num_layers

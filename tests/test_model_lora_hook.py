@@ -19,7 +19,7 @@ from engine.model.batch import make_attention_metadata
 from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel import TPGroup
-from kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref
+from kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
 from tests.support.tiny import TinySpec, load_hf_model, make_model
 
 RANK_R = 4
@@ -61,6 +61,11 @@ class MergedDeltaLora:
         if x is None:
             return rms_norm_ref(residual, weight, eps), residual
         return add_rms_norm_ref(x, residual, weight, eps)
+
+    def act(self, layer_idx, group, gate_up):
+        """The activation before a group, as the model would run it alone."""
+        self.calls.append((layer_idx, f"act before {group}"))
+        return silu_mul_ref(gate_up)
 
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         self.calls.append((layer_idx, group))
@@ -126,7 +131,7 @@ def test_lora_hook_single_rank(dirs, name):
     assert (base - ref).abs().max() > 0.05
     per_step = [(i, g) for i in range(cfg.num_layers)
                 for g in ("norm before qkv", "qkv", "o", "norm before gate_up", "gate_up",
-                          "down")]
+                          "act before down", "down")]
     assert lora.calls == per_step * 2
 
 

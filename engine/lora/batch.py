@@ -8,7 +8,8 @@ SHRINK_AHEAD, a uniform step's shrink then runs on a side stream beside that mat
 expand in turn). With FUSED_NORM_SHRINK the model asks `add_norm` for the add + RMSNorm
 whose output is a group's input (q/k/v, gate/up): the group's shrink then runs in that
 same launch (kernels/norm_shrink_triton.py) and `apply` only expands (one launch less
-per group, and the norm's output is not read back for the shrink).
+per group, and the norm's output is not read back for the shrink). FUSED_SILU_SHRINK does
+the same for down_proj with the MLP's activation (`act`, kernels/silu_shrink_triton.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from engine.lora.pool import LoRASlotPool
 from kernels import lora as lora_kernels
-from kernels.elementwise import add_rms_norm, rms_norm
+from kernels.elementwise import add_rms_norm, rms_norm, silu_mul
 from kernels.moe import ExpertLoRA
 
 SHRINK_AHEAD = False   # uniform steps on CUDA: shrink beside the base matmul (see above)
@@ -27,6 +28,8 @@ SHRINK_AHEAD = False   # uniform steps on CUDA: shrink beside the base matmul (s
 # Off until measured on a GPU (benchmarks/bench_decode.py --norm-shrink).
 FUSED_NORM_SHRINK = "off"
 NORM_SHRINK_MODES = ("off", "uniform", "all")
+# The same for down_proj's shrink inside the SiLU-and-multiply before it (`act`).
+FUSED_SILU_SHRINK = "off"
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -44,6 +47,12 @@ def spread_over_adapters(slot_rows: Iterable[tuple[int, int]], min_rows: int) ->
             rows += n
             slots.add(slot)
     return len(slots) * min_rows > rows
+
+
+def _fuses(setting: str, uniform: bool) -> bool:
+    """Whether a FUSED_*_SHRINK setting fuses the shrinks of a step (`uniform`: its rows
+    share one adapter)."""
+    return setting == "all" or setting == "uniform" and uniform
 
 
 class LoRABatch:
@@ -113,7 +122,7 @@ class LoRABatch:
         input (x None: (rms_norm(residual), residual)). With FUSED_NORM_SHRINK, the same
         launch starts the group's shrink of that output and `apply` only expands; the new
         residual may then be a new tensor rather than `residual` updated in place."""
-        if FUSED_NORM_SHRINK == "all" or FUSED_NORM_SHRINK == "uniform" and self.uniform:
+        if _fuses(FUSED_NORM_SHRINK, self.uniform):
             a, _, ranks, offsets = self.pool.weights(layer_idx, group)
             fused = lora_kernels.norm_shrink_ahead(x, residual, weight, eps, a,
                                                    self.token_slots, offsets, ranks,
@@ -125,6 +134,21 @@ class LoRABatch:
         if x is None:
             return rms_norm(residual, weight, eps), residual
         return add_rms_norm(x, residual, weight, eps)
+
+    def act(self, layer_idx: int, group: str, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up = [gate | up], the input of `group` (down_proj).
+        With FUSED_SILU_SHRINK, the same launch starts the group's shrink of it and
+        `apply` only expands."""
+        if _fuses(FUSED_SILU_SHRINK, self.uniform):
+            a, _, ranks, offsets = self.pool.weights(layer_idx, group)
+            fused = lora_kernels.silu_shrink_ahead(gate_up, a, self.token_slots, offsets,
+                                                   ranks, meta=self.meta,
+                                                   uniform=self.uniform)
+            if fused is not None:
+                out, shrunk = fused
+                self._ahead[(layer_idx, group)] = (shrunk, None)
+                return out
+        return silu_mul(gate_up)
 
     def prepare(self, layer_idx: int, group: str, x: torch.Tensor) -> None:
         """Before the group's base matmul: with SHRINK_AHEAD, start a uniform step's shrink

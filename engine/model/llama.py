@@ -132,7 +132,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj.matmul(x)
         if lora is not None:
             lora.apply(self.layer_idx, "gate_up", x, gate_up)
-        h = silu_mul(gate_up)  # [gate | up], equal widths; one launch on CUDA
+        # [gate | up], equal widths; one launch on CUDA, which may also start down's shrink
+        h = silu_mul(gate_up) if lora is None else lora.act(self.layer_idx, "down", gate_up)
         if lora is not None:
             lora.prepare(self.layer_idx, "down", h)
         y = self.down_proj.matmul(h)

@@ -19,7 +19,9 @@ must add the delta of every adapter in the batch into `y` in place.
 The norm before "qkv" (and before "gate_up" in a dense MLP) is asked of the LoRA object
 too: `lora.add_norm(layer_idx, group, x, residual, weight, eps)` must return
 (rms_norm(residual + x) with that weight, residual + x), x None: (rms_norm(residual),
-residual); the engine's pool may start the group's LoRA shrink in the same launch.
+residual); the engine's pool may start the group's LoRA shrink in the same launch. So is
+the MLP's activation before "down": `lora.act(layer_idx, "down", gate_up)` must return
+silu(gate) * up of gate_up = [gate | up].
 
 The ends: the model also calls `lora.apply_embedding(input_ids, h)` on the embedding's
 output, and `compute_logits(hidden, lora, rows)` calls `lora.apply_head(rows, hidden,

@@ -78,6 +78,7 @@ def force_triton(monkeypatch) -> None:
     monkeypatch.setattr(elementwise, "_gpu", lambda x: True)
     monkeypatch.setattr(lora, "add_lora", lora_triton.add_lora)
     monkeypatch.setattr(lora, "norm_shrink_ahead", lora_triton.norm_shrink_ahead)
+    monkeypatch.setattr(lora, "silu_shrink_ahead", lora_triton.silu_shrink_ahead)
 
     def build_meta(token_slots, max_loras, uniform=False):   # kernels.lora's, CPU tensors too
         if lora_triton.uses_meta(token_slots.shape[0], uniform):

@@ -1,0 +1,132 @@
+"""SiLU-and-multiply + LoRA shrink in one Triton launch (host wrapper:
+kernels/silu_shrink_triton.py): the MLP's activation, whose output is down_proj's input,
+also starts down's LoRA shrink, so that shrink has no launch of its own and does not read
+the activation back.
+
+Program (rows, K chunk) writes its chunk of h = silu(gate) * up, rounded as
+silu_mul_kernel (kernels/elementwise_kernels_triton.py), and the split-K partials of the
+shrink of that chunk, hp[ks, 0, t, :] = h[t, K chunk] @ A[slot(t), 0, :, K chunk].T. The
+activation needs nothing from outside its chunk, so the K chunks of the shrink are the
+activation's own column blocks. Rows: a BLOCK_M block in batch order (a matrix product per
+adapter in the block: one when the rows share one; h is written in a sweep of its own
+first, so rows without an adapter get theirs too), or with PER_ROW one row per program
+(a vector product on the row's adapter: mixed batches). Rows without an adapter (slot -1)
+get no partials and are never read.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.dot_triton import dot_f32
+
+
+@triton.jit
+def _silu_mul(gate_ptrs, mask, I, dt: tl.constexpr):
+    """silu(gate) * up where x = [gate | up] and gate_ptrs point into gate (any shape), in
+    dtype dt, rounded as silu_mul_kernel rounds."""
+    g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (s * u).to(dt)
+
+
+@triton.jit
+def _block(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, T, I, R, k_chunk,
+           stride_x, stride_o, stride_al, stride_ar, stride_ak, stride_hk, stride_ht,
+           stride_hr, HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+           PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Program q = (row block, K chunk)."""
+    dt = out_ptr.dtype.element_ty
+    mb = q // SPLIT_K
+    ks = q % SPLIT_K
+    tok = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_t = tok < T
+    left = tl.load(slots_ptr + tok, mask=in_t, other=-1).to(tl.int32)
+    tok = tok.to(tl.int64)
+    k_lo = ks * k_chunk
+    k_hi = tl.minimum(I, k_lo + k_chunk)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        m = in_t[:, None] & k_mask[None, :]
+        h = _silu_mul(x_ptr + tok[:, None] * stride_x + offs_k[None, :], m, I, dt)
+        tl.store(out_ptr + tok[:, None] * stride_o + offs_k[None, :], h, mask=m)
+    offs_r = tl.arange(0, BLOCK_R)
+    slot = tl.max(left, axis=0)
+    while slot >= 0:           # one pass per adapter in the block (one when uniform)
+        run = left == slot
+        if HAS_RANKS:
+            rank = tl.load(ranks_ptr + slot)
+        else:
+            rank = R
+        a_base = a_ptr + slot.to(tl.int64) * stride_al + offs_r[None, :] * stride_ar
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            h = _silu_mul(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
+                          run[:, None] & k_mask[None, :], I, dt)
+            at = tl.load(a_base + offs_k[:, None] * stride_ak,
+                         mask=k_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
+            acc += dot_f32(h.to(at.dtype), at, PRECISION, UPCAST)
+        tl.store(hp_ptr + ks * stride_hk + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr,
+                 acc, mask=run[:, None] & (offs_r < R)[None, :])
+        left = tl.where(run, -1, left)
+        slot = tl.max(left, axis=0)
+
+
+@triton.jit
+def _row(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, I, R, k_chunk,
+         stride_x, stride_o, stride_al, stride_ar, stride_ak, stride_hk, stride_ht,
+         stride_hr, HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr,
+         BLOCK_R: tl.constexpr):
+    """Program q = (row, K chunk) of a mixed batch."""
+    dt = out_ptr.dtype.element_ty
+    t = (q // SPLIT_K).to(tl.int64)
+    ks = q % SPLIT_K
+    slot = tl.load(slots_ptr + t).to(tl.int32)
+    if HAS_RANKS:
+        rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
+    else:
+        rank = R
+    rank = tl.where(slot >= 0, rank, 0)      # no adapter: no A read, partials unused
+    offs_r = tl.arange(0, BLOCK_R)
+    a_base = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_al + offs_r[None, :] * stride_ar
+    k_lo = ks * k_chunk
+    k_hi = tl.minimum(I, k_lo + k_chunk)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        h = _silu_mul(x_ptr + t * stride_x + offs_k, k_mask, I, dt)
+        tl.store(out_ptr + t * stride_o + offs_k, h, mask=k_mask)
+        at = tl.load(a_base + offs_k[:, None] * stride_ak,
+                     mask=k_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
+        acc += tl.sum(at.to(tl.float32) * h.to(tl.float32)[:, None], axis=0)
+    if slot >= 0:
+        tl.store(hp_ptr + ks * stride_hk + t * stride_ht + offs_r * stride_hr, acc,
+                 mask=offs_r < R)
+
+
+@triton.jit
+def silu_mul_shrink_kernel(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr,
+                           T, I, R, k_chunk, stride_x, stride_o,
+                           stride_al, stride_ar, stride_ak, stride_hk, stride_ht, stride_hr,
+                           HAS_RANKS: tl.constexpr, SPLIT_K: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_R: tl.constexpr, PER_ROW: tl.constexpr,
+                           PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_M) * SPLIT_K,), PER_ROW (T * SPLIT_K,): out [T, I] =
+    silu(gate) * up of x = [gate | up] [T, 2I], and hp's split-K partials of out @ A.T
+    (one slice: a [L, 1, R, I], hp [SPLIT_K, 1, T, R] float32)."""
+    q = tl.program_id(0)
+    if PER_ROW:
+        _row(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, I, R, k_chunk,
+             stride_x, stride_o, stride_al, stride_ar, stride_ak, stride_hk, stride_ht,
+             stride_hr, HAS_RANKS, SPLIT_K, BLOCK_K, BLOCK_R)
+    else:
+        _block(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, T, I, R, k_chunk,
+               stride_x, stride_o, stride_al, stride_ar, stride_ak, stride_hk, stride_ht,
+               stride_hr, HAS_RANKS, SPLIT_K, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, UPCAST)
