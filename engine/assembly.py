@@ -90,6 +90,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     # where adapter reads land (shared memory when loader processes write them); one
     # spare made ahead, so adding an adapter of a shape already seen does not wait for
     # the driver to pin its buffer
+    assert config.adapter_loaders is not None, "adapter_loaders not resolved (engine/resolve.py)"
     buffers = HostBufferPool(pin=device.type == "cuda", spares=1,
                              shared=config.adapter_loaders > 0)
     plans = PlanCache()  # adapters of one shape share their header's analysis

@@ -79,7 +79,8 @@ def resolve_config(config: EngineConfig, mc, facts: MachineFacts) -> EngineConfi
     device = resolve_device(config.device, facts)
     on_gpu = torch.device(device).type == "cuda"
     dtype = resolve_dtype(config.dtype, on_gpu, facts)
-    c = dataclasses.replace(config, device=device, dtype=dtype)
+    c = dataclasses.replace(config, device=device, dtype=dtype,
+                            adapter_loaders=adapter_loaders(config, facts))
     if not on_gpu:
         loras = c.max_loras or CPU_MAX_LORAS
         return dataclasses.replace(
@@ -94,6 +95,14 @@ def resolve_config(config: EngineConfig, mc, facts: MachineFacts) -> EngineConfi
     loras = c.max_loras or min(gpu_slots(c, mc, facts), c.max_cpu_loras or MAX_AUTO_LORAS)
     return dataclasses.replace(c, max_loras=loras,
                                max_cpu_loras=c.max_cpu_loras or host_copies(c, mc, facts, loras))
+
+
+def adapter_loaders(c: EngineConfig, facts: MachineFacts) -> int:
+    """Loader processes per rank: as set, else a quarter of the rank's cores, 2 to 4 (two
+    at least, so one stuck read never holds up the others)."""
+    if c.adapter_loaders is not None:
+        return c.adapter_loaders
+    return min(4, max(2, facts.cpu_count // (4 * c.tp_size)))
 
 
 def cpu_threads(c: EngineConfig, facts: MachineFacts) -> int:
@@ -212,7 +221,7 @@ def describe(c: EngineConfig, num_kv_blocks: int, max_model_len: int) -> str:
             f"gpu_memory_utilization={c.gpu_memory_utilization} "
             f"prefix_caching={c.enable_prefix_caching} "
             f"cuda_graphs={c.device.startswith('cuda') and not c.enforce_eager} "
-            f"async_scheduling={c.use_async_scheduling}")
+            f"async_scheduling={c.use_async_scheduling} adapter_loaders={c.adapter_loaders}")
 
 
 def _elem(c: EngineConfig) -> int:

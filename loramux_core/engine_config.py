@@ -56,8 +56,8 @@ class EngineSettings:
     adapter_roots: tuple[str, ...] = ()
     # processes that read, check and convert adapters for each rank, writing host copies
     # into shared memory (engine/adapters/loader_pool.py); 0: reads run on threads of
-    # the engine process itself
-    adapter_loaders: int = 2
+    # the engine process itself; None = a quarter of the rank's cores, 2 to 4
+    adapter_loaders: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "adapter_roots", tuple(self.adapter_roots))
@@ -87,7 +87,7 @@ class EngineSettings:
                      "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "tp_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.adapter_loaders < 0:
+        if self.adapter_loaders is not None and self.adapter_loaders < 0:
             raise InvalidRequestError(f"adapter_loaders={self.adapter_loaders}: must be >= 0")
         if self.async_scheduling not in (None, True, False):
             raise InvalidRequestError(

@@ -88,6 +88,11 @@ def auto_positive_int(text: str) -> int | None:
     return None if str(text).lower() == "auto" else positive_int(text)
 
 
+def auto_non_negative_int(text: str) -> int | None:
+    """An integer >= 0, or None for "auto" (decided by engine/resolve.py)."""
+    return None if str(text).lower() == "auto" else non_negative_int(text)
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -140,6 +145,7 @@ def on_off_auto(text: str) -> bool | None:
 
 
 _METAVARS = {"positive_int": "N", "non_negative_int": "N", "auto_positive_int": "N|auto",
+             "auto_non_negative_int": "N|auto",
              "positive_float": "X", "non_negative_float": "X", "fraction": "F",
              "device": "auto|cpu|cuda[:N]", "on_off_auto": "on|off|auto"}
 
@@ -204,10 +210,10 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("load_format", "--load-format", choice("auto", "dummy"),
            "auto (default: the model's safetensors) or dummy (random weights of the "
            "model's shapes, for benchmarks)", env="LORAMUX_LOAD_FORMAT"),
-    Option("adapter_loaders", "--adapter-loaders", non_negative_int,
+    Option("adapter_loaders", "--adapter-loaders", auto_non_negative_int,
            "processes per rank that read, check and convert adapters into shared host "
-           "memory, off the engine process (default: 2; 0: on threads of the engine "
-           "process)", env="LORAMUX_ADAPTER_LOADERS"),
+           "memory, off the engine process (default: auto: a quarter of the rank's cores, "
+           "2 to 4; 0: on threads of the engine process)", env="LORAMUX_ADAPTER_LOADERS"),
     Option("tp_allreduce", "--tp-allreduce", choice("auto", "nccl", "symm_mem"),
            "all-reduce under tensor parallelism on GPUs (default: auto: one-shot over "
            "symmetric memory for decode-sized messages where possible, else NCCL)",

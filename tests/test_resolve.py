@@ -2,6 +2,7 @@
 facts, checked against the real pools and model those values size."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -36,6 +37,14 @@ def test_cpu_defaults_are_small_and_float32():
     assert (c.device, c.dtype, c.max_loras, c.max_cpu_loras, c.max_num_seqs,
             c.max_num_batched_tokens) == ("cpu", "float32", 4, 16, 64, 512)
     assert c.use_async_scheduling is False
+
+
+def test_adapter_loaders_are_a_quarter_of_the_cores_2_to_4_unless_set():
+    def loaders(facts, **kw):
+        return resolve_config(EngineConfig(model="m", **kw), LLAMA3_8B, facts).adapter_loaders
+    assert (loaders(CPU), loaders(H100), loaders(H100, tp_size=2)) == (2, 4, 2)
+    assert loaders(dataclasses.replace(H100, cpu_count=64)) == 4
+    assert (loaders(CPU, adapter_loaders=0), loaders(H100, adapter_loaders=7)) == (0, 7)
 
 
 def test_values_the_user_set_are_kept():

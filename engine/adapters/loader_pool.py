@@ -229,6 +229,17 @@ class LoaderPool:
             self.buffers.attach(weights, buf)
         return weights
 
+    def start(self) -> None:
+        """Start every child now (else each starts on a read that finds none idle)."""
+        started = []
+        while True:
+            with self._cond:
+                if self._closed or len(self._all) + self._starting >= self.processes:
+                    break
+            started.append(self._take())
+        for proc in started:
+            self._give_back(proc)
+
     def _take(self) -> LoaderProcess:
         with self._cond:
             while (not self._closed and not self._idle

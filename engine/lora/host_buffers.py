@@ -158,8 +158,10 @@ class HostBufferPool:
     def _make_spare(self, size: int) -> None:
         try:
             buf = self._allocate(size)
-            if not buf.pinned:
-                buf.data.zero_()  # fault the pages in now, not during a read
+            if not buf.pinned and buf.shared is None:
+                # fault the pages in now, not during a read (a loader process writing a
+                # shared buffer faults them itself: no work of this process)
+                buf.data.zero_()
         except BaseException:
             with self._lock:  # out of memory: no spare; acquire allocates as before
                 del self._making[size]

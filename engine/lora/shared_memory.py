@@ -24,6 +24,7 @@ import torch
 
 SEGMENT_BUFFERS = 64
 SEGMENT_MAX_BYTES = 1 << 36   # address space reserved per segment (never touched: free)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class Segment:
@@ -91,6 +92,7 @@ def map_place(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, torch.Tenso
     mapping (close it after the last view is gone) and a uint8 tensor over it."""
     page = mmap.ALLOCATIONGRANULARITY
     start = offset - offset % page
-    m = mmap.mmap(fd, nbytes + offset - start, mmap.MAP_SHARED,
+    # populated at once: one call instead of a page fault per page the load writes
+    m = mmap.mmap(fd, nbytes + offset - start, mmap.MAP_SHARED | _POPULATE,
                   mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
     return m, torch.frombuffer(m, dtype=torch.uint8)[offset - start:]
