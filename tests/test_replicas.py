@@ -26,7 +26,11 @@ from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 pytestmark = pytest.mark.timeout(300)
 ADAPTERS = {"both": 21, "solo1": 22, "solo0": 23}  # name -> seed
 PROMPT = "the quick brown fox"
-PEERS = ("--heartbeat-timeout", "0.5")
+HEARTBEAT_TIMEOUT_S = 0.5
+PEERS = ("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
+# a killed replica's streams end within the heartbeat timeout and this: room for a loaded
+# machine's stalls (tests/test_liveness.py's margin)
+KILL_MARGIN_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +116,7 @@ def wait_gateway_sees(cluster, counts: dict[str, int], timeout_s: float = 60.0) 
 def health(address: str, service: str):
     with grpc.insecure_channel(address) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            health_pb2.HealthCheckRequest(service=service), timeout=30).status
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -201,7 +205,7 @@ def test_replica_killed_under_50_streams(cluster, admin, offline):
     assert len(failed) == inflight["0"] and len(done) == inflight["1"], (inflight, len(failed))
     for err, t_end in failed:
         assert err.code == grpc.StatusCode.UNAVAILABLE and "replica 0" in err.details, err
-        assert t_end - t_kill < 2.0, t_end - t_kill
+        assert t_end - t_kill < HEARTBEAT_TIMEOUT_S + KILL_MARGIN_S, t_end - t_kill
     assert all(tokens == want for tokens in done)
     with GenerateClient(cluster.gateway_address) as gen:  # the other replica serves on
         for name in ("both", "solo1", None):
