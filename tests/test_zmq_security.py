@@ -176,7 +176,8 @@ def test_rogue_local_process_gets_nothing_and_changes_nothing(cluster, files):
 @pytest.mark.timeout(300)
 def test_the_same_process_with_the_run_keys_gets_through(cluster, files):
     """Positive control: the rogue's sockets and checks work; only the keys are missing."""
-    got = report(rogue(cluster, files, "member", seconds=2.0))
+    # it stops once it saw all three: the window only bounds a failure
+    got = report(rogue(cluster, files, "member", seconds=60.0))
     assert got["output"] > 0 and got["table"] > 0, got
     assert "member-pin" in got["acks"], got
 
@@ -185,5 +186,5 @@ def test_reading_without_the_keys_fails_loudly(cluster):
     """A test or tool that forgets the keys is told so at once, not left to time out."""
     t0 = time.monotonic()
     with pytest.raises(curve.ZmqKeyError, match="refused the handshake.*no CURVE keys"):
-        wait_output(cluster.engine_output, lambda m: True, 20)
-    assert time.monotonic() - t0 < 5
+        wait_output(cluster.engine_output, lambda m: True, 60)
+    assert time.monotonic() - t0 < 30  # at the handshake, far from the 60 s timeout

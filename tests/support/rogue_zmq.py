@@ -10,7 +10,8 @@ table. It prints one JSON line: what it received.
 - stranger: CURVE with a key pair of its own and the service's real server public key
   (the worst case: the public key leaked);
 - member: the run's own client keys (the positive control: what the checks would see if
-  the sockets were open). A member sends only a pin of an adapter that does not exist."""
+  the sockets were open). A member sends only a pin of an adapter that does not exist,
+  and stops early once it has seen engine output, a table and its pin's ack."""
 from __future__ import annotations
 
 import argparse
@@ -79,7 +80,8 @@ def run(args) -> dict:
     for sock in subs.values():
         poller.register(sock, zmq.POLLIN)
     deadline = time.monotonic() + args.seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (
+            args.mode == "member" and got["output"] and got["table"] and "member-pin" in got["acks"]):
         for raw in payload:
             try:
                 push.send(raw, zmq.NOBLOCK)
