@@ -166,7 +166,9 @@ def test_limits_bound_a_service_point(tmp_path):
         records, wall = run_service(c.gateway_address, wl, 4, Limits(send_s=0.5, drain_s=0.5))
         s = summarize(records, wall, 1.0, 0.1)
         assert s["requests"] == s["cut"] == 4 and s["unsent"] == 46 and s["errors"] == {}
-        assert s["output_tokens"] > 0 and 1.0 <= wall < 5.0
+        # about 1 s (0.5 s of sends, 0.5 s of drain); the bound leaves room for a loaded
+        # machine, and streams left to their 1,000 tokens would also show in "cut"
+        assert s["output_tokens"] > 0 and 1.0 <= wall < 15.0
         short = make_workload(2, [None], None, (4, 8), (4, 4), range(3, 50), None, 1)
         again, _ = run_service(c.gateway_address, short, 2, Limits(send_s=30, drain_s=30))
         assert all(r.end_s is not None and r.tokens == 4 and not r.cut for r in again)
@@ -211,7 +213,7 @@ def test_points_run_load_by_load_and_skip_what_cannot_run(capsys):
     assert list(_points_to_run(args, "offline", soon)) == []
     assert points[0]["skipped"] == {"offline": "deadline"}
     assert "offline: skipped (deadline) 1 adapters, uniform, 4 req/s" in capsys.readouterr().out
-    unbounded = Budget(Limits(), deadline=time.monotonic() + 1)  # no worst case known
+    unbounded = Budget(Limits(), deadline=time.monotonic() + 60)  # no worst case known
     assert unbounded.fits() and not Budget(Limits(), deadline=-math.inf).fits()
 
 
