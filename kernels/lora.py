@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_ref import add_lora_ref
+from kernels.lora_ref import add_embedding_lora_ref, add_lora_ref, scale_rows_ref
 
 try:  # the Triton module is optional: absent on machines without Triton
     from kernels import lora_triton as _triton
+    from kernels import slot_rows_triton as _rows_triton
 except ImportError:
-    _triton = None
+    _triton = _rows_triton = None
+
+
+def _on_triton(t: torch.Tensor) -> bool:
+    """Whether calls on `t` take the Triton kernels (CUDA tensors, Triton present).
+    Tests on the CPU replace it to run the kernels in Triton's interpreter."""
+    return t.is_cuda and _triton is not None
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -29,10 +36,29 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     the tokens share one adapter (launch parameters only; the result is the same);
     spread: a hint that the tokens with an adapter average fewer than `mixed_min_rows` rows
     per adapter (which kernels run; the result is the same)."""
-    if y.is_cuda and _triton is not None:
+    if _on_triton(y):
         return _triton.add_lora(y, x, a, b, token_slots, slice_offsets, ranks=ranks, meta=meta,
                                 uniform=uniform, spread=spread)
     return add_lora_ref(y, x, a, b, token_slots, slice_offsets)
+
+
+def scale_rows(y: torch.Tensor, scale: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """y [T, N] *= scale[slot(t)] per token, in place (DoRA's per-row factors after the
+    LoRA delta is added); scale [L + 1, N], its last row (all ones) read by tokens
+    without an adapter (slot -1). Returns y."""
+    if _on_triton(y):
+        return _rows_triton.scale_rows(y, scale, token_slots)
+    return scale_rows_ref(y, scale, token_slots)
+
+
+def add_embedding_lora(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       token_slots: torch.Tensor, meta=None) -> torch.Tensor:
+    """y [T, H] += B[slot(t)] · A[slot(t)][:, ids[t]] per token with a slot, in place:
+    embed_tokens LoRA. a [L, R, V]; b [L, H, R]; meta: `build_meta` of token_slots for
+    L slots, or None. Returns y."""
+    if _on_triton(y):
+        return _rows_triton.add_embedding_lora(y, ids, a, b, token_slots, meta)
+    return add_embedding_lora_ref(y, ids, a, b, token_slots)
 
 
 def mixed_min_rows(device: torch.device, num_tokens: int) -> int:
@@ -49,7 +75,7 @@ def build_meta(token_slots: torch.Tensor, max_loras: int, uniform: bool = False)
     """Per-step metadata for `add_lora` (e.g. tokens grouped by slot), built once per step
     and shared by every layer; None where the chosen path needs none (the reference, and
     the one-launch path of a `uniform` step, which reads token_slots as they are)."""
-    if (token_slots.is_cuda and _triton is not None
+    if (_on_triton(token_slots)
             and _triton.uses_meta(token_slots.shape[0], uniform)):
         return _triton.build_meta(token_slots, max_loras)
     return None

@@ -69,3 +69,22 @@ def silu_mul_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Ten
     zero where token_slots[t] < 0). The oracle of kernels/silu_shrink_triton.py."""
     out = silu_mul_ref(x)
     return out, lora_shrink_ref(out, a, token_slots)
+
+
+def scale_rows_ref(y: torch.Tensor, scale: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """y [T, N] *= scale[slot(t)] in place (product in the wider dtype, rounded once to
+    y's); scale [L + 1, N], its last row read by tokens without an adapter (slot -1).
+    DoRA's per-row factors (engine/lora/dora.py). Returns y."""
+    idx = torch.where(token_slots < 0, scale.shape[0] - 1, token_slots).long()
+    return y.mul_(scale.index_select(0, idx))
+
+
+def add_embedding_lora_ref(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor,
+                           b: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """y [T, H] += B[slot(t)] · A[slot(t)][:, ids[t]] in place for tokens with a slot:
+    embed_tokens LoRA (PEFT's lora_embedding_A [R, V] and _B [H, R] per slot; a
+    [L, R, V], b [L, H, R]). The shrink of a one-hot input is a column of A."""
+    valid = token_slots >= 0
+    idx = token_slots.clamp(min=0).long()
+    h = a[idx, :, ids.long()].float() * valid.view(-1, 1).float()      # [T, R]
+    return lora_expand_ref(h[None], b, token_slots, (0, b.shape[1]), y)
