@@ -119,7 +119,7 @@ def test_catastrophic_patterns_match_in_linear_time(field, pattern):
     t0 = time.monotonic()
     for name in long_names:
         cfg.targets(name), cfg.rank_of(name), cfg.scaling_of(name)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0  # 0.05 s under load; Python's re: hours
 
 
 @pytest.mark.parametrize("pattern, why", [
