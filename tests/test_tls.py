@@ -95,8 +95,8 @@ def test_admin_over_tls_with_token(cluster, pki):
                                     tls=TLS(ca=pki["ca"])) as admin:
             return [a.name for a in await admin.list()]
     assert asyncio.run(aio()) == ["a1"]
-    refused = [AdminClient(cluster.control_address, token=TOKEN, timeout=5),  # plaintext
-               AdminClient(cluster.control_address, token=TOKEN, timeout=5,
+    refused = [AdminClient(cluster.control_address, token=TOKEN, timeout=30),  # plaintext
+               AdminClient(cluster.control_address, token=TOKEN, timeout=30,
                            tls=TLS(ca=pki["other_ca"]))]                    # wrong CA
     for admin in refused:
         with admin:
@@ -119,7 +119,7 @@ def test_generate_over_mutual_tls(cluster, pki, want):
                 TLS(ca=pki["ca"], cert=other.cert, key=other.key),   # another CA's client
                 None):                                               # plaintext
         with GenerateClient(cluster.gateway_address, tls=tls) as gen:
-            assert code_of(lambda: gen.generate(PROMPT, "a1", timeout=5, **params)) == \
+            assert code_of(lambda: gen.generate(PROMPT, "a1", timeout=30, **params)) == \
                 grpc.StatusCode.UNAVAILABLE
 
 
@@ -217,7 +217,7 @@ def test_loramux_serve_with_mutual_tls(files, pki, want, tmp_path):
         wait_serving(f"127.0.0.1:{ports[0]}", timeout_s=120, tls=client_tls(pki))
         with AdminClient(f"127.0.0.1:{ports[1]}", tls=client_tls(pki)) as admin:
             admin.load("a1", "a1")
-        with AdminClient(f"127.0.0.1:{ports[1]}", tls=TLS(ca=pki["ca"]), timeout=5) as anon:
+        with AdminClient(f"127.0.0.1:{ports[1]}", tls=TLS(ca=pki["ca"]), timeout=30) as anon:
             assert code_of(anon.list) == grpc.StatusCode.UNAVAILABLE  # mTLS on both ports
         with GenerateClient(f"127.0.0.1:{ports[0]}", tls=client_tls(pki)) as gen:
             assert gen.generate(PROMPT, "a1", temperature=0.0, max_tokens=6,
