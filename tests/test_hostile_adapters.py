@@ -253,7 +253,7 @@ def test_adapter_chat_templates_are_read_inside_the_roots(files, cluster, admin,
         assert str(files["outside"]) not in details and "stolen" not in details
 
 
-def _unregister_when_unloaded(admin, name: str, timeout_s: float = 10.0) -> None:
+def _unregister_when_unloaded(admin, name: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
