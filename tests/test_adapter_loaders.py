@@ -233,3 +233,24 @@ def test_a_stuck_child_holds_up_no_other_read(files):
         assert out["weights"].version
     finally:
         pool.close()
+
+
+def test_a_child_that_died_idle_is_replaced_not_handed_out(files):
+    pool = make_pool(files["model"], processes=1)
+    try:
+        pool.read(str(files["paths"]["a"]), None)
+        (dead,) = pool.pids()
+        os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not _exited(dead) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it is gone (a condition, not a delay)
+        assert pool.read(str(files["paths"]["b"]), None).version  # a fresh child read it
+        assert pool.pids() != [dead] and pool.num_replaced == 1
+    finally:
+        pool.close()
+
+
+def _exited(pid: int) -> bool:
+    """Our child `pid` has ended and waits to be reaped (left unreaped here). Not its
+    state in /proc: a leader shows Z while its other threads still exit."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None

@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -162,3 +163,32 @@ def test_closing_the_engine_stops_its_loaders(llama_family):
     assert eng.adapter_loaders.pids() == []
     with pytest.raises(Exception):
         eng.adapter_loaders.read(str(llama_family.adapters["rs4"]), None)
+
+
+def test_a_loader_killed_during_a_first_use_read_fails_only_that_adapter(llama_family):
+    """One host copy for three adapters: a request for an evicted one reads it back; the
+    loader doing that read is killed. That request ends with the reason, the base
+    request beside it runs to the end, and the next read gets a fresh loader."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with make_engine(llama_family, max_loras=1, max_cpu_loras=1) as eng:
+        pool = eng.adapter_loaders
+        (victim,) = pool.pids()   # the adds read one at a time: one child so far
+        assert eng.stats()["adapters"][eng.registry.resolve("rs4")]["state"] == "disk"
+        os.kill(victim, signal.SIGSTOP)
+        eng.add_request("r-rs4", [5, 6, 7], params, adapter="rs4")
+        eng.add_request("r-base", [5, 6, 7], params)
+        outs = {}
+        while pool.num_idle:   # until the read holds the stopped child
+            outs.update((o.request_id, o) for o in eng.step())
+        os.kill(victim, signal.SIGKILL)
+        while "r-rs4" not in outs or "r-base" not in outs or not outs["r-base"].finished:
+            for o in eng.step():
+                if o.finished or o.request_id not in outs:
+                    outs[o.request_id] = o
+        err = outs["r-rs4"].error
+        assert "adapter 'rs4' cannot be served" in str(err) and "loader process died" in str(err)
+        assert outs["r-base"].finish_reason == "length"
+        eng.add_adapter("rs4-again", llama_family.adapters["rs4"])
+        again = eng.generate([[5, 6, 7]], params, ["rs4-again"])[0]
+        assert len(again.token_ids) == 6 and victim not in pool.pids()
+        assert pool.num_replaced == 1

@@ -241,14 +241,18 @@ class LoaderPool:
             self._give_back(proc)
 
     def _take(self) -> LoaderProcess:
+        """An idle child, or a new one where fewer than `processes` run; waits for one
+        to come back otherwise."""
         with self._cond:
-            while (not self._closed and not self._idle
-                   and len(self._all) + self._starting >= self.processes):
+            while True:
+                if self._closed:
+                    raise RuntimeError("the adapter loader pool is closed")
+                proc = self._pop_idle()
+                if proc is not None:
+                    return proc
+                if len(self._all) + self._starting < self.processes:
+                    break
                 self._cond.wait()
-            if self._closed:
-                raise RuntimeError("the adapter loader pool is closed")
-            if self._idle:
-                return self._idle.pop()
             self._starting += 1
         try:
             proc = LoaderProcess(self.spec, self.start_timeout_s)
@@ -259,6 +263,18 @@ class LoaderPool:
         with self._cond:
             self._all.add(proc)
         return proc
+
+    def _pop_idle(self) -> LoaderProcess | None:
+        """An idle child that still runs (under the lock); one that died idle is reaped
+        and replaced, not handed out."""
+        while self._idle:
+            proc = self._idle.pop()
+            if proc.alive:
+                return proc
+            proc.kill()
+            self._all.discard(proc)
+            self.num_replaced += 1
+        return None
 
     def _give_back(self, proc: LoaderProcess) -> None:
         with self._cond:
