@@ -23,6 +23,14 @@ segment kernels (kernels/lora_mixed_triton.py); the bit is counted on the host f
 rows' slots. Graphs are captured at start-up (`capture_all`, engine/warmup.py), or else
 the first time a `GraphKey` is needed.
 
+Rows whose adapter is DoRA, or has LoRA on lm_head or embed_tokens, replay graphs that
+also run those ops (GraphKey `dora`, `head`, `embed`, from the pool's host-side sets):
+each op reads every row's slot (other rows get factor 1 or nothing), so one such graph
+serves any mix. Their buffers are allocated at the first load of such an adapter and
+never move; such graphs are captured when first needed. DoRA factors of row-parallel
+groups under tensor parallelism are settled (one all-reduce) before a LoRA step's
+replay, outside the graph.
+
 A "greedy" graph also runs lm_head and picks every row's token inside the graph (argmax
 of the float32 logits and its raw log-softmax logprob: the Sampler's own ops for a greedy
 row without penalty), so such a step reads back one [2, n] tensor with one sync.
@@ -36,6 +44,7 @@ import torch
 
 from engine.lora import LoRABatch, LoRASlotPool
 from engine.lora.batch import spread_over_adapters
+from engine.lora.pool import LoRAExtras
 from engine.scheduler import ScheduledRequest
 from kernels import lora as lora_kernels
 from kernels.attention_metadata import AttentionMetadata
@@ -60,26 +69,35 @@ class GraphKey(NamedTuple):
     """What a decode graph was captured for: `bucket` rows; `lora`: any row uses an
     adapter; `greedy`: the graph also picks the tokens; `uniform`: every row uses the same
     adapter; `spread`: mixed rows averaging fewer rows per adapter than the bucket's
-    `min_rows` (never with uniform)."""
+    `min_rows` (never with uniform); `dora`, `head`, `embed`: some row's adapter is DoRA,
+    has LoRA on lm_head, on embed_tokens (engine/lora/pool.py LoRAExtras)."""
     bucket: int
     lora: bool
     greedy: bool
     uniform: bool = False
     spread: bool = False
+    dora: bool = False
+    head: bool = False
+    embed: bool = False
+
+    @property
+    def extras(self) -> LoRAExtras:
+        return LoRAExtras(self.dora, self.head, self.embed)
 
 
 def graph_key(buckets: tuple[int, ...], scheduled: list[ScheduledRequest], greedy: bool,
-              min_rows: Mapping[int, int]) -> GraphKey:
+              min_rows: Mapping[int, int], extras: LoRAExtras = LoRAExtras()) -> GraphKey:
     """The key of the graph a decode step of `scheduled` replays. `min_rows[bucket]`: the
     rows per adapter a mixed batch of that bucket needs to go without the spread hint
-    (kernels.lora.mixed_min_rows; 0: the hint changes nothing there)."""
+    (kernels.lora.mixed_min_rows; 0: the hint changes nothing there). `extras`: what the
+    rows' slots need beyond the groups' LoRA (LoRASlotPool.extras_of)."""
     bucket = bucket_for(buckets, len(scheduled))
     slots = {s.slot for s in scheduled}
     use_lora = max(slots) >= 0
     uniform = use_lora and len(slots) == 1
     spread = (use_lora and not uniform
               and spread_over_adapters(((s.slot, 1) for s in scheduled), min_rows[bucket]))
-    return GraphKey(bucket, use_lora, greedy, uniform, spread)
+    return GraphKey(bucket, use_lora, greedy, uniform, spread, *extras)
 
 
 def decode_min_rows(buckets: tuple[int, ...], device: torch.device) -> dict[int, int]:
@@ -226,7 +244,16 @@ class CudaGraphRunner:
 
     def key_for(self, scheduled: list[ScheduledRequest], greedy: bool) -> GraphKey:
         """The key of the graph a decode step of `scheduled` replays (`graph_key`)."""
-        return graph_key(self.buckets, scheduled, greedy, self.min_rows)
+        return graph_key(self.buckets, scheduled, greedy, self.min_rows,
+                         self.lora_pool.extras_of(s.slot for s in scheduled))
+
+    def head_lora(self, key: GraphKey) -> LoRABatch | None:
+        """After a replay of `key` (not greedy), the LoRA of lm_head for the replayed rows
+        (compute_logits runs outside the graph then), or None when none of them has any."""
+        if not key.head:
+            return None
+        _, _, token_slots = self.staging.views(key.bucket)
+        return LoRABatch(self.lora_pool, token_slots, extras=LoRAExtras(head=True))
 
     def graph_for(self, key: GraphKey):
         """The captured graph of `key`, or None (benchmarks time its replay)."""
@@ -238,6 +265,8 @@ class CudaGraphRunner:
         """Replays the graph of `key` (`key_for(scheduled, ...)`) for `scheduled`.
         `patch(input_ids, rows)`, when given, writes the in-flight input tokens of `rows`
         into the static input-id buffer on the device before the replay."""
+        if key.lora:  # DoRA factors of row-parallel groups loaded since the last step
+            self.lora_pool.settle_dora()
         if key not in self._graphs:
             self._graphs[key] = self._capture(key)
         graph, out = self._graphs[key]
@@ -252,10 +281,11 @@ class CudaGraphRunner:
 
     def _forward(self, key: GraphKey) -> torch.Tensor:
         ids, attn, token_slots = self.staging.views(key.bucket)
-        lora = (LoRABatch(self.lora_pool, token_slots, uniform=key.uniform, spread=key.spread)
+        lora = (LoRABatch(self.lora_pool, token_slots, uniform=key.uniform, spread=key.spread,
+                          extras=key.extras)
                 if key.lora else None)
         hidden = self.model.forward(ids, attn, self.kv_caches, lora)
-        return greedy_pick(self.model.compute_logits(hidden)) if key.greedy else hidden
+        return greedy_pick(self.model.compute_logits(hidden, lora)) if key.greedy else hidden
 
     def _capture(self, key: GraphKey):
         # Inputs of the warm-up and the capture: all padding (no KV writes, no adapter).

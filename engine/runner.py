@@ -35,6 +35,7 @@ import torch
 from engine.cuda_graph import CudaGraphRunner, greedy_pick, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
 from engine.lora.batch import spread_over_adapters
+from engine.lora.pool import LoRAExtras
 from engine.model.batch import make_attention_metadata
 from engine.parallel import TPGroup
 from engine.pending import PendingSample
@@ -55,6 +56,7 @@ class ModelInputs:
     sample_requests: list[Request]  # the S requests that sample, in row order
     has_lora: bool                 # any token uses an adapter (known on the host: no sync)
     lora_spread: bool = False      # few rows per adapter (LoRABatch's `spread`; the host's)
+    lora_extras: LoRAExtras = LoRAExtras()  # DoRA, lm_head, embed_tokens rows (the host's)
     holes: tuple[list[int], list[int]] = ([], [])  # placeholder: flat index, row in prev
 
 
@@ -120,7 +122,7 @@ class ModelRunner:
             logits_indices=to_dev(torch.tensor(last, dtype=torch.int64)),
             sample_requests=samplers,
             has_lora=any(s.slot >= 0 for s in out.scheduled), lora_spread=spread,
-            holes=holes)
+            lora_extras=self.lora_pool.extras_of(s.slot for s in out.scheduled), holes=holes)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor -> device; on CUDA through pinned memory without blocking (the
@@ -154,7 +156,8 @@ class ModelRunner:
         return self._sample(logits, inputs.sample_requests)
 
     def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, LoRABatch | None]:
-        lora = (LoRABatch(self.lora_pool, inputs.token_slots, spread=inputs.lora_spread)
+        lora = (LoRABatch(self.lora_pool, inputs.token_slots, spread=inputs.lora_spread,
+                          extras=inputs.lora_extras)
                 if inputs.has_lora else None)
         return self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora), lora
 
@@ -223,10 +226,13 @@ class ModelRunner:
         rows = [i for i, s in enumerate(sched) if s.samples]
         if not rows:
             return PendingSample.known({}, [], self.device)
+        picked = None
         if len(rows) < len(sched):
-            hidden = hidden[self._to_device(torch.tensor(rows, dtype=torch.int64))]
+            picked = self._to_device(torch.tensor(rows, dtype=torch.int64))
+            hidden = hidden[picked]
             requests = [requests[i] for i in rows]
-        return self._sample(self.model.compute_logits(hidden), requests)
+        logits = self.model.compute_logits(hidden, self.graphs.head_lora(key), picked)
+        return self._sample(logits, requests)
 
     def takes_greedy_pick(self, sched: list[ScheduledRequest],
                           tensor_parallel: bool = False) -> bool:

@@ -94,7 +94,7 @@ def test_graph_key_follows_the_rows_per_adapter_rule():
     assert key([i % 25 for i in range(96)] + [-1] * 30) == fewer
     assert not key([3] * 100).spread and not key([3] + [-1] * 99).uniform
     assert key([3] + [-1] * 99).spread and not key([-1] * 100).spread
-    assert key([i % 25 for i in range(60)]) == (64, True, True, False, False)  # 0: no rule
+    assert key([i % 25 for i in range(60)])[:5] == (64, True, True, False, False)  # 0: no rule
 
 
 def test_spread_rule_at_the_boundary():

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.lora.pool import LoRASlotPool
+from engine.lora.pool import LoRAExtras, LoRASlotPool
 from kernels import lora as lora_kernels
 from kernels.elementwise import add_rms_norm, rms_norm, silu_mul
 from kernels.moe import ExpertLoRA
@@ -63,14 +63,21 @@ class LoRABatch:
     `uniform`: the tokens (likely) share one adapter, which picks the kernels' launch
     parameters tuned for that (a CUDA graph captured so serves such batches best).
     `spread`: the rows average few rows per adapter (`spread_over_adapters`), which keeps
-    a mixed decode batch on the token kernels (kernels/lora_mixed_triton.py)."""
+    a mixed decode batch on the token kernels (kernels/lora_mixed_triton.py).
+    `extras`: DoRA's row factors, lm_head and embed_tokens LoRA, each run for every row
+    (indexed by its slot: rows of other slots get factor 1 or nothing) where set; None:
+    whatever the pool has buffers for (right for any rows; the runner passes what the
+    step's slots need, `LoRASlotPool.extras_of`). Nothing here reads the slots on the
+    host, so a CUDA graph may capture it."""
 
     def __init__(self, pool: LoRASlotPool, token_slots: torch.Tensor, meta=None,
-                 uniform: bool = False, spread: bool = False):
+                 uniform: bool = False, spread: bool = False,
+                 extras: LoRAExtras | None = None):
         assert token_slots.dim() == 1, token_slots.shape
         self.pool = pool
         self.uniform = uniform
         self.spread = spread
+        self.extras = pool.extras_allocated if extras is None else extras
         self.token_slots = token_slots
         self._ahead: dict[tuple[int, str], tuple] = {}   # prepared shrinks and their events
         self.meta = meta if meta is not None else lora_kernels.build_meta(
@@ -83,25 +90,23 @@ class LoRABatch:
 
     def apply_embedding(self, ids: torch.Tensor, h: torch.Tensor) -> None:
         """h [T, hidden] += each token's embed_tokens LoRA delta (B·A[:, id]), in place."""
-        ab = self.pool.end_weights("embed_tokens") if self.pool.end_slots else None
-        if ab is not None:
-            self._add_per_slot(self.token_slots, h, ab, lambda a, m: a[:, ids[m]].T)
+        if self.extras.embed:
+            a, b = self.pool.end_weights("embed_tokens")
+            lora_kernels.add_embedding_lora(h, ids, a, b, self.token_slots, self.meta)
 
-    def apply_head(self, rows: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    def apply_head(self, rows: torch.Tensor | None, hidden: torch.Tensor,
+                   logits: torch.Tensor) -> None:
         """logits [n, vocab] += the lm_head LoRA delta of the tokens `rows` (flat indices of
-        this step's tokens) whose hidden states `hidden` [n, hidden] are."""
-        ab = self.pool.end_weights("lm_head") if self.pool.end_slots else None
-        if ab is not None:
-            self._add_per_slot(self.token_slots[rows], logits, ab, lambda a, m: hidden[m] @ a.T)
-
-    @staticmethod
-    def _add_per_slot(slots: torch.Tensor, out: torch.Tensor, ab, x_a) -> None:
-        """out[rows of each slot] += x_a(A of the slot, rows) @ B^T of the slot."""
-        a, b = ab
-        for slot in slots.unique().tolist():
-            if slot >= 0:
-                m = slots == slot
-                out[m] += (x_a(a[slot], m) @ b[slot].T).to(out.dtype)
+        this step's tokens; None: the first n) whose hidden states `hidden` [n, hidden] are."""
+        if not self.extras.head:
+            return
+        a, b = self.pool.end_weights("lm_head")
+        n = logits.shape[0]
+        slots = self.token_slots[rows] if rows is not None else self.token_slots[:n]
+        every_row = rows is None and n == self.num_tokens   # this step's meta fits
+        lora_kernels.add_lora(logits, hidden, a[:, None], b, slots, (0, b.shape[1]),
+                              meta=self.meta if every_row else None,
+                              uniform=self.uniform)
 
     def expert_lora(self, layer_idx: int) -> ExpertLoRA | None:
         """The expert LoRA of a mixture-of-experts layer for this step (kernels/moe.py);
@@ -186,5 +191,5 @@ class LoRABatch:
             lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,
                                   meta=self.meta, uniform=self.uniform,
                                   spread=self.spread)
-        if self.pool.dora_slots:  # DoRA: y (before the bias) scaled per row, per token's slot
-            y.mul_(self.pool.dora_scale(layer_idx, group)[self.token_slots.long()])
+        if self.extras.dora:  # DoRA: y (before the bias) scaled per row by its slot's factors
+            lora_kernels.scale_rows(y, self.pool.dora_scale(layer_idx, group), self.token_slots)

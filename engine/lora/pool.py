@@ -5,10 +5,13 @@ Per (layer, group), in the layout kernels/lora_ref.py documents:
     a:     [max_loras, S, max_lora_rank, K]
     b:     [max_loras, N, max_lora_rank]      scaling folded in
     ranks: [max_loras] int32                  largest slice rank of the slot's adapter, 0 = empty
-    scale: [max_loras + 1, N]                 DoRA only (allocated at the first DoRA load):
+    scale: [max_loras + 1, N] float32         DoRA only (allocated at the first DoRA load):
                                               m / ||W + B·A|| per output row of a DoRA
                                               slot's wrapped slices, 1 elsewhere; the last
-                                              row (base tokens, slot -1) is all ones
+                                              row (base tokens, slot -1) is all ones.
+                                              Computed on the pool's device at load from
+                                              the slot's own copy of A and B and the base
+                                              weight (engine/lora/dora.py)
 
 and per end target (lm_head, embed_tokens; allocated at the first adapter with one):
 a [max_loras, max_lora_rank, K], b [max_loras, N, max_lora_rank] (engine/model/
@@ -37,16 +40,27 @@ batch may read.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
 from engine.lora import dora
-from engine.lora.weights import LoRAWeights
+from engine.lora.weights import GroupWeights, LoRAWeights
 from loramux_core.model.archs import architecture
 from loramux_core.model.lora_targets import (expert_roles, expert_shard_shape, groups,
                                              lora_group_shapes, row_parallel_groups)
 from loramux_core.errors import AdapterError
+
+
+class LoRAExtras(NamedTuple):
+    """What a step needs beyond the decoder groups' LoRA: DoRA's row factors, lm_head
+    LoRA, embed_tokens LoRA. Known on the host (`LoRASlotPool.extras_of` the step's
+    slots), so a step without them launches nothing for them, and a CUDA graph is
+    captured per combination."""
+    dora: bool = False
+    head: bool = False
+    embed: bool = False
 
 
 class LoRASlotPool:
@@ -67,7 +81,7 @@ class LoRASlotPool:
         self._all_reduce = all_reduce
         self.dora_slots: set[int] = set()
         self._ends: dict = {}            # end target -> (a, b), see the module docstring
-        self.end_slots: set[int] = set()
+        self._end_slots: dict[str, set[int]] = {}   # end target -> slots holding it
         self.expert_slots: set[int] = set()
         self._experts = _expert_buffers(model_cfg, max_loras, max_lora_rank, dtype,
                                         torch.device(device), tp_size)
@@ -176,9 +190,28 @@ class LoRASlotPool:
         self._dirty[slot] = dict.fromkeys(self.groups, self.max_lora_rank)
 
     def dora_scale(self, layer: int, group: str) -> torch.Tensor | None:
-        """[max_loras + 1, N] per-row factors of one (layer, group) (index a token's slot,
-        -1 for base, straight into it); None while no DoRA adapter was ever loaded."""
+        """[max_loras + 1, N] float32 per-row factors of one (layer, group) (a token's
+        slot indexes it, -1 for base: the last row); None while no DoRA adapter was ever
+        loaded."""
         return self._scale.get((layer, group))
+
+    @property
+    def end_slots(self) -> set[int]:
+        """Slots whose adapter has LoRA on lm_head or embed_tokens."""
+        return set().union(*self._end_slots.values())
+
+    def extras_of(self, slots: Iterable[int]) -> LoRAExtras:
+        """What rows on `slots` (host ints, -1: base) need beyond the groups' LoRA."""
+        slots = set(slots)
+        return LoRAExtras(not slots.isdisjoint(self.dora_slots),
+                          not slots.isdisjoint(self._end_slots.get("lm_head", ())),
+                          not slots.isdisjoint(self._end_slots.get("embed_tokens", ())))
+
+    @property
+    def extras_allocated(self) -> LoRAExtras:
+        """Every extra the pool has buffers for: what rows on any slot may need."""
+        return LoRAExtras(bool(self._scale), "lm_head" in self._ends,
+                          "embed_tokens" in self._ends)
 
     def end_weights(self, module: str):
         """(a, b) of an end target for every slot (module docstring); None while no
@@ -200,17 +233,22 @@ class LoRASlotPool:
             self.expert_slots.add(slot)
 
     def _write_ends(self, slot: int, ends) -> None:
-        _clear_slot(slot, self._ends.values(), self.end_slots)
+        for module, (a, b) in self._ends.items():
+            if slot in self._end_slots[module]:
+                a[slot].zero_()
+                b[slot].zero_()
+                self._end_slots[module].discard(slot)
         for module, (wa, wb) in ends.items():
             if module not in self._ends:
                 r = self.max_lora_rank
                 self._ends[module] = (
                     torch.zeros(self.max_loras, r, wa.shape[1], dtype=self.dtype, device=self.device),
                     torch.zeros(self.max_loras, wb.shape[0], r, dtype=self.dtype, device=self.device))
+                self._end_slots[module] = set()
             a, b = self._ends[module]
             a[slot, :wa.shape[0]].copy_(wa)
             b[slot, :, :wb.shape[1]].copy_(wb)
-            self.end_slots.add(slot)
+            self._end_slots[module].add(slot)
 
     def settle_dora(self) -> None:
         """Finish the DoRA factors of row-parallel groups loaded at TP > 1 (one
@@ -229,13 +267,17 @@ class LoRASlotPool:
                 self.dora_slots.discard(slot)
             return
         if not self._scale:
-            self._scale = {key: torch.ones(self.max_loras + 1, b.shape[1], dtype=self.dtype,
+            self._scale = {key: torch.ones(self.max_loras + 1, b.shape[1], dtype=torch.float32,
                                            device=self.device) for key, b in self._b.items()}
+        non_blocking = self.device.type == "cuda" and weights.pinned
         for key, scale in self._scale.items():
             scale[slot].fill_(1.0)
             gw = weights.groups.get(key)
             if gw is None:
                 continue
+            # the slot's device copy of A and B (written above), the magnitude beside it
+            m = gw.magnitude.to(self.device, non_blocking=non_blocking)
+            gw = GroupWeights(self._a[key][slot], self._b[key][slot], gw.slice_ranks, m)
             base, shape = self._base_weight(*key), self.shapes[key[1]]
             if self.tp_size > 1 and key[1] in self._row_parallel:
                 self._dora_pending.add(slot, key, gw, base, shape)

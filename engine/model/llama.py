@@ -247,9 +247,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, lora=None,
                        rows: torch.Tensor | None = None) -> torch.Tensor:
-        """`rows`: the flat step indices of `hidden`'s tokens, for lm_head LoRA."""
+        """`rows`: the flat step indices of `hidden`'s tokens, for lm_head LoRA (None:
+        the step's first tokens, one per row of `hidden`)."""
         logits = self.lm_head(hidden)
-        if lora is not None and rows is not None:
+        if lora is not None:
             lora.apply_head(rows, hidden, logits)
         return logits
 

@@ -1,0 +1,34 @@
+"""The LoRA kernel path (the one CUDA takes) on the CPU: kernels.lora sends CPU tensors to
+the torch references; inside `lora_kernel_path()` it sends them to the Triton kernels,
+which run in Triton's interpreter there (tests/conftest.py sets TRITON_INTERPRET).
+`KernelCalls` counts the launches of the slot-indexed ops, so a test can tell that the
+kernels ran, not only that the result was right."""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+
+OPS = ("scale_rows", "add_embedding_lora")
+
+
+@contextlib.contextmanager
+def lora_kernel_path():
+    """kernels.lora dispatches every tensor (CPU ones too) to the Triton kernels; yields a
+    Counter of the slot-indexed ops' launches by name (OPS) and of add_lora's."""
+    from kernels import lora, lora_triton, slot_rows_triton
+    assert lora._triton is not None, "Triton is not installed"
+    calls: Counter = Counter()
+
+    def counted(name, inner):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return inner(*args, **kwargs)
+        return run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lora, "_on_triton", lambda t: True)
+        for name in OPS:
+            mp.setattr(slot_rows_triton, name, counted(name, getattr(slot_rows_triton, name)))
+        mp.setattr(lora_triton, "add_lora", counted("add_lora", lora_triton.add_lora))
+        yield calls

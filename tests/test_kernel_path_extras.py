@@ -1,0 +1,134 @@
+"""DoRA and LoRA on lm_head / embed_tokens on the kernel path (kernels/slot_rows_triton.py
+and the LoRA kernels, in Triton's interpreter on the CPU; natively on CUDA), against
+transformers + PEFT: one forward pass of the engine's model over a mixed batch (a DoRA
+adapter, one with LoRA on both ends, a plain one and base rows) gives every sequence the
+logits PEFT gives it alone with its adapter, in the prefill and in the decode step after
+it; the pool's host-side view of what a step's slots need (LoRAExtras)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.lora import LoRABatch, LoRASlotPool, load_lora
+from engine.lora.pool import LoRAExtras
+from engine.model.batch import make_attention_metadata
+from engine.model.llama import LlamaForCausalLM
+from loramux_core.model.hf_config import ModelConfig
+from tests.support.kernel_path import lora_kernel_path
+from tests.support.tiny import AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SPECS = {
+    "dora": (AdapterSpec(r=8, lora_alpha=16, seed=81, rank_pattern={"o_proj": 4}), {"use_dora": True}),
+    "ends": (AdapterSpec(r=8, lora_alpha=16, seed=82, use_rslora=True,
+                         target_modules=("q_proj", "down_proj", "lm_head", "embed_tokens")), {}),
+    "plain": (AdapterSpec(r=4, lora_alpha=8, seed=83), {}),
+}
+SLOTS = {"dora": 0, "ends": 1, "plain": 2}
+ROWS = ["dora", None, "ends", "plain", "dora", "ends"]    # one sequence each
+LENGTHS = [7, 5, 9, 4, 3, 6]
+BLOCK = 8
+
+
+@pytest.fixture(scope="module", params=["own_head", "tied"])
+def family(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"extras_{request.param}")
+    model_dir = make_model(root / "model", TinySpec(tie_word_embeddings=request.param == "tied",
+                                                    seed=80))
+    adapters = {name: make_adapter(root / name, model_dir, spec, **extra)
+                for name, (spec, extra) in SPECS.items()}
+    return model_dir, adapters
+
+
+def _peft_logits(model_dir, adapters, name, ids: list[int]) -> torch.Tensor:
+    from peft import PeftModel
+    model = load_hf_model(model_dir)
+    if name is not None:
+        model = PeftModel.from_pretrained(model, adapters[name]).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def _engine_model(model_dir, adapters):
+    cfg = ModelConfig.from_dir(model_dir)
+    model = LlamaForCausalLM(cfg, device=DEV)
+    model.load_weights(model_dir)
+    pool = LoRASlotPool(cfg, max_loras=4, max_lora_rank=16, device=DEV,
+                        base_weight=model.lora_base_weight)
+    for name, slot in SLOTS.items():
+        w = load_lora(adapters[name], cfg, 16)
+        pool.load(slot, w.pin_memory() if DEV == "cuda" else w)
+    return model, pool
+
+
+def _step(model, pool, kv, seqs, done, new, extras):
+    """One forward pass over sequences `seqs` ((ids, adapter) each), `done[i]` tokens in
+    the cache and the next `new[i]` run now; the logits of every token run."""
+    ids = torch.tensor([t for (toks, _), d, n in zip(seqs, done, new) for t in toks[d:d + n]],
+                       device=DEV)
+    slots = torch.tensor([SLOTS[a] if a else -1 for (_, a), n in zip(seqs, new)
+                          for _ in range(n)], dtype=torch.int32, device=DEV)
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(seqs))]
+    attn = make_attention_metadata(tables, done, new, BLOCK, DEV)
+    lora = LoRABatch(pool, slots, extras=extras)
+    hidden = model(ids, attn, kv, lora)
+    return model.compute_logits(hidden, lora, torch.arange(ids.shape[0], device=DEV))
+
+
+def test_mixed_forward_matches_peft(family):
+    """With the extras the step's slots need (as the runner passes them)."""
+    model_dir, adapters = family
+    gen = torch.Generator().manual_seed(5)
+    seqs = [(torch.randint(3, 250, (n,), generator=gen).tolist(), a)
+            for n, a in zip(LENGTHS, ROWS)]
+    model, pool = _engine_model(model_dir, adapters)
+    assert pool.extras_of(SLOTS[a] for a in ROWS if a) == (True, True, True)
+    assert pool.extras_of([SLOTS["plain"], -1]) == LoRAExtras()
+    chosen = pool.extras_of(SLOTS[a] if a else -1 for a in ROWS)
+    kv = model.make_kv_caches(4 * len(seqs), BLOCK)
+    with lora_kernel_path() as calls:
+        prefill = _step(model, pool, kv, seqs, [0] * len(seqs), [n - 1 for n in LENGTHS], chosen)
+        decode = _step(model, pool, kv, seqs, [n - 1 for n in LENGTHS], [1] * len(seqs), chosen)
+    at = 0
+    for i, ((toks, name), n) in enumerate(zip(seqs, LENGTHS)):
+        got = torch.cat([prefill[at:at + n - 1], decode[i:i + 1]]).cpu()
+        at += n - 1
+        want = _peft_logits(model_dir, adapters, name, toks)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4,
+                                   msg=lambda m: f"sequence {i} ({name}): {m}")
+    # the kernels ran: per layer every group's scale, the embedding once, lm_head once; per step
+    assert calls["scale_rows"] == 2 * 4 * model.cfg.num_layers
+    assert calls["add_embedding_lora"] == 2 and calls["add_lora"] >= 2 * 4 * 2 + 2
+
+
+def test_base_rows_and_plain_slots_get_no_extras(family):
+    """A step of base rows and a plain adapter only: with the step's extras (none) the
+    slot-indexed ops do not run; with LoRABatch's default (every extra the pool has
+    buffers for) they run and change nothing (factor 1, zero end LoRA on those slots)."""
+    model_dir, adapters = family
+    model, pool = _engine_model(model_dir, adapters)
+    seqs = [([5, 9, 11, 40], None), ([7, 3, 99], "plain")]
+    out = {}
+    for extras in (pool.extras_of([-1, SLOTS["plain"]]), None):
+        kv = model.make_kv_caches(8, BLOCK)
+        with lora_kernel_path() as calls:
+            out[extras] = _step(model, pool, kv, seqs, [0, 0], [4, 3], extras)
+        assert (calls["scale_rows"] > 0) == (extras is None)
+        assert (calls["add_embedding_lora"] > 0) == (extras is None)
+    none, forced = out.values()
+    torch.testing.assert_close(none, forced, atol=1e-6, rtol=0)
+
+
+def test_reload_as_plain_resets_the_extras(family):
+    """A DoRA / ends slot reloaded with a plain adapter: the host view drops it, and its
+    factors are 1 and its end weights zero again."""
+    model_dir, adapters = family
+    _, pool = _engine_model(model_dir, adapters)
+    cfg = ModelConfig.from_dir(model_dir)
+    for name in ("dora", "ends"):
+        pool.load(SLOTS[name], load_lora(adapters["plain"], cfg, 16))
+        assert pool.extras_of([SLOTS[name]]) == LoRAExtras()
+    assert all(torch.all(pool.dora_scale(0, g)[SLOTS["dora"]] == 1) for g in pool.groups)
+    for module in ("lm_head", "embed_tokens"):
+        a, b = pool.end_weights(module)
+        assert not a[SLOTS["ends"]].any() and not b[SLOTS["ends"]].any()
