@@ -43,6 +43,17 @@ def cluster(tmp_path_factory):
         c.close()
 
 
+@pytest.fixture(scope="module")
+def loaded(cluster):
+    """n0..n{N-1} loaded from f0..f{N-1}: by the first test already (then these loads are
+    no-ops), or here when a later test runs alone."""
+    async def go():
+        async with AsyncAdminClient(cluster.control_address) as admin:
+            for i in range(N):
+                await admin.load(f"n{i}", f"f{i}")
+    run(go())
+
+
 def engine_ids(cluster, settle_s: float = 10.0) -> dict[str, int]:
     """name -> id of the adapters the engine holds (not unloading), from an event sent
     after every command was acknowledged."""
@@ -72,7 +83,7 @@ def test_concurrent_loads_all_succeed_and_registry_and_engine_agree(cluster):
     assert engine_ids(cluster) == registry
 
 
-def test_versions_come_from_the_engine_read_and_survive_a_replay(cluster, tmp_path):
+def test_versions_come_from_the_engine_read_and_survive_a_replay(cluster, loaded):
     """A LoadAdapter of a new name does not read and hash the files in the control plane
     (the engine does, once): the version it records is the digest of the files, and an
     engine that restarts gets the loads replayed with it and accepts them."""
@@ -99,7 +110,7 @@ def test_versions_come_from_the_engine_read_and_survive_a_replay(cluster, tmp_pa
     assert run(listed()) == held
 
 
-def test_one_name_in_flight_many_times_stays_consistent(cluster):
+def test_one_name_in_flight_many_times_stays_consistent(cluster, loaded):
     """Loads of one name from two paths, pins, unloads and loads again, all at once with
     loads of other names: each call gets a precise answer, and afterwards the registry
     and the engine agree."""
