@@ -254,3 +254,15 @@ def _exited(pid: int) -> bool:
     """Our child `pid` has ended and waits to be reaped (left unreaped here). Not its
     state in /proc: a leader shows Z while its other threads still exit."""
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def test_children_started_ahead_serve_the_first_reads(files):
+    pool = make_pool(files["model"], processes=2)
+    try:
+        pool.start_in_background().join()
+        started = pool.pids()
+        assert len(started) == 2 and pool.num_idle == 2
+        pool.read(str(files["paths"]["a"]), None)
+        assert pool.pids() == started
+    finally:
+        pool.close()

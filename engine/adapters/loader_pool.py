@@ -24,37 +24,15 @@ exit with the engine (loader_process.py watches its parent).
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from engine.adapters.loader_wire import LoaderGone, decode_error, rebuild, recv, send, \
-    socket_pair
+from engine.adapters.loader_child import LoaderFailed, LoaderProcess, LoaderSpec
+from engine.adapters.loader_wire import decode_error, rebuild, send
 from engine.lora.host_buffers import HostBufferPool
 from loramux_core.errors import AdapterError
 
-_REPO = str(Path(__file__).resolve().parents[2])
-
-
-@dataclass(frozen=True)
-class LoaderSpec:
-    """What a loader process needs to read adapters as this rank would."""
-    model: str
-    max_lora_rank: int
-    dtype: str                      # torch dtype name
-    roots: tuple[str, ...] = ()     # adapter roots; empty: the path is its own root
-    tp_rank: int = 0
-    tp_size: int = 1
-    reference_path: bool = True     # the CPU reference path serves DoRA and end targets
-    threads: int = 1                # torch threads of the child
-
-
-class LoaderFailed(Exception):
-    """The child died or hung during a read (killed now); the message says which."""
+__all__ = ["LoaderFailed", "LoaderPool", "LoaderSpec"]
 
 
 class _Refused(Exception):
@@ -64,60 +42,6 @@ class _Refused(Exception):
     def __init__(self, error: Exception):
         super().__init__(str(error))
         self.error = error
-
-
-class LoaderProcess:
-    """One child and the engine's end of its socket."""
-
-    def __init__(self, spec: LoaderSpec, start_timeout_s: float):
-        mine, theirs = socket_pair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.adapters.loader_process", str(theirs.fileno()),
-             str(os.getpid())],
-            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
-        theirs.close()
-        self.sock = mine
-        try:
-            send(mine, {"op": "init", **asdict(spec)})
-            msg, _ = self.recv(time.monotonic() + start_timeout_s, "start")
-        except BaseException:
-            self.kill()
-            raise
-        if msg.get("op") != "ready":
-            self.kill()
-            raise LoaderFailed(f"the loader process did not start: {msg}")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def recv(self, deadline: float, what: str) -> tuple[dict, list[int]]:
-        """The child's next message; LoaderFailed (the child killed) when it died or said
-        nothing before `deadline`."""
-        try:
-            self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            return recv(self.sock)
-        except TimeoutError:
-            self.kill()
-            raise LoaderFailed(f"its loader process did not {what} in time and was "
-                               "stopped") from None
-        except (LoaderGone, OSError):
-            raise LoaderFailed(f"its loader process died ({self.kill()})") from None
-
-    @property
-    def alive(self) -> bool:
-        return self.sock.fileno() >= 0 and self.proc.poll() is None
-
-    def kill(self) -> str:
-        """Stop the child (if it still runs) and reap it; how it ended, in words."""
-        self.sock.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        code = self.proc.wait()
-        return (f"killed by {signal.Signals(-code).name}" if code < 0
-                else f"exit code {code}")
 
 
 class LoaderPool:
@@ -239,6 +163,18 @@ class LoaderPool:
             started.append(self._take())
         for proc in started:
             self._give_back(proc)
+
+    def start_in_background(self) -> threading.Thread:
+        """`start` on a daemon thread (a child that cannot start now is started, or its
+        failure reported, by the first read that needs it)."""
+        def run():
+            try:
+                self.start()
+            except Exception:  # noqa: BLE001 (see above)
+                pass
+        thread = threading.Thread(target=run, name="adapter-loaders-start", daemon=True)
+        thread.start()
+        return thread
 
     def _take(self) -> LoaderProcess:
         """An idle child, or a new one where fewer than `processes` run; waits for one

@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LoramuxError, argparse.ArgumentTypeError) as err:
         print(f"error: {config_error_message(str(err))}", file=sys.stderr)
         return 2
+    if engine.adapter_loaders is not None and engine.device.type == "cuda":
+        # the loaders import torch while kernels compile, not when the first adapter loads
+        engine.adapter_loaders.start_in_background()
     try:
         report = engine.warm_up()  # before the ready file: no request meets a compile
     except Exception as err:  # serving still works: kernels then compile on first use
