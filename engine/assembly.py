@@ -108,8 +108,7 @@ def adapter_loaders(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     """Loader processes that read as adapter_reader does, into `buffers` (shared);
     `fallback`: the in-process read, where no loader process can be started."""
     spec = LoaderSpec(config.model, config.max_lora_rank, config.dtype,
-                      tuple(config.adapter_roots), tp.rank, tp.size,
-                      reference_path=torch.device(config.device).type == "cpu")
+                      tuple(config.adapter_roots), tp.rank, tp.size)
     return LoaderPool(spec, buffers, lora_group_shapes(mc, tp.size), config.torch_dtype,
                       processes=config.adapter_loaders, fallback=fallback)
 
@@ -119,13 +118,11 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
     read inside the adapter roots, on the calling thread."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
-    # DoRA and lm_head/embed_tokens LoRA are served by the CPU reference path only
-    reference = torch.device(config.device).type == "cpu"
 
     def read(path: str, version: str | None):
         return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
                          roots=roots, expected_version=version, buffers=buffers,
-                         reference_path=reference, plan_cache=plans)
+                         plan_cache=plans)
     return read
 
 
@@ -134,10 +131,9 @@ def adapter_checker(config: EngineConfig, mc: ModelConfig,
     """(path, expected version) -> AdapterPlan: what adapter_reader's reads would refuse
     without reading the weights (engine/lora/weights.py check_lora)."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
-    reference = torch.device(config.device).type == "cpu"
 
     def check(path: str, version: str | None):
-        return check_lora(path, mc, config.max_lora_rank, roots, version, reference, plans)
+        return check_lora(path, mc, config.max_lora_rank, roots, version, plans)
     return check
 
 

@@ -1,10 +1,12 @@
 """CUDA graphs for decode on a real GPU (skipped without one): graph replays give the
 eager engine's tokens and logprobs (and HF + PEFT's tokens) for mixed adapter/base
-batches, and an adapter loaded into a slot after capture is served by the same graphs."""
+batches, and an adapter loaded into a slot after capture is served by the same graphs;
+DoRA and LoRA on lm_head / embed_tokens in the graphs keyed by them."""
 import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from tests.test_kernel_path_extras import engine_family  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -148,3 +150,28 @@ def test_sampled_and_top_logprob_rows_match_eager(llama_family):
     assert_same(got, eager.generate(prompts, params, adapters))
     assert got[1].top_logprobs and len(got[1].top_logprobs[0]) == 3
     assert (4, True, False, False) in graphs.runner.graphs._graphs
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy_graph", "sampler"])
+def test_dora_and_end_lora_graphs_match_eager_and_hf(engine_family, greedy):
+    """DoRA and LoRA on lm_head / embed_tokens beside a plain adapter and base rows: the
+    graphs keyed by those extras (captured when first needed, after start-up) give the
+    eager engine's tokens and logprobs and PEFT's tokens; `greedy`: lm_head's LoRA inside
+    the greedy graph, else after the hidden-state graph (top logprobs take the Sampler)."""
+    from tests.conftest import HFOracle
+    names = ["dora", "ends", "plain"]
+    graphs, eager = engine(engine_family, False, names), engine(engine_family, True, names)
+    params = GREEDY if greedy else SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                                  logprobs=True, top_logprobs=2)
+    prompts = prompts_of([5, 17, 1, 9, 30, 4], seed=6)
+    adapters = ["dora", None, "ends", "plain", "dora", "ends"]
+    got = graphs.generate(prompts, params, adapters)
+    assert_same(got, eager.generate(prompts, params, adapters))
+    refs = HFOracle(engine_family).generate_each(prompts, adapters, MAX_NEW)
+    for i, (g, (toks, _)) in enumerate(zip(got, refs)):
+        assert g.token_ids == toks, f"request {i}: tokens differ from PEFT's"
+    keys = graphs.runner.graphs.graph_keys
+    assert any(k.dora and k.head and k.embed and k.greedy == greedy for k in keys), keys
+    plain = graphs.generate(prompts[:2], params, ["plain", None])
+    assert_same(plain, eager.generate(prompts[:2], params, ["plain", None]))
+    assert any(k.lora and not (k.dora or k.head or k.embed) for k in graphs.runner.graphs.graph_keys)

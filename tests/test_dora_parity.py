@@ -2,8 +2,9 @@
 token: each DoRA slot's per-row magnitude factor is applied to its own tokens only, in a
 mixed batch with plain LoRA adapters and base requests. PEFT itself refuses mixed batches
 of DoRA adapters, so each request's reference runs alone with only its adapter active.
-Also: DoRA is refused clearly where it is not served (CUDA; without the base weights or,
-on row-parallel groups under tensor parallelism, without the ranks' all-reduce)."""
+Also: DoRA is refused clearly by a pool that cannot serve it (without the base weights
+or, on row-parallel groups under tensor parallelism, without the ranks' all-reduce). The
+kernel path (CUDA's): tests/test_kernel_path_extras.py, tests/test_cuda_graphs.py."""
 import pytest
 import torch
 
@@ -78,9 +79,6 @@ def _without_dora(src, dst):
 
 def test_refused_where_not_served(family, engine):
     cfg = engine.model_config
-    with pytest.raises(AdapterError) as err:
-        load_lora(family.adapters["dora8"], cfg, 64, reference_path=False)
-    assert err.value.feature == "use_dora" and "adapter_config.json" in str(err.value)
     one = load_lora(family.adapters["dora8"], cfg, 64)
     assert one.use_dora
     pool = LoRASlotPool(cfg, 2, 64)  # no base weights to take row norms of

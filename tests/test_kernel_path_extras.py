@@ -3,7 +3,8 @@ and the LoRA kernels, in Triton's interpreter on the CPU; natively on CUDA), aga
 transformers + PEFT: one forward pass of the engine's model over a mixed batch (a DoRA
 adapter, one with LoRA on both ends, a plain one and base rows) gives every sequence the
 logits PEFT gives it alone with its adapter, in the prefill and in the decode step after
-it; the pool's host-side view of what a step's slots need (LoRAExtras)."""
+it; the pool's host-side view of what a step's slots need (LoRAExtras); and the whole
+engine's greedy tokens on that path against PEFT's."""
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,10 @@ from engine.lora.pool import LoRAExtras
 from engine.model.batch import make_attention_metadata
 from engine.model.llama import LlamaForCausalLM
 from loramux_core.model.hf_config import ModelConfig
+from tests.conftest import HFOracle, TinyFamily
 from tests.support.kernel_path import lora_kernel_path
 from tests.support.tiny import AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model
+from tests.test_engine_parity import GREEDY, MAX_NEW, assert_matches, make_engine, prompts_of
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SPECS = {
@@ -132,3 +135,30 @@ def test_reload_as_plain_resets_the_extras(family):
     for module in ("lm_head", "embed_tokens"):
         a, b = pool.end_weights(module)
         assert not a[SLOTS["ends"]].any() and not b[SLOTS["ends"]].any()
+
+
+@pytest.fixture(scope="module")
+def engine_family(llama_family, tmp_path_factory):
+    root = tmp_path_factory.mktemp("extras_engine")
+    adapters = {name: make_adapter(root / name, llama_family.model_dir, spec, **extra)
+                for name, (spec, extra) in SPECS.items()}
+    return TinyFamily("llama", llama_family.model_dir, {**adapters,
+                                                       "rs4": llama_family.adapters["rs4"]})
+
+
+def test_engine_greedy_matches_peft_on_the_kernel_path(engine_family):
+    """The whole engine (prefill chunks, decode steps, the runner's extras) with every
+    LoRA op on the Triton kernels: greedy tokens and logprobs equal PEFT's, each request
+    run alone with its adapter, in one mixed batch of DoRA, both ends, plain adapters and
+    base requests."""
+    prompts = prompts_of([9, 1, 17, 5, 12, 3, 8], seed=21)
+    names = ["dora", None, "ends", "plain", "dora", "rs4", "ends"]
+    refs = HFOracle(engine_family).generate_each(prompts, names, MAX_NEW)
+    with lora_kernel_path() as calls:
+        eng = make_engine(engine_family)
+        try:
+            outs = eng.generate(prompts, GREEDY, names)
+        finally:
+            eng.close()
+    assert_matches(outs, refs)
+    assert calls["scale_rows"] and calls["add_embedding_lora"] and calls["add_lora"]

@@ -11,7 +11,7 @@ import torch
 from engine.model.batch import make_attention_metadata
 from loramux_core.model.hf_config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from tests.conftest import TEST_DEVICE, HFOracle, TinyFamily
+from tests.conftest import HFOracle, TinyFamily
 from tests.support.tiny import AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model
 from tests.test_engine_parity import GREEDY, MAX_NEW, assert_matches, make_engine, prompts_of
 
@@ -45,8 +45,6 @@ def family(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(family):
-    if TEST_DEVICE != "cpu":  # the CUDA engine: tests/test_cuda_moe.py
-        pytest.skip("DoRA and lm_head LoRA in this batch are served on the CPU path only")
     return make_engine(family)
 
 

@@ -7,7 +7,7 @@ row-parallel ones, whose row norms are summed across the ranks)."""
 import pytest
 
 from engine import Engine, EngineConfig
-from tests.conftest import TEST_DEVICE, TinyFamily
+from tests.conftest import TinyFamily
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 from tests.test_engine_parity import GREEDY, assert_matches, prompts_of
 from tests.test_moe_parity import EXPERTS, _oracle_each
@@ -43,8 +43,6 @@ def family(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(family):
-    if TEST_DEVICE != "cpu":
-        pytest.skip("DoRA and lm_head/embed_tokens LoRA are served on the CPU path only")
     eng = Engine(EngineConfig(model=str(family.model_dir), tp_size=2, device="cpu",
                               dtype="float32", max_loras=6, max_lora_rank=16, block_size=8,
                               num_kv_blocks=128, max_num_batched_tokens=32))

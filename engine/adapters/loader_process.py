@@ -80,8 +80,7 @@ def _reader(init: dict):
 
     def read(path: str, version: str | None, buffers):
         return load_lora(path, mc, init["max_lora_rank"], tp=tp, dtype=dtype, roots=roots,
-                         expected_version=version, buffers=buffers,
-                         reference_path=init["reference_path"], plan_cache=plans)
+                         expected_version=version, buffers=buffers, plan_cache=plans)
     return read, HostBufferPool().scratch
 
 

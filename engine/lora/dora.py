@@ -59,6 +59,10 @@ class PendingNorms:
         factors into `scales[key][slot]`."""
         order = [(slot, part) for slot in sorted(self._parts) for part in self._parts[slot]]
         total = all_reduce(torch.cat([sq for _, (_, _, sq, _) in order]))
+        for _, (_, _, sq, m) in order:
+            if sq.is_cuda:  # made on a load's stream, read on this one: not reused before
+                sq.record_stream(torch.cuda.current_stream(sq.device))
+                m.record_stream(torch.cuda.current_stream(m.device))
         at = 0
         for slot, (key, rows, sq, m) in order:
             n = sq.numel()

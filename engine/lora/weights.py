@@ -143,15 +143,13 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
               dtype: torch.dtype = torch.float32, roots=None,
               expected_version: str | None = None,
               buffers: HostBufferPool | None = None,
-              reference_path: bool = True, plan_cache: PlanCache | None = None) -> LoRAWeights:
+              plan_cache: PlanCache | None = None) -> LoRAWeights:
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors; below
     `roots` when given) into this rank's host layout, scaling folded into B, in a buffer
     from `buffers` (a private one when None). Raises AdapterError (feature, file) for
     anything that is not a plain LoRA fitting the model, or when the files' version is
-    not `expected_version`; nothing is kept on error. `reference_path`: the adapter is
-    served by the CPU reference path, which alone serves DoRA and LoRA on lm_head /
-    embed_tokens (refused otherwise). `plan_cache`: what earlier plans of this model
-    derived from identical config and header bytes (loramux_core/adapter/plan.py)."""
+    not `expected_version`; nothing is kept on error. `plan_cache`: what earlier plans of
+    this model derived from identical config and header bytes (loramux_core/adapter/plan.py)."""
     pool = buffers if buffers is not None else HostBufferPool()
     reads: list[HostBuffer] = []
 
@@ -160,7 +158,6 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
         return memoryview(reads[-1].data.numpy())
     try:
         plan = plan_adapter(path, model_cfg, max_lora_rank, roots, alloc, cache=plan_cache)
-        _check_served(plan, reference_path)
         # converted while the last chunks of the files still hash on other threads
         weights = weights_from_plan(plan, model_cfg, tp, dtype, pool)
         _check_version(plan, expected_version, path)
@@ -230,16 +227,15 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
 
 
 def check_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None,
-               expected_version: str | None = None, reference_path: bool = True,
+               expected_version: str | None = None,
                plan_cache: PlanCache | None = None) -> AdapterPlan:
     """What `load_lora` checks without reading the weights (config, header, shapes,
-    dtypes, file size, what this engine serves), for an adapter registered now and read
+    dtypes, file size), for an adapter registered now and read
     at its first use; the plan's fingerprint is its version until then. An
     `expected_version` that is a fingerprint must be this one (AdapterChangedError); a
     content version can only be checked by the read."""
     plan = plan_adapter(path, model_cfg, max_lora_rank, roots, header_only=True,
                         cache=plan_cache)
-    _check_served(plan, reference_path)
     if expected_version and expected_version.startswith(FINGERPRINT_PREFIX):
         _check_version(plan, expected_version, path)
     return plan
@@ -250,21 +246,6 @@ def _check_version(plan: AdapterPlan, expected: str | None, path) -> None:
         raise AdapterChangedError("adapter files changed since this version was validated "
                                   "or loaded; register or load the name again to serve them",
                                   file=str(path))
-
-
-def _check_served(plan: AdapterPlan, reference_path: bool) -> None:
-    """AdapterError for what only the CPU reference path serves, elsewhere."""
-    if plan.config.use_dora and not reference_path:
-        raise AdapterError("use_dora=true: DoRA adapters are served on the CPU only for "
-                           "now", feature="use_dora", file=plan.config.file)
-    _check_ends_served(plan, reference_path)
-
-
-def _check_ends_served(plan: AdapterPlan, served: bool) -> None:
-    for mp in plan.modules:
-        if mp.layer == END_GROUP and not served:
-            raise AdapterError(f"LoRA on {mp.module} is served on the CPU only for now",
-                               feature=mp.module, file=plan.config.file)
 
 
 def _end_weights(plan: AdapterPlan, dtype: torch.dtype) -> dict:
