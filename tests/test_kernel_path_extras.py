@@ -162,3 +162,51 @@ def test_engine_greedy_matches_peft_on_the_kernel_path(engine_family):
             eng.close()
     assert_matches(outs, refs)
     assert calls["scale_rows"] and calls["add_embedding_lora"] and calls["add_lora"]
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy_graph", "hidden_graph"])
+def test_graph_forward_matches_the_eager_step(family, greedy):
+    """What a decode graph captures (CudaGraphRunner._forward on its static buffers, a
+    padded bucket), run here without capture: its key carries the rows' extras, and its
+    greedy pick (lm_head LoRA inside), or its hidden states with the head's LoRA added
+    after it (`head_lora`), equal the eager step's on the same cache."""
+    from engine.cuda_graph import CudaGraphRunner, greedy_pick
+    from tests.test_cuda_graph_logic import _sched
+    model_dir, adapters = family
+    model, pool = _engine_model(model_dir, adapters)
+    gen = torch.Generator().manual_seed(8)
+    names = ["ends", None, "dora", "plain", "ends"]
+    rows = []
+    for i, (name, length) in enumerate(zip(names, [6, 3, 9, 5, 2])):
+        tokens = torch.randint(3, 250, (length,), generator=gen).tolist()
+        rows.append(_sched(f"r{i}", tokens, length - 1, 1, [2 * i, 2 * i + 1],
+                           SLOTS[name] if name else -1))
+    kv = model.make_kv_caches(16, BLOCK, device=DEV)
+    for k, v in kv:   # a random cache: every context token is "already computed"
+        k.normal_(generator=gen) if DEV == "cpu" else k.normal_()
+        v.normal_(generator=gen) if DEV == "cpu" else v.normal_()
+    graphs = CudaGraphRunner(model, kv, pool, BLOCK, max_batch=8, max_model_len=16,
+                             device=torch.device(DEV))
+    key = graphs.key_for(rows, greedy)
+    assert (key.bucket, key.lora, key.dora, key.head, key.embed) == (8, True, True, True, True)
+    ids = torch.tensor([s.request.all_token_ids[s.start] for s in rows], device=DEV)
+    slots = torch.tensor([s.slot for s in rows], dtype=torch.int32, device=DEV)
+    attn = make_attention_metadata([list(s.block_ids) for s in rows], [s.start for s in rows],
+                                   [1] * len(rows), BLOCK, DEV)
+    with lora_kernel_path() as calls:
+        lora = LoRABatch(pool, slots, extras=pool.extras_of(s.slot for s in rows))
+        logits = model.compute_logits(model(ids, attn, kv, lora), lora,
+                                      torch.arange(len(rows), device=DEV))
+        graphs.staging.fill(rows, key.bucket)
+        graphs.staging.upload()
+        out = graphs._forward(key)   # the same KV writes again: same values
+        if not greedy:
+            out = model.compute_logits(out[:len(rows)], graphs.head_lora(key))
+    assert calls["add_embedding_lora"] == 2
+    if greedy:
+        want = greedy_pick(logits)
+        assert torch.equal(out[0, :len(rows)], want[0])
+        torch.testing.assert_close(out[1, :len(rows)], want[1], atol=1e-5, rtol=0)
+    else:
+        torch.testing.assert_close(out, logits, atol=1e-5, rtol=1e-5)
+    assert graphs.head_lora(key._replace(head=False)) is None
