@@ -7,7 +7,9 @@ Modes: "base" (no adapter), "one" (one rank-16 adapter for every request, the en
 defaults), "one-split" (the same through the two-launch LoRA path), "one-launch" (through
 the one-launch kernel, kernels/lora_triton.py UNIFORM_ONE_LAUNCH), "one-ahead" (each
 group's shrink on a side stream beside its base matmul, engine/lora/batch.py
-SHRINK_AHEAD), "distinct" (one rank-16 adapter per request, on all seven projections).
+SHRINK_AHEAD), "distinct" (one rank-16 adapter per request, on all seven projections),
+"dora" (one rank-16 DoRA adapter for every request: the row factors after each group),
+"head" (one adapter with LoRA on lm_head too: the vocabulary-wide expand).
 --norm-shrink off,all,all+all runs every mode once per setting of engine/lora/batch.py
 FUSED_NORM_SHRINK (the q/k/v and gate/up shrinks inside the add + RMSNorm before them)
 and, after a "+", FUSED_SILU_SHRINK (down's inside the SiLU-and-multiply; without one:
@@ -176,17 +178,20 @@ def mixed_label(label: str, path: str) -> str:
     return label if path == "rule" else f"{label}/mp-{path}"
 
 
-def decode_graph(graphs, adapters: list[str | None]):
-    """The captured greedy decode graph that rows on `adapters` replay (None: none yet)."""
+def decode_graph(eng, adapters: list[str | None]):
+    """The captured greedy decode graph that rows on `adapters` replay (None: none yet),
+    looked up by the rows' own slots (the key's DoRA / lm_head bits depend on them)."""
     from engine.scheduler import ScheduledRequest
-    slot = {a: i for i, a in enumerate(dict.fromkeys(a for a in adapters if a is not None))}
-    sched = [ScheduledRequest(None, 0, 1, (), slot.get(a, -1), True) for a in adapters]
-    return graphs.graph_for(graphs.key_for(sched, greedy=True))
+    slot = {a: eng.slots.slot_of(eng.registry.resolve(a)) for a in set(adapters) if a}
+    sched = [ScheduledRequest(None, 0, 1, (), slot[a] if a else -1, True) for a in adapters]
+    return eng.runner.graphs.graph_for(eng.runner.graphs.key_for(sched, greedy=True))
 
 
 def mode_adapters(mode: str, b: int, names: list[str]) -> list[str | None]:
     return {"base": [None] * b, "one": [names[0]] * b, "one-split": [names[0]] * b,
-            "one-ahead": [names[0]] * b, "one-launch": [names[0]] * b, "distinct": names[:b], "d64": [names[i % 64] for i in range(b)]}[mode]
+            "one-ahead": [names[0]] * b, "one-launch": [names[0]] * b, "distinct": names[:b],
+            "d64": [names[i % 64] for i in range(b)], "dora": ["dora"] * b,
+            "head": ["head"] * b}[mode]
 
 
 def graph_replay_s(eng, adapters: list[str | None], reps: int = 20) -> float:
@@ -195,7 +200,7 @@ def graph_replay_s(eng, adapters: list[str | None], reps: int = 20) -> float:
     graphs = eng.runner.graphs
     if graphs is None:
         return float("nan")
-    graph = decode_graph(graphs, adapters)
+    graph = decode_graph(eng, adapters)
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -287,7 +292,9 @@ def main() -> None:
                          "one-ahead: the same through the two-launch, one-launch or "
                          "shrink-beside-the-matmul LoRA path; "
                          "distinct: one adapter per row; "
-                         "d64: 64 adapters round robin (4 rows each at batch 256)")
+                         "d64: 64 adapters round robin (4 rows each at batch 256); "
+                         "dora / head: one rank-16 DoRA adapter / one with LoRA on "
+                         "lm_head too, for all rows")
     ap.add_argument("--profile-batches", default="64",
                     help="batches whose decode graphs are profiled (empty: none)")
     ap.add_argument("--profile-modes", default="base,one,distinct",
@@ -347,6 +354,9 @@ def main() -> None:
     for i in range(max_b):
         names.append(f"bench{i}")
         eng.add_adapter(names[-1], str(adapter_dirs[i % len(adapter_dirs)]))
+    for extra in {"dora", "head"} & set(args.modes.split(",") + args.profile_modes.split(",")):
+        eng.add_adapter(extra, str(write_adapter(work / extra, model_dir, RANK, seed=9,
+                                                 **{extra: True})))
     cfg = LLAMA3_8B
     points = [(st, m, p) for st in settings for m in args.modes.split(",")
               for p in (paths if m in MIXED_MODES else ["rule"])]
@@ -423,7 +433,7 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[i
         while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
             eng.step()
         eng.step()
-        graph = decode_graph(eng.runner.graphs, adapters)
+        graph = decode_graph(eng, adapters)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):

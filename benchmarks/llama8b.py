@@ -47,25 +47,33 @@ def module_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def write_adapter(path: Path, model_dir: Path, rank: int = 16, seed: int = 0) -> Path:
-    """A random rank-`rank` LoRA adapter on all seven projections, in PEFT layout."""
+def write_adapter(path: Path, model_dir: Path, rank: int = 16, seed: int = 0,
+                  dora: bool = False, head: bool = False) -> Path:
+    """A random rank-`rank` LoRA adapter on all seven projections, in PEFT layout; `dora`:
+    a DoRA adapter (a magnitude vector per module, use_dora); `head`: LoRA on lm_head too."""
     from safetensors.torch import save_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for mod, (fin, fout) in module_shapes(cfg).items():
-            part = "self_attn" if mod.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{part}.{mod}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fin, generator=gen) * 0.01).bfloat16()
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(fout, rank, generator=gen) * 0.01).bfloat16()
+    shapes = {f"model.layers.{layer}.{'self_attn' if mod in TARGETS[:4] else 'mlp'}.{mod}": io
+              for layer in range(cfg["num_hidden_layers"])
+              for mod, io in module_shapes(cfg).items()}
+    if head:
+        shapes["lm_head"] = (cfg["hidden_size"], cfg["vocab_size"])
+    for name, (fin, fout) in shapes.items():
+        key = f"base_model.model.{name}"
+        tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fin, generator=gen) * 0.01).bfloat16()
+        tensors[f"{key}.lora_B.weight"] = (torch.randn(fout, rank, generator=gen) * 0.01).bfloat16()
+        if dora and name != "lm_head":
+            tensors[f"{key}.lora_magnitude_vector"] = (
+                1 + 0.1 * torch.rand(fout, generator=gen)).bfloat16()
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-        "target_modules": list(TARGETS), "bias": "none", "lora_dropout": 0.0,
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "target_modules": list(TARGETS) + ["lm_head"] * head, "bias": "none",
+        "lora_dropout": 0.0, "fan_in_fan_out": False, "use_rslora": False, "use_dora": dora,
         "modules_to_save": None, "base_model_name_or_path": str(model_dir),
     }, indent=2))
     return path
