@@ -4,7 +4,8 @@ transformers + PEFT: one forward pass of the engine's model over a mixed batch (
 adapter, one with LoRA on both ends, a plain one and base rows) gives every sequence the
 logits PEFT gives it alone with its adapter, in the prefill and in the decode step after
 it; the pool's host-side view of what a step's slots need (LoRAExtras); and the whole
-engine's greedy tokens on that path against PEFT's."""
+engine's greedy tokens on that path against PEFT's; what a decode graph captures; two
+tensor-parallel ranks."""
 from __future__ import annotations
 
 import pytest
@@ -210,3 +211,42 @@ def test_graph_forward_matches_the_eager_step(family, greedy):
     else:
         torch.testing.assert_close(out, logits, atol=1e-5, rtol=1e-5)
     assert graphs.head_lora(key._replace(head=False)) is None
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="two gloo ranks as threads: the CPU (on CUDA: "
+                    "tests/test_moe_tp.py with LORAMUX_TEST_DEVICE=cuda on two GPUs)")
+def test_two_ranks_match_peft(family):
+    """Tensor parallelism on the kernel path, two gloo ranks: DoRA on column-parallel
+    groups (whole rows on a rank) and on row-parallel ones (o, down: the ranks' partial
+    row norms summed by the all-reduce the first LoRA step settles), lm_head and
+    embed_tokens LoRA (replicated on both ranks); every rank's logits equal PEFT's."""
+    from engine.parallel import TPGroup
+    from tests.support.ranks import two_ranks
+    model_dir, adapters = family
+    cfg = ModelConfig.from_dir(model_dir)
+    gen = torch.Generator().manual_seed(6)
+    seqs = [(torch.randint(3, 250, (n,), generator=gen).tolist(), a)
+            for n, a in zip(LENGTHS, ROWS)]
+
+    def rank(r, groups):
+        tp = groups.tp
+        model = LlamaForCausalLM(cfg, tp=tp)
+        model.load_weights(model_dir)
+        pool = LoRASlotPool(cfg, max_loras=4, max_lora_rank=16, tp_size=2,
+                            base_weight=model.lora_base_weight, all_reduce=tp.all_reduce)
+        for name, slot in SLOTS.items():
+            pool.load(slot, load_lora(adapters[name], cfg, 16, tp=TPGroup(tp.rank, 2, None)))
+        kv = model.make_kv_caches(4 * len(seqs), BLOCK)
+        extras = pool.extras_of(SLOTS[a] if a else -1 for a in ROWS)
+        return _step(model, pool, kv, seqs, [0] * len(seqs), LENGTHS, extras)
+
+    with lora_kernel_path() as calls:
+        out = two_ranks(rank, timeout_s=300)
+    assert calls["scale_rows"] and calls["add_embedding_lora"] == 2
+    at = 0
+    for i, ((toks, name), n) in enumerate(zip(seqs, LENGTHS)):
+        want = _peft_logits(model_dir, adapters, name, toks)
+        for r in (0, 1):
+            torch.testing.assert_close(out[r][at:at + n], want, atol=2e-4, rtol=2e-4,
+                                       msg=lambda m: f"rank {r} sequence {i} ({name}): {m}")
+        at += n

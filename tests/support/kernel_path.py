@@ -1,14 +1,18 @@
 """The LoRA kernel path (the one CUDA takes) on the CPU: kernels.lora sends CPU tensors to
 the torch references; inside `lora_kernel_path()` it sends them to the Triton kernels,
 which run in Triton's interpreter there (tests/conftest.py sets TRITON_INTERPRET).
-`KernelCalls` counts the launches of the slot-indexed ops, so a test can tell that the
-kernels ran, not only that the result was right."""
+The launches of the slot-indexed ops are counted, so a test can tell that the kernels
+ran, not only that the result was right. Triton's interpreter keeps the running
+program's grid position in shared state: two threads (tensor-parallel ranks as threads,
+tests/support/ranks.py) take turns per launch there."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 
 import pytest
+import torch
 
 OPS = ("scale_rows", "add_embedding_lora")
 
@@ -31,4 +35,16 @@ def lora_kernel_path():
         for name in OPS:
             mp.setattr(slot_rows_triton, name, counted(name, getattr(slot_rows_triton, name)))
         mp.setattr(lora_triton, "add_lora", counted("add_lora", lora_triton.add_lora))
+        if not torch.cuda.is_available():
+            _one_launch_at_a_time(mp)
         yield calls
+
+
+def _one_launch_at_a_time(mp) -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+    lock, run = threading.Lock(), InterpretedFunction.run
+
+    def locked(self, *args, **kwargs):
+        with lock:
+            return run(self, *args, **kwargs)
+    mp.setattr(InterpretedFunction, "run", locked)
