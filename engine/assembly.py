@@ -10,6 +10,7 @@ and host-copy drop is mirrored to them by adapter id.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
 from engine.lora.weights import check_lora
 from loramux_core.adapter.plan import PlanCache
-from engine.lora.host_buffers import HostBufferPool
+from engine.lora.host_buffers import HostBufferPool, shared_memory_pins
 from engine.model.dummy import init_dummy_weights
 from engine.model.build import build_model
 from loramux_core.model.hf_config import ModelConfig
@@ -91,16 +92,26 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     # spare made ahead, so adding an adapter of a shape already seen does not wait for
     # the driver to pin its buffer
     assert config.adapter_loaders is not None, "adapter_loaders not resolved (engine/resolve.py)"
-    buffers = HostBufferPool(pin=device.type == "cuda", spares=1,
-                             shared=config.adapter_loaders > 0)
+    use_loaders = config.adapter_loaders > 0 and loaders_can_pin(device)
+    buffers = HostBufferPool(pin=device.type == "cuda", spares=1, shared=use_loaders)
     plans = PlanCache()  # adapters of one shape share their header's analysis
     read = adapter_reader(config, mc, tp, buffers, plans)
     loaders = None
-    if config.adapter_loaders > 0:
+    if use_loaders:
         loaders = adapter_loaders(config, mc, tp, buffers, fallback=read)
         read = loaders.read
     return ModelParts(model, lora_pool, blocks, runner, read,
                       adapter_checker(config, mc, plans), loaders)
+
+
+def loaders_can_pin(device: torch.device) -> bool:
+    """On CUDA, loader processes only where their shared buffers can be page-locked (else
+    the engine reads adapters itself, with a line on stderr saying so)."""
+    if device.type != "cuda" or shared_memory_pins():
+        return True
+    print("engine: shared host memory cannot be page-locked on this machine; adapters are "
+          "read in the engine process (adapter_loaders=0)", file=sys.stderr, flush=True)
+    return False
 
 
 def adapter_loaders(config: EngineConfig, mc: ModelConfig, tp: TPGroup,

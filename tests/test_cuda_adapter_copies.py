@@ -2,7 +2,7 @@
 kernel still reads the slot (noted with note_reads) does not change what that kernel
 reads, a read ordered after the copy's event sees the whole new adapter, and a copy into
 another slot does not wait for that kernel; host buffers are page-locked and
-reused only once the copies reading them completed."""
+reused only once the copies reading them completed; shared-memory ones are page-locked too."""
 import gc
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 
 from engine.adapters.copier import StreamCopier
 from engine.lora import LoRASlotPool, load_lora
-from engine.lora.host_buffers import HostBufferPool
+from engine.lora.host_buffers import HostBufferPool, shared_memory_pins
 from loramux_core.model.hf_config import ModelConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -84,3 +84,16 @@ def test_host_buffers_are_pinned_and_reused_after_the_copy(llama_family):
     copier.wait(handle)
     again = load_lora(llama_family.adapters["rs4"], cfg, 32, buffers=buffers)
     assert again.buffer.data.data_ptr() == ptr and buffers.num_reuses == 1
+
+
+def test_shared_host_buffers_are_pinned():
+    """Loader processes write into shared-memory buffers; the driver must page-lock them
+    (else slot loads copy synchronously and the engine falls back to in-process reads)."""
+    assert shared_memory_pins()
+    buffers = HostBufferPool(pin=True, shared=True)
+    buf = buffers.acquire(84 << 20)
+    buffers.wait_registered()
+    assert buf.shared is not None and buf.pinned
+    buf.data.fill_(7)
+    dev = buf.data.to("cuda", non_blocking=True)
+    assert int(dev[-1]) == 7

@@ -240,6 +240,18 @@ class HostBufferPool:
         wait(pending)
 
 
+def shared_memory_pins() -> bool:
+    """Whether this machine's driver page-locks shared memory (cudaHostRegister of an
+    anonymous shared mapping). Loader processes write into such buffers; where they could
+    not be page-locked, every slot load would copy synchronously, so the engine reads in
+    its own process instead (engine/assembly.py)."""
+    pool = HostBufferPool(pin=True, shared=True)
+    buf = pool.acquire(1 << 20)
+    pool.wait_registered()
+    pinned = buf.pinned
+    pool.close()
+    return pinned
+
 def _aligned(size: int) -> torch.Tensor:
     raw = torch.empty(size + _ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % _ALIGN
