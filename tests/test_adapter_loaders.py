@@ -6,6 +6,7 @@ it was doing and is replaced; shared memory goes back when host copies go; the c
 die with the engine. Real files (tests/support/tiny.py), real processes."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -177,77 +178,73 @@ def _read_in_thread(pool, path, **kw):
     return t, out
 
 
-def test_a_child_that_dies_fails_only_its_read_and_is_replaced(files):
-    paths = files["paths"]
-    pool = make_pool(files["model"], processes=1)
+@contextlib.contextmanager
+def _pool_with_signalled_child(files, processes: int, sig: int):
+    """A pool of `processes` children whose first, once it made a read, got `sig`
+    (SIGSTOP: it takes the next read and never answers; SIGKILL: it died idle).
+    Yields (pool, that child's pid)."""
+    pool = make_pool(files["model"], processes=processes)
     try:
-        pool.read(str(paths["a"]), None)
-        (victim,) = pool.pids()
-        os.kill(victim, signal.SIGSTOP)   # it takes the next read and never answers
-        t, out = _read_in_thread(pool, str(paths["b"]))
-        os.kill(victim, signal.SIGKILL)
-        t.join()
-        err = out["error"]
-        assert isinstance(err, AdapterError) and err.feature == "loader_process"
-        assert "died" in str(err) and str(paths["b"]) in str(err)
-        assert pool.num_replaced == 1
-        w = pool.read(str(paths["b"]), None)   # a fresh child
-        assert pool.pids() != [victim] and w.version
+        pool.read(str(files["paths"]["a"]), None)
+        (child,) = pool.pids()
+        os.kill(child, sig)
+        yield pool, child
     finally:
         pool.close()
+
+
+def _failed_read(t, out) -> AdapterError:
+    """The error of the read on thread `t` (_read_in_thread), once it ended: the pool's
+    own, not the adapter's."""
+    t.join()
+    err = out["error"]
+    assert isinstance(err, AdapterError) and err.feature == "loader_process"
+    return err
+
+
+def test_a_child_that_dies_fails_only_its_read_and_is_replaced(files):
+    b = str(files["paths"]["b"])
+    # the stopped child takes the next read and never answers
+    with _pool_with_signalled_child(files, 1, signal.SIGSTOP) as (pool, victim):
+        t, out = _read_in_thread(pool, b)
+        os.kill(victim, signal.SIGKILL)
+        err = _failed_read(t, out)
+        assert "died" in str(err) and b in str(err)
+        assert pool.num_replaced == 1
+        w = pool.read(b, None)   # a fresh child
+        assert pool.pids() != [victim] and w.version
 
 
 def test_a_child_that_hangs_is_stopped_and_others_serve_meanwhile(files):
-    paths = files["paths"]
-    pool = make_pool(files["model"], processes=2)
-    try:
-        pool.read(str(paths["a"]), None)
-        (stuck,) = pool.pids()
-        os.kill(stuck, signal.SIGSTOP)
-        t, out = _read_in_thread(pool, str(paths["b"]), timeout_s=1.0)
-        t.join()
-        err = out["error"]
-        assert isinstance(err, AdapterError) and err.feature == "loader_process"
-        assert "in time" in str(err)
+    b = files["paths"]["b"]
+    with _pool_with_signalled_child(files, 2, signal.SIGSTOP) as (pool, stuck):
+        t, out = _read_in_thread(pool, str(b), timeout_s=1.0)
+        assert "in time" in str(_failed_read(t, out))
         assert stuck not in pool.pids() and pool.num_replaced == 1
         with pytest.raises(ProcessLookupError):   # killed and reaped
             os.kill(stuck, 0)
-        assert_same(pool.read(str(paths["b"]), None),
-                    load_lora(paths["b"], ModelConfig.from_dir(files["model"]), RANK))
-    finally:
-        pool.close()
+        assert_same(pool.read(str(b), None),
+                    load_lora(b, ModelConfig.from_dir(files["model"]), RANK))
 
 
 def test_a_stuck_child_holds_up_no_other_read(files):
     paths = files["paths"]
-    pool = make_pool(files["model"], processes=2)
-    try:
-        pool.read(str(paths["a"]), None)
-        (stuck,) = pool.pids()
-        os.kill(stuck, signal.SIGSTOP)
+    with _pool_with_signalled_child(files, 2, signal.SIGSTOP) as (pool, stuck):
         t, out = _read_in_thread(pool, str(paths["b"]))  # waits on the stopped child
         w = pool.read(str(paths["mixed"]), None)          # a second child serves this one
         assert w.version and "weights" not in out and "error" not in out
         os.kill(stuck, signal.SIGCONT)
         t.join()
         assert out["weights"].version
-    finally:
-        pool.close()
 
 
 def test_a_child_that_died_idle_is_replaced_not_handed_out(files):
-    pool = make_pool(files["model"], processes=1)
-    try:
-        pool.read(str(files["paths"]["a"]), None)
-        (dead,) = pool.pids()
-        os.kill(dead, signal.SIGKILL)
+    with _pool_with_signalled_child(files, 1, signal.SIGKILL) as (pool, dead):
         deadline = time.monotonic() + 120
         while not _exited(dead) and time.monotonic() < deadline:
             time.sleep(0.01)  # until it is gone (a condition, not a delay)
         assert pool.read(str(files["paths"]["b"]), None).version  # a fresh child read it
         assert pool.pids() != [dead] and pool.num_replaced == 1
-    finally:
-        pool.close()
 
 
 def _exited(pid: int) -> bool:
