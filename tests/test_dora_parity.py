@@ -94,3 +94,31 @@ def test_refused_where_not_served(family, engine):
     with pytest.raises(AdapterError) as err:
         pool.load(0, two)
     assert err.value.feature == "use_dora" and not pool.dora_slots
+
+
+def test_factors_in_row_chunks(monkeypatch):
+    """The row norms are taken CHUNK_ROWS rows of W + B·A at a time (a bounded temporary
+    on the device): any chunking gives m / ||W + B·A|| per row, for whole rows and for the
+    ranks' partial sums of squares alike."""
+    from types import SimpleNamespace
+
+    from engine.lora import dora
+    g = torch.Generator().manual_seed(4)
+    widths, K, R = (7, 5), 6, 3
+    N = sum(widths)
+    gw = SimpleNamespace(a=torch.randn(2, R, K, generator=g), b=torch.randn(N, R, generator=g),
+                         magnitude=torch.rand(N, generator=g) + 0.5, slice_ranks=(3, 2))
+    gw.b[widths[0]:, 2:] = 0
+    gw.a[1, 2:] = 0
+    base, shape = torch.randn(N, K, generator=g), SimpleNamespace(out_features=widths)
+    full = torch.cat([base[:7] + gw.b[:7] @ gw.a[0], base[7:] + gw.b[7:] @ gw.a[1]])
+    want = gw.magnitude / torch.linalg.norm(full, dim=1)
+    for chunk in (2048, 3, 1):
+        monkeypatch.setattr(dora, "CHUNK_ROWS", chunk)
+        out = torch.zeros(N)
+        dora.write_factors(out, gw, base, shape)
+        torch.testing.assert_close(out, want)
+        pending, scales = dora.PendingNorms(), {"k": torch.ones(2, N)}
+        pending.add(1, "k", gw, base, shape)
+        pending.settle(lambda t: t, scales)
+        torch.testing.assert_close(scales["k"][1], want)

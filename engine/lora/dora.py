@@ -25,15 +25,26 @@ def _slices(gw, shape):
         offset += width
 
 
-def _rows(gw, base: torch.Tensor, s: int, r: int, rows: slice) -> torch.Tensor:
-    return base[rows].float() + gw.b[rows, :r].float() @ gw.a[s, :r].float()
+CHUNK_ROWS = 2048   # rows of W + B·A held at once in float32 (a bounded temporary on a
+                    # GPU whose memory the KV cache fills: 64 MB at an input width of 8K)
+
+
+def _sq_norms(gw, base: torch.Tensor, s: int, r: int, rows: slice) -> torch.Tensor:
+    """Sum of squares of each row of (W + B·A)[rows] (this rank's columns), in float32,
+    CHUNK_ROWS rows at a time."""
+    parts = []
+    for lo in range(rows.start, rows.stop, CHUNK_ROWS):
+        part = slice(lo, min(lo + CHUNK_ROWS, rows.stop))
+        full = base[part].float() + gw.b[part, :r].float() @ gw.a[s, :r].float()
+        parts.append(full.square().sum(dim=1))
+    return torch.cat(parts)
 
 
 def write_factors(out: torch.Tensor, gw, base: torch.Tensor, shape) -> None:
     """out[rows of each wrapped slice] = magnitude / row norm of (W + B·A), in float32
     (whole rows: a column-parallel group, or any group at TP = 1)."""
     for s, r, rows in _slices(gw, shape):
-        norm = torch.linalg.norm(_rows(gw, base, s, r, rows), dim=1)
+        norm = _sq_norms(gw, base, s, r, rows).sqrt()
         out[rows] = (gw.magnitude[rows].float() / norm).to(out.dtype)
 
 
@@ -48,7 +59,7 @@ class PendingNorms:
 
     def add(self, slot: int, key, gw, base: torch.Tensor, shape) -> None:
         for s, r, rows in _slices(gw, shape):
-            sq = _rows(gw, base, s, r, rows).square().sum(dim=1)
+            sq = _sq_norms(gw, base, s, r, rows)
             self._parts.setdefault(slot, []).append((key, rows, sq, gw.magnitude[rows]))
 
     def drop(self, slot: int) -> None:
