@@ -32,6 +32,19 @@ def _slots(case: str, T: int, L: int, g: torch.Generator) -> torch.Tensor:
             "mixed": torch.randint(-1, L, (T,), generator=g)}[case].to(DEV)
 
 
+def _check_expand(shrunk, a, b, ts, offsets, y, lora_in, tol):
+    """The expand that finishes a fused shrink (expand_fused_shrunk) adds to y what
+    add_lora_ref adds for the layer input `lora_in` (the reference norm's or activation's
+    output), nothing to base rows, and something that shows when any row has an adapter."""
+    with_slot = ts >= 0
+    got = expand_fused_shrunk(shrunk, b, y.clone(), build_meta(ts, a.shape[0]))
+    want = add_lora_ref(y.clone(), lora_in, a, b, ts, offsets)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[~with_slot], y[~with_slot]), "base rows must get nothing"
+    if with_slot.any():
+        assert (want - y).abs().max() > 0.1, "the adapters really contribute"
+
+
 def _check(T, N, S, R, ranks, case, dtype, has_add=True, splits=None, seed=0, uniform=None):
     """uniform: the hint (row blocks or one row per shrink program); default: whether the
     case has one adapter."""
@@ -55,12 +68,7 @@ def _check(T, N, S, R, ranks, case, dtype, has_add=True, splits=None, seed=0, un
     with_slot = ts >= 0
     h = shrunk.hp.sum(0) * shrunk.rstd[None, :, None]
     torch.testing.assert_close(h[:, with_slot], want_h[:, with_slot], **tol)
-    got = expand_fused_shrunk(shrunk, b, y.clone(), build_meta(ts, len(ranks)))
-    want = add_lora_ref(y.clone(), want_out, a, b, ts, offsets)
-    torch.testing.assert_close(got, want, **tol)
-    assert torch.equal(got[~with_slot], y[~with_slot]), "base rows must get nothing"
-    if with_slot.any():
-        assert (want - y).abs().max() > 0.1, "the adapters really contribute"
+    _check_expand(shrunk, a, b, ts, offsets, y, want_out, tol)
 
 
 def test_kernels_run_in_the_expected_mode():
@@ -146,12 +154,7 @@ def _check_silu(T, I, R, ranks, case, dtype, splits=None, seed=0, uniform=None):
     torch.testing.assert_close(out, want_out, **tol)
     with_slot = ts >= 0
     torch.testing.assert_close(shrunk.hp.sum(0)[:, with_slot], want_h[:, with_slot], **tol)
-    got = expand_fused_shrunk(shrunk, b, y.clone(), build_meta(ts, len(ranks)))
-    want = add_lora_ref(y.clone(), want_out, a, b, ts, offsets)
-    torch.testing.assert_close(got, want, **tol)
-    assert torch.equal(got[~with_slot], y[~with_slot]), "base rows must get nothing"
-    if with_slot.any():
-        assert (want - y).abs().max() > 0.1, "the adapters really contribute"
+    _check_expand(shrunk, a, b, ts, offsets, y, want_out, tol)
 
 
 def test_silu_kernels_run_in_the_expected_mode():
