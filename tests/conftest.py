@@ -17,7 +17,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.support.tiny import PAD_ID, AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model
+from loramux_core.tokenizer import Tokenizer
+from tests.support.tiny import (PAD_ID, AdapterSpec, TinySpec, build_tokenizer,
+                                load_hf_model, make_adapter, make_model, write_json)
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 # name -> spec: different ranks; rslora; alpha_pattern (and rank_pattern); attention only
@@ -114,6 +116,15 @@ class HFOracle:
             lps = [logprobs[i, t, tok].item() for t, tok in enumerate(toks)]
             results.append((toks, lps))
         return results
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory) -> Tokenizer:
+    """The tiny tokenizer alone (no model files), <s> and </s> its BOS and EOS."""
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save(str(d / "tokenizer.json"))
+    write_json(d / "tokenizer_config.json", {"bos_token": "<s>", "eos_token": "</s>"})
+    return Tokenizer.from_dir(d)
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,6 @@ import random
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer
-from loramux_core.tokenizer import Tokenizer
-from tests.support.tiny import build_tokenizer, write_json
 
 TEXTS = [
     "héllo wörld, ça va? naïve café.",
@@ -17,14 +15,6 @@ TEXTS = [
     "the quick brown fox jumps over the lazy dog. 🚀 é 你好",
     "mixed: a🙂b你c é",
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    d = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save(str(d / "tokenizer.json"))
-    write_json(d / "tokenizer_config.json", {"bos_token": "<s>", "eos_token": "</s>"})
-    return Tokenizer.from_dir(d)
 
 
 def stream(tok, prompt, ids, chunk_sizes=None, **kw):

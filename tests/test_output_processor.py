@@ -9,18 +9,8 @@ from engine.outputs import FinishReason
 from engine.request import Request
 from engine.scheduler import Sampled
 from loramux_core.sampling import SamplingParams
-from loramux_core.tokenizer import Tokenizer
-from tests.support.tiny import build_tokenizer, write_json
 
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    d = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save(str(d / "tokenizer.json"))
-    write_json(d / "tokenizer_config.json", {"bos_token": "<s>", "eos_token": "</s>"})
-    return Tokenizer.from_dir(d)
 
 
 def request(prompt, **params) -> Request:

@@ -21,7 +21,6 @@ from loramux.client import Completion
 from loramux_core.sampling import SamplingParams
 from loramux_core.tokenizer import Tokenizer
 from services.gateway.openai_responses import Choice
-from tests.support.tiny import build_tokenizer, write_json
 
 TEXT = "héllo wörld, ça va? 🙂🚀 the quick brown fox jumps over the lazy dog. " * 60
 
@@ -59,14 +58,6 @@ class CountingTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._counter.str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    d = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save(str(d / "tokenizer.json"))
-    write_json(d / "tokenizer_config.json", {"bos_token": "<s>", "eos_token": "</s>"})
-    return Tokenizer.from_dir(d)
 
 
 @pytest.fixture(scope="module")
