@@ -5,7 +5,10 @@ configured limits can reach, before the engine serves, so that the first request
 What a step can look like is bounded by the config:
 - A decode step of n <= max_num_seqs sequences replays the graph of its bucket, keyed
   (bucket, lora, greedy, uniform, spread) (engine/cuda_graph.py GraphKey): `graph_keys`
-  lists every key some batch can reach and every one is captured.
+  lists every key some batch can reach and every one is captured. Not the keys of rows
+  on DoRA adapters or adapters with lm_head / embed_tokens LoRA (GraphKey dora, head,
+  embed): their buffers exist only from the first such adapter's load, so such a graph
+  (and the kernels it alone launches) is captured when a step first needs it.
 - Any other step (prefill, mixed, decode with CUDA graphs off) runs eagerly over
   T <= max_num_batched_tokens tokens of s <= max_num_seqs sequences, with or without
   adapters. A kernel variant is a function of (T, s, context length) through the
