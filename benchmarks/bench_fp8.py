@@ -22,7 +22,6 @@ FP8 tensor cores).
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import count_launches, time_do_bench  # noqa: E402
+from benchmarks.common import count_launches, time_do_bench, write_csv  # noqa: E402
 from benchmarks.llama8b import write_model_dir  # noqa: E402
 from engine.model.batch import make_attention_metadata  # noqa: E402
 from engine.model.dummy import init_dummy_weights  # noqa: E402
@@ -140,13 +139,6 @@ def model_rows(layers: int, work: Path) -> list[dict]:
                                                                              logits["bf16"]),
                          top1_agree=1.0 if name == "bf16" else agree))
     return rows
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def main() -> None:

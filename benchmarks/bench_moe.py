@@ -20,14 +20,13 @@ requests, and 4 such adapters spread over the requests: tokens/s and ms per step
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import copy_bandwidth, count_launches, time_do_bench  # noqa: E402
+from benchmarks.common import copy_bandwidth, count_launches, time_do_bench, write_csv  # noqa: E402
 from kernels import moe, moe_triton  # noqa: E402
 from kernels.moe_ref import route_ref  # noqa: E402
 
@@ -110,10 +109,7 @@ def run(out_dir: Path, quick: bool) -> list[dict]:
                          floor_us=floor * 1e6, pct_of_floor=100 * floor / t_triton,
                          rel_err=max(err, lora_err)))
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "moe.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out_dir / "moe.csv", rows)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}; kernels "
           f"launched per call at {rows[0]['tokens']} token(s): {launches[0]}, with LoRA "
           f"{launches[1]}")
@@ -176,10 +172,7 @@ def engine_rows(out_dir: Path, batches: list[int], steps: int = 20, prompt_len: 
             rows.append(dict(batch=b, mode=mode, step_ms=t["step"] * 1e3,
                              tokens_per_s=b / t["step"], gpu_ms=t["gpu"] * 1e3))
     eng.close()
-    with open(out_dir / "engine.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out_dir / "engine.csv", rows)
     print(f"{'batch':>5} {'adapters':>8} {'ms/step':>8} {'tokens/s':>9} {'graph ms':>9}")
     for r in rows:
         print(f"{r['batch']:>5} {r['mode']:>8} {r['step_ms']:>8.2f} {r['tokens_per_s']:>9.0f} "

@@ -18,14 +18,13 @@ times the fused path's launch parameters (warps, K step, K split) on one-adapter
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import count_launches, rotating_sets, time_graph  # noqa: E402
+from benchmarks.common import count_launches, rotating_sets, time_graph, write_csv  # noqa: E402
 
 HIDDEN, KV, INTER, RANK, EPS = 4096, 1024, 14336, 16, 1e-5
 GROUPS = {"qkv": (HIDDEN, KV, KV), "gate_up": (INTER, INTER), "down": (HIDDEN,)}
@@ -159,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{group:8s} {mapping:8s} T={T:4d}: separate {r['separate_us']:6.1f} us "
                       f"({r['separate_launches']}) fused {r['fused_us']:6.1f} us "
                       f"({r['fused_launches']})", flush=True)
-    with open(args.out / "norm_shrink.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out / "norm_shrink.csv", rows)
     print("\n| group | mapping | tokens | separate us (launches) | fused us (launches) | "
           "saved us |\n|---|---|---|---|---|---|")
     for r in rows:
@@ -171,10 +167,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['saved_us']:.1f} |")
     if args.sweep:
         found = [r for group in GROUPS for T in (1, 16, 64) for r in sweep(group, T)]
-        with open(args.out / "norm_shrink_sweep.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(found[0]))
-            w.writeheader()
-            w.writerows(found)
+        write_csv(args.out / "norm_shrink_sweep.csv", found)
     return 0
 
 

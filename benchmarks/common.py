@@ -3,6 +3,7 @@ CUDA-graph timing over rotating buffer sets (so a 50 MB L2 cannot flatter small 
 and launch counting. Everything here needs CUDA except the pure arithmetic."""
 from __future__ import annotations
 
+import csv
 import statistics
 from pathlib import Path
 from typing import Callable, Sequence
@@ -108,6 +109,14 @@ def report(out: str | None, name: str, result: dict, row: dict[str, str]) -> Non
     print("\n| " + " | ".join(row) + " |")
     print("|" + "---|" * len(row))
     print("| " + " | ".join(row.values()) + " |")
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """`rows` (dicts of the same keys; the first's order gives the columns) as a CSV file."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
 
 
 class TeeLog:

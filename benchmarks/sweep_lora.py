@@ -13,7 +13,6 @@ default choice (kernels/lora_token_triton.py) and the best candidate with their 
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_kernels import (BF16, Case, expand_floor_bytes, layer_groups,  # noqa: E402
                                       make_set, rotating_sets, shrink_floor_bytes)
-from benchmarks.common import copy_bandwidth, floor_seconds, time_graph  # noqa: E402
+from benchmarks.common import copy_bandwidth, floor_seconds, time_graph, write_csv  # noqa: E402
 
 POINTS = [(1, 1), (16, 1), (64, 1), (64, 64)]
 SPLITS = [1, 2, 4, 8, 16, 28, 32]
@@ -97,10 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                     if d else "not in grid")
             print(f"| {group} | {T} | {L} | {dtxt} | ({b['split_k']}, {b['n_chunks']}) "
                   f"{b['us']:.1f} {b['pct_floor']:.0f}% |", flush=True)
-    with open(args.out / "sweep.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out / "sweep.csv", rows)
     return 0
 
 

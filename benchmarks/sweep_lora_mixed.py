@@ -18,7 +18,6 @@ to paste into TABLE (path "tokens" where the token kernels were faster). Needs C
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_kernels import (BF16, _token_kernels, expand_floor_bytes,  # noqa: E402
                                       layer_groups, shrink_floor_bytes)
 from benchmarks.common import (copy_bandwidth, floor_seconds, rotating_sets,  # noqa: E402
-                               time_graph)
+                               time_graph, write_csv)
 
 TOKENS = [256, 128, 64]
 ADAPTERS = 64
@@ -216,10 +215,7 @@ def sweep(out: Path, budget: float, slots: int, bw: float, gpu: str,
         if setup.device == "cuda":
             torch.cuda.empty_cache()
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "sweep_mixed.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "sweep_mixed.csv", rows)
     lines = table_rows(gpu, results)
     (out / "table_rows.txt").write_text("\n".join(lines) + "\n")
     return lines
