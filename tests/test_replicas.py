@@ -1,8 +1,9 @@
 """Two engine replicas behind one gateway and one control plane, as real processes on
 loopback: adapters placed on both or on one, requests routed by where their adapter is,
 per-replica residency in AdapterAdmin, and a replica SIGKILLed under 50 live streams (its
-streams end UNAVAILABLE within 2 s, the other's finish, it rejoins after restart and
-replay). Tests run in file order on one cluster."""
+streams end UNAVAILABLE within the heartbeat timeout and a margin, the other's finish, it
+rejoins after restart and replay). Tests run in file order on one cluster; each runs alone
+too, but the last, which restarts the replica the one before it killed."""
 from __future__ import annotations
 
 import asyncio
@@ -133,9 +134,15 @@ def wait_resident(admin, names, timeout_s: float = 90.0) -> None:
         time.sleep(0.1)
 
 
-def test_adapters_are_placed_and_reported_per_replica(cluster, admin):
+def placed_and_seen(cluster, admin) -> None:
+    """Until each replica holds its adapters and the gateway routes on that residency
+    (both + solo0; both + solo1): at once after the first test, which waits for it too."""
     wait_resident(admin, ADAPTERS)
-    wait_gateway_sees(cluster, {"0": 2, "1": 2})  # both + solo0; both + solo1
+    wait_gateway_sees(cluster, {"0": 2, "1": 2})
+
+
+def test_adapters_are_placed_and_reported_per_replica(cluster, admin):
+    placed_and_seen(cluster, admin)
     both, solo1 = admin.get("both"), admin.get("solo1")
     assert [(r.replica, r.up, r.placed) for r in both.replicas] == [(0, True, True), (1, True, True)]
     assert [(r.replica, r.placed) for r in solo1.replicas] == [(0, False), (1, True)]
@@ -151,6 +158,7 @@ def test_requests_go_to_the_replica_holding_their_adapter(cluster, admin, offlin
     """Deterministic: solo1 is on replica 1 only, solo0 on replica 0 only; every request
     for each lands there (a request on the other replica would fail: it lacks the
     adapter), and every one is an affinity hit (the adapter resident there)."""
+    placed_and_seen(cluster, admin)  # also when it runs alone
     before = routed(cluster)
     with GenerateClient(cluster.gateway_address) as gen:
         for name in ("solo1", "solo0") * 4:
@@ -165,6 +173,7 @@ def test_requests_go_to_the_replica_holding_their_adapter(cluster, admin, offlin
 
 
 def test_load_spreads_over_both_replicas(cluster, admin, offline):
+    placed_and_seen(cluster, admin)  # also when it runs alone
     want = expected(offline, "both", 6)
 
     async def run():
@@ -188,6 +197,7 @@ async def _open_streams(client, n: int, max_tokens: int):
 
 
 def test_replica_killed_under_50_streams(cluster, admin, offline):
+    placed_and_seen(cluster, admin)  # also when it runs alone
     max_tokens = 200
     want = expected(offline, "both", max_tokens)
 
