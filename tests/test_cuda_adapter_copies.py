@@ -60,7 +60,9 @@ def test_copy_into_another_slot_overlaps_a_step_in_flight(llama_family):
     copier = StreamCopier(torch.device("cuda"))
     pool.load(0, w["rs4"])
     torch.cuda.synchronize()
-    torch.cuda._sleep(500_000_000)                             # a long step reading slot 0
+    # a long step reading slot 0: ~1 s of GPU clock, so the host's queueing and wait below
+    # fit inside it even on a loaded host (0.3 s before)
+    torch.cuda._sleep(2_000_000_000)
     slow_read(pool.weights(0, "qkv")[0][0], reps=10)
     copier.note_reads([0])
     step_done = torch.cuda.Event()
