@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.dot_triton import dot_f32
+from kernels.fused_shrink_kernels_triton import block_program, k_bounds, rank_of, row_program
 
 
 @triton.jit
@@ -77,13 +78,8 @@ def _shrink_block(x_ptr, res_ptr, w_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SR: tl.constexpr,
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Shrink program q = (row block, K chunk): its unscaled split-K partials in hp."""
-    mb = q // SPLIT_K
-    ks = q % SPLIT_K
-    tok = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    left = tl.load(slots_ptr + tok, mask=tok < T, other=-1).to(tl.int32)
-    tok = tok.to(tl.int64)
-    k_lo = ks * k_chunk
-    k_hi = tl.minimum(N, k_lo + k_chunk)
+    ks, tok, _, left = block_program(slots_ptr, q, T, SPLIT_K, BLOCK_M)
+    k_lo, k_hi = k_bounds(ks, k_chunk, N)
     cols = tl.arange(0, BLOCK_SR)          # column c: slice c // R, rank column c % R
     col_s = cols // R
     col_r = cols % R
@@ -93,10 +89,7 @@ def _shrink_block(x_ptr, res_ptr, w_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q,
     slot = tl.max(left, axis=0)
     while slot >= 0:           # one pass per adapter in the block (one when uniform)
         run = left == slot
-        if HAS_RANKS:
-            rank = tl.load(ranks_ptr + slot)
-        else:
-            rank = R
+        rank = rank_of(ranks_ptr, slot, R, HAS_RANKS)
         a_cols = (a_ptr + slot.to(tl.int64) * stride_al + col_s * stride_as
                   + col_r * stride_ar)
         a_mask = c_in & (col_r < rank)
@@ -123,22 +116,16 @@ def _shrink_row(x_ptr, res_ptr, w_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, N
     """Shrink program q = (row, K chunk) of a mixed batch: the row's unscaled split-K
     partials in hp, a vector product on its own adapter's A (rows of distinct adapters
     gain nothing from a matrix product; a block of them would take one pass each)."""
-    t = (q // SPLIT_K).to(tl.int64)
-    ks = q % SPLIT_K
-    slot = tl.load(slots_ptr + t).to(tl.int32)
+    ks, t, slot = row_program(slots_ptr, q, SPLIT_K)
     if slot >= 0:
-        if HAS_RANKS:
-            rank = tl.load(ranks_ptr + slot)
-        else:
-            rank = R
+        rank = rank_of(ranks_ptr, slot, R, HAS_RANKS)
         cols = tl.arange(0, BLOCK_SR)
         col_s = cols // R
         col_r = cols % R
         c_in = cols < SR
         a_cols = a_ptr + slot.to(tl.int64) * stride_al + col_s * stride_as + col_r * stride_ar
         a_mask = c_in & (col_r < rank)
-        k_lo = ks * k_chunk
-        k_hi = tl.minimum(N, k_lo + k_chunk)
+        k_lo, k_hi = k_bounds(ks, k_chunk, N)
         acc = tl.zeros([BLOCK_SR], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)

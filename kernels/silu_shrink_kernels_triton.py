@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.dot_triton import dot_f32
+from kernels.fused_shrink_kernels_triton import block_program, k_bounds, rank_of, row_program
 
 
 @triton.jit
@@ -39,14 +40,8 @@ def _block(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, T, I, R, k_ch
            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Program q = (row block, K chunk)."""
     dt = out_ptr.dtype.element_ty
-    mb = q // SPLIT_K
-    ks = q % SPLIT_K
-    tok = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_t = tok < T
-    left = tl.load(slots_ptr + tok, mask=in_t, other=-1).to(tl.int32)
-    tok = tok.to(tl.int64)
-    k_lo = ks * k_chunk
-    k_hi = tl.minimum(I, k_lo + k_chunk)
+    ks, tok, in_t, left = block_program(slots_ptr, q, T, SPLIT_K, BLOCK_M)
+    k_lo, k_hi = k_bounds(ks, k_chunk, I)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
@@ -57,10 +52,7 @@ def _block(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, T, I, R, k_ch
     slot = tl.max(left, axis=0)
     while slot >= 0:           # one pass per adapter in the block (one when uniform)
         run = left == slot
-        if HAS_RANKS:
-            rank = tl.load(ranks_ptr + slot)
-        else:
-            rank = R
+        rank = rank_of(ranks_ptr, slot, R, HAS_RANKS)
         a_base = a_ptr + slot.to(tl.int64) * stride_al + offs_r[None, :] * stride_ar
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -84,18 +76,12 @@ def _row(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, I, R, k_chunk,
          BLOCK_R: tl.constexpr):
     """Program q = (row, K chunk) of a mixed batch."""
     dt = out_ptr.dtype.element_ty
-    t = (q // SPLIT_K).to(tl.int64)
-    ks = q % SPLIT_K
-    slot = tl.load(slots_ptr + t).to(tl.int32)
-    if HAS_RANKS:
-        rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
-    else:
-        rank = R
-    rank = tl.where(slot >= 0, rank, 0)      # no adapter: no A read, partials unused
+    ks, t, slot = row_program(slots_ptr, q, SPLIT_K)
+    # no adapter: no A read, partials unused
+    rank = tl.where(slot >= 0, rank_of(ranks_ptr, tl.maximum(slot, 0), R, HAS_RANKS), 0)
     offs_r = tl.arange(0, BLOCK_R)
     a_base = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_al + offs_r[None, :] * stride_ar
-    k_lo = ks * k_chunk
-    k_hi = tl.minimum(I, k_lo + k_chunk)
+    k_lo, k_hi = k_bounds(ks, k_chunk, I)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
