@@ -7,7 +7,9 @@ load. A row-parallel group (o, down) holds only this rank's columns of every row
 load keeps each row's partial sum of squares, and `PendingNorms.settle` adds them across
 the ranks with one all-reduce, inside the first step that reads LoRA after the load. Every
 rank loads the same adapters into the same slots before that step and runs that step,
-so they all join that all-reduce.
+so they all join that all-reduce. `DoraFactors` holds the factors of every slot for the
+pool (engine/lora/pool.py); the kernels apply them per row by slot (kernels.lora
+scale_rows).
 """
 from __future__ import annotations
 
@@ -81,3 +83,65 @@ class PendingNorms:
             scales[key][slot, rows] = (m.float() / norm).to(scales[key].dtype)
             at += n
         self._parts.clear()
+
+
+class DoraFactors:
+    """The pool's DoRA factors: (layer, group) -> [max_loras + 1, N] float32, m / ||W + B·A||
+    per output row of a DoRA slot's wrapped slices and 1 elsewhere; the last row (tokens
+    of the base model, slot -1) is all ones. Allocated at the first DoRA load and never
+    moved afterwards (CUDA graphs hold the addresses); `slots` says on the host which
+    slots hold a DoRA adapter."""
+
+    def __init__(self, max_loras: int, widths: dict, device: torch.device, tp_size: int,
+                 row_parallel: frozenset | set,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None):
+        """`widths[(layer, group)]`: the group's N on this rank; `row_parallel`: groups whose
+        rows are cut by columns across the ranks (their norms wait for `settle`)."""
+        self._max_loras, self._widths, self._device = max_loras, widths, device
+        self._split = row_parallel if tp_size > 1 else frozenset()
+        self._all_reduce = all_reduce
+        self._scale: dict = {}
+        self._pending = PendingNorms()
+        self.slots: set[int] = set()
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self._scale)
+
+    def scale(self, key) -> torch.Tensor | None:
+        return self._scale.get(key)
+
+    def clear(self, slot: int) -> None:
+        """Factor 1 for every row of `slot` (a slot without a DoRA adapter)."""
+        self._pending.drop(slot)
+        if slot in self.slots:
+            for scale in self._scale.values():
+                scale[slot].fill_(1.0)
+            self.slots.discard(slot)
+
+    def write(self, slot: int, groups: dict, base_weight: Callable, shapes: dict) -> None:
+        """The factors of `slot` from its adapter's `groups[(layer, group)]` (GroupWeights
+        on this device: the slot's A and B, the magnitude); row-parallel groups at TP > 1
+        wait for `settle`."""
+        self._pending.drop(slot)
+        if not self._scale:
+            self._scale = {key: torch.ones(self._max_loras + 1, n, dtype=torch.float32,
+                                           device=self._device)
+                           for key, n in self._widths.items()}
+        for key, scale in self._scale.items():
+            scale[slot].fill_(1.0)
+            gw = groups.get(key)
+            if gw is None:
+                continue
+            if key[1] in self._split:
+                self._pending.add(slot, key, gw, base_weight(*key), shapes[key[1]])
+            else:
+                write_factors(scale[slot], gw, base_weight(*key), shapes[key[1]])
+        self.slots.add(slot)
+
+    def settle(self) -> None:
+        """Sum the pending row-parallel norms across the ranks (one all-reduce). Every rank
+        calls it at the same point of the same step (a step that reads LoRA), whether
+        anything is pending or not."""
+        if self._pending:
+            self._pending.settle(self._all_reduce, self._scale)

@@ -5,17 +5,11 @@ Per (layer, group), in the layout kernels/lora_ref.py documents:
     a:     [max_loras, S, max_lora_rank, K]
     b:     [max_loras, N, max_lora_rank]      scaling folded in
     ranks: [max_loras] int32                  largest slice rank of the slot's adapter, 0 = empty
-    scale: [max_loras + 1, N] float32         DoRA only (allocated at the first DoRA load):
-                                              m / ||W + B·A|| per output row of a DoRA
-                                              slot's wrapped slices, 1 elsewhere; the last
-                                              row (base tokens, slot -1) is all ones.
-                                              Computed on the pool's device at load from
-                                              the slot's own copy of A and B and the base
-                                              weight (engine/lora/dora.py)
 
-and per end target (lm_head, embed_tokens; allocated at the first adapter with one):
-a [max_loras, max_lora_rank, K], b [max_loras, N, max_lora_rank] (engine/model/
-lora_targets.py END_TARGETS gives K and N).
+beside them, allocated at the first adapter that needs them: DoRA's per-row factors
+(engine/lora/dora.py DoraFactors, computed on the pool's device at load from the slot's
+own copy of A and B and the base weight) and LoRA on the ends, lm_head and embed_tokens
+(engine/lora/end_slots.py);
 
 and, for a mixture-of-experts model, per (layer, fused expert parameter) (the
 architecture's expert_targets): a [max_loras, E, max_lora_rank, K],
@@ -45,7 +39,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.lora import dora
+from engine.lora.dora import DoraFactors
+from engine.lora.end_slots import EndSlots
 from engine.lora.weights import GroupWeights, LoRAWeights
 from loramux_core.model.archs import architecture
 from loramux_core.model.lora_targets import (expert_roles, expert_shard_shape, groups,
@@ -76,12 +71,8 @@ class LoRASlotPool:
         tensor-parallel sum (DoRA on row-parallel groups at TP > 1: `settle_dora`)."""
         assert max_loras >= 1 and max_lora_rank >= 1, (max_loras, max_lora_rank)
         self._base_weight = base_weight
-        self._scale: dict = {}           # DoRA: (layer, group) -> [max_loras + 1, N]
-        self._dora_pending = dora.PendingNorms()
         self._all_reduce = all_reduce
-        self.dora_slots: set[int] = set()
-        self._ends: dict = {}            # end target -> (a, b), see the module docstring
-        self._end_slots: dict[str, set[int]] = {}   # end target -> slots holding it
+        self._ends = EndSlots(max_loras, max_lora_rank, dtype, torch.device(device))
         self.expert_slots: set[int] = set()
         self._experts = _expert_buffers(model_cfg, max_loras, max_lora_rank, dtype,
                                         torch.device(device), tp_size)
@@ -117,6 +108,8 @@ class LoRASlotPool:
             self._a[key] = self._stack_a[key[1]][key[0]]
             self._b[key] = self._stack_b[key[1]][key[0]]
             self._ranks[key] = self._all_ranks[self._key_index[key]]
+        self._dora = DoraFactors(max_loras, {key: b.shape[1] for key, b in self._b.items()},
+                                 self.device, tp_size, self._row_parallel, all_reduce)
         # CUDA: an adapter's host copy, on the device (allocated with the pool, so memory
         # sizing sees it; grown only for a host copy larger than one slot, e.g. DoRA's)
         self._staging = (torch.empty(self._slot_bytes(), dtype=torch.uint8, device=self.device)
@@ -133,8 +126,8 @@ class LoRASlotPool:
     def nbytes(self) -> int:
         return (sum(t.nbytes for d in (self._stack_a, self._stack_b) for t in d.values())
                 + self._all_ranks.nbytes
-                + sum(t.nbytes for ab in (*self._ends.values(), *self._experts.values())
-                      for t in ab))
+                + self._ends.nbytes
+                + sum(t.nbytes for ab in self._experts.values() for t in ab))
 
     def load(self, slot: int, weights: LoRAWeights, stream: torch.cuda.Stream | None = None) -> None:
         """Copy an adapter into `slot`, replacing all of the slot's previous contents.
@@ -164,7 +157,7 @@ class LoRASlotPool:
                      for key in self._a]
             self._write_ranks(slot, ranks)
             self._write_dora(slot, weights)
-            self._write_ends(slot, weights.ends)
+            self._ends.write(slot, weights.ends)
             self._write_experts(slot, weights.experts)
             if weights.buffer is not None and self.device.type == "cuda":
                 # the host buffer is reused only after these copies have read it
@@ -180,7 +173,7 @@ class LoRASlotPool:
                 self._zero_columns(slot, group, 0)
             self._write_ranks(slot, [0] * len(self._a))
             self._write_dora(slot, None)
-            self._write_ends(slot, {})
+            self._ends.write(slot, {})
             self._write_experts(slot, {})
 
     def mark_dirty(self, slot: int) -> None:
@@ -193,30 +186,35 @@ class LoRASlotPool:
         """[max_loras + 1, N] float32 per-row factors of one (layer, group) (a token's
         slot indexes it, -1 for base: the last row); None while no DoRA adapter was ever
         loaded."""
-        return self._scale.get((layer, group))
+        return self._dora.scale((layer, group))
+
+    @property
+    def dora_slots(self) -> set[int]:
+        """Slots whose adapter is DoRA."""
+        return self._dora.slots
 
     @property
     def end_slots(self) -> set[int]:
         """Slots whose adapter has LoRA on lm_head or embed_tokens."""
-        return set().union(*self._end_slots.values())
+        return self._ends.all_slots
 
     def extras_of(self, slots: Iterable[int]) -> LoRAExtras:
         """What rows on `slots` (host ints, -1: base) need beyond the groups' LoRA."""
         slots = set(slots)
-        return LoRAExtras(not slots.isdisjoint(self.dora_slots),
-                          not slots.isdisjoint(self._end_slots.get("lm_head", ())),
-                          not slots.isdisjoint(self._end_slots.get("embed_tokens", ())))
+        return LoRAExtras(not slots.isdisjoint(self._dora.slots),
+                          not slots.isdisjoint(self._ends.slots("lm_head")),
+                          not slots.isdisjoint(self._ends.slots("embed_tokens")))
 
     @property
     def extras_allocated(self) -> LoRAExtras:
         """Every extra the pool has buffers for: what rows on any slot may need."""
-        return LoRAExtras(bool(self._scale), "lm_head" in self._ends,
-                          "embed_tokens" in self._ends)
+        return LoRAExtras(self._dora.allocated, self._ends.weights("lm_head") is not None,
+                          self._ends.weights("embed_tokens") is not None)
 
     def end_weights(self, module: str):
-        """(a, b) of an end target for every slot (module docstring); None while no
-        adapter with LoRA on it was ever loaded."""
-        return self._ends.get(module)
+        """(a, b) of an end target for every slot (engine/lora/end_slots.py); None while
+        no adapter with LoRA on it was ever loaded."""
+        return self._ends.weights(module)
 
     def expert_weights(self, layer: int, param: str):
         """(a, b) of a fused expert parameter for every slot (module docstring), or
@@ -232,58 +230,23 @@ class LoRASlotPool:
             b[slot, :, :, :r].copy_(wb)
             self.expert_slots.add(slot)
 
-    def _write_ends(self, slot: int, ends) -> None:
-        for module, (a, b) in self._ends.items():
-            if slot in self._end_slots[module]:
-                a[slot].zero_()
-                b[slot].zero_()
-                self._end_slots[module].discard(slot)
-        for module, (wa, wb) in ends.items():
-            if module not in self._ends:
-                r = self.max_lora_rank
-                self._ends[module] = (
-                    torch.zeros(self.max_loras, r, wa.shape[1], dtype=self.dtype, device=self.device),
-                    torch.zeros(self.max_loras, wb.shape[0], r, dtype=self.dtype, device=self.device))
-                self._end_slots[module] = set()
-            a, b = self._ends[module]
-            a[slot, :wa.shape[0]].copy_(wa)
-            b[slot, :, :wb.shape[1]].copy_(wb)
-            self._end_slots[module].add(slot)
-
     def settle_dora(self) -> None:
         """Finish the DoRA factors of row-parallel groups loaded at TP > 1 (one
         all-reduce; engine/lora/dora.py). Every rank calls it at the same point of the
         same step (a step that reads LoRA), whether anything is pending or not."""
-        if self._dora_pending:
-            self._dora_pending.settle(self._all_reduce, self._scale)
+        self._dora.settle()
 
     def _write_dora(self, slot: int, weights: LoRAWeights | None) -> None:
-        """DoRA's per-row factors of the slot (engine/lora/dora.py)."""
-        self._dora_pending.drop(slot)
+        """DoRA's per-row factors of the slot, from its device copy of A and B (written
+        before) and the magnitudes."""
         if weights is None or not weights.use_dora:
-            if slot in self.dora_slots:
-                for scale in self._scale.values():
-                    scale[slot].fill_(1.0)
-                self.dora_slots.discard(slot)
+            self._dora.clear(slot)
             return
-        if not self._scale:
-            self._scale = {key: torch.ones(self.max_loras + 1, b.shape[1], dtype=torch.float32,
-                                           device=self.device) for key, b in self._b.items()}
         non_blocking = self.device.type == "cuda" and weights.pinned
-        for key, scale in self._scale.items():
-            scale[slot].fill_(1.0)
-            gw = weights.groups.get(key)
-            if gw is None:
-                continue
-            # the slot's device copy of A and B (written above), the magnitude beside it
-            m = gw.magnitude.to(self.device, non_blocking=non_blocking)
-            gw = GroupWeights(self._a[key][slot], self._b[key][slot], gw.slice_ranks, m)
-            base, shape = self._base_weight(*key), self.shapes[key[1]]
-            if self.tp_size > 1 and key[1] in self._row_parallel:
-                self._dora_pending.add(slot, key, gw, base, shape)
-            else:
-                dora.write_factors(scale[slot], gw, base, shape)
-        self.dora_slots.add(slot)
+        groups = {key: GroupWeights(self._a[key][slot], self._b[key][slot], gw.slice_ranks,
+                                    gw.magnitude.to(self.device, non_blocking=non_blocking))
+                  for key, gw in weights.groups.items() if gw.magnitude is not None}
+        self._dora.write(slot, groups, self._base_weight, self.shapes)
 
     def _write_ranks(self, slot: int, ranks: list[int]) -> None:
         pin = self.device.type == "cuda"
