@@ -132,4 +132,5 @@ def test_error_messages_are_bounded(admin, call):
     err = refused(fn)
     assert err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
     assert len(err.details) <= MAX_MESSAGE and "characters cut" in err.details
-    assert [(a.name, a.state, a.pinned, a.id) for a in admin.list()] == before  # nothing else disturbed
+    after = [(a.name, a.state, a.pinned, a.id) for a in admin.list()]
+    assert after == before  # nothing else disturbed

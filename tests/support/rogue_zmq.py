@@ -80,8 +80,9 @@ def run(args) -> dict:
     for sock in subs.values():
         poller.register(sock, zmq.POLLIN)
     deadline = time.monotonic() + args.seconds
-    while time.monotonic() < deadline and not (
-            args.mode == "member" and got["output"] and got["table"] and "member-pin" in got["acks"]):
+    def seen_all() -> bool:  # what a member's run checks for
+        return bool(got["output"] and got["table"] and "member-pin" in got["acks"])
+    while time.monotonic() < deadline and not (args.mode == "member" and seen_all()):
         for raw in payload:
             try:
                 push.send(raw, zmq.NOBLOCK)
