@@ -138,8 +138,12 @@ def test_sigterm_on_the_engine_alone_drains(files, tmp_path):
     running ones before it exits."""
     from services.launcher import Cluster, ClusterConfig
 
+    # every step at least 30 ms: the streams run for 4.8 s or more however fast the machine,
+    # so the refusal of a call made after the signal still comes while they run (160 steps
+    # at full speed left 0.3 s between the two on a loaded machine)
     cfg = ClusterConfig(model=str(files / "model"), adapter_roots=(str(files / "adapters"),),
-                        workdir=str(tmp_path / "run"), env={"OMP_NUM_THREADS": "1"})
+                        workdir=str(tmp_path / "run"), env={"OMP_NUM_THREADS": "1"},
+                        engine_args=("--debug-step-sleep", "0.03"))
     with Cluster(cfg) as c:
         c.start()
         c.wait_ready()
