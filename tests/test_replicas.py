@@ -47,7 +47,10 @@ def files(tmp_path_factory):
 def cluster(files):
     cfg = ClusterConfig(model=files["model"], adapter_roots=(files["adapters"],),
                         workdir=str(files["root"] / "run"), replicas=2, metrics_port=0,
-                        engine_args=("--heartbeat-interval", "0.1"),
+                        # every step at least 20 ms: the kill test's 200-token streams run
+                        # 4 s or more, so none ends between the inflight count and the kill
+                        # however the test process is scheduled (1.5 s were left at full speed)
+                        engine_args=("--heartbeat-interval", "0.1", "--debug-step-sleep", "0.02"),
                         gateway_args=PEERS, control_args=PEERS, env={"OMP_NUM_THREADS": "1"})
     c = Cluster(cfg)
     c.start()
