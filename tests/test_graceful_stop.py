@@ -24,7 +24,7 @@ from services.launcher import free_port, wait_serving
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
-STREAMS, MAX_TOKENS = 20, 160
+STREAMS, MAX_TOKENS = 20, 400  # long enough to be streaming through a loaded machine's drain
 PROMPTS = ["the quick brown fox", "once upon a time", "def main():", "héllo wörld"]
 pytestmark = pytest.mark.timeout(300)
 
