@@ -100,7 +100,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     if use_loaders:
         loaders = adapter_loaders(config, mc, tp, buffers, fallback=read)
         read = loaders.read
-    return ModelParts(model, lora_pool, blocks, runner, read,
+    return ModelParts(model, lora_pool, blocks, runner, reserving(read, lora_pool),
                       adapter_checker(config, mc, plans), loaders)
 
 
@@ -112,6 +112,17 @@ def loaders_can_pin(device: torch.device) -> bool:
     print("engine: shared host memory cannot be page-locked on this machine; adapters are "
           "read in the engine process (adapter_loaders=0)", file=sys.stderr, flush=True)
     return False
+
+
+def reserving(read: Callable, pool: LoRASlotPool) -> Callable:
+    """`read`, then the pool's buffers for what the adapter needs beside its groups
+    (LoRASlotPool.reserve: DoRA, lm_head / embed_tokens): a device without room for them
+    refuses the adapter at its read, like a bad file, instead of failing a step."""
+    def read_and_reserve(path: str, version: str | None):
+        weights = read(path, version)
+        pool.reserve(weights)
+        return weights
+    return read_and_reserve
 
 
 def adapter_loaders(config: EngineConfig, mc: ModelConfig, tp: TPGroup,

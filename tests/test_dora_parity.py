@@ -122,3 +122,38 @@ def test_factors_in_row_chunks(monkeypatch):
         pending.add(1, "k", gw, base, shape)
         pending.settle(lambda t: t, scales)
         torch.testing.assert_close(scales["k"][1], want)
+
+
+def test_no_device_memory_for_the_extras_refuses_the_adapter(family, monkeypatch, tmp_path):
+    """DoRA's factor tables and an end target's buffers are allocated at the first adapter
+    that needs them, when it is read: a device without room refuses that adapter there
+    (AdapterError naming the memory), and the engine serves on, plain adapters and base
+    requests alike, and the same DoRA adapter once there is room."""
+    from engine.lora.dora import DoraFactors
+    from engine.lora.end_slots import EndSlots
+    from tests.test_end_lora_parity import SPECS as END_SPECS
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    head = make_adapter(tmp_path / "head", family.model_dir, END_SPECS["head"])
+    eng = make_engine(TinyFamily("llama", family.model_dir, {"rs4": family.adapters["rs4"]}))
+    try:
+        with monkeypatch.context() as mp:
+            mp.setattr(DoraFactors, "allocate", no_room)
+            mp.setattr(EndSlots, "allocate", no_room)
+            for name, path, what in (("dora8", family.adapters["dora8"], "DoRA factors"),
+                                     ("head", head, "LoRA on lm_head")):
+                with pytest.raises(AdapterError) as err:
+                    eng.add_adapter(name, path)
+                assert err.value.feature == "device_memory" and what in str(err.value)
+            prompts = prompts_of([6, 9], seed=3)
+            outs = eng.generate(prompts, GREEDY, ["rs4", None])
+            assert all(len(o.token_ids) > 0 for o in outs)
+        assert not eng.lora_pool.dora_slots and eng.lora_pool.dora_scale(0, "qkv") is None
+        eng.add_adapter("dora8", family.adapters["dora8"])
+        ref = HFOracle(TinyFamily("llama", family.model_dir,
+                                  {"dora8": family.adapters["dora8"]})).generate_each(
+            prompts[:1], ["dora8"], MAX_NEW)
+        assert_matches(eng.generate(prompts[:1], GREEDY, ["dora8"]), ref)
+    finally:
+        eng.close()

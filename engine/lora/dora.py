@@ -13,6 +13,7 @@ scale_rows).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -102,11 +103,24 @@ class DoraFactors:
         self._all_reduce = all_reduce
         self._scale: dict = {}
         self._pending = PendingNorms()
+        self._lock = threading.Lock()      # `allocate` may run on an adapter reader thread
         self.slots: set[int] = set()
 
     @property
     def allocated(self) -> bool:
         return bool(self._scale)
+
+    @property
+    def nbytes_to_allocate(self) -> int:
+        return 0 if self._scale else 4 * (self._max_loras + 1) * sum(self._widths.values())
+
+    def allocate(self) -> None:
+        """The factor tables, all ones, if not there yet (once: addresses never change)."""
+        with self._lock:
+            if not self._scale:
+                self._scale = {key: torch.ones(self._max_loras + 1, n, dtype=torch.float32,
+                                               device=self._device)
+                               for key, n in self._widths.items()}
 
     def scale(self, key) -> torch.Tensor | None:
         return self._scale.get(key)
@@ -124,10 +138,7 @@ class DoraFactors:
         on this device: the slot's A and B, the magnitude); row-parallel groups at TP > 1
         wait for `settle`."""
         self._pending.drop(slot)
-        if not self._scale:
-            self._scale = {key: torch.ones(self._max_loras + 1, n, dtype=torch.float32,
-                                           device=self._device)
-                           for key, n in self._widths.items()}
+        self.allocate()
         for key, scale in self._scale.items():
             scale[slot].fill_(1.0)
             gw = groups.get(key)

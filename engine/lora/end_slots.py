@@ -11,6 +11,8 @@ launches nothing for it.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -21,6 +23,7 @@ class EndSlots:
                                                                   dtype, device)
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._slots: dict[str, set[int]] = {}
+        self._lock = threading.Lock()      # `allocate` may run on an adapter reader thread
 
     def weights(self, module: str):
         """(a, b) of `module` for every slot; None while no adapter had LoRA on it."""
@@ -37,6 +40,24 @@ class EndSlots:
     def nbytes(self) -> int:
         return sum(t.nbytes for ab in self._buffers.values() for t in ab)
 
+    def nbytes_to_allocate(self, module: str, in_features: int, out_features: int) -> int:
+        if module in self._buffers:
+            return 0
+        size = torch.empty((), dtype=self._dtype).element_size()
+        return self._max_loras * self._rank * (in_features + out_features) * size
+
+    def allocate(self, module: str, in_features: int, out_features: int) -> None:
+        """Zeroed buffers of `module` (A of width `in_features`, B of `out_features` rows),
+        if not there yet (once: addresses never change)."""
+        with self._lock:
+            if module not in self._buffers:
+                self._buffers[module] = (
+                    torch.zeros(self._max_loras, self._rank, in_features, dtype=self._dtype,
+                                device=self._device),
+                    torch.zeros(self._max_loras, out_features, self._rank, dtype=self._dtype,
+                                device=self._device))
+                self._slots[module] = set()
+
     def write(self, slot: int, ends) -> None:
         """Replace the slot's end LoRA with `ends` ({module: (A, B * scaling)}, host or
         device tensors; empty: none)."""
@@ -46,13 +67,7 @@ class EndSlots:
                 b[slot].zero_()
                 self._slots[module].discard(slot)
         for module, (wa, wb) in ends.items():
-            if module not in self._buffers:
-                self._buffers[module] = (
-                    torch.zeros(self._max_loras, self._rank, wa.shape[1], dtype=self._dtype,
-                                device=self._device),
-                    torch.zeros(self._max_loras, wb.shape[0], self._rank, dtype=self._dtype,
-                                device=self._device))
-                self._slots[module] = set()
+            self.allocate(module, wa.shape[1], wb.shape[0])
             a, b = self._buffers[module]
             a[slot, :wa.shape[0]].copy_(wa)
             b[slot, :, :wb.shape[1]].copy_(wb)

@@ -165,6 +165,26 @@ class LoRASlotPool:
                 event.record()
                 weights.buffer.fence(event)
 
+    def reserve(self, weights: LoRAWeights) -> None:
+        """Allocate now what `weights` will need beside the groups' buffers (DoRA's factor
+        tables, an end target's buffers: made at the first adapter that needs them), so
+        that a device without room refuses the adapter when it is read (AdapterError,
+        feature "device_memory"), not a step when it is placed. Any thread."""
+        needs = [("DoRA factors", self._dora.nbytes_to_allocate, self._dora.allocate)
+                 ] if weights.use_dora else []
+        needs += [(f"LoRA on {module}",
+                   self._ends.nbytes_to_allocate(module, wa.shape[1], wb.shape[0]),
+                   lambda m=module, k=wa.shape[1], n=wb.shape[0]: self._ends.allocate(m, k, n))
+                  for module, (wa, wb) in weights.ends.items()]
+        for what, nbytes, allocate in needs:
+            try:
+                allocate()
+            except torch.OutOfMemoryError:
+                raise AdapterError(
+                    f"no device memory left for {what} ({nbytes / 2**20:.0f} MiB for "
+                    f"{self.max_loras} slots); lower max_loras or gpu_memory_utilization",
+                    feature="device_memory", file=weights.source) from None
+
     def clear(self, slot: int, stream: torch.cuda.Stream | None = None) -> None:
         """Zero `slot` everywhere (its tokens would then add nothing)."""
         self._check_slot(slot)
