@@ -86,6 +86,13 @@ class PendingNorms:
         self._parts.clear()
 
 
+def _filled(device: torch.device) -> None:
+    """Wait for the fill of new buffers: made on whichever thread's stream allocated
+    them (a reader's), they are written next on other streams (a slot load's)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 class DoraFactors:
     """The pool's DoRA factors: (layer, group) -> [max_loras + 1, N] float32, m / ||W + B·A||
     per output row of a DoRA slot's wrapped slices and 1 elsewhere; the last row (tokens
@@ -118,9 +125,11 @@ class DoraFactors:
         """The factor tables, all ones, if not there yet (once: addresses never change)."""
         with self._lock:
             if not self._scale:
-                self._scale = {key: torch.ones(self._max_loras + 1, n, dtype=torch.float32,
-                                               device=self._device)
-                               for key, n in self._widths.items()}
+                scale = {key: torch.ones(self._max_loras + 1, n, dtype=torch.float32,
+                                         device=self._device)
+                         for key, n in self._widths.items()}
+                _filled(self._device)
+                self._scale = scale
 
     def scale(self, key) -> torch.Tensor | None:
         return self._scale.get(key)

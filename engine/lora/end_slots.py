@@ -51,12 +51,14 @@ class EndSlots:
         if not there yet (once: addresses never change)."""
         with self._lock:
             if module not in self._buffers:
-                self._buffers[module] = (
-                    torch.zeros(self._max_loras, self._rank, in_features, dtype=self._dtype,
-                                device=self._device),
-                    torch.zeros(self._max_loras, out_features, self._rank, dtype=self._dtype,
-                                device=self._device))
+                ab = (torch.zeros(self._max_loras, self._rank, in_features, dtype=self._dtype,
+                                  device=self._device),
+                      torch.zeros(self._max_loras, out_features, self._rank, dtype=self._dtype,
+                                  device=self._device))
+                if self._device.type == "cuda":  # zeroed on this thread's stream; written
+                    torch.cuda.current_stream(self._device).synchronize()  # on others next
                 self._slots[module] = set()
+                self._buffers[module] = ab
 
     def write(self, slot: int, ends) -> None:
         """Replace the slot's end LoRA with `ends` ({module: (A, B * scaling)}, host or
