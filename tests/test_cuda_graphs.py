@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from tests.support.kernel_path import count_fused_shrinks
 from tests.test_kernel_path_extras import engine_family  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,17 +36,7 @@ def count_fused(monkeypatch, setting: str) -> list[int]:
     from kernels import lora as lora_kernels
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", setting)
     monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", setting)
-    calls = [0]
-
-    def counted(inner):
-        def run(*args, **kwargs):
-            fused = inner(*args, **kwargs)
-            calls[0] += fused is not None
-            return fused
-        return run
-    for name in ("norm_shrink_ahead", "silu_shrink_ahead"):
-        monkeypatch.setattr(lora_kernels, name, counted(getattr(lora_kernels, name)))
-    return calls
+    return count_fused_shrinks(monkeypatch, lora_kernels)
 
 
 def assert_same(got, want):

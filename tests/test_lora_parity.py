@@ -15,6 +15,7 @@ from loramux_core.model.hf_config import ModelConfig
 from loramux_core.model.archs.llama import DECODER_TARGETS
 from loramux_core.model.lora_targets import full_shape, lora_group_shapes, lora_shard
 from engine.parallel import TPGroup
+from tests.support.kernel_path import count_fused_shrinks
 from tests.support.tiny import (AdapterSpec, load_hf_model, make_adapter, make_model, read_json,
                                 write_json)
 
@@ -301,18 +302,7 @@ def _count_fused(monkeypatch, device: str) -> list[int]:
     fused paths really run there too."""
     from kernels import lora as lora_kernels
     from kernels import lora_triton
-    calls = [0]
-
-    def counted(inner):
-        def run(*args, **kwargs):
-            fused = inner(*args, **kwargs)
-            calls[0] += fused is not None
-            return fused
-        return run
-    for name in ("norm_shrink_ahead", "silu_shrink_ahead"):
-        inner = getattr(lora_triton if device == "cpu" else lora_kernels, name)
-        monkeypatch.setattr(lora_kernels, name, counted(inner))
-    return calls
+    return count_fused_shrinks(monkeypatch, lora_triton if device == "cpu" else lora_kernels)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -48,3 +48,21 @@ def _one_launch_at_a_time(mp) -> None:
         with lock:
             return run(self, *args, **kwargs)
     mp.setattr(InterpretedFunction, "run", locked)
+
+
+def count_fused_shrinks(monkeypatch, source) -> list[int]:
+    """kernels.lora's norm_shrink_ahead and silu_shrink_ahead replaced by `source`'s
+    (kernels.lora itself, or kernels.lora_triton to run the Triton forms where the
+    dispatcher returns None), each counting its fused launches (non-None results)."""
+    from kernels import lora as lora_kernels
+    calls = [0]
+
+    def counted(inner):
+        def run(*args, **kwargs):
+            fused = inner(*args, **kwargs)
+            calls[0] += fused is not None
+            return fused
+        return run
+    for name in ("norm_shrink_ahead", "silu_shrink_ahead"):
+        monkeypatch.setattr(lora_kernels, name, counted(getattr(source, name)))
+    return calls
