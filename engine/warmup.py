@@ -4,11 +4,15 @@ configured limits can reach, before the engine serves, so that the first request
 
 What a step can look like is bounded by the config:
 - A decode step of n <= max_num_seqs sequences replays the graph of its bucket, keyed
-  (bucket, lora, greedy, uniform, spread) (engine/cuda_graph.py GraphKey): `graph_keys`
-  lists every key some batch can reach and every one is captured. Not the keys of rows
-  on DoRA adapters or adapters with lm_head / embed_tokens LoRA (GraphKey dora, head,
-  embed): their buffers exist only from the first such adapter's load, so such a graph
-  (and the kernels it alone launches) is captured when a step first needs it.
+  (bucket, lora, greedy, uniform, spread, dora, head, embed) (engine/cuda_graph.py
+  GraphKey): `graph_keys` lists every key some batch can reach and every one is
+  captured. The extras bits (rows on DoRA adapters, adapters with lm_head /
+  embed_tokens LoRA) are reachable only for the extras the slot pool has buffers for
+  (LoRASlotPool.extras_allocated: made at the first read of an adapter that needs
+  them), and then in every combination (one adapter may have all three), so each LoRA
+  key is captured once per subset of them: x2 for DoRA alone, x8 for all three (56 ->
+  94 -> 322 graphs at max_num_seqs=256). An extra whose buffers come only after the
+  warm-up is captured (and its kernels compiled) when a step first needs it.
 - Any other step (prefill, mixed, decode with CUDA graphs off) runs eagerly over
   T <= max_num_batched_tokens tokens of s <= max_num_seqs sequences, with or without
   adapters. A kernel variant is a function of (T, s, context length) through the
@@ -18,8 +22,15 @@ What a step can look like is bounded by the config:
   16 next to them up to the limit, as decode-only, one-prefill and mixed steps, with
   short and long contexts; and where the LoRA kernels of T tokens depend on the rows per
   adapter (kernels.lora.mixed_min_rows), a step of T tokens with one adapter row among
-  base rows (the `spread` LoRA path). tests/test_warmup.py records the kernels' launch
-  keys and fails if a step after warm-up launches one the warm-up did not.
+  base rows (the `spread` LoRA path). Eager steps with adapters run slot 0 marked as
+  holding every extra the pool has buffers for (LoRASlotPool.extras_marked: host-side
+  sets only, restored after), so the extras' kernels (DoRA's row factors, embed_tokens
+  over the T tokens, lm_head over the sampling rows) are compiled for every T; a step
+  with fewer extras launches a subset of them. lm_head's LoRA also runs outside a
+  non-greedy decode graph over its n <= max_num_seqs rows: with lm_head buffers, n =
+  max_num_seqs - 1 is warmed too (every other count of token_counts(max_num_seqs) is
+  some shape's sampling rows). tests/test_warmup.py records the kernels' launch keys
+  and fails if a step after warm-up launches one the warm-up did not.
 
 Compiled kernels also persist on disk: the engine server points TRITON_CACHE_DIR at its
 work dir (and the container image at a volume), so a restart loads instead of compiling.
@@ -34,6 +45,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.cuda_graph import GraphKey, decode_buckets
+from engine.lora.pool import LoRAExtras
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from kernels import lora as lora_kernels
 
@@ -75,16 +87,28 @@ def mixed_variants(bucket: int, min_rows: int) -> tuple[bool, ...]:
     return tuple(out)
 
 
-def graph_keys(max_num_seqs: int, min_rows: Mapping[int, int]) -> list[GraphKey]:
-    """Every GraphKey a decode step can need (`min_rows`: per bucket, as graph_key's)."""
+def extras_subsets(allocated: LoRAExtras) -> list[LoRAExtras]:
+    """Every combination of the `allocated` extras, none included."""
+    subsets = [()]
+    for bit in allocated:
+        subsets = [s + (False,) for s in subsets] + ([s + (True,) for s in subsets]
+                                                     if bit else [])
+    return [LoRAExtras(*s) for s in subsets]
+
+
+def graph_keys(max_num_seqs: int, min_rows: Mapping[int, int],
+               extras: LoRAExtras = LoRAExtras()) -> list[GraphKey]:
+    """Every GraphKey a decode step can need (`min_rows`: per bucket, as graph_key's;
+    `extras`: what the slot pool has buffers for, LoRASlotPool.extras_allocated)."""
     keys = []
+    combos = extras_subsets(extras)
     for bucket in decode_buckets(max_num_seqs):
         lora_kinds = [(True, False)] + [(False, spread) for spread in
                                         mixed_variants(bucket, min_rows[bucket])]
         for greedy in (False, True):
             keys.append(GraphKey(bucket, False, greedy))
-            keys += [GraphKey(bucket, True, greedy, uniform, spread)
-                     for uniform, spread in lora_kinds]
+            keys += [GraphKey(bucket, True, greedy, uniform, spread, *bits)
+                     for uniform, spread in lora_kinds for bits in combos]
     return keys
 
 
@@ -114,10 +138,16 @@ def contexts(rest: int, max_model_len: int) -> list[int]:
 
 
 def eager_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 graphs: bool, min_rows: Callable[[int], int]) -> list[EagerShape]:
+                 graphs: bool, min_rows: Callable[[int], int],
+                 head: bool = False) -> list[EagerShape]:
     """The eager steps the warm-up runs (module docstring); `min_rows(T)`: the rows per
-    adapter a step of T tokens needs to go without the spread hint (0: no such hint)."""
+    adapter a step of T tokens needs to go without the spread hint (0: no such hint);
+    `head`: lm_head LoRA may run (over any number of sampling rows up to max_num_seqs)."""
     out = []
+    n = max_num_seqs - 1
+    if head and 0 < n <= max_num_batched_tokens and n not in token_counts(
+            max_num_batched_tokens):
+        out.append(EagerShape(n, n, 0, lora=True))
     for t in token_counts(max_num_batched_tokens):
         # spread: one adapter row (the LoRA kernels depend on T alone: one shape will do)
         m, s = min_rows(t), min(t, 2, max_num_seqs)
@@ -147,15 +177,17 @@ def warm_up(runner, num_kv_blocks: int, block_size: int, max_num_seqs: int,
     """Run every eager shape and capture every graph key (CUDA graphs on). The KV cache
     is written with garbage: call before any request (no block holds cached data yet)."""
     start = time.perf_counter()
-    graphs = runner.graphs
-    shapes = eager_shapes(max_num_batched_tokens, max_num_seqs, max_model_len,
-                          graphs is not None,
-                          lambda t: lora_kernels.mixed_min_rows(runner.device, t))
-    for shape in shapes:
-        _eager_step(runner, shape, num_kv_blocks, block_size)
+    graphs, pool = runner.graphs, runner.lora_pool
+    with pool.extras_marked(0) as extras:   # the eager steps' adapter rows use slot 0
+        shapes = eager_shapes(max_num_batched_tokens, max_num_seqs, max_model_len,
+                              graphs is not None,
+                              lambda t: lora_kernels.mixed_min_rows(runner.device, t),
+                              head=extras.head)
+        for shape in shapes:
+            _eager_step(runner, shape, num_kv_blocks, block_size)
     captured = 0
     if graphs is not None:
-        captured = graphs.capture_all(graph_keys(graphs.buckets[-1], graphs.min_rows))
+        captured = graphs.capture_all(graph_keys(graphs.buckets[-1], graphs.min_rows, extras))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return WarmupReport(time.perf_counter() - start, captured, len(shapes))

@@ -10,26 +10,30 @@ warm-up (chunked prefills, decodes, mixed steps, adapters and base, long and sho
 contexts) must launch no variant the warm-up did not, nor run the LoRA kernels of a token
 count on a path (spread over adapters or not) that the warm-up did not: with the tiny
 test model both paths' kernels can share their Triton variants, so the path is followed
-apart."""
+apart. Adapters with extras (DoRA, LoRA on lm_head and embed_tokens) in that traffic
+launch nothing new either, and their graph keys are captured."""
 import random
 
 import pytest
 
 from engine.cuda_graph import decode_buckets, graph_key
 from engine.lora.batch import spread_over_adapters
+from engine.lora.pool import LoRAExtras
 from engine.scheduler import ScheduledRequest
 from engine.warmup import eager_shapes, graph_keys, token_counts, warm_up
 from kernels import (attention_kernels_triton, elementwise_kernels_triton,
                      lora_kernels_triton, lora_mixed_kernels_triton,
                      lora_segment_kernels_triton, lora_token_kernels_triton, lora_triton,
-                     norm_shrink_kernels_triton)
+                     norm_shrink_kernels_triton, slot_rows_kernels_triton)
 from tests.support.launch_keys import LaunchKeys, force_triton
+from tests.support.tiny import AdapterSpec, make_adapter
 from tests.test_engine_parity import prompts_of
 from tests.test_lifecycle_tiers import greedy, make_engine
 
 KERNEL_MODULES = (attention_kernels_triton, elementwise_kernels_triton, lora_kernels_triton,
                   lora_mixed_kernels_triton, lora_segment_kernels_triton,
-                  lora_token_kernels_triton, norm_shrink_kernels_triton)
+                  lora_token_kernels_triton, norm_shrink_kernels_triton,
+                  slot_rows_kernels_triton)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=40)
 # past the kernels' thresholds: 16 sequences, 64 tokens, a split attention key range
 LARGE = dict(max_num_batched_tokens=66, max_num_seqs=17, max_model_len=300)
@@ -51,24 +55,46 @@ RULES = {"none": lambda b: 0, "cpu": lambda b: lora_triton.mixed_min_rows("cpu",
          "two": lambda b: 2}
 
 
+# the extras the slot pool has buffers for (LoRASlotPool.extras_allocated)
+EXTRAS = {"none": LoRAExtras(), "dora": LoRAExtras(dora=True),
+          "all": LoRAExtras(True, True, True)}
+
+
+def extras_of(slots, allocated: LoRAExtras) -> LoRAExtras:
+    """The pool's answer when slot s holds the extras of the bits of s % 8 (of those
+    allocated): 0 none, 1 DoRA, 2 lm_head, 4 embed_tokens, 7 all three."""
+    bits = 0
+    for s in slots:
+        bits |= s % 8 if s >= 0 else 0
+    return LoRAExtras(*(bool(bits & 1 << i) and on for i, on in enumerate(allocated)))
+
+
+@pytest.mark.parametrize("extras", EXTRAS)
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("max_num_seqs", [1, 5, 64, 130])
-def test_every_decode_batch_has_a_captured_graph(max_num_seqs, rule):
-    """Every batch's key is captured (both spread bits where the rule has them) and every
-    captured key is some batch's."""
+def test_every_decode_batch_has_a_captured_graph(max_num_seqs, rule, extras):
+    """Every batch's key is captured (both spread bits where the rule has them, every
+    combination of the allocated extras: each batch's slots s -> 8 s + k, k = 0..7) and
+    every captured key is some batch's."""
     buckets = decode_buckets(max_num_seqs)
     min_rows = {b: RULES[rule](b) for b in buckets}
-    keys = set(graph_keys(max_num_seqs, min_rows))
+    allocated = EXTRAS[extras]
+    keys = set(graph_keys(max_num_seqs, min_rows, allocated))
     rng = random.Random(max_num_seqs)
     reached = set()
     for n in range(1, max_num_seqs + 1):
-        for slots in batches(n, rng):
-            sched = [ScheduledRequest(None, 0, 1, (), s, True) for s in slots]
-            for greedy_step in (False, True):
-                key = graph_key(buckets, sched, greedy_step, min_rows)
-                assert key in keys, (n, slots)
-                reached.add(key)
+        for base_slots in batches(n, rng):
+            for k in range(8) if any(allocated) else (0,):
+                slots = [8 * s + k if s >= 0 else s for s in base_slots]
+                sched = [ScheduledRequest(None, 0, 1, (), s, True) for s in slots]
+                for greedy_step in (False, True):
+                    key = graph_key(buckets, sched, greedy_step, min_rows,
+                                    extras_of(slots, allocated))
+                    assert key in keys, (n, slots)
+                    reached.add(key)
     assert reached == keys
+    plain = graph_keys(max_num_seqs, min_rows)   # each LoRA key once per subset of extras
+    assert len(keys) == len(plain) + sum(k.lora for k in plain) * (2 ** sum(allocated) - 1)
     spread = {k.bucket for k in keys if k.spread}
     if rule == "cpu" and max_num_seqs > 64:
         assert spread == {128, 130}
@@ -115,11 +141,11 @@ def test_token_counts_reach_the_limit():
     assert {127, 128, 129, 255, 256, 257, 4096} <= set(counts)
 
 
-def run_traffic(eng, limits: dict, seed: int) -> None:
-    """Chunked prefills, decodes and mixed steps over adapters and the base model, with
-    prompts from 1 token to nearly max_model_len, up to max_num_seqs at once."""
+def run_traffic(eng, limits: dict, seed: int,
+                names=(None, "rs4", "ap8", "attn32")) -> None:
+    """Chunked prefills, decodes and mixed steps over adapters (`names`) and the base
+    model, with prompts from 1 token to nearly max_model_len, up to max_num_seqs at once."""
     rng = random.Random(seed)
-    names = [None, "rs4", "ap8", "attn32"]
     top = limits["max_model_len"] - 7
     lengths = [1, 2, 5, 9, 15, 16, 17, 23, 31, top] + [rng.randrange(1, top) for _ in range(
         2 * limits["max_num_seqs"])]
@@ -148,15 +174,18 @@ class LoRAPaths:
         monkeypatch.setattr(runner, "_forward", recorded)
 
 
-def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None):
+def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None, more=None):
+    """`more`: {name: path} of further adapters, read before the warm-up."""
     force_triton(monkeypatch)
     blocks = limits["max_num_seqs"] * limits["max_model_len"] // 8 + 8
     eng = make_engine(llama_family, ["rs4", "ap8", "attn32"], max_loras=2, block_size=8,
                       num_kv_blocks=blocks, **limits)
+    for name, path in (more or {}).items():
+        eng.add_adapter(name, path)
     keys = LaunchKeys().install(monkeypatch, *KERNEL_MODULES, execute=False)
     keys.lora_paths = LoRAPaths(eng.runner, monkeypatch)
     if shapes is not None:
-        monkeypatch.setattr("engine.warmup.eager_shapes", lambda *a: shapes)
+        monkeypatch.setattr("engine.warmup.eager_shapes", lambda *a, **kw: shapes)
     report = warm_up(eng.runner, eng.num_kv_blocks, 8, limits["max_num_seqs"],
                      limits["max_num_batched_tokens"], limits["max_model_len"])
     assert report.graphs == 0 and report.eager_steps > 0
@@ -180,6 +209,35 @@ def test_no_kernel_variant_is_compiled_after_warm_up(llama_family, monkeypatch, 
     assert not new_paths, f"LoRA (tokens, spread) first run after warm-up: {sorted(new_paths)}"
     if limits is LARGE:   # past 64 tokens the CPU's table has both paths; traffic reaches them
         assert {(66, False), (66, True)} <= keys.lora_paths.paths
+
+
+@pytest.fixture(scope="module")
+def extras_adapters(llama_family, tmp_path_factory) -> dict:
+    """A DoRA adapter and one with LoRA on lm_head and embed_tokens."""
+    root, model = tmp_path_factory.mktemp("warmup_extras"), llama_family.model_dir
+    return {"dora": make_adapter(root / "dora", model, AdapterSpec(r=8, seed=81),
+                                 use_dora=True),
+            "ends": make_adapter(root / "ends", model, AdapterSpec(
+                r=8, seed=82, target_modules=("q_proj", "lm_head", "embed_tokens")))}
+
+
+def test_adapters_with_extras_compile_nothing_after_warm_up(llama_family, monkeypatch,
+                                                           extras_adapters):
+    """With a DoRA adapter and an lm_head / embed_tokens one read before the warm-up (the
+    pool has their buffers), traffic mixing them with plain adapters and the base model
+    launches no variant the warm-up did not, DoRA's and the ends' kernels included; the
+    warm-up leaves no slot marked as holding them."""
+    eng, keys = warmed_engine(llama_family, monkeypatch, SMALL, more=extras_adapters)
+    pool = eng.runner.lora_pool
+    assert pool.extras_allocated == LoRAExtras(True, True, True)
+    assert not pool.dora_slots and not pool.end_slots
+    warm = set(keys.keys)
+    keys.keys.clear()
+    run_traffic(eng, SMALL, seed=5, names=(None, "rs4", "dora", "ends"))
+    new = keys.keys - warm
+    assert not new, f"{len(new)} kernel variants first launched after warm-up: {sorted(new)[:3]}"
+    launched = {key[0] for key in keys.keys}
+    assert {"scale_rows_kernel", "gather_a_columns_kernel"} <= launched, launched
 
 
 def test_a_partial_warm_up_is_caught(llama_family, monkeypatch):

@@ -231,6 +231,25 @@ class LoRASlotPool:
         return LoRAExtras(self._dora.allocated, self._ends.weights("lm_head") is not None,
                           self._ends.weights("embed_tokens") is not None)
 
+    @contextlib.contextmanager
+    def extras_marked(self, slot: int):
+        """Within: `slot` counts as holding every extra the pool has buffers for (as a
+        DoRA adapter with LoRA on lm_head and embed_tokens would) in `extras_of`, whatever
+        it holds; for the start-up warm-up's steps (engine/warmup.py). Only the host-side
+        sets change, and they are as before on exit. Yields the extras marked."""
+        self._check_slot(slot)
+        sets = ([self._dora.slots] if self._dora.allocated else []) + [
+            self._ends.slots(m) for m in ("lm_head", "embed_tokens")
+            if self._ends.weights(m) is not None]
+        added = [s for s in sets if slot not in s]
+        for s in added:
+            s.add(slot)
+        try:
+            yield self.extras_allocated
+        finally:
+            for s in added:
+                s.discard(slot)
+
     def end_weights(self, module: str):
         """(a, b) of an end target for every slot (engine/lora/end_slots.py); None while
         no adapter with LoRA on it was ever loaded."""

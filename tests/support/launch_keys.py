@@ -5,7 +5,8 @@ dtype). Works compiled (CUDA) and interpreted (the CPU), through
 each kernel's pre-run hook.
 
 `force_triton(monkeypatch)` routes the model's kernel dispatch (kernels/lora.py, its
-rows-per-adapter rule included, kernels/elementwise.py, the model's attention call) to
+rows-per-adapter rule and slot-row ops included, kernels/elementwise.py, the model's
+attention call) to
 the Triton modules for CPU tensors too, so an engine on the CPU runs the same kernels
 (interpreted) as on a GPU."""
 from __future__ import annotations
@@ -73,10 +74,12 @@ def _recording_run(record):
 
 def force_triton(monkeypatch) -> None:
     import engine.model.llama as llama
-    from kernels import attention_triton, elementwise, lora, lora_triton
+    from kernels import attention_triton, elementwise, lora, lora_triton, slot_rows_triton
 
     monkeypatch.setattr(elementwise, "_gpu", lambda x: True)
     monkeypatch.setattr(lora, "add_lora", lora_triton.add_lora)
+    monkeypatch.setattr(lora, "scale_rows", slot_rows_triton.scale_rows)
+    monkeypatch.setattr(lora, "add_embedding_lora", slot_rows_triton.add_embedding_lora)
     monkeypatch.setattr(lora, "norm_shrink_ahead", lora_triton.norm_shrink_ahead)
     monkeypatch.setattr(lora, "silu_shrink_ahead", lora_triton.silu_shrink_ahead)
 
