@@ -80,6 +80,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     lora_pool = LoRASlotPool(mc, config.max_loras, config.max_lora_rank, dtype, device,
                              tp_size=tp.size, base_weight=model.lora_base_weight,
                              all_reduce=tp.all_reduce)
+    lora_pool.allocate_extras(config.lora_extras)   # before the KV cache takes the rest
     blocks = agree_min(kv_blocks(config, mc, model.num_kv_heads_per_rank, device, length))
     kv_caches = model.make_kv_caches(blocks, config.block_size)
     # the same runner on every rank, so decode steps take the same path (graph replay

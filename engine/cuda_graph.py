@@ -26,9 +26,9 @@ the first time a `GraphKey` is needed.
 Rows whose adapter is DoRA, or has LoRA on lm_head or embed_tokens, replay graphs that
 also run those ops (GraphKey `dora`, `head`, `embed`, from the pool's host-side sets):
 each op reads every row's slot (other rows get factor 1 or nothing), so one such graph
-serves any mix. Their buffers are allocated at the first read of such an adapter and
-never move; the start-up warm-up captures the graphs of the extras that have buffers by
-then, any other is captured when first needed. DoRA factors of row-parallel
+serves any mix. Their buffers are allocated at start (EngineConfig.lora_extras) or at
+the first read of such an adapter, and never move; the start-up warm-up captures the
+graphs of the extras that have buffers by then, any other is captured when first needed. DoRA factors of row-parallel
 groups under tensor parallelism are settled (one all-reduce) before a LoRA step's
 replay, outside the graph.
 

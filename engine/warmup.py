@@ -8,8 +8,8 @@ What a step can look like is bounded by the config:
   GraphKey): `graph_keys` lists every key some batch can reach and every one is
   captured. The extras bits (rows on DoRA adapters, adapters with lm_head /
   embed_tokens LoRA) are reachable only for the extras the slot pool has buffers for
-  (LoRASlotPool.extras_allocated: made at the first read of an adapter that needs
-  them), and then in every combination (one adapter may have all three), so each LoRA
+  (LoRASlotPool.extras_allocated: made at start for EngineConfig.lora_extras, else at
+  the first read of an adapter that needs them), and then in every combination (one adapter may have all three), so each LoRA
   key is captured once per subset of them: x2 for DoRA alone, x8 for all three (56 ->
   94 -> 322 graphs at max_num_seqs=256). An extra whose buffers come only after the
   warm-up is captured (and its kernels compiled) when a step first needs it.

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from loramux_core.errors import InvalidRequestError
 from loramux_core.safe_files import roots_problem
 
+LORA_EXTRAS = ("dora", "lm_head", "embed_tokens")   # engine/lora/pool.py LoRAExtras' order
+
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name (engine/config.py)
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights on the device, no weight files read
@@ -58,9 +60,18 @@ class EngineSettings:
     # into shared memory (engine/adapters/loader_pool.py); 0: reads run on threads of
     # the engine process itself; None = a quarter of the rank's cores, 2 to 4
     adapter_loaders: int | None = None
+    # adapter features whose device buffers are taken at start (so the warm-up compiles
+    # and captures their steps: engine/warmup.py) rather than at the first such adapter's
+    # read: any of LORA_EXTRAS; e.g. ("dora",) takes 4 bytes per slot and output row of
+    # every wrapped layer, "lm_head" / "embed_tokens" max_lora_rank x (vocab + hidden)
+    lora_extras: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "adapter_roots", tuple(self.adapter_roots))
+        object.__setattr__(self, "lora_extras", tuple(self.lora_extras))
+        if bad := [e for e in self.lora_extras if e not in LORA_EXTRAS]:
+            raise InvalidRequestError(f"lora_extras={list(self.lora_extras)}: {bad[0]!r} is "
+                                      f"not one of {', '.join(LORA_EXTRAS)}")
         if (why := roots_problem(self.adapter_roots)) is not None:
             raise InvalidRequestError(why)
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -50,6 +50,8 @@ class Option:
             return [self.flag if value else "--no-" + self.flag[2:]]
         if self.tri_state and isinstance(value, bool):
             return [self.flag, "on" if value else "off"]
+        if isinstance(value, (tuple, list)):
+            return [self.flag, ",".join(value)]
         return [self.flag, "auto" if value is None else str(value)]
 
 
@@ -125,6 +127,18 @@ def choice(*names: str) -> Callable[[str], str]:
         if text not in names:
             raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(names)}")
         return text
+    parse.names = names
+    return parse
+
+
+def names_of(*names: str) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated list of some of `names` (empty: none)."""
+    def parse(text: str) -> tuple[str, ...]:
+        out = tuple(n for n in text.split(",") if n)
+        for n in out:
+            if n not in names:
+                raise argparse.ArgumentTypeError(f"{n!r} is not one of {', '.join(names)}")
+        return out
     parse.names = names
     return parse
 
@@ -218,6 +232,11 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            "all-reduce under tensor parallelism on GPUs (default: auto: one-shot over "
            "symmetric memory for decode-sized messages where possible, else NCCL)",
            env="LORAMUX_TP_ALLREDUCE"),
+    Option("lora_extras", "--lora-extras", names_of("dora", "lm_head", "embed_tokens"),
+           "comma-separated adapter features whose device buffers are taken at start, so "
+           "the warm-up compiles and captures their steps: dora, lm_head, embed_tokens "
+           "(default: none: taken at the first such adapter's read, whose first steps "
+           "then compile)", env="LORAMUX_LORA_EXTRAS"),
 )
 BY_DEST = {o.dest: o for o in ENGINE_OPTIONS}
 

@@ -174,12 +174,14 @@ class LoRAPaths:
         monkeypatch.setattr(runner, "_forward", recorded)
 
 
-def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None, more=None):
-    """`more`: {name: path} of further adapters, read before the warm-up."""
+def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None, more=None,
+                  **config):
+    """`more`: {name: path} of further adapters, read before the warm-up; `config`: more
+    EngineConfig fields."""
     force_triton(monkeypatch)
     blocks = limits["max_num_seqs"] * limits["max_model_len"] // 8 + 8
     eng = make_engine(llama_family, ["rs4", "ap8", "attn32"], max_loras=2, block_size=8,
-                      num_kv_blocks=blocks, **limits)
+                      num_kv_blocks=blocks, **limits, **config)
     for name, path in (more or {}).items():
         eng.add_adapter(name, path)
     keys = LaunchKeys().install(monkeypatch, *KERNEL_MODULES, execute=False)
@@ -221,16 +223,26 @@ def extras_adapters(llama_family, tmp_path_factory) -> dict:
                 r=8, seed=82, target_modules=("q_proj", "lm_head", "embed_tokens")))}
 
 
+@pytest.mark.parametrize("buffers", ["configured", "read"])
 def test_adapters_with_extras_compile_nothing_after_warm_up(llama_family, monkeypatch,
-                                                           extras_adapters):
-    """With a DoRA adapter and an lm_head / embed_tokens one read before the warm-up (the
-    pool has their buffers), traffic mixing them with plain adapters and the base model
-    launches no variant the warm-up did not, DoRA's and the ends' kernels included; the
-    warm-up leaves no slot marked as holding them."""
-    eng, keys = warmed_engine(llama_family, monkeypatch, SMALL, more=extras_adapters)
+                                                           extras_adapters, buffers):
+    """With the pool's buffers for DoRA and lm_head / embed_tokens LoRA taken at start
+    (EngineConfig.lora_extras; the adapters read after the warm-up) or at the read of a
+    DoRA adapter and an lm_head / embed_tokens one before it, traffic mixing those
+    adapters with plain ones and the base model launches no variant the warm-up did not,
+    DoRA's and the ends' kernels included; the warm-up leaves no slot marked as holding
+    them."""
+    if buffers == "configured":
+        eng, keys = warmed_engine(llama_family, monkeypatch, SMALL,
+                                  lora_extras=("dora", "lm_head", "embed_tokens"))
+    else:
+        eng, keys = warmed_engine(llama_family, monkeypatch, SMALL, more=extras_adapters)
     pool = eng.runner.lora_pool
     assert pool.extras_allocated == LoRAExtras(True, True, True)
     assert not pool.dora_slots and not pool.end_slots
+    if buffers == "configured":
+        for name, path in extras_adapters.items():
+            eng.add_adapter(name, path)
     warm = set(keys.keys)
     keys.keys.clear()
     run_traffic(eng, SMALL, seed=5, names=(None, "rs4", "dora", "ends"))

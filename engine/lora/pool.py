@@ -43,8 +43,9 @@ from engine.lora.dora import DoraFactors
 from engine.lora.end_slots import EndSlots
 from engine.lora.weights import GroupWeights, LoRAWeights
 from loramux_core.model.archs import architecture
-from loramux_core.model.lora_targets import (expert_roles, expert_shard_shape, groups,
-                                             lora_group_shapes, row_parallel_groups)
+from loramux_core.model.lora_targets import (END_TARGETS, expert_roles, expert_shard_shape,
+                                             full_shape, groups, lora_group_shapes,
+                                             row_parallel_groups)
 from loramux_core.errors import AdapterError
 
 
@@ -73,6 +74,7 @@ class LoRASlotPool:
         self._base_weight = base_weight
         self._all_reduce = all_reduce
         self._ends = EndSlots(max_loras, max_lora_rank, dtype, torch.device(device))
+        self._end_shapes = {m: full_shape(model_cfg, m) for m in END_TARGETS}  # unsharded
         self.expert_slots: set[int] = set()
         self._experts = _expert_buffers(model_cfg, max_loras, max_lora_rank, dtype,
                                         torch.device(device), tp_size)
@@ -184,6 +186,16 @@ class LoRASlotPool:
                     f"no device memory left for {what} ({nbytes / 2**20:.0f} MiB for "
                     f"{self.max_loras} slots); lower max_loras or gpu_memory_utilization",
                     feature="device_memory", file=weights.source) from None
+
+    def allocate_extras(self, names) -> None:
+        """Allocate now the buffers of the adapter features `names` ("dora", "lm_head",
+        "embed_tokens": EngineConfig.lora_extras), which are otherwise made at the first
+        adapter that needs them (`reserve`), so the start-up warm-up covers them."""
+        if "dora" in names:
+            self._dora.allocate()
+        for module in ("lm_head", "embed_tokens"):
+            if module in names:
+                self._ends.allocate(module, *self._end_shapes[module])
 
     def clear(self, slot: int, stream: torch.cuda.Stream | None = None) -> None:
         """Zero `slot` everywhere (its tokens would then add nothing)."""
