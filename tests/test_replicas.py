@@ -206,8 +206,16 @@ def test_replica_killed_under_50_streams(cluster, admin, offline):
 
     async def scenario():
         async with AsyncGenerateClient(cluster.gateway_address) as client:
+            # the router prefers the replica holding `both` in a better tier until it is
+            # saturated by its latest stats, so a burst may lean on one replica: more streams
+            # are opened (they run for seconds) until both are busy
             pairs = await _open_streams(client, 50, max_tokens)
             inflight = await asyncio.to_thread(gauge, cluster, "loramux:gateway_requests_inflight")
+            for _ in range(10):
+                if min(inflight.get("0", 0), inflight.get("1", 0)) >= 10:
+                    break
+                pairs += await _open_streams(client, 10, max_tokens)
+                inflight = await asyncio.to_thread(gauge, cluster, "loramux:gateway_requests_inflight")
             t_kill = time.monotonic()
             await asyncio.to_thread(cluster.kill, "engine-0")
             return inflight, t_kill, await finish(pairs)
