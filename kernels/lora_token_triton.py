@@ -16,6 +16,13 @@ _TARGET_PROGRAMS = 2048    # per-token programs wanted per launch (about 16 per 
 _MIN_K_CHUNK = 512         # below this a split-K program is mostly prologue
 _MAX_SPLIT_K = 32          # up to 16 tokens (down at 1 token wants 28 splits) ...
 _MAX_SPLIT_K_WIDE = 8      # ... above: every expand program of a token re-adds the partials
+_MAX_SLICES = 4            # the expand kernels take five slice bounds
+
+
+def _offsets(slice_offsets) -> list[int]:
+    """The S+1 slice bounds padded to _MAX_SLICES+1 entries (repeating the last)."""
+    offs = list(slice_offsets)
+    return offs + [offs[-1]] * (_MAX_SLICES + 1 - len(offs))
 
 
 def group_size(T: int) -> int:
@@ -101,7 +108,7 @@ def lora_expand_tokens(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
                        row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y[t, slice s] += (sum of hp's partials)[s, t] @ b[slot(t), slice s].T, in place.
 
-    offsets: the slice bounds padded to five entries (lora_triton._offsets); block_n and
+    offsets: the slice bounds padded to five entries (`_offsets`); block_n and
     n_chunks (tile width, programs per token and slice) default to the tuned choice;
     row_scale [T] float32: each token's summed h is multiplied by it first (or None)."""
     split_k, S, T, R = hp.shape

@@ -26,7 +26,7 @@ import triton
 from kernels import lora_kernels_triton as K
 from kernels import lora_mixed_triton
 from kernels.lora_segment_triton import add_lora_seg
-from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
+from kernels.lora_token_triton import _MAX_SLICES, _offsets, lora_expand_tokens, lora_shrink_tokens
 from kernels.lora_uniform_triton import add_lora_uniform
 from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_fused_shrunk
 from kernels.silu_shrink_triton import silu_mul_shrink
@@ -35,7 +35,6 @@ from kernels.lora_uniform_triton import uniform_shrink as add_lora_uniform_shrin
 
 FUSED_MAX_TOKENS = 16      # lora_fused needs every segment within one 16-row block
 _TARGET_PROGRAMS = 264     # about two programs per SM on an H100 (132 SMs)
-_MAX_SLICES = 4
 
 
 @dataclass(frozen=True)
@@ -116,11 +115,6 @@ def _block_r(R: int) -> int:
 def _precision(t: torch.Tensor) -> str:
     # fp32 weights mean "exact" (tests, CPU parity); tf32 would lose ~3 digits
     return "ieee" if t.dtype == torch.float32 else "tf32"
-
-
-def _offsets(slice_offsets) -> list[int]:
-    offs = list(slice_offsets)
-    return offs + [offs[-1]] * (_MAX_SLICES + 1 - len(offs))
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta,

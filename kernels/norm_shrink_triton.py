@@ -16,10 +16,9 @@ import torch
 import triton
 
 from kernels import norm_shrink_kernels_triton as K
-from kernels.lora_token_triton import default_split_k, lora_expand_tokens
+from kernels.lora_token_triton import _MAX_SLICES, _offsets, default_split_k, lora_expand_tokens
 
 MAX_TOKENS = 256           # the decode path (kernels/lora_triton.py TOKEN_PATH_MAX_TOKENS)
-MAX_SLICES = 4
 BLOCK_M = 16               # rows per shrink program (tl.dot needs 16)
 _MIN_K_CHUNK = 128
 _MIXED_PROGRAMS = 512      # one-row shrink programs wanted for a mixed batch (about four
@@ -77,7 +76,7 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     others)."""
     T, N = residual.shape
     L, S, R, Ka = a.shape
-    assert 0 < T <= MAX_TOKENS and 0 < S <= MAX_SLICES and Ka == N, (T, S, Ka, N)
+    assert 0 < T <= MAX_TOKENS and 0 < S <= _MAX_SLICES and Ka == N, (T, S, Ka, N)
     assert residual.stride(-1) == 1 and weight.shape == (N,) and weight.stride(0) == 1
     assert x is None or (x.shape == residual.shape and x.stride(-1) == 1)
     assert token_slots.shape == (T,) and len(slice_offsets) == S + 1
@@ -110,7 +109,6 @@ def expand_fused_shrunk(shrunk: FusedShrunk, b: torch.Tensor, y: torch.Tensor,
     """y [T, N] += (1/rms · h) · B[slot]ᵀ per slice from a finished `add_rms_norm_shrink`
     (h · B[slot]ᵀ where there is no row scale), in place (after it in stream order);
     meta: the step's `LoRAMeta`. Returns y."""
-    offs = list(shrunk.slice_offsets)
-    padded = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
-    return lora_expand_tokens(shrunk.hp, b, y, meta, padded, len(offs) - 1, shrunk.ranks,
+    offs = shrunk.slice_offsets
+    return lora_expand_tokens(shrunk.hp, b, y, meta, _offsets(offs), len(offs) - 1, shrunk.ranks,
                               uniform=shrunk.uniform, row_scale=shrunk.rstd)

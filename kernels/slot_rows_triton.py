@@ -8,7 +8,7 @@ import triton
 
 from kernels import slot_rows_kernels_triton as K
 from kernels import lora_triton
-from kernels.lora_token_triton import lora_expand_tokens
+from kernels.lora_token_triton import _offsets, lora_expand_tokens
 
 
 def scale_rows(y: torch.Tensor, scale: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -50,5 +50,5 @@ def add_embedding_lora(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: t
         meta = lora_triton.build_meta(token_slots, L)
     h = gather_a_columns(ids, a, token_slots)
     if T <= lora_triton.TOKEN_PATH_MAX_TOKENS:
-        return lora_expand_tokens(h[None, None], b, y, meta, [0, H, H, H, H], 1)  # one slice
+        return lora_expand_tokens(h[None, None], b, y, meta, _offsets((0, H)), 1)  # one slice
     return lora_triton.lora_expand(h[None], b, y, meta, (0, H))
