@@ -225,14 +225,6 @@ class HostBufferPool:
                 self._registering.append(self._pinner.submit(buf.register))
         return buf
 
-    def close(self) -> None:
-        """Let go of the free buffers and cut no more from open shared segments: their
-        memory goes back to the system once the buffers handed out are gone too."""
-        with self._lock:
-            self._free.clear()
-        if self._cutter is not None:
-            self._cutter.forget()
-
     def wait_registered(self) -> None:
         """Block until every buffer handed out so far went through registration."""
         with self._lock:
@@ -245,12 +237,9 @@ def shared_memory_pins() -> bool:
     anonymous shared mapping). Loader processes write into such buffers; where they could
     not be page-locked, every slot load would copy synchronously, so the engine reads in
     its own process instead (engine/assembly.py)."""
-    pool = HostBufferPool(pin=True, shared=True)
-    buf = pool.acquire(1 << 20)
-    pool.wait_registered()
-    pinned = buf.pinned
-    pool.close()
-    return pinned
+    data, place = SegmentCutter().cut(1 << 20)
+    return HostBuffer(data, 1 << 20, None, shared=place).register()
+
 
 def _aligned(size: int) -> torch.Tensor:
     raw = torch.empty(size + _ALIGN, dtype=torch.uint8)

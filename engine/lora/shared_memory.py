@@ -81,11 +81,6 @@ class SegmentCutter:
         offset = index * size
         return seg.data[offset:offset + size], SharedPlace(seg, offset)
 
-    def forget(self) -> None:
-        """Cut no more from the open segments (those already cut live on)."""
-        with self._lock:
-            self._open.clear()
-
 
 def map_place(fd: int, offset: int, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     """A loader's writable view of a buffer handed over as (fd, offset, nbytes): the
