@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 import torch
 
-from engine.adapters.loader_wire import decode_error, recv, send
+from engine.adapters.loader_wire import recv, send
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.shared_memory import map_place
 
@@ -31,11 +31,7 @@ class RemoteBuffers:
     def acquire(self, nbytes: int) -> HostBuffer:
         send(self._sock, {"op": "need", "nbytes": int(nbytes)})
         msg, fds = recv(self._sock)
-        if msg.get("op") != "buffer":
-            for fd in fds:
-                os.close(fd)
-            raise decode_error(msg.get("error", {"type": "MemoryError",
-                                                 "message": "no host buffer"}))
+        assert msg["op"] == "buffer", msg  # the engine's only answer (loader_pool.py)
         try:
             m, view = map_place(fds[0], msg["offset"], msg["nbytes"])
         finally:
