@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loramux_core.engine_config import LORA_EXTRAS
+
 
 @dataclass(frozen=True)
 class Option:
@@ -232,9 +234,9 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            "all-reduce under tensor parallelism on GPUs (default: auto: one-shot over "
            "symmetric memory for decode-sized messages where possible, else NCCL)",
            env="LORAMUX_TP_ALLREDUCE"),
-    Option("lora_extras", "--lora-extras", names_of("dora", "lm_head", "embed_tokens"),
+    Option("lora_extras", "--lora-extras", names_of(*LORA_EXTRAS),
            "comma-separated adapter features whose device buffers are taken at start, so "
-           "the warm-up compiles and captures their steps: dora, lm_head, embed_tokens "
+           f"the warm-up compiles and captures their steps: {', '.join(LORA_EXTRAS)} "
            "(default: none: taken at the first such adapter's read, whose first steps "
            "then compile)", env="LORAMUX_LORA_EXTRAS"),
 )
