@@ -26,7 +26,6 @@ class LoaderSpec:
     roots: tuple[str, ...] = ()     # adapter roots; empty: the path is its own root
     tp_rank: int = 0
     tp_size: int = 1
-    threads: int = 1                # torch threads of the child
 
 
 class LoaderFailed(Exception):

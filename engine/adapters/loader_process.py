@@ -72,7 +72,7 @@ def _reader(init: dict):
     from loramux_core.model.hf_config import ModelConfig
     from loramux_core.safe_files import AdapterRoots
 
-    torch.set_num_threads(max(1, int(init.get("threads", 1))))
+    torch.set_num_threads(1)
     mc = ModelConfig.from_dir(init["model"])
     roots = AdapterRoots(init["roots"]) if init["roots"] else None
     tp, dtype = TPGroup(init["tp_rank"], init["tp_size"]), getattr(torch, init["dtype"])
