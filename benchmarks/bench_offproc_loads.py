@@ -42,22 +42,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import TeeLog  # noqa: E402
 from benchmarks.llama8b import LLAMA3_8B, write_adapter, write_model_dir  # noqa: E402
+from benchmarks.serving.counters import cpu_seconds  # noqa: E402
+from benchmarks.serving.files import link_adapters  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 MAX_TOKENS = 4096   # per decoding request: more than the run's steps
 
 
 def children_cpu(pids) -> float:
     """CPU seconds (user + system) the processes `pids` have used so far."""
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / TICK
-        except FileNotFoundError:
-            pass
-    return total
+    return sum(cpu_seconds(p) or 0.0 for p in pids)
 
 
 WIDTHS = {  # Llama-3-8B's widths, and half of them (a CPU step of ~20 ms)
@@ -70,17 +63,13 @@ WIDTHS = {  # Llama-3-8B's widths, and half of them (a CPU step of ~20 ms)
 
 def make_files(tmp: Path, width: str, layers: int, rank: int, loads: int,
                distinct: int = 4):
-    """The model directory and `loads` adapter directories (hard links of `distinct`
-    weight sets: names differ, bytes are read and hashed all the same)."""
+    """The model directory, the adapter root and the names of `loads` + 1 adapter
+    directories in it (hard links of `distinct` weight sets: names differ, bytes are read
+    and hashed all the same)."""
     model = write_model_dir(tmp / "model", layers, WIDTHS[width])
     sets = [write_adapter(tmp / "sets" / f"w{i}", model, rank, seed=i) for i in range(distinct)]
     root = tmp / "adapters"
-    for i in range(loads + 1):
-        d = root / f"a{i}"
-        d.mkdir(parents=True)
-        for f in sets[i % distinct].iterdir():
-            os.link(f, d / f.name)
-    return model, root
+    return model, root, link_adapters(root, sets, loads + 1)
 
 
 def build_engine(args, model: Path, root: Path, loaders: int):
@@ -133,10 +122,9 @@ def loader_pids(eng) -> list[int]:
     return eng.adapter_loaders.pids() if eng.adapter_loaders is not None else []
 
 
-def idle_loads(eng, args, root: Path) -> dict:
-    """Loads into an idle engine: CPU seconds per load of the engine process and of the
-    loader processes, loads per second."""
-    names = [f"a{i}" for i in range(1, args.loads + 1)]
+def idle_loads(eng, args, root: Path, names: list[str]) -> dict:
+    """Loads of `names` into an idle engine: CPU seconds per load of the engine process
+    and of the loader processes, loads per second."""
     c0, k0 = time.process_time(), children_cpu(loader_pids(eng))
     _, wall = read_all(eng, root, names, args.readers)
     return {"engine_cpu_ms_per_load": (time.process_time() - c0) / args.loads * 1e3,
@@ -144,30 +132,31 @@ def idle_loads(eng, args, root: Path) -> dict:
             "loads_per_s": args.loads / wall}
 
 
-def stepping_loads(eng, args, root: Path) -> dict:
-    """Step times of decoding alone, then while other adapters are read."""
+def stepping_loads(eng, args, root: Path, names: list[str]) -> dict:
+    """Step times of decoding alone, then while `names` are read."""
     start_decoding(eng, args)
     timed_steps(eng, 3)
     base = timed_steps(eng, args.steps)
-    names = [f"a{i}" for i in range(args.loads + 1, 2 * args.loads + 1)]
     steps, wall = read_all(eng, root, names, args.readers,
                            lambda done: timed_steps(eng, until=done))
     return {"step_ms_baseline": stats_ms(base), "step_ms_during_loads": stats_ms(steps),
             "steps_during_loads": len(steps), "loads_per_s_while_decoding": args.loads / wall}
 
 
-def measure(args, model: Path, root: Path, loaders: int) -> dict:
+def measure(args, model: Path, root: Path, names: list[str], loaders: int) -> dict:
+    """The first of `names` read to warm up, then the next LOADS idle, the LOADS after
+    while decoding."""
     eng = build_engine(args, model, root, loaders)
     try:
         if eng.adapter_loaders is not None:
             eng.adapter_loaders.start()
             for pid in eng.adapter_loaders.pids() if args.pin else ():
                 os.sched_setaffinity(pid, args.pin[1])
-        eng.register_adapter(eng.read_adapter("a0", root / "a0"))
+        eng.register_adapter(eng.read_adapter(names[0], root / names[0]))
         row = {"path": "loader processes" if loaders else "in-process threads",
                "adapter_loaders": loaders}
-        row.update(idle_loads(eng, args, root))
-        row.update(stepping_loads(eng, args, root))
+        row.update(idle_loads(eng, args, root, names[1:args.loads + 1]))
+        row.update(stepping_loads(eng, args, root, names[args.loads + 1:]))
         return row
     finally:
         eng.close()
@@ -230,11 +219,12 @@ def main() -> None:
     log = TeeLog(args.out / "bench_offproc_loads.log")
     log(f"args: {vars(args)}")
     with tempfile.TemporaryDirectory() as tmp:
-        model, root = make_files(Path(tmp), args.width, args.layers, args.rank,
-                                 2 * args.loads)
-        mb = sum(f.stat().st_size for f in (root / "a0").iterdir()) / 1e6
+        model, root, names = make_files(Path(tmp), args.width, args.layers, args.rank,
+                                        2 * args.loads)
+        mb = sum(f.stat().st_size for f in (root / names[0]).iterdir()) / 1e6
         log(f"adapter files: {mb:.1f} MB each")
-        rows = [measure(args, model, root, int(n)) for n in args.paths.split(",")]
+        rows = [measure(args, model, root, list(names), int(n))
+                for n in args.paths.split(",")]
     report(rows, log)
     (args.out / "bench_offproc_loads.json").write_text(json.dumps(rows, indent=2))
     log.close()
