@@ -101,11 +101,6 @@ def graph_key(buckets: tuple[int, ...], scheduled: list[ScheduledRequest], greed
     return GraphKey(bucket, use_lora, greedy, uniform, spread, *extras)
 
 
-def decode_min_rows(buckets: tuple[int, ...], device: torch.device) -> dict[int, int]:
-    """`min_rows` of graph_key for each bucket, on `device`."""
-    return {b: lora_kernels.mixed_min_rows(device, b) for b in buckets}
-
-
 def is_decode_step(scheduled: list[ScheduledRequest]) -> bool:
     return bool(scheduled) and all(s.num_new_tokens == 1 for s in scheduled)
 
@@ -200,9 +195,9 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
 
 
 class CudaGraphRunner:
-    """Replays captured decode graphs; `run(scheduled, use_lora)` -> hidden [n, hidden],
-    `run(..., greedy=True)` -> [2, n] (token id, logprob) (views of the graph's static
-    output, valid until the next replay)."""
+    """Replays captured decode graphs; `run(scheduled, key)` -> hidden [n, hidden], or
+    [2, n] (token id, logprob) for a greedy key (views of the graph's static output,
+    valid until the next replay)."""
 
     def __init__(self, model, kv_caches, lora_pool: LoRASlotPool, block_size: int,
                  max_batch: int, max_model_len: int, device: torch.device):
@@ -210,7 +205,7 @@ class CudaGraphRunner:
         self.buckets = decode_buckets(max_batch)
         max_blocks = -(-max_model_len // block_size)
         self.staging = DecodeStaging(max_batch, max_blocks, block_size, max_model_len, device)
-        self.min_rows = decode_min_rows(self.buckets, device)
+        self.min_rows = {b: lora_kernels.mixed_min_rows(device, b) for b in self.buckets}
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.num_replays = 0
@@ -234,7 +229,7 @@ class CudaGraphRunner:
     def capture_all(self, keys) -> int:
         """Capture every GraphKey of `keys` not captured yet (the start-up warm-up:
         engine/warmup.py); returns how many were captured."""
-        todo = [GraphKey(*k) for k in keys if GraphKey(*k) not in self._graphs]
+        todo = [k for k in map(GraphKey._make, keys) if k not in self._graphs]
         for key in todo:
             self._graphs[key] = self._capture(key)
         return len(todo)
@@ -245,8 +240,9 @@ class CudaGraphRunner:
 
     def key_for(self, scheduled: list[ScheduledRequest], greedy: bool) -> GraphKey:
         """The key of the graph a decode step of `scheduled` replays (`graph_key`)."""
-        return graph_key(self.buckets, scheduled, greedy, self.min_rows,
-                         self.lora_pool.extras_of(s.slot for s in scheduled))
+        slots = [s.slot for s in scheduled]
+        extras = self.lora_pool.extras_of(slots) if max(slots) >= 0 else LoRAExtras()
+        return graph_key(self.buckets, scheduled, greedy, self.min_rows, extras)
 
     def head_lora(self, key: GraphKey) -> LoRABatch | None:
         """After a replay of `key` (not greedy), the LoRA of lm_head for the replayed rows

@@ -105,7 +105,7 @@ class IncrementalDetokenizer:
 
     def _advance(self, delta: str, final: bool) -> str:
         """Append `delta`, cut at a stop string, and return what may be emitted now."""
-        old_len = self._base + len(self._tail)
+        old_len = self._len()
         self._tail += delta
         if self._stop:
             cut = self._find_stop(old_len)

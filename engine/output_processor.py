@@ -21,26 +21,26 @@ from engine.scheduler import Sampled
 class OutputState:
     """What one request has produced for its caller (the processor's, on `Request.output`)."""
     detokenizer: IncrementalDetokenizer
-    # The text handed out by the detokenizer, piece by piece: appending each piece to one
-    # string would copy the whole text per token (quadratic in a long generation).
-    pieces: list[str] = field(default_factory=list)
-    pieces_sent: int = 0   # how many of `pieces` are already in a StepOutput
+    # The pieces of text the detokenizer handed out since the last StepOutput (its `text`
+    # holds all of them; appending each piece to one string here would copy the whole text
+    # per token, quadratic in a long generation).
+    unsent: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         """All text so far."""
-        return "".join(self.pieces)
+        return self.detokenizer.text
 
     def add_text(self, piece: str) -> None:
         if piece:
-            self.pieces.append(piece)
+            self.unsent.append(piece)
 
     def take_unsent(self) -> str:
         """The text not yet in a StepOutput, from now on counted as sent."""
-        new = "".join(self.pieces[self.pieces_sent:])
-        self.pieces_sent = len(self.pieces)
+        new = "".join(self.unsent)
+        self.unsent.clear()
         return new
 
 

@@ -113,16 +113,19 @@ class ModelRunner:
         attn.positions, attn.slot_mapping = to_dev(attn.positions), to_dev(attn.slot_mapping)
         attn.query_start_loc, attn.seq_lens = to_dev(attn.query_start_loc), to_dev(attn.seq_lens)
         attn.block_tables = to_dev(attn.block_tables)
-        spread = spread_over_adapters(((s.slot, s.num_new_tokens) for s in out.scheduled),
-                                      lora_kernels.mixed_min_rows(self.device, len(ids)))
+        has_lora = any(s.slot >= 0 for s in out.scheduled)
+        spread, extras = False, LoRAExtras()
+        if has_lora:
+            spread = spread_over_adapters(((s.slot, s.num_new_tokens) for s in out.scheduled),
+                                          lora_kernels.mixed_min_rows(self.device, len(ids)))
+            extras = self.lora_pool.extras_of(s.slot for s in out.scheduled)
         return ModelInputs(
             input_ids=to_dev(torch.tensor(ids, dtype=torch.int64)),
             attn=attn,
             token_slots=to_dev(torch.tensor(slots, dtype=torch.int32)),
             logits_indices=to_dev(torch.tensor(last, dtype=torch.int64)),
             sample_requests=samplers,
-            has_lora=any(s.slot >= 0 for s in out.scheduled), lora_spread=spread,
-            lora_extras=self.lora_pool.extras_of(s.slot for s in out.scheduled), holes=holes)
+            has_lora=has_lora, lora_spread=spread, lora_extras=extras, holes=holes)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor -> device; on CUDA through pinned memory without blocking (the
