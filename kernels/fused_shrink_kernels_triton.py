@@ -1,6 +1,7 @@
 """What the fused-shrink programs (norm_shrink_kernels_triton.py,
 silu_shrink_kernels_triton.py) share: where a split-K shrink program stands (its row
-block or row, its K chunk) and an adapter's real rank. Inlined where called."""
+block or row, its K chunk) and an adapter's real rank (`rank_of`, also used by the LoRA
+token and mixed programs). Inlined where called."""
 from __future__ import annotations
 
 import triton

@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.fused_shrink_kernels_triton import rank_of
 from kernels.lora_kernels_triton import _expand_tile, _shrink_tile, _slice_bounds
 
 
@@ -69,13 +70,6 @@ def _h_ptrs(hp_ptr, s, p0, stride_hs, stride_ht, stride_hr, BLOCK_M: tl.constexp
             + tl.arange(0, BLOCK_R)[None, :] * stride_hr)
 
 
-@triton.jit
-def _rank(ranks_ptr, slot, R, HAS_RANKS: tl.constexpr):
-    if HAS_RANKS:
-        return tl.load(ranks_ptr + slot)
-    return R
-
-
 @triton.jit(do_not_specialize=["NSEG", "TILES", "split_k", "k_chunk"])
 def lora_shrink_mixed_kernel(x_ptr, a_ptr, hp_ptr, count_ptr, sorted_ptr, seg_start_ptr,
                              seg_len_ptr, active_ptr, ranks_ptr, NSEG, TILES, K, R,
@@ -99,7 +93,7 @@ def lora_shrink_mixed_kernel(x_ptr, a_ptr, hp_ptr, count_ptr, sorted_ptr, seg_st
                                                sorted_ptr, NSEG, SEG_P, BLOCK_M)
         if rows > 0:
             acc = _shrink_tile(x_ptr, a_ptr, tok, m_mask, slot, s,
-                               _rank(ranks_ptr, slot, R, HAS_RANKS), k_lo, k_hi,
+                               rank_of(ranks_ptr, slot, R, HAS_RANKS), k_lo, k_hi,
                                stride_xt, stride_xk, stride_al, stride_as, stride_ar,
                                stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, UPCAST)
             mask = m_mask[:, None] & r_mask[None, :]
@@ -144,7 +138,7 @@ def lora_expand_mixed_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, seg_start_ptr, se
         slot, p0, rows, m_mask, tok = _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr,
                                                sorted_ptr, NSEG, SEG_P, BLOCK_M)
         if rows > 0:
-            rank = _rank(ranks_ptr, slot, R, HAS_RANKS)
+            rank = rank_of(ranks_ptr, slot, R, HAS_RANKS)
             h_ptrs = _h_ptrs(hp_ptr, s, p0, stride_hs, stride_ht, stride_hr, BLOCK_M, BLOCK_R)
             h_mask = m_mask[:, None] & (tl.arange(0, BLOCK_R) < rank)[None, :]
             h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)

@@ -22,16 +22,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.fused_shrink_kernels_triton import rank_of
 from kernels.lora_kernels_triton import _expand_tile, _shrink_tile, _slice_bounds
 
 SUB: tl.constexpr = tl.constexpr(16)
-
-
-@triton.jit
-def _rank_of(ranks_ptr, slot, R, HAS_RANKS: tl.constexpr):
-    if HAS_RANKS:
-        return tl.load(ranks_ptr + slot)
-    return R
 
 
 @triton.jit
@@ -55,7 +49,7 @@ def _shrink_rows(x_ptr, a_ptr, h_base, sorted_ptr, ranks_ptr, row0, last, slot, 
                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                  UPCAST: tl.constexpr):
     """hp rows of sorted positions row0..last (one slot): one ROWS-row matrix product."""
-    rank = _rank_of(ranks_ptr, slot, R, HAS_RANKS)
+    rank = rank_of(ranks_ptr, slot, R, HAS_RANKS)
     offs_m = row0 + tl.arange(0, ROWS)
     m_mask = offs_m <= last
     tok = tl.load(sorted_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -102,7 +96,7 @@ def lora_shrink_tok_kernel(x_ptr, a_ptr, hp_ptr, sorted_ptr, sorted_slots_ptr, r
         p = first + j
         slot = tl.load(sorted_slots_ptr + tl.minimum(p, last))
         if (p <= last) & (slot >= 0):
-            rank = _rank_of(ranks_ptr, slot, R, HAS_RANKS)
+            rank = rank_of(ranks_ptr, slot, R, HAS_RANKS)
             tok = tl.load(sorted_ptr + p).to(tl.int64)
             offs_r = tl.arange(0, BLOCK_R)
             r_mask = offs_r < rank
@@ -131,7 +125,7 @@ def _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, scale_ptr, row0, l
     with HAS_SCALE each row times scale[tok])."""
     n_tiles = tl.cdiv(hi - lo, BLOCK_N)
     if u0 < n_tiles:
-        rank = _rank_of(ranks_ptr, slot, R, HAS_RANKS)
+        rank = rank_of(ranks_ptr, slot, R, HAS_RANKS)
         offs_m = row0 + tl.arange(0, ROWS)
         m_mask = offs_m <= last
         tok = tl.load(sorted_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -191,7 +185,7 @@ def lora_expand_tok_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, sorted_slots_ptr, r
         p = first + j
         slot = tl.load(sorted_slots_ptr + tl.minimum(p, last))
         if (p <= last) & (slot >= 0):
-            rank = _rank_of(ranks_ptr, slot, R, HAS_RANKS)
+            rank = rank_of(ranks_ptr, slot, R, HAS_RANKS)
             tok = tl.load(sorted_ptr + p).to(tl.int64)
             offs_r = tl.arange(0, BLOCK_R)
             r_mask = offs_r < rank
