@@ -73,12 +73,11 @@ class PendingNorms:
         factors into `scales[key][slot]`."""
         order = [(slot, part) for slot in sorted(self._parts) for part in self._parts[slot]]
         total = all_reduce(torch.cat([sq for _, (_, _, sq, _) in order]))
-        for _, (_, _, sq, m) in order:
+        at = 0
+        for slot, (key, rows, sq, m) in order:
             if sq.is_cuda:  # made on a load's stream, read on this one: not reused before
                 sq.record_stream(torch.cuda.current_stream(sq.device))
                 m.record_stream(torch.cuda.current_stream(m.device))
-        at = 0
-        for slot, (key, rows, sq, m) in order:
             n = sq.numel()
             norm = total[at:at + n].sqrt()
             scales[key][slot, rows] = (m.float() / norm).to(scales[key].dtype)
@@ -86,9 +85,10 @@ class PendingNorms:
         self._parts.clear()
 
 
-def _filled(device: torch.device) -> None:
+def wait_filled(device: torch.device) -> None:
     """Wait for the fill of new buffers: made on whichever thread's stream allocated
-    them (a reader's), they are written next on other streams (a slot load's)."""
+    them (a reader's), they are written next on other streams (a slot load's). Also
+    used by engine/lora/end_slots.py."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
@@ -128,7 +128,7 @@ class DoraFactors:
                 scale = {key: torch.ones(self._max_loras + 1, n, dtype=torch.float32,
                                          device=self._device)
                          for key, n in self._widths.items()}
-                _filled(self._device)
+                wait_filled(self._device)
                 self._scale = scale
 
     def scale(self, key) -> torch.Tensor | None:

@@ -15,6 +15,8 @@ import threading
 
 import torch
 
+from engine.lora.dora import wait_filled
+
 
 class EndSlots:
     def __init__(self, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
@@ -43,8 +45,8 @@ class EndSlots:
     def nbytes_to_allocate(self, module: str, in_features: int, out_features: int) -> int:
         if module in self._buffers:
             return 0
-        size = torch.empty((), dtype=self._dtype).element_size()
-        return self._max_loras * self._rank * (in_features + out_features) * size
+        return (self._max_loras * self._rank * (in_features + out_features)
+                * self._dtype.itemsize)
 
     def allocate(self, module: str, in_features: int, out_features: int) -> None:
         """Zeroed buffers of `module` (A of width `in_features`, B of `out_features` rows),
@@ -55,8 +57,7 @@ class EndSlots:
                                   device=self._device),
                       torch.zeros(self._max_loras, out_features, self._rank, dtype=self._dtype,
                                   device=self._device))
-                if self._device.type == "cuda":  # zeroed on this thread's stream; written
-                    torch.cuda.current_stream(self._device).synchronize()  # on others next
+                wait_filled(self._device)
                 self._slots[module] = set()
                 self._buffers[module] = ab
 

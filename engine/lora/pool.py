@@ -43,9 +43,8 @@ from engine.lora.dora import DoraFactors
 from engine.lora.end_slots import EndSlots
 from engine.lora.weights import GroupWeights, LoRAWeights
 from loramux_core.model.archs import architecture
-from loramux_core.model.lora_targets import (END_TARGETS, expert_roles, expert_shard_shape,
-                                             full_shape, groups, lora_group_shapes,
-                                             row_parallel_groups)
+from loramux_core.model.lora_targets import (expert_roles, expert_shard_shape, full_shape,
+                                             groups, lora_group_shapes, row_parallel_groups)
 from loramux_core.errors import AdapterError
 
 
@@ -74,7 +73,7 @@ class LoRASlotPool:
         self._base_weight = base_weight
         self._all_reduce = all_reduce
         self._ends = EndSlots(max_loras, max_lora_rank, dtype, torch.device(device))
-        self._end_shapes = {m: full_shape(model_cfg, m) for m in END_TARGETS}  # unsharded
+        self._model_cfg = model_cfg
         self.expert_slots: set[int] = set()
         self._experts = _expert_buffers(model_cfg, max_loras, max_lora_rank, dtype,
                                         torch.device(device), tp_size)
@@ -195,7 +194,7 @@ class LoRASlotPool:
             self._dora.allocate()
         for module in ("lm_head", "embed_tokens"):
             if module in names:
-                self._ends.allocate(module, *self._end_shapes[module])
+                self._ends.allocate(module, *full_shape(self._model_cfg, module))  # unsharded
 
     def clear(self, slot: int, stream: torch.cuda.Stream | None = None) -> None:
         """Zero `slot` everywhere (its tokens would then add nothing)."""
