@@ -80,6 +80,8 @@ class LoRABatch:
         self.extras = pool.extras_allocated if extras is None else extras
         self.token_slots = token_slots
         self._ahead: dict[tuple[int, str], tuple] = {}   # prepared shrinks and their events
+        self._fuse_norm = _fuses(FUSED_NORM_SHRINK, uniform)   # read once: a step's setting
+        self._fuse_silu = _fuses(FUSED_SILU_SHRINK, uniform)
         self.meta = meta if meta is not None else lora_kernels.build_meta(
             token_slots, pool.max_loras, uniform=uniform)
         pool.settle_dora()
@@ -127,15 +129,11 @@ class LoRABatch:
         input (x None: (rms_norm(residual), residual)). With FUSED_NORM_SHRINK, the same
         launch starts the group's shrink of that output and `apply` only expands; the new
         residual may then be a new tensor rather than `residual` updated in place."""
-        if _fuses(FUSED_NORM_SHRINK, self.uniform):
-            a, _, ranks, offsets = self.pool.weights(layer_idx, group)
-            fused = lora_kernels.norm_shrink_ahead(x, residual, weight, eps, a,
-                                                   self.token_slots, offsets, ranks,
-                                                   meta=self.meta, uniform=self.uniform)
+        if self._fuse_norm:
+            fused = self._fused_shrink(layer_idx, group, lora_kernels.norm_shrink_ahead,
+                                       x, residual, weight, eps)
             if fused is not None:
-                out, residual, shrunk = fused
-                self._ahead[(layer_idx, group)] = (shrunk, None)
-                return out, residual
+                return fused
         if x is None:
             return rms_norm(residual, weight, eps), residual
         return add_rms_norm(x, residual, weight, eps)
@@ -144,16 +142,24 @@ class LoRABatch:
         """silu(gate) * up of gate_up = [gate | up], the input of `group` (down_proj).
         With FUSED_SILU_SHRINK, the same launch starts the group's shrink of it and
         `apply` only expands."""
-        if _fuses(FUSED_SILU_SHRINK, self.uniform):
-            a, _, ranks, offsets = self.pool.weights(layer_idx, group)
-            fused = lora_kernels.silu_shrink_ahead(gate_up, a, self.token_slots, offsets,
-                                                   ranks, meta=self.meta,
-                                                   uniform=self.uniform)
+        if self._fuse_silu:
+            fused = self._fused_shrink(layer_idx, group, lora_kernels.silu_shrink_ahead,
+                                       gate_up)
             if fused is not None:
-                out, shrunk = fused
-                self._ahead[(layer_idx, group)] = (shrunk, None)
-                return out
+                return fused[0]
         return silu_mul(gate_up)
+
+    def _fused_shrink(self, layer_idx: int, group: str, launch, *inputs):
+        """`launch(*inputs, a, token_slots, offsets, ranks, ...)` (a fused op + `group`'s
+        shrink): its outputs without the shrink, which `apply` then expands; None where
+        it does not run (the unfused path then)."""
+        a, _, ranks, offsets = self.pool.weights(layer_idx, group)
+        fused = launch(*inputs, a, self.token_slots, offsets, ranks, meta=self.meta,
+                       uniform=self.uniform)
+        if fused is None:
+            return None
+        self._ahead[(layer_idx, group)] = (fused[-1], None)
+        return fused[:-1]
 
     def prepare(self, layer_idx: int, group: str, x: torch.Tensor) -> None:
         """Before the group's base matmul: with SHRINK_AHEAD, start a uniform step's shrink
