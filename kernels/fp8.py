@@ -38,9 +38,30 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     xq, xs = (_triton.quantize_rows(x, FP8_MAX) if x.is_cuda and _triton is not None
               else quantize_rows(x))
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    if not x.is_cuda and not _cpu_takes_row_scales():
+        w = weight.float() * weight_scale.float().unsqueeze(1)
+        return ((xq.float() * xs) @ w.t()).to(x.dtype)
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1),
                          out_dtype=out_dtype)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+_CPU_ROW_SCALES: list[bool] = []
+
+
+def _cpu_takes_row_scales() -> bool:
+    """Whether this torch's CPU _scaled_mm takes a scale per row (older releases take one
+    per tensor only and fail an internal assert); asked once. Without: the same product
+    of the quantized x and the FP8 weight, in float32 (an emulation, for the CPU only)."""
+    if not _CPU_ROW_SCALES:
+        a, b = torch.ones(2, 16).to(FP8), torch.ones(16, 16).to(FP8)
+        try:
+            torch._scaled_mm(a, b.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16),
+                             out_dtype=torch.float32)
+            _CPU_ROW_SCALES.append(True)
+        except (RuntimeError, NotImplementedError):
+            _CPU_ROW_SCALES.append(False)
+    return _CPU_ROW_SCALES[0]
 
 
 def dequant_linear_ref(x: torch.Tensor, weight: torch.Tensor,
