@@ -26,6 +26,7 @@ from kernels import (attention_kernels_triton, elementwise_kernels_triton,
                      lora_segment_kernels_triton, lora_token_kernels_triton, lora_triton,
                      norm_shrink_kernels_triton, slot_rows_kernels_triton)
 from tests.support.launch_keys import LaunchKeys, force_triton
+from tests.conftest import TEST_DEVICE
 from tests.support.tiny import AdapterSpec, make_adapter
 from tests.test_engine_parity import prompts_of
 from tests.test_lifecycle_tiers import greedy, make_engine
@@ -194,14 +195,25 @@ def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None, more=Non
     return eng, keys
 
 
-@pytest.mark.parametrize("limits,norm_shrink", [(SMALL, "off"), (LARGE, "off"),
-                                               (SMALL, "all")],
+# The launch-key checks follow the CPU engine routed to the Triton kernels without running
+# them (no graphs: every decode step is an eager shape); on CUDA the warm-up captures graphs
+# instead, which tests/test_cuda_graphs.py covers.
+cpu_model = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU warm-up model "
+                               "(launches followed, not run); CUDA: tests/test_cuda_graphs.py")
+
+
+@cpu_model
+@pytest.mark.parametrize("limits,norm_shrink", [(SMALL, ("off", "off")), (LARGE, None),
+                                               (SMALL, ("all", "all"))],
                          ids=["small", "large", "small-norm-shrink"])
 def test_no_kernel_variant_is_compiled_after_warm_up(llama_family, monkeypatch, limits,
                                                      norm_shrink):
-    """norm_shrink: engine/lora/batch.py FUSED_NORM_SHRINK (its kernel's variants too)."""
+    """norm_shrink: engine/lora/batch.py (FUSED_NORM_SHRINK, FUSED_SILU_SHRINK), their
+    kernels' variants too; None: as the engine ships."""
     from engine.lora import batch as batch_module
-    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink)
+    if norm_shrink is not None:
+        monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink[0])
+        monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", norm_shrink[1])
     eng, keys = warmed_engine(llama_family, monkeypatch, limits)
     warm, warm_paths = set(keys.keys), set(keys.lora_paths.paths)
     run_traffic(eng, limits, seed=5)
@@ -223,6 +235,7 @@ def extras_adapters(llama_family, tmp_path_factory) -> dict:
                 r=8, seed=82, target_modules=("q_proj", "lm_head", "embed_tokens")))}
 
 
+@cpu_model
 @pytest.mark.parametrize("buffers", ["configured", "read"])
 def test_adapters_with_extras_compile_nothing_after_warm_up(llama_family, monkeypatch,
                                                            extras_adapters, buffers):
@@ -252,6 +265,7 @@ def test_adapters_with_extras_compile_nothing_after_warm_up(llama_family, monkey
     assert {"scale_rows_kernel", "gather_a_columns_kernel"} <= launched, launched
 
 
+@cpu_model
 def test_a_partial_warm_up_is_caught(llama_family, monkeypatch):
     """The check above can fail: warming up short steps only leaves variants for later."""
     short = [s for s in eager_shapes(SMALL["max_num_batched_tokens"], SMALL["max_num_seqs"],
@@ -263,6 +277,7 @@ def test_a_partial_warm_up_is_caught(llama_family, monkeypatch):
     assert keys.keys - warm
 
 
+@cpu_model
 def test_engine_warm_up_is_a_no_op_on_the_cpu(llama_family):
     eng = make_engine(llama_family, [])
     assert eng.warm_up() is None
