@@ -216,14 +216,16 @@ def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
     the median host seconds per step in schedule/fill/update, and the graph's GPU time."""
     from engine import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(10, 100000, (prompt_len,), generator=gen).tolist()
         eng.add_request(f"r{time.monotonic_ns()}-{i}", prompt, params, adapters[i])
-    # prefill (possibly several steps), then two warm decode steps (graph capture)
+    # prefill (possibly several steps), then four warm decode steps: the graph's capture
+    # (with async scheduling a step's own work may start a step later than its call)
     while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
         eng.step()
-    eng.step(); eng.step()
+    for _ in range(4):
+        eng.step()
     torch.cuda.synchronize()
     host = []
     timer.take()
@@ -310,7 +312,7 @@ def main() -> None:
                     help="auto: the engine's default (on for one CUDA device)")
     ap.add_argument("--norm-shrink", default="default",
                     help="comma list of engine/lora/batch.py FUSED_NORM_SHRINK settings "
-                         "(off, uniform, all; default: the engine's), each with "
+                         "(off, uniform, mixed, all; default: the engine's), each with "
                          "+FUSED_SILU_SHRINK's or not (e.g. all+all): every mode runs "
                          "once per setting, in this order, on one engine")
     ap.add_argument("--mixed-paths", default="rule",

@@ -176,3 +176,16 @@ def test_silu_shrink_hint_and_split(case, uniform, splits):
 @pytest.mark.parametrize("case", ["one", "mixed"])
 def test_silu_shrink_bfloat16(case):
     _check_silu(9, 264, 16, [16, 8, 12], case, torch.bfloat16, seed=13)
+
+
+@pytest.mark.parametrize("setting,uniform_step,mixed_step", [
+    ("off", False, False), ("uniform", True, False), ("mixed", False, True), ("all", True, True)])
+def test_each_setting_fuses_its_steps(setting, uniform_step, mixed_step, monkeypatch):
+    """FUSED_NORM_SHRINK / FUSED_SILU_SHRINK: "uniform" fuses the steps whose rows share one
+    adapter, "mixed" the others, "all" both, "off" none; a LoRABatch reads them once."""
+    from engine.lora import batch as batch_module
+    assert set(batch_module.NORM_SHRINK_MODES) == {"off", "uniform", "mixed", "all"}
+    assert batch_module.FUSED_NORM_SHRINK in batch_module.NORM_SHRINK_MODES
+    assert batch_module.FUSED_SILU_SHRINK in batch_module.NORM_SHRINK_MODES
+    assert batch_module._fuses(setting, True) is uniform_step
+    assert batch_module._fuses(setting, False) is mixed_step
