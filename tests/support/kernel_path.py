@@ -20,7 +20,9 @@ OPS = ("scale_rows", "add_embedding_lora")
 @contextlib.contextmanager
 def lora_kernel_path():
     """kernels.lora dispatches every tensor (CPU ones too) to the Triton kernels; yields a
-    Counter of the slot-indexed ops' launches by name (OPS) and of add_lora's."""
+    Counter of the slot-indexed ops' launches by name (OPS), of add_lora's and of
+    expand_after's (a group whose shrink ran fused into the op before it: CUDA decode
+    steps, engine/lora/batch.py FUSED_NORM_SHRINK)."""
     from kernels import lora, lora_triton, slot_rows_triton
     assert lora._triton is not None, "Triton is not installed"
     calls: Counter = Counter()
@@ -34,7 +36,8 @@ def lora_kernel_path():
         mp.setattr(lora, "_on_triton", lambda t: True)
         for name in OPS:
             mp.setattr(slot_rows_triton, name, counted(name, getattr(slot_rows_triton, name)))
-        mp.setattr(lora_triton, "add_lora", counted("add_lora", lora_triton.add_lora))
+        for name in ("add_lora", "expand_after"):
+            mp.setattr(lora_triton, name, counted(name, getattr(lora_triton, name)))
         if not torch.cuda.is_available():
             _one_launch_at_a_time(mp)
         yield calls
