@@ -35,7 +35,8 @@ limit() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo "$((l > 5 ?
 stamp() { echo "[$(date +%T) +$((SECONDS - START))s] $*" | tee -a "$OUT/summary.txt"; }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 || echo "no GPU"; } \
   | tee "$OUT/summary.txt"
-git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$OUT/summary.txt"
+# LORAMUX_COMMIT names the tree where a copy of it carries no git history of its own
+echo "commit ${LORAMUX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/summary.txt"
 
 tp2() {  # tp2 ALLREDUCE LIMIT: TP=2 decode, async on then off, profile at 64
   timeout -k 10 "$2" $DEC --tp 2 --allreduce "$1" --batches 64,1,256 --async-scheduling on,off \
