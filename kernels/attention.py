@@ -45,14 +45,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of q [T, H, D] over each sequence's paged context -> [T, H, D].
 
     `window`: a token at position p sees only positions > p - window (sliding-window
-    attention). The Triton kernels do not mask to a window: they serve only contexts no
-    longer than it (where the window changes nothing) and refuse longer ones."""
+    attention), on either implementation."""
     mod = _triton_module() if q.is_cuda else None
     if mod is not None:
-        if window is not None and attn.max_seq_len > window:
-            raise NotImplementedError(
-                f"sliding-window attention over a context of {attn.max_seq_len} tokens "
-                f"(window {window}): the CUDA kernels serve contexts up to the window only")
-        return mod.paged_attention(q, k_cache, v_cache, attn, scale)
+        return mod.paged_attention(q, k_cache, v_cache, attn, scale, window=window)
     return paged_attention_ref(q, k_cache, v_cache, attn.positions, attn.query_start_loc,
                                attn.seq_lens, attn.block_tables, scale, window)

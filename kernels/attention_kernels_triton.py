@@ -15,6 +15,14 @@ tile b is sequence b: no search, and the grid is one tile per sequence.
 
 Axis 2 splits the key range (split-KV, for decodes over long contexts): each split writes
 its unnormalised partial (acc, running max, running sum) and a reduce program merges them.
+
+Sliding window (WINDOW > 0, a compile-time constant; 0 compiles the plain causal kernel):
+a token at position p sees keys in (p - WINDOW, p], as transformers' Mistral mask does.
+A tile's key range starts at its first token's window, rounded down to a cache block,
+so keys wholly before every row's window are never read; the splits cover that range:
+
+    keys   0 ....... lo | first - WINDOW + 1 ....... first ... last | (past last: unread)
+                    ^ kv_start = (first - WINDOW + 1) rounded down to a KV_BLOCK multiple
 """
 from __future__ import annotations
 
@@ -51,8 +59,10 @@ def paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                       BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                       KV_BLOCK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                      UPCAST: tl.constexpr, DECODE: tl.constexpr = False):
-    """Grid (tiles, KV heads, splits). qk_scale already includes log2(e)."""
+                      UPCAST: tl.constexpr, DECODE: tl.constexpr = False,
+                      WINDOW: tl.constexpr = 0):
+    """Grid (tiles, KV heads, splits). qk_scale already includes log2(e). With WINDOW,
+    split_size splits the window's key range, not the whole context."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -84,6 +94,9 @@ def paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     last = q_start + tl.minimum(q_len, (j + 1) * BLOCK_Q) - 1
     kv_end = tl.minimum(tl.load(seq_lens_ptr + b), tl.load(pos_ptr + last) + 1)
     kv_lo = split * split_size
+    if WINDOW > 0:   # skip the keys before the window of the tile's first token
+        first = tl.load(pos_ptr + q_start + j * BLOCK_Q)
+        kv_lo += tl.maximum(first - (WINDOW - 1), 0) // KV_BLOCK * KV_BLOCK
     kv_hi = tl.minimum(kv_end, kv_lo + split_size)
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -101,6 +114,8 @@ def paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                     + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         s = dot_f32(q.to(k.dtype), tl.trans(k), PRECISION, UPCAST) * qk_scale
         allowed = k_mask[None, :] & (kpos[None, :] <= pos[:, None])
+        if WINDOW > 0:
+            allowed = allowed & (kpos[None, :] > pos[:, None] - WINDOW)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

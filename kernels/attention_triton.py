@@ -1,7 +1,9 @@
 """Paged attention on the GPU for a mixed batch of prefill chunks and decodes.
 
 Same semantics as `kernels.attention_ref`: each new token attends, through its sequence's
-block table, to context positions 0..positions[t] (its own K/V already stored). One kernel
+block table, to context positions 0..positions[t] (its own K/V already stored), or with a
+sliding window W to positions[t] - W + 1..positions[t] only, reading no key block wholly
+before that window (a variant compiled apart: WINDOW in the kernel). One kernel
 serves prefill, extend (cached prefix + new tokens) and decode; decodes over long contexts
 split the key range across programs and merge the partials in a second launch.
 
@@ -59,23 +61,40 @@ def _block_q(max_query_len: int, group_pad: int) -> int:
     return max(1, max(rows, group_pad) // group_pad)
 
 
-def _num_splits(programs: int, max_seq_len: int, block_n: int, scratch_per_split: int) -> int:
-    """Split the key range only when too few programs would otherwise stream a long context."""
+def _num_splits(programs: int, key_span: int, block_n: int, scratch_per_split: int) -> int:
+    """Split the key range only when too few programs would otherwise stream a long one."""
     if programs >= _TARGET_PROGRAMS:
         return 1
-    by_len = triton.cdiv(max_seq_len, 4 * block_n)      # keep >= 4 key blocks per split
+    by_len = triton.cdiv(key_span, 4 * block_n)      # keep >= 4 key blocks per split
     by_mem = max(1, _SCRATCH_BUDGET // max(1, scratch_per_split))
     return max(1, min(_MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, programs), by_len, by_mem))
+
+
+def _key_span(attn: AttentionMetadata, block_q: int, kv_block: int, window: int | None) -> int:
+    """The most keys one tile reads (at least 1): the longest context, or with a window
+    the window of a tile's tokens (up to block_q consecutive positions) from the cache
+    block its first token's window starts in. Host-side sizes only: no sync, and a decode
+    graph's (max_seq_len = max_model_len) is fixed by the model's limits."""
+    span = max(1, attn.max_seq_len)
+    if window is None:
+        return span
+    tile_tokens = min(max(1, attn.max_query_len), block_q)
+    return min(span, window + tile_tokens - 1 + kv_block - 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     attn: AttentionMetadata, scale: float,
                     num_splits: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """Causal attention of new tokens q [T, H, D] over their cached contexts; [T, H, D].
 
     num_splits: key-range splits (None: chosen from the batch shape; tests force it).
-    out: optional [T, H, D] destination (head_dim contiguous), e.g. a static graph buffer."""
+    out: optional [T, H, D] destination (head_dim contiguous), e.g. a static graph buffer.
+    window: sliding window (a token at position p sees positions > p - window), or None."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"window={window!r} must be a positive int or None")
     T, H, D = q.shape
     _, kv_block, kvh, dk = k_cache.shape
     if dk != D or H % kvh != 0 or v_cache.shape != k_cache.shape:
@@ -98,9 +117,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_n = 64
     decode = attn.max_query_len <= 1 and T == attn.num_seqs   # token t is sequence t
     tiles = T if decode else triton.cdiv(T, block_q) + attn.num_seqs
+    span = _key_span(attn, block_q, kv_block, window)
     if num_splits is None:
-        num_splits = _num_splits(tiles * kvh, attn.max_seq_len, block_n, T * H * (D + 2) * 4)
-    split_size = triton.cdiv(triton.cdiv(max(1, attn.max_seq_len), num_splits), block_n) * block_n
+        num_splits = _num_splits(tiles * kvh, span, block_n, T * H * (D + 2) * 4)
+    split_size = triton.cdiv(triton.cdiv(span, num_splits), block_n) * block_n
     split = num_splits > 1
     part_acc = torch.empty((num_splits, T, H, D) if split else (1, 1, 1, 1),
                            dtype=torch.float32, device=q.device)
@@ -116,7 +136,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_D=D,
         BLOCK_D=triton.next_power_of_2(D), KV_BLOCK=kv_block, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=q.is_cpu, DECODE=decode)  # CPU tensors: only the interpreter runs there
+        UPCAST=q.is_cpu, DECODE=decode,  # CPU tensors: only the interpreter runs there
+        WINDOW=window or 0)
     if split:
         K.split_reduce_kernel[(T, H)](
             part_acc, part_ml, out, num_splits, *part_acc.stride()[:3], *part_ml.stride()[:3],

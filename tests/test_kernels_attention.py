@@ -48,12 +48,14 @@ def _batch(ctx_lens, q_lens, H, KVH, dtype, seed=0):
     return q, kc.to(DEV), vc.to(DEV), attn
 
 
-def _check(ctx_lens, q_lens, H, KVH, dtype=torch.float32, num_splits=None, seed=0):
+def _check(ctx_lens, q_lens, H, KVH, dtype=torch.float32, num_splits=None, seed=0,
+           window=None):
     q, kc, vc, attn = _batch(ctx_lens, q_lens, H, KVH, dtype, seed)
     want = paged_attention_ref(q, kc, vc, attn.positions, attn.query_start_loc, attn.seq_lens,
-                               attn.block_tables, D ** -0.5)
+                               attn.block_tables, D ** -0.5, window)
     out = torch.full_like(q, float("nan"))           # poison: every element must be written
-    got = paged_attention(q, kc, vc, attn, D ** -0.5, num_splits=num_splits, out=out)
+    got = paged_attention(q, kc, vc, attn, D ** -0.5, num_splits=num_splits, out=out,
+                          window=window)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got, want, **TOL[dtype])
 
@@ -90,6 +92,56 @@ def test_automatic_split_choice():
     _check([300], [1], 4, 1, seed=6)
 
 
+# Sliding window: contexts of several cache blocks (BS = 16) against windows shorter than
+# them, on block boundaries and off them, down to a window of one token.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 16, 21])
+def test_sliding_window_decode(dtype, window):
+    _check([5, 40, 100, 16, 63], [1] * 5, 8, 2, dtype, window=window, seed=11)
+
+
+@pytest.mark.parametrize("window", [7, 33])
+def test_sliding_window_prefill_and_chunks(window):
+    """Fresh prefills, chunked-prefill continuations over cached prefixes and decodes in one
+    batch: tiles whose tokens' windows start in different blocks."""
+    _check([30, 0, 16, 7, 50, 0], [1, 20, 9, 1, 70, 3], 4, 2, window=window, seed=12)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_sliding_window_split_kv(num_splits):
+    """Splits cover the window's key range (some of them empty for the shorter contexts)."""
+    _check([200, 3, 130, 0], [1, 1, 1, 24], 8, 2, num_splits=num_splits, window=70, seed=13)
+
+
+def test_sliding_window_automatic_splits():
+    """Splits chosen from the window, not the context: a window of 600 over 900 keys."""
+    _check([900, 650], [1, 1], 4, 1, window=600, seed=14)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window_reads_no_block_before_it(num_splits):
+    """Decodes read no cache block that lies wholly before their window: NaN there (which
+    a masked read would still carry into the output: 0 * NaN) changes nothing."""
+    window = 20
+    q, kc, vc, attn = _batch([100, 57, 140], [1, 1, 1], 4, 2, torch.float32, seed=15)
+    want = paged_attention_ref(q, kc, vc, attn.positions, attn.query_start_loc, attn.seq_lens,
+                               attn.block_tables, D ** -0.5, window)
+    for b, p in enumerate(attn.positions.tolist()):
+        first = (p - window + 1) // BS            # the block the window starts in
+        assert first >= 2
+        kc[attn.block_tables[b, :first].long()] = float("nan")
+        vc[attn.block_tables[b, :first].long()] = float("nan")
+    got = paged_attention(q, kc, vc, attn, D ** -0.5, num_splits=num_splits, window=window)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_window_longer_than_every_context_is_plain_causal():
+    q, kc, vc, attn = _batch([30, 0], [1, 20], 4, 2, torch.float32, seed=16)
+    plain = paged_attention(q, kc, vc, attn, D ** -0.5)
+    torch.testing.assert_close(paged_attention(q, kc, vc, attn, D ** -0.5, window=64), plain,
+                               **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_writes_only_mapped_slots(dtype):
     g = torch.Generator().manual_seed(1)
@@ -112,6 +164,8 @@ def test_bad_shapes_raise_precise_errors():
         paged_attention(q[..., :16], kc, vc, attn, 1.0)
     with pytest.raises(ValueError, match="attn describes"):
         paged_attention(q[:1], kc, vc, attn, 1.0)
+    with pytest.raises(ValueError, match="window=0 must be a positive int"):
+        paged_attention(q, kc, vc, attn, 1.0, window=0)
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kv(q[:, :2], q[:, :2], kc, vc, attn.slot_mapping[:1])
 
