@@ -72,7 +72,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     `agree_min`: the smallest value over the ranks (every rank's cache holds the same
     blocks); `sampler`: None for the default Sampler."""
     dtype, length = config.torch_dtype, max_model_len(config, mc)
-    model = build_model(mc, dtype, device, tp, length)
+    model = build_model(mc, dtype, device, tp)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed + tp.rank)
     else:

@@ -154,18 +154,3 @@ def test_indivisible_tensor_parallel_refused(base_dir):
     cfg = ModelConfig.from_dir(base_dir)  # 4 heads, 2 KV heads, intermediate 128
     with pytest.raises(ModelLoadError, match="num_attention_heads=4 is not divisible"):
         LlamaForCausalLM(cfg, tp=TPGroup(rank=0, size=3))
-
-
-def test_sliding_window_refused_on_cuda_beyond_the_window(base_dir, tmp_path):
-    """The CUDA attention kernels do not mask to a window: a Mistral model whose window is
-    shorter than the sequences it may see is refused at build, naming the limit (checked
-    before anything is allocated, so this runs without a GPU)."""
-    from engine.model.build import build_model
-
-    path = _copy(base_dir, tmp_path)
-    _edit_config(path, architectures=["MistralForCausalLM"], sliding_window=64)
-    cfg = ModelConfig.from_dir(path)
-    assert cfg.sliding_window == 64
-    with pytest.raises(ModelLoadError, match="sliding_window=64.*max_model_len <= 64"):
-        build_model(cfg, torch.float32, torch.device("cuda"), TPGroup.single(), max_model_len=65)
-    build_model(cfg, torch.float32, torch.device("cpu"), TPGroup.single(), max_model_len=65)

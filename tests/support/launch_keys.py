@@ -91,4 +91,4 @@ def force_triton(monkeypatch) -> None:
     monkeypatch.setattr(lora, "mixed_min_rows", lora_triton.mixed_min_rows)
     monkeypatch.setattr(llama, "paged_attention",
                         lambda q, k, v, attn, scale, window=None:
-                        attention_triton.paged_attention(q, k, v, attn, scale))
+                        attention_triton.paged_attention(q, k, v, attn, scale, window=window))
