@@ -138,12 +138,36 @@ def qwen2_oracle(qwen2_family) -> HFOracle:
 
 
 # LORAMUX_TEST_DEVICE=cuda runs every in-process Engine of the suite on that device (the
-# HF oracle stays on the CPU in float32): the same tests, the CUDA kernels and graphs.
+# HF oracle stays on the CPU in float32): the same tests, the CUDA kernels and graphs. The
+# suite compares tokens with that float32 oracle, so an engine left to dtype "auto" (which
+# is bfloat16 on a GPU) computes in float32 there too; a dtype a test names is kept. A test
+# of a CPU-only mechanism keeps its engines on the CPU with @pytest.mark.engine_device("cpu").
 TEST_DEVICE = os.environ.get("LORAMUX_TEST_DEVICE", "cpu")
+ENGINE_DEVICE = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "engine_device(device): the device this test's in-process Engines run "
+        "on, whatever LORAMUX_TEST_DEVICE says (a CPU-only mechanism, a services test)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # before any fixture of the test is made, module-scoped ones included
+    marker = item.get_closest_marker("engine_device")
+    item.config.stash[ENGINE_DEVICE] = marker.args[0] if marker else TEST_DEVICE
+
+
+def placed(config, device: str):
+    """`config` as the suite runs it on `device`: there, in float32 unless it names a
+    dtype (the oracle's precision)."""
+    dtype = "float32" if config.dtype == "auto" else config.dtype
+    return dataclasses.replace(config, device=device, dtype=dtype)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def engine_test_device():
+def engine_test_device(request):
     """The device Engine instances run on in this session (see TEST_DEVICE)."""
     if TEST_DEVICE == "cpu":
         yield TEST_DEVICE
@@ -153,9 +177,10 @@ def engine_test_device():
     original = Engine.__init__
 
     def init_on_device(self, config):
-        if config.tp_size > torch.cuda.device_count():
+        device = request.config.stash.get(ENGINE_DEVICE, TEST_DEVICE)
+        if device != "cpu" and config.tp_size > torch.cuda.device_count():
             pytest.skip(f"tensor parallelism over {config.tp_size} ranks needs as many GPUs")
-        original(self, dataclasses.replace(config, device=TEST_DEVICE))
+        original(self, placed(config, device))
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Engine, "__init__", init_on_device)

@@ -122,6 +122,13 @@ def test_overwriting_a_busy_slot_is_caught(llama_family, references):
         copier.queue(slot, 99, lambda: None)
 
 
+# The copier as the CPU engine uses it, and the CUDA copy pipeline modelled on recorded CPU
+# streams (tests/support/fake_cuda.py): CPU engines whatever LORAMUX_TEST_DEVICE says (on a
+# GPU, tests/test_cuda_adapter_copies.py runs the real streams).
+cpu_engine = pytest.mark.engine_device("cpu")
+
+
+@cpu_engine
 def test_cpu_copies_are_inline(llama_family):
     eng = make_engine(llama_family, NAMES[:1])
     assert isinstance(eng.adapters.copier, InlineCopier)
@@ -172,6 +179,7 @@ def stream_engine(family, monkeypatch, **kw):
     return eng, cuda, copies, overlapped
 
 
+@cpu_engine
 @pytest.mark.parametrize("variant", [None, "waits for all compute", "host sync"])
 def test_swaps_overlap_steps_without_host_syncs(llama_family, references, monkeypatch, variant):
     """Async scheduling with more adapters than slots: every swap goes through the
@@ -215,6 +223,7 @@ def test_swaps_overlap_steps_without_host_syncs(llama_family, references, monkey
         assert cuda.syncs == [], f"host syncs on the step path: {cuda.syncs}"
 
 
+@cpu_engine
 @pytest.mark.parametrize("noted", [True, False])
 def test_copy_into_a_slot_the_step_in_flight_reads(llama_family, references, monkeypatch,
                                                    noted):
