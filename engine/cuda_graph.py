@@ -34,7 +34,8 @@ replay, outside the graph.
 
 A "greedy" graph also runs lm_head and picks every row's token inside the graph (argmax
 of the float32 logits and its raw log-softmax logprob: the Sampler's own ops for a greedy
-row without penalty), so such a step reads back one [2, n] tensor with one sync.
+row without penalty, kernels/greedy_pick.py; with GREEDY_PICK "triton" one Triton kernel
+that reads the logits once), so such a step reads back one [2, n] tensor with one sync.
 """
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ from engine.lora.pool import LoRAExtras
 from engine.scheduler import ScheduledRequest
 from kernels import lora as lora_kernels
 from kernels.attention_metadata import AttentionMetadata
+from kernels.greedy_pick import greedy_pick
+
+# How a greedy graph picks its rows' tokens: "torch" (the reference's four passes over
+# the logits: float32 copy, argmax, log_softmax, gather) or "triton" (one read of them,
+# kernels/greedy_pick_triton.py, on CUDA with Triton; the torch ops elsewhere). Read when
+# a graph is captured: change it before capturing (or release the captured graphs).
+GREEDY_PICK = "torch"
+GREEDY_PICK_MODES = ("torch", "triton")
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
@@ -186,14 +195,6 @@ class DecodeStaging:
         return self.d64[0, :bucket], attn, self.d32[B:B + bucket]
 
 
-def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
-    """[2, B] float64: argmax token id and its raw logprob per row (Sampler's greedy ops)."""
-    logits = logits.float()
-    tok = logits.argmax(dim=-1)
-    lp = torch.log_softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
-    return torch.stack([tok.double(), lp.double()])
-
-
 class CudaGraphRunner:
     """Replays captured decode graphs; `run(scheduled, key)` -> hidden [n, hidden], or
     [2, n] (token id, logprob) for a greedy key (views of the graph's static output,
@@ -282,7 +283,11 @@ class CudaGraphRunner:
                           extras=key.extras)
                 if key.lora else None)
         hidden = self.model.forward(ids, attn, self.kv_caches, lora)
-        return greedy_pick(self.model.compute_logits(hidden, lora)) if key.greedy else hidden
+        if not key.greedy:
+            return hidden
+        assert GREEDY_PICK in GREEDY_PICK_MODES, GREEDY_PICK
+        return greedy_pick(self.model.compute_logits(hidden, lora),
+                           kernel=GREEDY_PICK == "triton")
 
     def _capture(self, key: GraphKey):
         # Inputs of the warm-up and the capture: all padding (no KV writes, no adapter).

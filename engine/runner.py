@@ -16,7 +16,7 @@ host and replaced on the device by a gather from `prev.tokens` at the request's 
 (`Request.sample_row`, set at N's launch), before the forward pass or graph replay.
 
 Two ways to pick a step's tokens. The Sampler (engine/sampling/) serves every request.
-The greedy pick (`cuda_graph.greedy_pick`: each row's argmax and its logprob, the
+The greedy pick (`kernels.greedy_pick`: each row's argmax and its logprob, the
 Sampler's own ops for such rows) serves a step whose every sampling row is plain greedy,
 where it pays: inside the greedy CUDA graph on a pure decode step, and, under tensor
 parallelism, on eager steps too. Every rank computes the same all-gathered logits, so
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graph import CudaGraphRunner, greedy_pick, is_decode_step
+from engine.cuda_graph import CudaGraphRunner, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
 from engine.lora.batch import spread_over_adapters
 from engine.lora.pool import LoRAExtras
@@ -44,6 +44,7 @@ from engine.sampling import Sampler
 from engine.scheduler import Sampled, ScheduledRequest, SchedulerOutput
 from kernels import lora as lora_kernels
 from kernels.attention_metadata import AttentionMetadata
+from kernels.greedy_pick import greedy_pick
 
 
 @dataclass

@@ -12,7 +12,10 @@ What a step can look like is bounded by the config:
   the first read of an adapter that needs them), and then in every combination (one adapter may have all three), so each LoRA
   key is captured once per subset of them: x2 for DoRA alone, x8 for all three (56 ->
   94 -> 322 graphs at max_num_seqs=256). An extra whose buffers come only after the
-  warm-up is captured (and its kernels compiled) when a step first needs it.
+  warm-up is captured (and its kernels compiled) when a step first needs it. A greedy
+  graph's pick (engine/cuda_graph.py GREEDY_PICK "triton": kernels/greedy_pick_triton.py)
+  has one compiled variant per vocabulary and dtype, whatever the bucket: the first
+  greedy capture compiles it.
 - Any other step (prefill, mixed, decode with CUDA graphs off) runs eagerly over
   T <= max_num_batched_tokens tokens of s <= max_num_seqs sequences, with or without
   adapters. A kernel variant is a function of (T, s, context length) through the

@@ -108,7 +108,7 @@ def test_staging_runs_the_model_like_eager(llama_family):
 
 def test_greedy_pick_equals_the_sampler_on_greedy_rows():
     """The in-graph pick (argmax + raw logprob) gives the Sampler's token and logprob."""
-    from engine.cuda_graph import greedy_pick
+    from kernels.greedy_pick import greedy_pick
     from engine.sampling import Sampler, SamplingState
     from loramux_core.sampling import SamplingParams
 

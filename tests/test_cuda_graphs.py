@@ -1,7 +1,8 @@
 """CUDA graphs for decode on a real GPU (skipped without one): graph replays give the
 eager engine's tokens and logprobs (and HF + PEFT's tokens) for mixed adapter/base
 batches, and an adapter loaded into a slot after capture is served by the same graphs;
-DoRA and LoRA on lm_head / embed_tokens in the graphs keyed by them."""
+DoRA and LoRA on lm_head / embed_tokens in the graphs keyed by them; the greedy
+graphs' Triton pick (GREEDY_PICK "triton") against their torch pick."""
 import pytest
 import torch
 
@@ -114,6 +115,47 @@ def test_adapter_loaded_after_capture(llama_family, llama_oracle):
     # the same bucket's graph objects served the new adapters: nothing was re-captured
     for key, graph in captured.items():
         assert graphs.runner.graphs._graphs[key] is graph
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_greedy_pick_in_the_graph_matches_torch_pick(llama_family, llama_oracle, dtype,
+                                                            monkeypatch):
+    """engine/cuda_graph.py GREEDY_PICK "triton": the greedy graphs pick with the kernel
+    (kernels/greedy_pick_triton.py, launched in their captures) and give the tokens and
+    logprobs the torch pick gives in the same graphs (same logits: bf16 too); float32:
+    the eager engine's and HF + PEFT's tokens too."""
+    from engine import cuda_graph
+    from kernels import greedy_pick_triton
+    picks = []
+    real = greedy_pick_triton.greedy_pick
+    monkeypatch.setattr(greedy_pick_triton, "greedy_pick",
+                        lambda x: picks.append(x.shape[0]) or real(x))
+    names = ["rs4", "ap8"]
+    prompts = prompts_of([5, 17, 1, 9, 30], seed=6)
+    adapters = ["rs4", None, "ap8", "ap8", None]
+    out = {}
+    for pick in ("torch", "triton", "eager"):
+        monkeypatch.setattr(cuda_graph, "GREEDY_PICK", "torch" if pick == "eager" else pick)
+        eng = Engine(EngineConfig(model=str(llama_family.model_dir), device="cuda",
+                                  dtype=dtype, max_loras=3, max_lora_rank=64, max_num_seqs=8,
+                                  block_size=8, num_kv_blocks=128, max_model_len=256,
+                                  enforce_eager=pick == "eager"))
+        for name in names:
+            eng.add_adapter(name, llama_family.adapters[name])
+        picks.clear()
+        out[pick] = eng.generate(prompts, GREEDY, adapters)
+        if pick == "triton":
+            assert picks and set(picks) <= set(eng.runner.graphs.buckets)
+            assert eng.runner.graphs.num_replays >= MAX_NEW - 1
+        else:
+            assert not picks
+    for g, w in zip(out["triton"], out["torch"]):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-5
+    if dtype == "float32":
+        assert_same(out["triton"], out["eager"])
+        for g, (toks, _) in zip(out["triton"], llama_oracle.generate(prompts, adapters, MAX_NEW)):
+            assert g.token_ids == toks
 
 
 def test_dummy_weights_finite_bf16(llama_family):

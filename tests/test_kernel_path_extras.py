@@ -169,14 +169,27 @@ def test_engine_greedy_matches_peft_on_the_kernel_path(engine_family):
     assert calls["scale_rows"] and calls["add_embedding_lora"] and calls["add_lora"]
 
 
-@pytest.mark.parametrize("greedy", [True, False], ids=["greedy_graph", "hidden_graph"])
-def test_graph_forward_matches_the_eager_step(family, greedy):
+@pytest.mark.parametrize("greedy,pick", [(True, "torch"), (True, "triton"), (False, "torch")],
+                         ids=["greedy_graph", "greedy_graph_triton_pick", "hidden_graph"])
+def test_graph_forward_matches_the_eager_step(family, greedy, pick, monkeypatch):
     """What a decode graph captures (CudaGraphRunner._forward on its static buffers, a
     padded bucket), run here without capture: its key carries the rows' extras, and its
     greedy pick (lm_head LoRA inside), or its hidden states with the head's LoRA added
-    after it (`head_lora`), equal the eager step's on the same cache."""
-    from engine.cuda_graph import CudaGraphRunner, greedy_pick
+    after it (`head_lora`), equal the eager step's on the same cache. `pick`:
+    engine/cuda_graph.py GREEDY_PICK; "triton" takes the kernel (on the CPU: the
+    interpreter, the dispatch's CUDA check stood in for)."""
+    from engine import cuda_graph
+    from engine.cuda_graph import CudaGraphRunner
+    from kernels import greedy_pick_triton
+    from kernels import greedy_pick as pick_dispatch
+    from kernels.greedy_pick import greedy_pick
     from tests.test_cuda_graph_logic import _sched
+    monkeypatch.setattr(cuda_graph, "GREEDY_PICK", pick)
+    monkeypatch.setattr(pick_dispatch, "_gpu", lambda x: True)
+    kernel_picks = []
+    real_pick = greedy_pick_triton.greedy_pick
+    monkeypatch.setattr(greedy_pick_triton, "greedy_pick",
+                        lambda x: kernel_picks.append(x.shape) or real_pick(x))
     model_dir, adapters = family
     model, pool = _engine_model(model_dir, adapters)
     gen = torch.Generator().manual_seed(8)
@@ -208,6 +221,7 @@ def test_graph_forward_matches_the_eager_step(family, greedy):
         if not greedy:
             out = model.compute_logits(out[:len(rows)], graphs.head_lora(key))
     assert calls["add_embedding_lora"] == 2
+    assert len(kernel_picks) == (pick == "triton")
     if greedy:
         want = greedy_pick(logits)
         assert torch.equal(out[0, :len(rows)], want[0])
