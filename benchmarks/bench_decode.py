@@ -23,6 +23,10 @@ once per choice of kernels/lora_mixed_triton.py PATH: "rule" (the engine's: the 
 table and its rows-per-adapter rule), "table" (the table alone, the choice before that
 rule), "tokens", "segments"; rows of a choice other than "rule" are labelled
 "MODE/mp-CHOICE", so one run gives before and after.
+--greedy-pick torch,triton runs every mode once per setting of engine/cuda_graph.py
+GREEDY_PICK (how the greedy decode graph picks its rows' tokens: the torch ops or one
+Triton read of the logits), on the same engine; rows of a setting other than the first
+are labelled "MODE/gp-SETTING" (after any other suffix), and so are the profile files.
 """
 from __future__ import annotations
 
@@ -158,6 +162,20 @@ def select_norm_shrink(eng, setting: str) -> None:
 
 def mode_label(mode: str, setting: str, settings: list[str]) -> str:
     return mode if setting == settings[0] else f"{mode}/ns-{setting}"
+
+
+def select_greedy_pick(eng, pick: str) -> None:
+    """engine/cuda_graph.py GREEDY_PICK = pick; captured graphs are dropped when it
+    changes (the pick is captured into the greedy graphs)."""
+    from engine import cuda_graph
+    if cuda_graph.GREEDY_PICK != pick:
+        cuda_graph.GREEDY_PICK = pick
+        if eng.runner.graphs is not None:
+            eng.runner.graphs.release()
+
+
+def pick_label(label: str, pick: str, picks: list[str]) -> str:
+    return label if pick == picks[0] else f"{label}/gp-{pick}"
 
 
 MIXED_MODES = ("distinct", "d64")         # modes whose steps take the mixed LoRA path
@@ -319,10 +337,18 @@ def main() -> None:
                     help="comma list of mixed decode LoRA paths (rule: the engine's; table: "
                          "the table alone, before the rows-per-adapter rule; tokens; "
                          "segments): the modes distinct and d64 run once per path")
+    ap.add_argument("--greedy-pick", default=None,
+                    help="comma list of engine/cuda_graph.py GREEDY_PICK settings (torch, "
+                         "triton; default: the engine's): every mode runs once per setting, "
+                         "in this order, on one engine")
     args = ap.parse_args()
     paths = args.mixed_paths.split(",")
     if not set(paths) <= set(MIXED_PATHS):
         ap.error(f"--mixed-paths: {paths} not all in {tuple(MIXED_PATHS)}")
+    from engine.cuda_graph import GREEDY_PICK, GREEDY_PICK_MODES
+    picks = (args.greedy_pick or GREEDY_PICK).split(",")
+    if not set(picks) <= set(GREEDY_PICK_MODES):
+        ap.error(f"--greedy-pick: {picks} not all in {GREEDY_PICK_MODES}")
     settings = args.norm_shrink.split(",")
     from engine.lora.batch import NORM_SHRINK_MODES
     bad = [s for s in settings for v in norm_shrink_pair(s)
@@ -360,13 +386,14 @@ def main() -> None:
         eng.add_adapter(extra, str(write_adapter(work / extra, model_dir, RANK, seed=9,
                                                  **{extra: True})))
     cfg = LLAMA3_8B
-    points = [(st, m, p) for st in settings for m in args.modes.split(",")
+    points = [(gp, st, m, p) for gp in picks for st in settings for m in args.modes.split(",")
               for p in (paths if m in MIXED_MODES else ["rule"])]
-    for setting, mode, path in points:
+    for pick, setting, mode, path in points:
         select_uniform_path(eng, mode)
         select_norm_shrink(eng, setting)
         select_mixed_path(eng, path)
-        label = mixed_label(mode_label(mode, setting, settings), path)
+        select_greedy_pick(eng, pick)
+        label = pick_label(mixed_label(mode_label(mode, setting, settings), path), pick, picks)
         for b in batches:
             adapters = mode_adapters(mode, b, names)
             t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen)
@@ -386,17 +413,20 @@ def main() -> None:
                   f"x{t['gpu']/floor:.2f} | host {t['host']*1e3:5.2f} ms", flush=True)
     select_mixed_path(eng, "rule")
     launches = []
-    for setting in settings if not args.eager else []:
+    profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
+    for pick, setting in [(gp, st) for gp in picks for st in settings] if not args.eager else []:
+        select_greedy_pick(eng, pick)
         select_norm_shrink(eng, setting)
-        name = "profile.txt" if setting == settings[0] else f"profile-ns-{setting}.txt"
-        launches += profile_graphs(eng, names, args, gen, args.out / name,
-                                   [int(b) for b in args.profile_batches.split(",") if b],
-                                   args.profile_modes.split(","),
-                                   lambda m, st=setting: mode_label(m, st, settings))
+        name = pick_label("profile" if setting == settings[0] else f"profile-ns-{setting}",
+                          pick, picks).replace("/", "-") + ".txt"
+        launches += profile_graphs(
+            eng, names, args, gen, args.out / name, profile_batches,
+            args.profile_modes.split(","),
+            lambda m, st=setting, gp=pick: pick_label(mode_label(m, st, settings), gp, picks))
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
             "async_scheduling": eng.config.use_async_scheduling, "norm_shrink": settings,
-            "mixed_paths": paths}
+            "mixed_paths": paths, "greedy_pick": picks}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                       "launches": launches}, indent=2))
     plot(rows, args.out / "decode_throughput.png")
