@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning",
                                         "ignore:divide by zero:RuntimeWarning")
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] + ([torch.float16] if CUDA else [])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(autouse=True)
