@@ -166,6 +166,14 @@ def placed(config, device: str):
     return dataclasses.replace(config, device=device, dtype=dtype)
 
 
+def served_engine_args() -> tuple[str, ...]:
+    """Flags that put an engine server (a process of its own, which the patch below does
+    not reach) where the suite's in-process engines run, in the same dtype: a served
+    engine compared with an in-process one. None under the default, where both resolve
+    "auto" alike."""
+    return () if TEST_DEVICE == "cpu" else ("--device", TEST_DEVICE, "--dtype", "float32")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def engine_test_device(request):
     """The device Engine instances run on in this session (see TEST_DEVICE)."""

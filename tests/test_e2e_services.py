@@ -20,6 +20,7 @@ from loramux.v1 import adapter_admin_pb2 as admin_pb2
 
 from engine import Engine, EngineConfig, SamplingParams
 from services.launcher import Cluster, ClusterConfig, wait_serving
+from tests.conftest import served_engine_args
 from tests.support.streams import finish
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
@@ -48,7 +49,8 @@ def cluster(files):
                         # the engine as it runs on one GPU by default: step N+1 launched
                         # before step N's tokens are read (sync is covered by the engine
                         # tests and by tests/test_compose.py)
-                        engine_args=("--async-scheduling", "on"),
+                        # where and in the dtype the offline engine runs (tests/conftest.py)
+                        engine_args=("--async-scheduling", "on", *served_engine_args()),
                         env={"OMP_NUM_THREADS": "1"})
     c = Cluster(cfg)
     c.start()

@@ -26,7 +26,9 @@ from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 ROOT = Path(__file__).resolve().parents[1]
 STREAMS, MAX_TOKENS = 20, 400  # long enough to be streaming through a loaded machine's drain
 PROMPTS = ["the quick brown fox", "once upon a time", "def main():", "héllo wörld"]
-pytestmark = pytest.mark.timeout(300)
+# Services on CPU engines whatever LORAMUX_TEST_DEVICE says (draining is the subject, not
+# the device): the served engines and the in-process reference alike (tests/conftest.py).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.engine_device("cpu")]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +145,7 @@ def test_sigterm_on_the_engine_alone_drains(files, tmp_path):
     # at full speed left 0.3 s between the two on a loaded machine)
     cfg = ClusterConfig(model=str(files / "model"), adapter_roots=(str(files / "adapters"),),
                         workdir=str(tmp_path / "run"), env={"OMP_NUM_THREADS": "1"},
-                        engine_args=("--debug-step-sleep", "0.03"))
+                        engine_args=("--device", "cpu", "--debug-step-sleep", "0.03"))
     with Cluster(cfg) as c:
         c.start()
         c.wait_ready()

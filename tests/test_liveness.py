@@ -28,14 +28,18 @@ TIMEOUT = 0.5  # the gateway's and control plane's heartbeat timeout here
 # a killed engine's streams end within its peers' heartbeat timeout and this: room for a
 # loaded machine's stalls (measured: 0.46-0.52 s in all at a 0.5 s timeout, under load)
 KILL_MARGIN_S = 3.0
-pytestmark = pytest.mark.timeout(300)
+# Services on CPU engines whatever LORAMUX_TEST_DEVICE says (steps made long by a prefill
+# that takes seconds on the CPU): the served engines and the in-process reference alike
+# (tests/conftest.py).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.engine_device("cpu")]
 
 
 def start_cluster(root, model, engine_args):
     peers = ("--heartbeat-timeout", str(TIMEOUT))
     c = Cluster(ClusterConfig(model=str(model), adapter_roots=(str(root),),
                               workdir=str(root / "run"), gateway_args=peers, control_args=peers,
-                              engine_args=("--heartbeat-interval", "0.1", *engine_args)))
+                              engine_args=("--device", "cpu", "--heartbeat-interval", "0.1",
+                                           *engine_args)))
     c.start()
     try:
         c.wait_ready()
@@ -117,7 +121,8 @@ def test_one_60_s_step_with_default_timeouts_ends_no_stream(tmp_path, tiny_model
         want = [o.token_ids for o in offline.generate(prompts, _greedy(6))]
     c = Cluster(ClusterConfig(model=str(tiny_model), adapter_roots=(str(tmp_path),),
                               workdir=str(tmp_path / "run"),
-                              engine_args=("--debug-step-sleep", "60", "--debug-sleep-step", "3")))
+                              engine_args=("--device", "cpu", "--debug-step-sleep", "60",
+                                           "--debug-sleep-step", "3")))
     c.start()
     try:
         c.wait_ready()

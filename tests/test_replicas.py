@@ -24,7 +24,10 @@ from services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.streams import finish
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
-pytestmark = pytest.mark.timeout(300)
+# Services on CPU engines whatever LORAMUX_TEST_DEVICE says (two replicas need two devices;
+# routing is the subject): the served engines and the in-process reference alike
+# (tests/conftest.py).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.engine_device("cpu")]
 ADAPTERS = {"both": 21, "solo1": 22, "solo0": 23}  # name -> seed
 PROMPT = "the quick brown fox"
 HEARTBEAT_TIMEOUT_S = 0.5
@@ -50,7 +53,8 @@ def cluster(files):
                         # every step at least 20 ms: the kill test's 200-token streams run
                         # 4 s or more, so none ends between the inflight count and the kill
                         # however the test process is scheduled (1.5 s were left at full speed)
-                        engine_args=("--heartbeat-interval", "0.1", "--debug-step-sleep", "0.02"),
+                        engine_args=("--device", "cpu", "--heartbeat-interval", "0.1",
+                                     "--debug-step-sleep", "0.02"),
                         gateway_args=PEERS, control_args=PEERS, env={"OMP_NUM_THREADS": "1"})
     c = Cluster(cfg)
     c.start()

@@ -26,13 +26,18 @@ from loramux.aio import AsyncAdminClient, AsyncGenerateClient
 from engine import Engine, EngineConfig, SamplingParams
 from services.common import tls as server_tls
 from services.launcher import Cluster, ClusterConfig, free_port, wait_serving
-from tests.support.certs import CA
+
+pytest.importorskip("cryptography", reason="the test certificates (tests/support/certs.py) "
+                    "need the test extra's cryptography package")
+from tests.support.certs import CA  # noqa: E402
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "tls-test-token"
 PROMPT = [5, 17, 33, 99]
-pytestmark = pytest.mark.timeout(300)
+# Services on CPU engines whatever LORAMUX_TEST_DEVICE says (TLS is the subject, not the
+# device): the served engines and the in-process reference alike (tests/conftest.py).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.engine_device("cpu")]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,7 @@ def cluster(files, pki):
     cfg = ClusterConfig(model=files["model"], adapter_roots=(files["adapters"],),
                         workdir=str(files["root"] / "run"), auth_token=TOKEN, http_port=0,
                         control_args=served, gateway_args=(*served, "--tls-client-ca", pki["ca"]),
-                        env={"OMP_NUM_THREADS": "1"})
+                        engine_args=("--device", "cpu"), env={"OMP_NUM_THREADS": "1"})
     with Cluster(cfg) as c:
         c.start()
         c.wait_ready()

@@ -66,7 +66,7 @@ def test_workers_exit_when_rank0_dies(llama_family, tmp_path):
         from engine import Engine, EngineConfig
         if __name__ == "__main__":
             e = Engine(EngineConfig(model={str(llama_family.model_dir)!r}, tp_size=2,
-                                    num_kv_blocks=64))
+                                    device="cpu", num_kv_blocks=64))
             print(*e.executor.pids, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     """)

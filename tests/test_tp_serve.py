@@ -16,7 +16,9 @@ from engine import Engine, EngineConfig, SamplingParams
 from services.launcher import free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.timeout(300)
+# Services on CPU engines whatever LORAMUX_TEST_DEVICE says (two gloo ranks on one host):
+# the served engines and the in-process reference alike (tests/conftest.py).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.engine_device("cpu")]
 
 
 def test_serve_with_two_ranks(llama_family, tmp_path):
