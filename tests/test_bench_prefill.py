@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import bench_prefill
 from benchmarks.llama8b import LLAMA3_8B
 
@@ -24,6 +26,7 @@ def test_flops_count_projections_and_causal_attention():
     assert bench_prefill.flops(cfg, [2048]) > two       # attention grows with n^2
 
 
+@pytest.mark.engine_device("cpu")  # the device its --device names, whatever the suite's
 def test_whole_flow_on_the_cpu(tmp_path, capsys):
     rc = bench_prefill.main(["--out", str(tmp_path), "--device", "cpu", "--tiny",
                              "--prompts", "5", "--min-len", "3", "--max-len", "30",

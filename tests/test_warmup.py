@@ -277,7 +277,7 @@ def test_a_partial_warm_up_is_caught(llama_family, monkeypatch):
     assert keys.keys - warm
 
 
-@cpu_model
+@pytest.mark.engine_device("cpu")
 def test_engine_warm_up_is_a_no_op_on_the_cpu(llama_family):
     eng = make_engine(llama_family, [])
     assert eng.warm_up() is None
