@@ -24,7 +24,8 @@ from engine.warmup import eager_shapes, graph_keys, token_counts, warm_up
 from kernels import (attention_kernels_triton, elementwise_kernels_triton,
                      lora_kernels_triton, lora_mixed_kernels_triton,
                      lora_segment_kernels_triton, lora_token_kernels_triton, lora_triton,
-                     norm_shrink_kernels_triton, slot_rows_kernels_triton)
+                     norm_shrink_kernels_triton, silu_shrink_kernels_triton,
+                     slot_rows_kernels_triton)
 from tests.support.launch_keys import LaunchKeys, force_triton
 from tests.conftest import TEST_DEVICE
 from tests.support.tiny import AdapterSpec, make_adapter
@@ -34,7 +35,7 @@ from tests.test_lifecycle_tiers import greedy, make_engine
 KERNEL_MODULES = (attention_kernels_triton, elementwise_kernels_triton, lora_kernels_triton,
                   lora_mixed_kernels_triton, lora_segment_kernels_triton,
                   lora_token_kernels_triton, norm_shrink_kernels_triton,
-                  slot_rows_kernels_triton)
+                  silu_shrink_kernels_triton, slot_rows_kernels_triton)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=40)
 # past the kernels' thresholds: 16 sequences, 64 tokens, a split attention key range
 LARGE = dict(max_num_batched_tokens=66, max_num_seqs=17, max_model_len=300)
@@ -204,8 +205,8 @@ cpu_model = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU warm-up mod
 
 @cpu_model
 @pytest.mark.parametrize("limits,norm_shrink", [(SMALL, ("off", "off")), (LARGE, None),
-                                               (SMALL, ("all", "all"))],
-                         ids=["small", "large", "small-norm-shrink"])
+                                               (SMALL, ("all", "all")), (SMALL, None)],
+                         ids=["small", "large-defaults", "small-norm-shrink", "small-defaults"])
 def test_no_kernel_variant_is_compiled_after_warm_up(llama_family, monkeypatch, limits,
                                                      norm_shrink):
     """norm_shrink: engine/lora/batch.py (FUSED_NORM_SHRINK, FUSED_SILU_SHRINK), their
