@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import device_events  # noqa: E402
+from benchmarks.gc_clock import GcClock  # noqa: E402
 from benchmarks.llama8b import (LLAMA3_8B, adapter_bytes, kv_bytes, weight_bytes,  # noqa: E402
                                 write_adapter, write_model_dir)
 
@@ -228,10 +229,12 @@ def graph_replay_s(eng, adapters: list[str | None], reps: int = 20) -> float:
 
 
 def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
-                prompt_len: int, steps: int, gen) -> dict:
+                prompt_len: int, steps: int, gen, clock: GcClock) -> dict:
     """Wall seconds per decode step with `batch` running sequences (back-to-back steps,
     one sync at each end: with async scheduling a step returns while the next one runs),
-    the median host seconds per step in schedule/fill/update, and the graph's GPU time."""
+    the median host seconds per step in schedule/fill/update, the graph's GPU time, and
+    the garbage collections inside the timed steps (seconds in all, the longest one, and
+    how many were full ones)."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
@@ -252,14 +255,19 @@ def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
         eng.step()
         host.append(timer.take())
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / steps
+    t1 = time.perf_counter()
+    wall = (t1 - t0) / steps
+    gcs = clock.between(t0, t1)
     gpu = graph_replay_s(eng, adapters)
     for r in list(eng.scheduler.running) + list(eng.scheduler.waiting):
         eng.abort(r.request_id)
     while eng.has_unfinished():
         eng.step()
     med = {k: statistics.median(h[k] for h in host) for k in host[0]}
-    return {"step": wall, "host": sum(med.values()), "gpu": gpu, **med}
+    return {"step": wall, "host": sum(med.values()), "gpu": gpu, **med,
+            "gc": sum(c.seconds for c in gcs),
+            "gc_max": max((c.seconds for c in gcs), default=0.0),
+            "gc_full": sum(c.generation == 2 for c in gcs)}
 
 
 def hf_baseline(model_dir: Path, adapter_dirs: list[Path], batches: list[int], prompt_len: int,
@@ -328,6 +336,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                     help="auto: the engine's default (on for one CUDA device)")
+    ap.add_argument("--gc-freeze", choices=("on", "off"), default="on",
+                    help="on: freeze the heap once the engine is built and its adapters "
+                         "loaded, as the engine server does after its warm-up "
+                         "(loramux_core/gc_heap.py); off: a full collection may walk it "
+                         "inside a timed window")
     ap.add_argument("--norm-shrink", default="default",
                     help="comma list of engine/lora/batch.py FUSED_NORM_SHRINK settings "
                          "(off, uniform, mixed, all; default: the engine's), each with "
@@ -385,6 +398,10 @@ def main() -> None:
     for extra in {"dora", "head"} & set(args.modes.split(",") + args.profile_modes.split(",")):
         eng.add_adapter(extra, str(write_adapter(work / extra, model_dir, RANK, seed=9,
                                                  **{extra: True})))
+    if args.gc_freeze == "on":
+        from loramux_core.gc_heap import freeze_heap
+        print(f"gc: {freeze_heap()} objects frozen", flush=True)
+    clock = GcClock()
     cfg = LLAMA3_8B
     points = [(gp, st, m, p) for gp in picks for st in settings for m in args.modes.split(",")
               for p in (paths if m in MIXED_MODES else ["rule"])]
@@ -396,7 +413,7 @@ def main() -> None:
         label = pick_label(mixed_label(mode_label(mode, setting, settings), path), pick, picks)
         for b in batches:
             adapters = mode_adapters(mode, b, names)
-            t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen)
+            t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen, clock)
             step = t["step"]
             n_ad = {"base": 0, "distinct": b, "d64": min(b, 64)}.get(mode, 1)
             ctx = b * (args.prompt_len + 3 + args.steps // 2)
@@ -407,10 +424,13 @@ def main() -> None:
                          "x_floor": step / floor, "gpu_ms": t["gpu"] * 1e3,
                          "gpu_x_floor": t["gpu"] / floor, "host_ms": t["host"] * 1e3,
                          "schedule_ms": t["schedule"] * 1e3, "fill_ms": t["fill"] * 1e3,
-                         "update_ms": t["update"] * 1e3})
+                         "update_ms": t["update"] * 1e3, "gc_ms": t["gc"] * 1e3,
+                         "gc_max_ms": t["gc_max"] * 1e3, "gc_full": t["gc_full"]})
             print(f"loramux {label:8s} b={b:4d}: {step*1e3:7.2f} ms/step {b/step:9.1f} tok/s "
                   f"floor {floor*1e3:6.2f} ms x{step/floor:.2f} | graph {t['gpu']*1e3:6.2f} ms "
-                  f"x{t['gpu']/floor:.2f} | host {t['host']*1e3:5.2f} ms", flush=True)
+                  f"x{t['gpu']/floor:.2f} | host {t['host']*1e3:5.2f} ms | gc "
+                  f"{t['gc']*1e3:6.2f} ms, longest {t['gc_max']*1e3:6.2f}, {t['gc_full']} full",
+                  flush=True)
     select_mixed_path(eng, "rule")
     launches = []
     profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
@@ -426,7 +446,7 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
             "async_scheduling": eng.config.use_async_scheduling, "norm_shrink": settings,
-            "mixed_paths": paths, "greedy_pick": picks}
+            "mixed_paths": paths, "greedy_pick": picks, "gc_freeze": args.gc_freeze}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                       "launches": launches}, indent=2))
     plot(rows, args.out / "decode_throughput.png")

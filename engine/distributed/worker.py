@@ -28,6 +28,7 @@ from engine.distributed.watchdog import exit_with_parent
 from loramux_core.model.hf_config import ModelConfig
 from engine.sampling.sampler import SamplerOutput
 from loramux_core import open_audit
+from loramux_core.gc_heap import freeze_heap
 
 
 class NoSampling:
@@ -54,7 +55,9 @@ def worker_main(spec_json: str) -> None:
     try:
         groups = dataclasses.replace(  # the same all-reduce as rank 0 (a collective)
             groups, tp=fast_allreduce.attach(groups.tp, groups.control, config, device))
-        Worker(config, groups, device).serve()
+        worker = Worker(config, groups, device)
+        freeze_heap()  # the shard lives until exit: a full collection never walks it
+        worker.serve()
     finally:
         pg.disconnect(device)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import threading
 
 from loramux_core import curve, open_audit
+from loramux_core.gc_heap import freeze_heap
 from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options, config_error_message,
                                   given, non_negative_float, positive_float)
 
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if report is not None:
             print(f"engine {report}", file=sys.stderr, flush=True)
+    # the model, kernels and graphs live until exit: a full collection never walks them
+    freeze_heap()
     server = EngineServer(engine, ServerConfig(
         args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
         stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep,
@@ -115,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(tmp, "w") as f:
             json.dump({"instance_id": server.instance_id, "input": args.input,
                        "output": args.output, "pid": os.getpid(),
+                       "gc_frozen": gc.get_freeze_count(),
                        "config": resolved_config(engine)}, f)
         os.replace(tmp, args.ready_file)
     print(f"engine serving: input={args.input} output={args.output} "

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 
 from loramux.v1 import adapter_admin_pb2, adapter_admin_pb2_grpc
 
 from loramux_core import curve
+from loramux_core.gc_heap import freeze_heap
 from loramux_core.options import OneLineErrors, positive_float, positive_int
 from loramux_core.safe_files import roots_from
 from services.common import grpc_server, replicas, service_args, tls
@@ -122,8 +124,10 @@ async def serve(args) -> int:
     for link in links:
         await link.start()
     await grpc_server.set_serving(health, [SERVICE], True)
+    freeze_heap()  # what start-up made lives until exit: a full collection never walks it
     grpc_server.write_ready_file(args.ready_file, {"address": address, "table": table.address,
-                                                   "metrics_port": metrics_port, "pid": os.getpid()})
+                                                   "metrics_port": metrics_port, "pid": os.getpid(),
+                                                   "gc_frozen": gc.get_freeze_count()})
     log.info("serving", address=address, table=table.address, adapters=len(registry.all()),
              replicas=len(links))
     stop = asyncio.Event()

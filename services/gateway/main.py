@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
 from loramux_core import curve
+from loramux_core.gc_heap import freeze_heap
 from loramux_core.options import (OneLineErrors, Option, add_options, given, non_negative_float,
                                   positive_float, positive_int)
 from services.common import grpc_server, replicas, service_args, tls
@@ -151,8 +153,10 @@ async def serve(args) -> int:
         await http.start()
     health_task = asyncio.create_task(_track_health(health, engine))
     http_address = http.address if http is not None else None
+    freeze_heap()  # what start-up made lives until exit: a full collection never walks it
     grpc_server.write_ready_file(args.ready_file, {"address": address, "metrics_port": metrics_port,
-                                                   "http_address": http_address, "pid": os.getpid()})
+                                                   "http_address": http_address, "pid": os.getpid(),
+                                                   "gc_frozen": gc.get_freeze_count()})
     log.info("serving", address=address, http_address=http_address, metrics_port=metrics_port)
     stop = asyncio.Event()
     grpc_server.install_stop_signals(stop)
