@@ -28,7 +28,8 @@ from kernels import (attention_kernels_triton, elementwise_kernels_triton,
                      slot_rows_kernels_triton)
 from tests.support.launch_keys import LaunchKeys, force_triton
 from tests.conftest import TEST_DEVICE
-from tests.support.tiny import AdapterSpec, make_adapter
+from tests.conftest import ADAPTER_SPECS, TinyFamily
+from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 from tests.test_engine_parity import prompts_of
 from tests.test_lifecycle_tiers import greedy, make_engine
 
@@ -264,6 +265,30 @@ def test_adapters_with_extras_compile_nothing_after_warm_up(llama_family, monkey
     assert not new, f"{len(new)} kernel variants first launched after warm-up: {sorted(new)[:3]}"
     launched = {key[0] for key in keys.keys}
     assert {"scale_rows_kernel", "gather_a_columns_kernel"} <= launched, launched
+
+
+@cpu_model
+@pytest.mark.parametrize("limits,window", [(SMALL, 7), (LARGE, 280)], ids=["small", "large"])
+def test_a_sliding_window_compiles_nothing_after_warm_up(monkeypatch, tmp_path_factory,
+                                                         limits, window):
+    """A Mistral model with a sliding window: the attention's window variant (and its key
+    splits, sized to the window: 280 splits a decode over 300 keys as one over 287 would)
+    is launched by the warm-up, and traffic past the window launches nothing new. (The
+    LoRA shrinks run unfused: the attention is what the window changes, and the fused
+    SiLU shrink is not among KERNEL_MODULES, so it would run in the interpreter.)"""
+    from engine.lora import batch as batch_module
+    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", "off")
+    monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", "off")
+    root = tmp_path_factory.mktemp(f"warmup_window{window}")
+    model = make_model(root / "model", TinySpec(arch="mistral", sliding_window=window, seed=22))
+    family = TinyFamily("mistral_window", model, {
+        name: make_adapter(root / name, model, spec) for name, spec in ADAPTER_SPECS.items()})
+    eng, keys = warmed_engine(family, monkeypatch, limits)
+    warm = set(keys.keys)
+    assert any(("WINDOW", window) in key for name, key in warm if name == "paged_attn_kernel")
+    run_traffic(eng, limits, seed=5)
+    new = keys.keys - warm
+    assert not new, f"{len(new)} kernel variants first launched after warm-up: {sorted(new)[:3]}"
 
 
 @cpu_model
