@@ -273,12 +273,7 @@ def test_a_sliding_window_compiles_nothing_after_warm_up(monkeypatch, tmp_path_f
                                                          limits, window):
     """A Mistral model with a sliding window: the attention's window variant (and its key
     splits, sized to the window: 280 splits a decode over 300 keys as one over 287 would)
-    is launched by the warm-up, and traffic past the window launches nothing new. (The
-    LoRA shrinks run unfused: the attention is what the window changes, and the fused
-    SiLU shrink is not among KERNEL_MODULES, so it would run in the interpreter.)"""
-    from engine.lora import batch as batch_module
-    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", "off")
-    monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", "off")
+    is launched by the warm-up, and traffic past the window launches nothing new."""
     root = tmp_path_factory.mktemp(f"warmup_window{window}")
     model = make_model(root / "model", TinySpec(arch="mistral", sliding_window=window, seed=22))
     family = TinyFamily("mistral_window", model, {
