@@ -1,16 +1,18 @@
 """The cyclic collector in serving processes (loramux_core/gc_heap.py): every process of
 `loramux serve` freezes its start-up heap before it reports ready, so that a full
-collection never walks the model, kernels and modules again; and decode steps make no
+collection never walks the model, kernels and modules again; decode steps make no
 reference cycles, so what they leave is freed by reference counting alone, not by the
-collector."""
+collector; and the engine's events carry the time of its collections (a histogram)."""
 from __future__ import annotations
 
 import gc
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.telemetry import GcPauses
 from loramux_core.gc_heap import freeze_heap
 from services.launcher import Cluster
 from services.serve_args import cluster_config, files, parse_args
+from tests.support.served import ServedEngine
 from tests.support.tiny import TinySpec, make_model
 
 
@@ -65,5 +67,33 @@ def test_decode_steps_make_no_reference_cycles(tmp_path):
         finally:
             gc.enable()
         assert found == 0
+    finally:
+        eng.close()
+
+
+def test_gc_pauses_times_collections_while_installed():
+    with GcPauses() as pauses:
+        gc.collect()
+        seen = pauses.histogram.count
+        assert seen >= 1 and pauses.histogram.sum > 0
+    gc.collect()
+    assert pauses.histogram.count == seen  # the callback is gone
+
+
+def test_engine_events_carry_the_engine_process_collections(tmp_path):
+    model = make_model(tmp_path / "model", TinySpec())
+    eng = Engine(EngineConfig(model=str(model), max_num_seqs=4, num_kv_blocks=32,
+                              cpu_threads=1))
+
+    def counted(msg) -> bool:
+        if msg.WhichOneof("kind") != "event":
+            return False
+        h = {x.name: x for x in msg.event.histograms}.get("gc_pause_seconds")
+        return h is not None and sum(h.bucket_counts) >= 1
+
+    try:
+        with ServedEngine(eng) as served:
+            gc.collect()  # one collection in the engine's process while it serves
+            served.collect(counted)
     finally:
         eng.close()

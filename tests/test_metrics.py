@@ -137,6 +137,7 @@ def test_metrics_follow_load(cluster):
     assert info_labels(after)["running_lora_adapters"] == ""
     assert value(after, "loramux:step_seconds_count", replica="0") > NEW_TOKENS
     assert value(after, "loramux:batch_size_count", replica="0") > NEW_TOKENS
+    assert value(after, "loramux:engine_gc_pause_seconds_count", replica="0") >= 0  # exported
     steps = value(after, "loramux:batch_size_count", replica="0")
     assert value(after, "loramux:batch_size_sum", replica="0") > steps  # steps of two sequences
     assert value(after, "loramux:batch_size_bucket", replica="0", le="2.0") == steps  # none more

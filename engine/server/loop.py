@@ -23,6 +23,7 @@ import zmq
 from engine.server.adapter_commands import AdapterCommands
 from engine.server.convert import delta_to_proto
 from engine.server.events import engine_event, max_model_len
+from engine.telemetry import GcPauses
 from loramux_core.curve import ZmqKeys, start_authenticator
 from loramux_core.errors import error_code
 from loramux_core.pacing import BusyPacer
@@ -72,9 +73,14 @@ class EngineServer:
         self._pub_lock = threading.Lock()
         self._progress = time.monotonic()  # the step thread's last completed iteration
         self._limits = (max_model_len(engine), engine.model_config.vocab_size)
+        self._gc_pauses = GcPauses()  # in every event, timed while serving
 
     def serve_forever(self, stop: threading.Event, drain_s: float = 0.0) -> None:
         """Serve until `stop` is set, then drain for up to `drain_s` seconds."""
+        with self._gc_pauses:  # from before the first heartbeat says the engine serves
+            self._serve(stop, drain_s)
+
+    def _serve(self, stop: threading.Event, drain_s: float) -> None:
         done = threading.Event()
         beat = threading.Thread(target=self._heartbeats, args=(done,), daemon=True,
                                 name="engine-heartbeat")
@@ -195,8 +201,9 @@ class EngineServer:
         now = time.monotonic()
         if now >= self._next_event:
             self._next_event = now + self.cfg.event_interval_s
-            self._publish(event=engine_event(self.engine.stats(), self.adapters.loaded,
-                                             self.engine.histograms()))
+            self._publish(event=engine_event(
+                self.engine.stats(), self.adapters.loaded,
+                [*self.engine.histograms(), self._gc_pauses.histogram]))
             self._event_pacer.ran(now, time.monotonic())
 
     def _publish(self, **kind) -> None:

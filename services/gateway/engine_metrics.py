@@ -27,6 +27,8 @@ _HISTOGRAMS = {
                                   "Host to GPU-slot adapter loads (swaps), start to ready"),
     "adapter_disk_read_seconds": ("loramux:adapter_disk_read_seconds",
                                   "Adapter reads from disk into host memory"),
+    "gc_pause_seconds": ("loramux:engine_gc_pause_seconds",
+                         "Garbage collections in the engine process (each holds its steps)"),
 }
 MAX_INFO_ADAPTERS = 64  # names in one lora_requests_info label, at most
 
