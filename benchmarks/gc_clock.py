@@ -2,9 +2,9 @@
 host stalls): generation, wall time, objects collected."""
 from __future__ import annotations
 
-import gc
-import time
 from typing import NamedTuple
+
+from loramux_core.gc_heap import CollectionTimer
 
 
 class Collection(NamedTuple):
@@ -14,21 +14,16 @@ class Collection(NamedTuple):
     collected: int
 
 
-class GcClock:
-    """Records every collection from construction on (gc.callbacks)."""
+class GcClock(CollectionTimer):
+    """Records every collection from construction on."""
 
     def __init__(self):
+        super().__init__()
         self.events: list[Collection] = []
-        self._start = 0.0
-        gc.callbacks.append(self._on_gc)
+        self.install()
 
-    def _on_gc(self, phase: str, info: dict) -> None:
-        now = time.perf_counter()
-        if phase == "start":
-            self._start = now
-        else:
-            self.events.append(Collection(self._start, now - self._start, info["generation"],
-                                          info["collected"]))
+    def collected(self, start: float, seconds: float, info: dict) -> None:
+        self.events.append(Collection(start, seconds, info["generation"], info["collected"]))
 
     def between(self, t0: float, t1: float) -> list[Collection]:
         """The collections that started in [t0, t1)."""

@@ -7,8 +7,8 @@ engine process starts from zero, which Prometheus reads as a counter reset."""
 from __future__ import annotations
 
 import bisect
-import gc
-import time
+
+from loramux_core.gc_heap import CollectionTimer
 
 STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 LOAD_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -34,27 +34,15 @@ class Histogram:
         return sum(self.counts)
 
 
-class GcPauses:
+class GcPauses(CollectionTimer):
     """Every collection of CPython's cyclic collector in this process while installed (a
-    context manager: gc.callbacks), timed into a histogram. A collection holds every
-    thread: on the step thread it adds its time to one step's time to the next token
+    context manager), timed into a histogram. A collection holds every thread: on the step
+    thread it adds its time to one step's time to the next token
     (loramux_core/gc_heap.py says why the long ones are gone)."""
 
     def __init__(self):
+        super().__init__()
         self.histogram = Histogram("gc_pause_seconds", GC_SECONDS)
-        # observed on whichever thread collects; collections never overlap: one start,
-        # then its stop, one writer at a time
-        self._start = 0.0
 
-    def __enter__(self) -> "GcPauses":
-        gc.callbacks.append(self._on_gc)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.histogram.observe(time.perf_counter() - self._start)
+    def collected(self, start: float, seconds: float, info: dict) -> None:
+        self.histogram.observe(seconds)

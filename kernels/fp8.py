@@ -13,6 +13,8 @@ operand _scaled_mm wants, and its float32 scale [N] is viewed as [1, N].
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # the Triton module is optional: absent on machines without Triton
@@ -46,22 +48,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-_CPU_ROW_SCALES: list[bool] = []
-
-
+@functools.cache
 def _cpu_takes_row_scales() -> bool:
     """Whether this torch's CPU _scaled_mm takes a scale per row (older releases take one
     per tensor only and fail an internal assert); asked once. Without: the same product
     of the quantized x and the FP8 weight, in float32 (an emulation, for the CPU only)."""
-    if not _CPU_ROW_SCALES:
-        a, b = torch.ones(2, 16).to(FP8), torch.ones(16, 16).to(FP8)
-        try:
-            torch._scaled_mm(a, b.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16),
-                             out_dtype=torch.float32)
-            _CPU_ROW_SCALES.append(True)
-        except (RuntimeError, NotImplementedError):
-            _CPU_ROW_SCALES.append(False)
-    return _CPU_ROW_SCALES[0]
+    a, b = torch.ones(2, 16).to(FP8), torch.ones(16, 16).to(FP8)
+    try:
+        torch._scaled_mm(a, b.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def dequant_linear_ref(x: torch.Tensor, weight: torch.Tensor,

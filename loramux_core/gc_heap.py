@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import time
 
 
 def freeze_heap() -> int:
@@ -34,3 +35,36 @@ def freeze_heap() -> int:
     atexit.unregister(gc.unfreeze)  # once per process, however often this is called
     atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
+
+
+class CollectionTimer:
+    """Times every collection of the cyclic collector while installed (gc.callbacks; a
+    context manager, or install / uninstall): `collected(start, seconds, info)` for each,
+    on whichever thread collected. Collections never overlap: one start, then its stop."""
+
+    def __init__(self):
+        self._start = 0.0
+
+    def install(self) -> "CollectionTimer":
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def uninstall(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    __enter__ = install
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._start = now
+        else:
+            self.collected(self._start, now - self._start, info)
+
+    def collected(self, start: float, seconds: float, info: dict) -> None:
+        """One collection: started at `start` (time.perf_counter()), took `seconds`;
+        `info` as gc.callbacks gives it (generation, collected, uncollectable)."""
+        raise NotImplementedError

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import signal
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if report is not None:
             print(f"engine {report}", file=sys.stderr, flush=True)
     # the model, kernels and graphs live until exit: a full collection never walks them
-    freeze_heap()
+    frozen = freeze_heap()
     server = EngineServer(engine, ServerConfig(
         args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
         stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep,
@@ -119,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(tmp, "w") as f:
             json.dump({"instance_id": server.instance_id, "input": args.input,
                        "output": args.output, "pid": os.getpid(),
-                       "gc_frozen": gc.get_freeze_count(),
+                       "gc_frozen": frozen,
                        "config": resolved_config(engine)}, f)
         os.replace(tmp, args.ready_file)
     print(f"engine serving: input={args.input} output={args.output} "

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import sys
 
@@ -124,10 +123,10 @@ async def serve(args) -> int:
     for link in links:
         await link.start()
     await grpc_server.set_serving(health, [SERVICE], True)
-    freeze_heap()  # what start-up made lives until exit: a full collection never walks it
+    frozen = freeze_heap()  # what start-up made lives until exit: a full collection never walks it
     grpc_server.write_ready_file(args.ready_file, {"address": address, "table": table.address,
                                                    "metrics_port": metrics_port, "pid": os.getpid(),
-                                                   "gc_frozen": gc.get_freeze_count()})
+                                                   "gc_frozen": frozen})
     log.info("serving", address=address, table=table.address, adapters=len(registry.all()),
              replicas=len(links))
     stop = asyncio.Event()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import sys
 
@@ -153,10 +152,10 @@ async def serve(args) -> int:
         await http.start()
     health_task = asyncio.create_task(_track_health(health, engine))
     http_address = http.address if http is not None else None
-    freeze_heap()  # what start-up made lives until exit: a full collection never walks it
+    frozen = freeze_heap()  # what start-up made lives until exit: a full collection never walks it
     grpc_server.write_ready_file(args.ready_file, {"address": address, "metrics_port": metrics_port,
                                                    "http_address": http_address, "pid": os.getpid(),
-                                                   "gc_frozen": gc.get_freeze_count()})
+                                                   "gc_frozen": frozen})
     log.info("serving", address=address, http_address=http_address, metrics_port=metrics_port)
     stop = asyncio.Event()
     grpc_server.install_stop_signals(stop)
