@@ -7,7 +7,7 @@
 # kernels.log kernels.csv decode.log decode.json decode_throughput.png profile.txt
 # prefill.log (and decode_sync.log). Time limits: KERNELS_S DECODE_S PREFILL_S SYNC_S.
 # DECODE_ARGS: more bench_decode.py options (e.g. "--no-hf --profile-batches 64,256").
-# The CUDA test suite is two separate calls (scripts/cuda_suite.sh 0 DIR, then 1 DIR).
+# The CUDA test suite is a separate call: python3 scripts/cuda_suite.py --out DIR.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/loramux-gpu}; mkdir -p "$OUT"

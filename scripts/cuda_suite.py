@@ -1,0 +1,104 @@
+"""The whole test suite with every in-process Engine on CUDA (LORAMUX_TEST_DEVICE=cuda, see
+tests/conftest.py), within one time limit, on one GPU machine.
+
+    python3 scripts/cuda_suite.py --out DIR [--limit 540] [--workers 8] [--files-from FILE]
+
+Each test file is one pytest process; WORKERS of them run side by side, taking files from one
+queue, largest first (the longest ones start early, the small ones fill the tail). At the
+limit the running files get SIGINT (pytest still prints its summary) and nothing new starts.
+Files not finished are written to DIR/remaining.txt: `--files-from DIR/remaining.txt` runs
+them in a next call on the same machine, reusing the one Triton cache. One log per file under
+DIR/logs; the summary (one line per file, then every FAILED/ERROR line) ends the output and
+is saved as DIR/summary.txt. Exit status 0 only when every file ran and passed.
+
+Expected skips: TP tests on one GPU, test_warmup's launch-key checks (the CPU model).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUMMARY = re.compile(r"^=* ?(\d+ (?:passed|failed|error|skipped|deselected).*?|no tests ran)"
+                     r" in [\d.]+s", re.M)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--limit", type=float, default=540.0, help="seconds for the whole run")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--files-from", type=Path, help="test files, one per line")
+    p.add_argument("--device", default="cuda", help="LORAMUX_TEST_DEVICE")
+    a = p.parse_args(argv)
+    logs = a.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if a.files_from:
+        files = [ln.strip() for ln in a.files_from.read_text().splitlines() if ln.strip()]
+    else:
+        files = [str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")]
+    files.sort(key=lambda f: -(ROOT / f).stat().st_size)
+    env = dict(os.environ, LORAMUX_TEST_DEVICE=a.device, PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+               TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR", "/tmp/loramux-triton"),
+               PYTHONPATH=os.pathsep.join(filter(None, [
+                   str(ROOT), str(ROOT / "clients" / "python"), os.environ.get("PYTHONPATH")])))
+    queue, running, done = deque(files), {}, {}
+    start = time.monotonic()
+    deadline = start + a.limit
+    while queue or running:
+        now = time.monotonic()
+        while queue and len(running) < a.workers and now < deadline:
+            f = queue.popleft()
+            log = open(logs / (Path(f).stem + ".txt"), "w")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
+                 "addopts=", "-rfE", "--tb=short", f], cwd=ROOT, env=env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+            running[f] = (proc, now, log)
+        if now >= deadline and running:
+            for proc, _, _ in running.values():
+                if proc.poll() is None and not getattr(proc, "interrupted", False):
+                    os.killpg(proc.pid, signal.SIGINT)
+                    proc.interrupted = True
+            if now >= deadline + 30:
+                for proc, _, _ in running.values():
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+        for f, (proc, t0, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                done[f] = (proc.returncode, time.monotonic() - t0,
+                           getattr(proc, "interrupted", False))
+                del running[f]
+        if now >= deadline and not running:
+            break
+        time.sleep(0.2)
+    remaining = list(queue) + [f for f, (_, _, cut) in done.items() if cut]
+    (a.out / "remaining.txt").write_text("".join(f + "\n" for f in remaining))
+    lines, failures = [], []
+    for f, (rc, secs, cut) in sorted(done.items(), key=lambda kv: -kv[1][1]):
+        text = (logs / (Path(f).stem + ".txt")).read_text(errors="replace")
+        found = SUMMARY.findall(text)
+        result = found[-1] if found else "(no summary)"
+        lines.append(f"{f:48s} rc={rc:<4d} {secs:6.0f}s {'CUT ' if cut else ''}{result}")
+        failures += [ln for ln in text.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    lines.append(f"{len(done)} files run in {time.monotonic() - start:.0f}s, "
+                 f"{len(remaining)} not finished (remaining.txt)")
+    lines += failures
+    summary = "\n".join(lines)
+    (a.out / "summary.txt").write_text(summary + "\n")
+    print(summary)
+    ok = not remaining and all(rc == 0 for rc, _, _ in done.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
