@@ -107,13 +107,15 @@ def norm_shrink_ahead(x: torch.Tensor | None, residual: torch.Tensor, weight: to
     """rms_norm(residual + x) (x None: of residual as it is), the new residual, and the
     shrink half of `add_lora` for those normed rows, in one launch: (out, residual,
     shrunk) for `expand_after`, or None where that does not apply (CPU, no Triton, no
-    tokens or more than 256, rows not contiguous): then the plain norm and `add_lora`.
+    tokens or more than 256, rows not contiguous, slices x rank too wide for one program:
+    kernels/norm_shrink_triton.py fits): then the plain norm and `add_lora`.
     The new residual is a new tensor (kernels.elementwise.add_rms_norm updates it in
     place on CUDA)."""
     if (not residual.is_cuda or _triton is None or residual.dim() != 2
             or not 0 < residual.shape[0] <= _triton.TOKEN_PATH_MAX_TOKENS
             or slice_offsets[-1] == 0 or residual.stride(-1) != 1
-            or (x is not None and (x.shape != residual.shape or x.stride(-1) != 1))):
+            or (x is not None and (x.shape != residual.shape or x.stride(-1) != 1))
+            or a.dim() != 4 or not _triton.fused_shrink_fits(a.shape[1], a.shape[2])):
         return None
     return _triton.norm_shrink_ahead(x, residual, weight, eps, a, token_slots, slice_offsets,
                                      ranks, meta, uniform)
@@ -125,9 +127,11 @@ def silu_shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tenso
     """silu(gate) * up of x = [gate | up] and the shrink half of `add_lora` for it (a
     one-slice group: down_proj) in one launch: (out, shrunk) for `expand_after`, or None
     where that does not apply (CPU, no Triton, no tokens or more than 256, rows not
-    contiguous): then kernels.elementwise.silu_mul and `add_lora`."""
+    contiguous, a rank too wide for one program): then kernels.elementwise.silu_mul and
+    `add_lora`."""
     if (not x.is_cuda or _triton is None or x.dim() != 2
             or not 0 < x.shape[0] <= _triton.TOKEN_PATH_MAX_TOKENS
-            or slice_offsets[-1] == 0 or x.stride(-1) != 1):
+            or slice_offsets[-1] == 0 or x.stride(-1) != 1
+            or a.dim() != 4 or not _triton.fused_shrink_fits(a.shape[1], a.shape[2])):
         return None
     return _triton.silu_shrink_ahead(x, a, token_slots, slice_offsets, ranks, meta, uniform)

@@ -29,6 +29,7 @@ from kernels.lora_segment_triton import add_lora_seg
 from kernels.lora_token_triton import _MAX_SLICES, _offsets, lora_expand_tokens, lora_shrink_tokens
 from kernels.lora_uniform_triton import add_lora_uniform
 from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_fused_shrunk
+from kernels.norm_shrink_triton import fits as fused_shrink_fits
 from kernels.silu_shrink_triton import silu_mul_shrink
 from kernels.lora_uniform_triton import uniform_expand as add_lora_uniform_expand
 from kernels.lora_uniform_triton import uniform_shrink as add_lora_uniform_shrink

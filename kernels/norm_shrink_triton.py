@@ -24,6 +24,10 @@ _MIN_K_CHUNK = 128
 _MIXED_PROGRAMS = 512      # one-row shrink programs wanted for a mixed batch (about four
                            # per SM: each reads its own adapter's A chunk)
 _MAX_SPLIT_K = 32
+MAX_FUSED_COLUMNS = 512    # S·R of one program's A tile (padded to a power of two): wider,
+                           # a tl.dot block of it no longer fits shared memory (q/k/v at rank
+                           # 256 in float32 asks 262 KB of sm_90's 227 KB); such groups take
+                           # the plain op and the token shrink, which tiles one slice at a time
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,12 @@ class FusedShrunk:
     slice_offsets: tuple[int, ...]
     ranks: torch.Tensor | None
     uniform: bool
+
+
+def fits(slices: int, rank: int) -> bool:
+    """Whether a group of `slices` slices of rank `rank` may run its shrink fused into
+    the op before it (MAX_FUSED_COLUMNS)."""
+    return max(16, triton.next_power_of_2(slices * rank)) <= MAX_FUSED_COLUMNS
 
 
 def split_k(T: int, S: int, Kdim: int, uniform: bool) -> int:

@@ -7,9 +7,9 @@ Each test file is one pytest process; WORKERS of them run side by side, taking f
 queue, largest first (the longest ones start early, the small ones fill the tail). At the
 limit the running files get SIGINT (pytest still prints its summary) and nothing new starts.
 Files not finished are written to DIR/remaining.txt: `--files-from DIR/remaining.txt` runs
-them in a next call on the same machine, reusing the one Triton cache. One log per file under
-DIR/logs; the summary (one line per file, then every FAILED/ERROR line) ends the output and
-is saved as DIR/summary.txt. Exit status 0 only when every file ran and passed.
+them in a next call on the same machine, reusing the one Triton cache. The logs of files
+that did not pass stay under DIR/logs; the summary (one line per file, then every
+FAILED/ERROR line) ends the output and is saved as DIR/summary.txt. Exit status 0 only when every file ran and passed.
 
 Expected skips: TP tests on one GPU, test_warmup's launch-key checks (the CPU model).
 """
@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         result = found[-1] if found else "(no summary)"
         lines.append(f"{f:48s} rc={rc:<4d} {secs:6.0f}s {'CUT ' if cut else ''}{result}")
         failures += [ln for ln in text.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    for f, (rc, _, cut) in done.items():   # what comes back: the logs of files that failed
+        if rc == 0 and not cut:
+            (logs / (Path(f).stem + ".txt")).unlink()
     lines.append(f"{len(done)} files run in {time.monotonic() - start:.0f}s, "
                  f"{len(remaining)} not finished (remaining.txt)")
     lines += failures

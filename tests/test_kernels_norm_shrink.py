@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import lora as lora_kernels
 from kernels import norm_shrink_kernels_triton, silu_shrink_kernels_triton
 from kernels.lora_ref import add_lora_ref, add_rms_norm_shrink_ref, silu_mul_shrink_ref
 from kernels.lora_triton import build_meta
-from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_fused_shrunk
+from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_fused_shrunk, fits
 from kernels.silu_shrink_triton import silu_mul_shrink
 from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode
@@ -90,6 +91,30 @@ def test_a_wrong_hint_changes_nothing(case, uniform):
 @pytest.mark.parametrize("R,ranks", [(8, [8, 2, 5]), (32, [32, 20, 7])])
 def test_other_pool_ranks(R, ranks):
     _check(7, 160, 3, R, ranks, "mixed", torch.float32, seed=R)
+
+
+@pytest.mark.parametrize("case", ["one", "mixed"])
+def test_the_widest_fused_group(case):
+    """q/k/v at rank 128 in float32: the widest A tile a fused program takes (S·R = 384,
+    512 columns), which must still fit one program's shared memory on a GPU."""
+    assert fits(3, 128) and fits(1, 512)
+    _check(5, 136, 3, 128, [128, 40], case, torch.float32, seed=128)
+
+
+def test_wider_groups_take_the_plain_op():
+    """q/k/v at rank 256 (a 1,024-column tile: 262 KB of shared memory in float32 on
+    sm_90, more than there is) is not fused: the dispatcher answers None, and the engine
+    runs the plain norm and the token shrink."""
+    assert not fits(3, 256) and not fits(2, 512) and not fits(1, 1024)
+    g = torch.Generator().manual_seed(5)
+    a, _, ranks = slot_pool(3, SLICES[3], [256, 16], 136, torch.float32, DEV, 256, 5)
+    res = torch.randn(4, 136, generator=g).to(DEV)
+    w = torch.ones(136, device=DEV)
+    ts = torch.tensor([0, 1, -1, 0], device=DEV)
+    assert lora_kernels.norm_shrink_ahead(None, res, w, EPS, a, ts, SLICES[3], ranks) is None
+    a1, _, ranks1 = slot_pool(1, (0, 72), [256, 16], 68, torch.float32, DEV, 1024, 6)
+    gate_up = torch.randn(4, 136, generator=g).to(DEV)
+    assert lora_kernels.silu_shrink_ahead(gate_up, a1, ts, (0, 72), ranks1) is None
 
 
 def test_no_adapter_rows_only():
