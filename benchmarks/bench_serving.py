@@ -167,9 +167,12 @@ def _num_requests(args, load: Load) -> int:
     return 4 * load.concurrency if load.rate is None else max(32, int(load.rate * 30))
 
 
-def _device_name() -> str:
-    """Asked once the service has stopped: a CUDA context in this process must not take
-    GPU memory beside the service's engine."""
+def _device_name(config: dict | None) -> str:
+    """Where the engine ran (`config`: its resolved config, where known): "cpu", or the
+    GPU's name. Asked once the service has stopped: a CUDA context in this process must
+    not take GPU memory beside the service's engine."""
+    if config and str(config.get("device", "")).startswith("cpu"):
+        return "cpu"
     try:
         import torch
         return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         config = run_service_points(args, ServiceFiles(model, adapter_root(work), dummy),
                                     files_ready, serve_argv, work, budget,
                                     lambda: save(args, argv))
-        args.device = _device_name()
+        args.device = _device_name(config)
         if not args.no_offline:
             try:
                 run_offline_points(args, args.files, config, budget,
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 def report_all(args, argv: list[str], config: dict | None) -> None:
     """serving.json, table.md and the plots; the table printed last."""
     if args.device is None:
-        args.device = _device_name()
+        args.device = _device_name(config or args.engine_config)
     result = save(args, argv, config or args.engine_config)
     text = report.table(args.points, result["meta"])
     (args.out / "table.md").write_text(text + "\n")

@@ -8,7 +8,7 @@ queue, largest first (the longest ones start early, the small ones fill the tail
 limit the running files get SIGINT (pytest still prints its summary) and nothing new starts.
 Files not finished are written to DIR/remaining.txt: `--files-from DIR/remaining.txt` runs
 them in a next call on the same machine, reusing the one Triton cache. The logs of files
-that did not pass stay under DIR/logs; the summary (one line per file, then every
+that did not pass are in DIR/failed.txt (40,000 characters each at most); the summary (one line per file, then every
 FAILED/ERROR line) ends the output and is saved as DIR/summary.txt. Exit status 0 only when every file ran and passed.
 
 Expected skips: TP tests on one GPU, test_warmup's launch-key checks (the CPU model).
@@ -90,9 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         result = found[-1] if found else "(no summary)"
         lines.append(f"{f:48s} rc={rc:<4d} {secs:6.0f}s {'CUT ' if cut else ''}{result}")
         failures += [ln for ln in text.splitlines() if ln.startswith(("FAILED", "ERROR"))]
-    for f, (rc, _, cut) in done.items():   # what comes back: the logs of files that failed
-        if rc == 0 and not cut:
-            (logs / (Path(f).stem + ".txt")).unlink()
+    with open(a.out / "failed.txt", "w") as out:   # the logs of files that did not pass
+        for f, (rc, _, cut) in done.items():
+            log = logs / (Path(f).stem + ".txt")
+            if rc != 0 or cut:
+                out.write(f"\n==== {f} (rc={rc}{', cut' if cut else ''})\n")
+                out.write(log.read_text(errors="replace")[-40000:])
+            log.unlink()
+    logs.rmdir()
     lines.append(f"{len(done)} files run in {time.monotonic() - start:.0f}s, "
                  f"{len(remaining)} not finished (remaining.txt)")
     lines += failures

@@ -69,7 +69,7 @@ def test_tiny_run_writes_the_report(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--tiny", "--out", str(out),
          "--concurrency", "3", "--adapters", "2,6", "--popularity", "uniform,zipf:1",
          "--num-requests", "8", "--load-workers", "6", "--cold-first", "--point-s", "60",
-         "--", "--max-loras", "2", "--max-cpu-loras", "4"],
+         "--", "--device", "cpu", "--max-loras", "2", "--max-cpu-loras", "4"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "serving.json").read_text())
@@ -160,7 +160,8 @@ def test_limits_bound_a_service_point(tmp_path):
     model = make_model(tmp_path / "model", TinySpec())
     wl = make_workload(50, [None], None, (4, 8), (1000, 1000), range(3, 50), None, 0)
     with Cluster(ClusterConfig(model=str(model), adapter_roots=(str(tmp_path),),
-                               workdir=str(tmp_path / "run"))) as c:
+                               workdir=str(tmp_path / "run"),
+                               engine_args=("--device", "cpu"))) as c:
         c.start()
         c.wait_ready()
         wait_serving(c.gateway_address)
@@ -274,7 +275,7 @@ def test_tiny_adapters_round(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--tiny", "--out", str(out),
          "--points", "2/zipf:1,6/uniform,6/zipf:1", "--concurrency", "3", "--cold-first",
          "--background-loads", "--no-offline", "--warm-s", "0.5", "--point-s", "2.5",
-         "--drain-s", "3", "--load-workers", "4", "--", "--max-loras", "2",
+         "--drain-s", "3", "--load-workers", "4", "--", "--device", "cpu", "--max-loras", "2",
          "--max-cpu-loras", "4"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
