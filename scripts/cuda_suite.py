@@ -3,13 +3,15 @@ tests/conftest.py), within one time limit, on one GPU machine.
 
     python3 scripts/cuda_suite.py --out DIR [--limit 540] [--workers 8] [--files-from FILE]
 
-Each test file is one pytest process; WORKERS of them run side by side, taking files from one
-queue, largest first (the longest ones start early, the small ones fill the tail). At the
-limit the running files get SIGINT (pytest still prints its summary) and nothing new starts.
-Files not finished are written to DIR/remaining.txt: `--files-from DIR/remaining.txt` runs
-them in a next call on the same machine, reusing the one Triton cache. The logs of files
-that did not pass are in DIR/failed.txt (40,000 characters each at most); the summary (one line per file, then every
-FAILED/ERROR line) ends the output and is saved as DIR/summary.txt. Exit status 0 only when every file ran and passed.
+Each test file is one pytest process; WORKERS of them run side by side, taking files from
+one queue, longest first (by an earlier run's summary given as --order-from, else by size:
+the long ones start early, the small ones fill the tail). At the limit the running files
+get SIGINT (pytest still prints its summary) and nothing new starts. Files not finished
+are written to DIR/remaining.txt: `--files-from DIR/remaining.txt` runs them in a next call
+on the same machine, reusing the one Triton cache. The logs of files that did not pass are
+in DIR/failed.txt (the last 40,000 characters of each); the summary (one line per file,
+then every FAILED/ERROR line) ends the output and is saved as DIR/summary.txt. Exit status
+0 only when every file ran and passed.
 
 Expected skips: TP tests on one GPU, test_warmup's launch-key checks (the CPU model).
 """
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--files-from", type=Path, help="test files, one per line")
     p.add_argument("--device", default="cuda", help="LORAMUX_TEST_DEVICE")
+    p.add_argument("--order-from", type=Path,
+                   help="an earlier summary.txt: files start longest first by its times")
     a = p.parse_args(argv)
     logs = a.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -44,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         files = [ln.strip() for ln in a.files_from.read_text().splitlines() if ln.strip()]
     else:
         files = [str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")]
-    files.sort(key=lambda f: -(ROOT / f).stat().st_size)
+    # seconds each file took before; a file not timed yet counts one second per kB
+    took = {}
+    if a.order_from and a.order_from.exists():
+        for m in re.finditer(r"^(\S+\.py)\s+rc=\S+\s+(\d+)s", a.order_from.read_text(), re.M):
+            took[m.group(1)] = int(m.group(2))
+    files.sort(key=lambda f: -took.get(f, (ROOT / f).stat().st_size / 1000))
     env = dict(os.environ, LORAMUX_TEST_DEVICE=a.device, PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
                TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR", "/tmp/loramux-triton"),

@@ -32,6 +32,18 @@ def config(model) -> EngineConfig:
     return EngineConfig(model=str(model), max_loras=2, max_lora_rank=RANK, num_kv_blocks=256)
 
 
+def warmed(cfg: EngineConfig) -> Engine:
+    """An engine warmed up as the server warms its own (engine/server/main.py): on CUDA
+    no kernel compiles once it serves, which would stall the steps counted here."""
+    eng = Engine(cfg)
+    try:
+        eng.warm_up()
+    except BaseException:
+        eng.close()
+        raise
+    return eng
+
+
 def is_ack(command_id):
     return lambda m: m.WhichOneof("kind") == "adapter_ack" and \
         m.adapter_ack.command_id == command_id
@@ -44,7 +56,7 @@ def steps_for(msgs, request_id) -> int:
 
 def test_generation_goes_on_while_a_large_adapter_is_read(files):
     model, big = files
-    with Engine(config(model)) as eng, ServedEngine(eng) as served:
+    with warmed(config(model)) as eng, ServedEngine(eng) as served:
         served.generate("base", [5, 6, 7], max_tokens=1000)
         served.collect(lambda m: m.WhichOneof("kind") == "step_batch")
         served.command("load-big", "load", "big", str(big))

@@ -118,6 +118,7 @@ def test_tiny_run_writes_the_report(tmp_path):
     assert (out / "adapters.png").exists() == has_plots
 
 
+@pytest.mark.engine_device("cpu")  # its premise: 400 tokens take longer than 0.8 s
 def test_limits_bound_a_point(tmp_path):
     """No request is sent after send_s; what still runs drain_s later is cancelled: its
     tokens count towards throughput, its latency does not."""

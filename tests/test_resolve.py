@@ -135,6 +135,7 @@ def test_estimates_match_the_real_model_and_slot_pool(llama_family):
     assert pool.nbytes == 3 * adapter_bytes(mc, c) + ranks_bytes
 
 
+@pytest.mark.engine_device("cpu")  # the CPU defaults
 def test_engine_keeps_the_resolved_config_and_describes_it(llama_family):
     with Engine(EngineConfig(model=str(llama_family.model_dir), num_kv_blocks=32)) as eng:
         c = eng.config

@@ -72,7 +72,8 @@ def test_workers_exit_when_rank0_dies(llama_family, tmp_path):
     """)
     path = tmp_path / "rank0.py"
     path.write_text(script)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    sdk = ROOT / "clients" / "python"   # the SDK, where it is not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(sdk)])}
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
