@@ -74,6 +74,26 @@ def _block_r(R: int) -> int:
     return max(16, triton.next_power_of_2(R))
 
 
+@functools.lru_cache(maxsize=None)
+def shared_memory_bytes(kind: str, index: int | None) -> int:
+    """Shared memory one program may use on this device (no limit off CUDA: the
+    interpreter)."""
+    if kind != "cuda":
+        return 1 << 40
+    from triton.runtime import driver
+    index = torch.cuda.current_device() if index is None else index
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def fit_block(block: int, bytes_per: int, fixed: int, stages: int, limit: int) -> int:
+    """`block` halved (not below 16) until `stages` buffers of block x bytes_per plus
+    `fixed` bytes fit `limit`: the table's blocks are for rank-16 tiles, and a wide rank
+    block (256 in float32) would otherwise ask more shared memory than a program has."""
+    while block > 16 and stages * block * bytes_per + fixed > limit:
+        block //= 2
+    return block
+
+
 def _precision(t: torch.Tensor) -> str:
     # fp32 weights mean "exact" (tests, CPU parity); tf32 would lose ~3 digits
     return "ieee" if t.dtype == torch.float32 else "tf32"
@@ -141,13 +161,16 @@ def seg_shrink(x: torch.Tensor, a: torch.Tensor, meta, ranks: torch.Tensor | Non
     m_tiles = triton.cdiv(T, block_m)
     split_k = split_k or default_split_k(m_tiles, groups, Kdim, cfg)
     block_sr = triton.next_power_of_2(per) * block_r
+    if block_k is None:   # per K step: a [block_m, k] x tile and a [k, block_sr] A tile
+        block_k = fit_block(cfg.block_k, (block_m + block_sr) * a.element_size(), 0,
+                            cfg.stages, shared_memory_bytes(x.device.type, x.device.index))
     hp = torch.empty((split_k, S, T, R), dtype=torch.float32, device=x.device)
     grid = (tiles.shape[1], split_k, groups)
     K.seg_shrink_kernel[grid](
         x, a, hp, tiles, meta.sorted_tokens, ranks if ranks is not None else meta.seg_len,
         Kdim, R, S, split_k, tiles.stride(0), x.stride(0), x.stride(1), *a.stride(),
         *hp.stride(), HAS_RANKS=ranks is not None, SLICES_PER=per, BLOCK_M=block_m,
-        BLOCK_R=block_r, BLOCK_SR=block_sr, BLOCK_K=block_k or cfg.block_k,
+        BLOCK_R=block_r, BLOCK_SR=block_sr, BLOCK_K=block_k,
         PRECISION=_precision(a), UPCAST=x.is_cpu, num_warps=cfg.warps, num_stages=cfg.stages)
     return hp
 
@@ -161,7 +184,11 @@ def seg_expand(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
     split_k, S, T, R = hp.shape
     cfg = cfg or config_for(y.device, 0)
     block_m = block_m or cfg.block_m
-    block_n = block_n or cfg.block_n
+    if block_n is None:   # h [block_m, R] once; per column: a B row and a y column
+        block_r = _block_r(R)
+        block_n = fit_block(cfg.block_n, (block_r + block_m) * b.element_size(),
+                            block_m * block_r * b.element_size(), cfg.stages,
+                            shared_memory_bytes(y.device.type, y.device.index))
     n_loop = n_loop or cfg.n_loop
     offs = list(slice_offsets) + [slice_offsets[-1]] * (MAX_SLICES + 1 - len(slice_offsets))
     chunk = block_n * n_loop

@@ -13,7 +13,8 @@ import torch
 
 from kernels import lora_kernels_triton, lora_segment_kernels_triton, lora_token_kernels_triton
 from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref
-from kernels.lora_segment_triton import build_tiles, seg_expand, seg_shrink, tiles_bound
+from kernels.lora_segment_triton import (build_tiles, fit_block, seg_expand, seg_shrink,
+                                         tiles_bound)
 from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
 from kernels import lora_triton
 from kernels.lora_triton import (TOKEN_PATH_MAX_TOKENS, add_lora, add_lora_segments,
@@ -79,6 +80,31 @@ def test_segment_path_matches_reference(dtype, T, mapping):
     want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
     got = add_lora_segments(y.clone(), x, a, b, build_meta(ts, a.shape[0]), offsets, ranks)
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,uniform,spread", [(1, True, False), (9, False, True),
+                                              (64, False, False), (64, True, False),
+                                              (300, False, False)])
+def test_rank_256_on_every_path(dtype, T, uniform, spread):
+    """A pool of max rank 256 (q/k/v: 768 rank columns) through the path each batch takes:
+    one-launch and token kernels, the mixed segment tiles, the prefill segments. On a GPU
+    every launch must fit a program's shared memory (the tables' blocks are for rank 16)."""
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, [256, 64, 200], dtype, R=256, seed=T)
+    ts = torch.full((T,), 2, device=DEV) if uniform else _slots(T, a.shape[0], "random", T)
+    x, y = _inputs(T, offsets[-1], dtype, seed=T)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = add_lora(y.clone(), x, a, b, ts, offsets, ranks=ranks, uniform=uniform,
+                   spread=spread)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_blocks_fit_shared_memory():
+    """fit_block halves a block until its buffers fit; rank-16 tiles keep the table's."""
+    assert fit_block(128, (64 + 16) * 2, 0, 3, 227 * 1024) == 128
+    assert fit_block(128, (64 + 256) * 4, 0, 3, 227 * 1024) == 32
+    assert fit_block(128, 1 << 20, 0, 3, 1024) == 16   # never below 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
