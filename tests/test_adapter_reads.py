@@ -29,7 +29,10 @@ def files(tmp_path_factory):
 
 
 def config(model) -> EngineConfig:
-    return EngineConfig(model=str(model), max_loras=2, max_lora_rank=RANK, num_kv_blocks=256)
+    # few sequences and tokens per step: a short warm-up (few graphs and step shapes to
+    # compile for rank 256 on CUDA)
+    return EngineConfig(model=str(model), max_loras=2, max_lora_rank=RANK, num_kv_blocks=256,
+                        max_num_seqs=4, max_num_batched_tokens=64)
 
 
 def warmed(cfg: EngineConfig) -> Engine:

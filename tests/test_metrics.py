@@ -32,8 +32,10 @@ def cluster(tmp_path_factory):
     # engine saturates, swaps adapters between slots and reads evicted ones back from disk
     cfg = ClusterConfig(model=str(model), adapter_roots=(str(root / "adapters"),),
                         workdir=str(root / "run"), metrics_port=0,
-                        engine_args=("--max-num-seqs", "2", "--max-loras", "2",
-                                     "--max-cpu-loras", "2"),
+                        # on the CPU: a GPU finishes the load below before a scrape can
+                        # catch it saturated (the metrics are the same on either device)
+                        engine_args=("--device", "cpu", "--max-num-seqs", "2",
+                                     "--max-loras", "2", "--max-cpu-loras", "2"),
                         gateway_args=("--metrics-max-adapters", "2"),
                         control_args=("--metrics-port", "0"),
                         env={"OMP_NUM_THREADS": "1"})
