@@ -141,8 +141,7 @@ class DecodeStaging:
         """Host side: rows 0..n-1 from the scheduled decodes, n..bucket-1 padding.
         Returns the rows whose input token is still being sampled (async scheduling:
         written as 0 here, patched on the device after `upload`)."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous upload has read the mirror
+        self._wait_for_upload()
         n, B, bs = len(scheduled), self.max_batch, self.block_size
         assert n <= bucket <= B, (n, bucket, B)
         ids, pos, slot_map = self._n64
@@ -165,10 +164,23 @@ class DecodeStaging:
         ids[:n], pos[:n], slot_map[:n] = cols[0], cols[1], cols[2]
         self._n32[:n] = pos[:n] + 1  # seq lens
         self._n32[B:B + n] = cols[3]
-        self.fill_padding(n, bucket)
+        self._pad(n, bucket)
         return holes
 
     def fill_padding(self, start: int, stop: int) -> None:
+        """Host side: rows [start, stop) padding, the rest as they are (a capture's
+        inputs)."""
+        self._wait_for_upload()
+        self._pad(start, stop)
+
+    def _wait_for_upload(self) -> None:
+        """Block until the last upload has read the host mirror. Its copies are queued
+        behind the step in flight and read the mirror when they run, not when queued: a
+        write before then would change that step's inputs."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def _pad(self, start: int, stop: int) -> None:
         """Rows [start, stop): token 0 at position 0, no KV write, no adapter."""
         B = self.max_batch
         self._n64[0, start:stop] = 0

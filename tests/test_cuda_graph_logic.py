@@ -1,5 +1,6 @@
-"""CUDA-graph runner logic that needs no GPU: bucket choice, decode-step detection, and the
-static decode buffers (filled on the CPU here) against the eager metadata builder."""
+"""CUDA-graph runner logic that needs no GPU: bucket choice, decode-step detection, the
+static decode buffers (filled on the CPU here) against the eager metadata builder, and
+their host mirror left alone until a queued upload has read it (a device that defers)."""
 import pytest
 import torch
 
@@ -150,3 +151,77 @@ def test_staging_refill_keeps_rows_right_when_tables_move_or_grow():
     _, attn, _ = st.views(4)
     for i, s in enumerate(rows):
         assert attn.block_tables[i, :len(s.block_ids)].tolist() == list(s.block_ids)
+
+
+class _DeferredDevice:
+    """The slowest legal device: what the host queues on it (the staging's uploads, graph
+    replays) runs only when the host waits for it."""
+
+    def __init__(self):
+        self.queue: list = []
+
+    def run(self) -> None:
+        while self.queue:
+            self.queue.pop(0)()
+
+
+class _DeferredStaging(DecodeStaging):
+    """Uploads as a GPU runs them: the copies read the host mirror when the device gets
+    to them, and the `_uploaded` event is the host's wait for that."""
+
+    def __init__(self, device: _DeferredDevice, *args):
+        super().__init__(*args)
+        self.device = device
+        self._uploaded = type("Uploaded", (), {"synchronize": staticmethod(device.run),
+                                               "record": staticmethod(lambda: None)})()
+
+    def upload(self) -> None:
+        self.device.queue.append(lambda: (self.d64.copy_(self.h64), self.d32.copy_(self.h32)))
+
+
+class _EchoModel:
+    def forward(self, ids, attn, kv_caches, lora):
+        return ids[:, None].float()
+
+
+def test_capture_waits_for_the_replay_in_flight_to_read_its_inputs(monkeypatch):
+    """A decode step replays its graph (inputs uploaded from the host mirror, queued behind
+    the step in flight); the next step needs a graph not captured yet (fewer rows: a smaller
+    bucket), and its capture pads the mirror for the capture's own inputs. The queued
+    upload must have read the mirror before: else the step in flight runs on padding
+    (token 0 at position 0, no KV write, no adapter) in the rows the capture padded."""
+    from engine.cuda_graph import CudaGraphRunner
+    from tests.support import fake_cuda
+
+    cuda = fake_cuda.install(monkeypatch)
+    device = _DeferredDevice()
+    seen: list[torch.Tensor] = []   # each replay's input ids, positions, slot mapping
+
+    class Graph:
+        def replay(self):
+            device.queue.append(lambda: seen.append(runner.staging.d64.clone()))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: device.run())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: cuda.use(cuda.new_stream()))
+    bs, max_len = 4, 64
+    runner = CudaGraphRunner(_EchoModel(), None, None, bs, 8, max_len, torch.device("cpu"))
+    runner.staging = _DeferredStaging(device, 8, max_len // bs, bs, max_len,
+                                      torch.device("cpu"))
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for i, length in enumerate([7, 3, 12, 9, 5]):
+        tokens = torch.randint(3, 500, (length,), generator=gen).tolist()
+        rows.append(_sched(f"r{i}", tokens, length - 1, 1, range(4 * i, 4 * i + 4), -1))
+    steps = [rows, rows[:3]]                        # buckets 8, then 4: a new graph
+    for sched in steps:
+        runner.run(sched, runner.key_for(sched, greedy=False))
+    device.run()
+    assert len(seen) == 2 and runner.num_replays == 2
+    for sched, d64 in zip(steps, seen):
+        n = len(sched)
+        assert d64[0, :n].tolist() == [s.request.all_token_ids[s.start] for s in sched]
+        assert d64[1, :n].tolist() == [s.start for s in sched]
+        assert d64[2, :n].tolist() == [s.block_ids[s.start // bs] * bs + s.start % bs
+                                       for s in sched]
