@@ -124,6 +124,49 @@ def test_factors_in_row_chunks(monkeypatch):
         torch.testing.assert_close(scales["k"][1], want)
 
 
+def test_settle_is_ordered_after_the_loads_stream(monkeypatch):
+    """At TP > 1 rank 0 loads a slot on the copier's side stream, which computes the
+    row-parallel groups' partial norms there; `settle` reads them on the stream of the
+    next step that reads LoRA, which waits only for the copies of the adapters it runs
+    (not this one: its requests run a step later at the earliest). On recorded streams
+    (tests/support/fake_cuda.py): the all-reduce must come after every partial the load
+    made, through an event the settling stream waited on."""
+    from types import SimpleNamespace
+
+    from engine.lora import dora
+    from tests.support import fake_cuda
+    cuda = fake_cuda.install(monkeypatch)
+    made = []   # (stream, position) of each partial norm computed
+    sq_norms = dora._sq_norms
+
+    def marked(*args):
+        out = sq_norms(*args)
+        made.append((cuda.current, cuda.current.mark("partial norms")))
+        return out
+
+    monkeypatch.setattr(dora, "_sq_norms", marked)
+    g = torch.Generator().manual_seed(5)
+    N, K, R = 6, 4, 2
+    gw = SimpleNamespace(a=torch.randn(1, R, K, generator=g), b=torch.randn(N, R, generator=g),
+                         magnitude=torch.rand(N, generator=g) + 0.5, slice_ranks=(R,))
+    base, shape = torch.randn(N, K, generator=g), SimpleNamespace(out_features=(N,))
+    pending = dora.PendingNorms(torch.device("cuda"))
+    compute, side = cuda.current, torch.cuda.Stream()
+    with torch.cuda.stream(side):   # the slot load
+        pending.add(1, ("layer", "o"), gw, base, shape)
+
+    def all_reduce(t):
+        assert made and all(cuda.covered(compute, s, pos) for s, pos in made), (
+            "settle reads the partial norms before the load's stream has made them")
+        return t
+
+    scales = {("layer", "o"): torch.ones(3, N)}
+    pending.settle(all_reduce, scales)
+    want = gw.magnitude / torch.linalg.norm(base + gw.b @ gw.a[0], dim=1)
+    torch.testing.assert_close(scales[("layer", "o")][1], want)
+    assert cuda.syncs == []   # ordered on the device, not by a host wait
+
+
 def test_no_device_memory_for_the_extras_refuses_the_adapter(family, monkeypatch, tmp_path):
     """DoRA's factor tables and an end target's buffers are allocated at the first adapter
     that needs them, when it is read: a device without room refuses that adapter there

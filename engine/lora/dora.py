@@ -52,10 +52,18 @@ def write_factors(out: torch.Tensor, gw, base: torch.Tensor, shape) -> None:
 
 
 class PendingNorms:
-    """Partial squared row norms of row-parallel groups, per slot, until `settle`."""
+    """Partial squared row norms of row-parallel groups, per slot, until `settle`.
 
-    def __init__(self):
+    On CUDA a load computes them on its own stream (rank 0's slot copies run on the
+    copier's side stream, engine/adapters/copier.py) and `settle` reads them on the stream
+    of a later step, which is ordered after the copies of the adapters it runs only: not
+    after this load, whose adapter runs at the earliest in the step after. So `add` records
+    an event after the load's work and `settle` makes its stream wait for it."""
+
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self._device = device
         self._parts: dict[int, list] = {}   # slot -> [(key, rows, sum of squares, m)]
+        self._made: dict[int, object] = {}  # slot -> event after its load's work (CUDA)
 
     def __bool__(self) -> bool:
         return bool(self._parts)
@@ -64,13 +72,22 @@ class PendingNorms:
         for s, r, rows in _slices(gw, shape):
             sq = _sq_norms(gw, base, s, r, rows)
             self._parts.setdefault(slot, []).append((key, rows, sq, gw.magnitude[rows]))
+        if self._device.type == "cuda":   # also after the magnitude's copy, queued before
+            self._made[slot] = torch.cuda.Event()
+            self._made[slot].record(torch.cuda.current_stream(self._device))
 
     def drop(self, slot: int) -> None:
         self._parts.pop(slot, None)
+        self._made.pop(slot, None)
 
     def settle(self, all_reduce: Callable[[torch.Tensor], torch.Tensor], scales: dict) -> None:
         """Sum every pending partial across the ranks (one all-reduce) and write the
-        factors into `scales[key][slot]`."""
+        factors into `scales[key][slot]`, on the current stream, after the loads' work."""
+        if self._made:
+            stream = torch.cuda.current_stream(self._device)
+            for event in self._made.values():
+                stream.wait_event(event)
+            self._made.clear()
         order = [(slot, part) for slot in sorted(self._parts) for part in self._parts[slot]]
         total = all_reduce(torch.cat([sq for _, (_, _, sq, _) in order]))
         at = 0
@@ -109,7 +126,7 @@ class DoraFactors:
         self._split = row_parallel if tp_size > 1 else frozenset()
         self._all_reduce = all_reduce
         self._scale: dict = {}
-        self._pending = PendingNorms()
+        self._pending = PendingNorms(device)
         self._lock = threading.Lock()      # `allocate` may run on an adapter reader thread
         self.slots: set[int] = set()
 
