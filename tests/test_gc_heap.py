@@ -20,7 +20,9 @@ def test_freeze_heap_freezes_what_is_alive():
     try:
         held = [object()]  # a tracked container made before the freeze
         frozen = freeze_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # frozen objects may still die (another thread of the test process drops one): the
+        # count never grows back without another freeze
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(o is held for o in gc.get_objects())  # the collector skips it
     finally:
         gc.unfreeze()
