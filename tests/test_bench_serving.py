@@ -118,7 +118,7 @@ def test_tiny_run_writes_the_report(tmp_path):
     assert (out / "adapters.png").exists() == has_plots
 
 
-@pytest.mark.engine_device("cpu")  # its premise: 400 tokens take longer than 0.8 s
+@pytest.mark.engine_device("cpu")  # its premise: no request finishes within the limits
 def test_limits_bound_a_point(tmp_path):
     """No request is sent after send_s; what still runs drain_s later is cancelled: its
     tokens count towards throughput, its latency does not."""
@@ -126,14 +126,15 @@ def test_limits_bound_a_point(tmp_path):
     from engine import Engine, EngineConfig
     from tests.support.tiny import TinySpec, make_model
 
-    model = make_model(tmp_path / "model", TinySpec())
-    wl = make_workload(200, [None], None, (4, 8), (400, 400), range(3, 50), 50.0, 0)
-    with Engine(EngineConfig(model=str(model))) as engine:
+    # 3,000 tokens a request: no request can finish in the 0.8 s (400 did, on an idle CPU)
+    model = make_model(tmp_path / "model", TinySpec(max_position_embeddings=4096))
+    wl = make_workload(200, [None], None, (4, 8), (3000, 3000), range(3, 50), 50.0, 0)
+    with Engine(EngineConfig(model=str(model), num_kv_blocks=4096)) as engine:
         records, wall = run_offline(engine, wl, None, Limits(send_s=0.5, drain_s=0.3))
         assert not engine.has_unfinished()
     s = summarize(records, wall, 1.0, 0.1)
     assert 0 < s["requests"] < 200 and s["unsent"] == 200 - s["requests"]
-    assert s["cut"] == s["requests"] and s["completed"] == 0  # 400 tokens take longer
+    assert s["cut"] == s["requests"] and s["completed"] == 0
     assert s["output_tokens"] > 0 and s["errors"] == {}
     assert 0.8 <= wall < 15.0  # about 0.8 s (1.0 s measured under load)
 
