@@ -19,13 +19,15 @@ from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 pytestmark = pytest.mark.timeout(300)
 ADAPTERS = ("a1", "a2", "a3")
 PROMPT = "once upon a time there was a tiny model that could. " * 4  # a few full KV blocks
-NEW_TOKENS = 200  # eight streams over two sequences per step: saturated for hundreds of steps
+# eight streams over two sequences per step: saturated for thousands of steps (200 tokens
+# a stream, about a second on an idle CPU, once ended before a scrape caught it)
+NEW_TOKENS = 1000
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("metrics")
-    model = make_model(root / "model", TinySpec())
+    model = make_model(root / "model", TinySpec(max_position_embeddings=4096))
     for i, name in enumerate(ADAPTERS, start=1):
         make_adapter(root / "adapters" / name, model, AdapterSpec(seed=50 + i))
     # two sequences per batch and two GPU slots / host copies for three adapters: the
