@@ -16,7 +16,8 @@ import torch
 import triton
 
 from kernels import norm_shrink_kernels_triton as K
-from kernels.lora_token_triton import _MAX_SLICES, _offsets, default_split_k, lora_expand_tokens
+from kernels.lora_token_triton import (_MAX_SLICES, _block_r, _offsets, default_split_k,
+                                       lora_expand_tokens)
 
 MAX_TOKENS = 256           # the decode path (kernels/lora_triton.py TOKEN_PATH_MAX_TOKENS)
 BLOCK_M = 16               # rows per shrink program (tl.dot needs 16)
@@ -43,7 +44,7 @@ class FusedShrunk:
 def fits(slices: int, rank: int) -> bool:
     """Whether a group of `slices` slices of rank `rank` may run its shrink fused into
     the op before it (MAX_FUSED_COLUMNS)."""
-    return max(16, triton.next_power_of_2(slices * rank)) <= MAX_FUSED_COLUMNS
+    return _block_r(slices * rank) <= MAX_FUSED_COLUMNS
 
 
 def split_k(T: int, S: int, Kdim: int, uniform: bool) -> int:
@@ -91,7 +92,7 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     assert x is None or (x.shape == residual.shape and x.stride(-1) == 1)
     assert token_slots.shape == (T,) and len(slice_offsets) == S + 1
     splits = splits or split_k(T, S, N, uniform)
-    block_sr = max(16, triton.next_power_of_2(S * R))
+    block_sr = _block_r(S * R)
     block_k = block_k or default_block_k(block_sr, triton.cdiv(N, splits), not uniform)
     k_chunk = triton.cdiv(triton.cdiv(N, splits), block_k) * block_k
     splits = triton.cdiv(N, k_chunk)                 # no empty chunk

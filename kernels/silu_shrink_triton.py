@@ -9,6 +9,7 @@ import torch
 import triton
 
 from kernels import silu_shrink_kernels_triton as K
+from kernels.lora_token_triton import _block_r
 from kernels.norm_shrink_triton import (BLOCK_M, MAX_TOKENS, FusedShrunk, default_block_k,
                                         split_k)
 
@@ -30,7 +31,7 @@ def silu_mul_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
         (T, S, two_i, I)
     assert token_slots.shape == (T,) and len(slice_offsets) == 2
     splits = splits or split_k(T, 1, I, uniform)
-    block_r = max(16, triton.next_power_of_2(R))
+    block_r = _block_r(R)
     block_k = block_k or default_block_k(block_r, triton.cdiv(I, splits), not uniform)
     k_chunk = triton.cdiv(triton.cdiv(I, splits), block_k) * block_k
     splits = triton.cdiv(I, k_chunk)                 # no empty chunk

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR", "/tmp/loramux-triton"),
                PYTHONPATH=os.pathsep.join(filter(None, [
                    str(ROOT), str(ROOT / "clients" / "python"), os.environ.get("PYTHONPATH")])))
-    queue, running, done = deque(files), {}, {}
+    queue, running, done, interrupted = deque(files), {}, {}, set()
     start = time.monotonic()
     deadline = start + a.limit
     while queue or running:
@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                 stderr=subprocess.STDOUT, start_new_session=True)
             running[f] = (proc, now, log)
         if now >= deadline and running:
-            for proc, _, _ in running.values():
-                if proc.poll() is None and not getattr(proc, "interrupted", False):
+            for f, (proc, _, _) in running.items():
+                if proc.poll() is None and f not in interrupted:
                     os.killpg(proc.pid, signal.SIGINT)
-                    proc.interrupted = True
+                    interrupted.add(f)
             if now >= deadline + 30:
                 for proc, _, _ in running.values():
                     if proc.poll() is None:
@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         for f, (proc, t0, log) in list(running.items()):
             if proc.poll() is not None:
                 log.close()
-                done[f] = (proc.returncode, time.monotonic() - t0,
-                           getattr(proc, "interrupted", False))
+                done[f] = (proc.returncode, time.monotonic() - t0, f in interrupted)
                 del running[f]
         if now >= deadline and not running:
             break
@@ -93,19 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     remaining = list(queue) + [f for f, (_, _, cut) in done.items() if cut]
     (a.out / "remaining.txt").write_text("".join(f + "\n" for f in remaining))
     lines, failures = [], []
-    for f, (rc, secs, cut) in sorted(done.items(), key=lambda kv: -kv[1][1]):
-        text = (logs / (Path(f).stem + ".txt")).read_text(errors="replace")
-        found = SUMMARY.findall(text)
-        result = found[-1] if found else "(no summary)"
-        lines.append(f"{f:48s} rc={rc:<4d} {secs:6.0f}s {'CUT ' if cut else ''}{result}")
-        failures += [ln for ln in text.splitlines() if ln.startswith(("FAILED", "ERROR"))]
     with open(a.out / "failed.txt", "w") as out:   # the logs of files that did not pass
-        for f, (rc, _, cut) in done.items():
+        for f, (rc, secs, cut) in sorted(done.items(), key=lambda kv: -kv[1][1]):
             log = logs / (Path(f).stem + ".txt")
-            if rc != 0 or cut:
-                out.write(f"\n==== {f} (rc={rc}{', cut' if cut else ''})\n")
-                out.write(log.read_text(errors="replace")[-40000:])
+            text = log.read_text(errors="replace")
             log.unlink()
+            found = SUMMARY.findall(text)
+            result = found[-1] if found else "(no summary)"
+            lines.append(f"{f:48s} rc={rc:<4d} {secs:6.0f}s {'CUT ' if cut else ''}{result}")
+            failures += [ln for ln in text.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+            if rc != 0 or cut:
+                out.write(f"\n==== {f} (rc={rc}{', cut' if cut else ''})\n{text[-40000:]}")
     logs.rmdir()
     lines.append(f"{len(done)} files run in {time.monotonic() - start:.0f}s, "
                  f"{len(remaining)} not finished (remaining.txt)")
