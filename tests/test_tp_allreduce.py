@@ -91,3 +91,34 @@ def test_self_test_compares_with_the_group_sum():
     assert out[0][0] == out[1][0] == ""
     assert out[0][1].endswith("of 64 sums differ from NCCL's") and out[1][1] == out[0][1]
     assert out[0][2] != out[1][2]
+
+
+def test_a_later_engine_of_the_process_skips_the_rendezvous(monkeypatch):
+    """Once this process entered a symmetric-memory rendezvous, a later engine's set-up
+    stops at the local checks on every rank (NCCL, with the reason) instead of waiting out
+    a rendezvous that its new workers, whose key sequence starts at zero, cannot answer."""
+    monkeypatch.setattr(fa, "_rendezvous_entered", True)
+
+    def fn(rank, groups):
+        return fa.OneShotAllReduce.create(groups.tp, groups.control, 64 * 128,
+                                          torch.bfloat16, torch.device("cuda"))
+    out = two_ranks(fn)
+    assert out[0] == out[1]
+    assert out[0][0] is None
+    assert "set up by an earlier engine of this process" in out[0][1]
+
+
+def test_a_second_cuda_tp_engine_is_refused_before_any_worker_starts(monkeypatch, llama_family):
+    """While a CUDA TP engine of this process holds torch.distributed's default group, a
+    new one is refused with a precise error before it spawns a worker or opens a store;
+    the CPU (free-standing gloo groups) is not concerned."""
+    import multiprocessing
+
+    from engine.distributed.executor import TPExecutor
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    pg.check_free(torch.device("cpu"))
+    before = {p.pid for p in multiprocessing.active_children()}
+    cfg = EngineConfig(model=str(llama_family.model_dir), device="cuda", tp_size=2)
+    with pytest.raises(InvalidRequestError, match="already running in this process"):
+        TPExecutor(cfg)
+    assert {p.pid for p in multiprocessing.active_children()} == before

@@ -1,18 +1,26 @@
 """A dead rank takes a tensor-parallel engine down cleanly: a killed worker makes rank 0
 raise EngineDeadError promptly (no hang) and leaves no process behind; a killed rank 0
 makes its workers exit; close() joins the workers; two engines in one process each get
-their own ephemeral rendezvous port."""
+their own ephemeral rendezvous port (side by side on the CPU; one after the other on CUDA,
+where NCCL's default group is process-wide)."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
+import logging
+import multiprocessing
 import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from engine import Engine, EngineConfig, SamplingParams
+from engine.distributed import fast_allreduce
+from loramux_core.errors import InvalidRequestError
+from tests.conftest import TEST_DEVICE
 from tests.support.ranks import kill_rank_and_expect_dead
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +58,59 @@ def test_killed_worker_raises_promptly_and_cleans_up(llama_family):
     assert wait_gone(pids, 30)
 
 
-def test_close_joins_workers_and_engines_do_not_collide(llama_family):
+def test_killed_worker_mid_async_run_raises_and_close_is_clean(llama_family):
+    """A step in flight when a worker dies: the next step raises EngineDeadError promptly
+    (no hang), it stays dead, and close() drops the step in flight without raising."""
+    engine = Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2,
+                                 num_kv_blocks=64, async_scheduling=True))
+    pids = engine.executor.pids
+    try:
+        engine.add_request("r", [5, 6, 7, 8], SamplingParams(
+            max_tokens=200, temperature=0.0, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        assert engine._inflight is not None, "async: a step is in flight"
+        kill_rank_and_expect_dead(engine, pids[0])
+    finally:
+        engine.close()
+    assert engine._inflight is None
+    assert wait_gone(pids, 30)
+
+
+def test_close_joins_workers_and_engines_do_not_collide(llama_family, caplog):
+    """On the CPU two engines run side by side (free-standing gloo groups). On CUDA a
+    second engine while the first runs is refused at once, before any worker starts (NCCL
+    goes through the process's one default group); the next one after close() starts and
+    gives the same tokens. Symmetric memory is set up once per process: an engine after
+    the first in rank 0's process takes NCCL at once, named in the log, instead of
+    waiting out a rendezvous its new workers cannot answer (engine/distributed/
+    fast_allreduce.py)."""
     cfg = EngineConfig(model=str(llama_family.model_dir), tp_size=2, num_kv_blocks=64)
-    with Engine(cfg) as a, Engine(cfg) as b:
-        pids = a.executor.pids + b.executor.pids
-        outs = [e.generate([[9, 10, 11]], SamplingParams(max_tokens=4, temperature=0.0))
-                for e in (a, b)]
-        assert outs[0][0].token_ids == outs[1][0].token_ids
+    prompt = [[9, 10, 11]]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    if TEST_DEVICE == "cpu":
+        with Engine(cfg) as a, Engine(cfg) as b:
+            pids = a.executor.pids + b.executor.pids
+            outs = [e.generate(prompt, greedy) for e in (a, b)]
+    else:
+        with caplog.at_level(logging.WARNING, logger="engine.distributed.fast_allreduce"):
+            with Engine(cfg) as a:
+                children = {p.pid for p in multiprocessing.active_children()}
+                with pytest.raises(InvalidRequestError, match="already running in this process"):
+                    Engine(cfg)
+                assert {p.pid for p in multiprocessing.active_children()} \
+                    == children, "the refused engine started workers"
+                outs = [a.generate(prompt, greedy)]
+                pids = a.executor.pids
+            entered = fast_allreduce._rendezvous_entered   # by `a` or an earlier test's engine
+            caplog.clear()
+            with Engine(cfg) as b:
+                outs.append(b.generate(prompt, greedy))
+                pids += b.executor.pids
+                assert b.executor.tp.reducer is None
+        if entered:
+            assert "set up by an earlier engine of this process" in caplog.text
+    assert outs[0][0].token_ids == outs[1][0].token_ids
     assert all(gone(p) for p in pids)
 
 

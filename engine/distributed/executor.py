@@ -51,6 +51,7 @@ class TPExecutor:
         self._adds: list[tuple[int, str, str]] = []   # (adapter id, path, version)
         self._tracker = PlanTracker()
         self._closed = False
+        pg.check_free(self.device)
         store = pg.open_store()
         spec = {"config": dataclasses.asdict(config), "size": self.size, "port": store.port}
         ctx = mp.get_context("spawn")

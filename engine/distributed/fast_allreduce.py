@@ -18,6 +18,14 @@ checks, allocation, rendezvous, then a self-test against NCCL eagerly and one in
 CUDA graph) and every step's outcome is agreed over the control group, so all ranks end up
 on the same all-reduce: under "auto" any failure on any rank falls back to NCCL everywhere
 (logged once, with the reason); under "symm_mem" it is an error.
+
+Once per process: the rendezvous names its store keys by a sequence number that each
+process keeps for its whole life (torch's CUDA symmetric memory), and the workers of every
+engine are new processes that start it at zero. A second engine of rank 0's process (after
+the first was closed) would wait for keys no worker writes, for the store's whole timeout.
+So only the first engine of a process that reaches the rendezvous sets one-shot up; a later
+one uses NCCL (under "auto", logged) or is refused (under "symm_mem"). The served engine
+is one process per engine and never meets this; in-process engines do.
 """
 from __future__ import annotations
 
@@ -39,6 +47,9 @@ _DTYPES = (torch.bfloat16, torch.float32)   # what the one-shot kernel dispatche
 _ALIGN = 16                      # the kernel's vector width in bytes
 
 _log = logging.getLogger(__name__)
+
+# whether this process has entered a symmetric-memory rendezvous (see "Once per process")
+_rendezvous_entered = False
 
 
 def choose(mode: str, device_type: str, tp_size: int) -> str:
@@ -156,8 +167,10 @@ class _SetUp:
         return ""
 
     def rendezvous(self) -> str:
+        global _rendezvous_entered
         from torch.distributed import _symmetric_memory as symm_mem
         _register_group(symm_mem, self.group.group_name)
+        _rendezvous_entered = True   # the sequence moves even if the rendezvous fails
         symm_mem.rendezvous(self.buf, self.group.group_name)
         self.reducer = self.cls(self.buf, self.group.group_name)
         return ""
@@ -199,6 +212,9 @@ class _SetUp:
 
 def _unsupported(tp, dtype: torch.dtype, device: torch.device) -> str:
     """Why this rank cannot run the one-shot kernel ("" when it can)."""
+    if _rendezvous_entered:
+        return ("symmetric memory was set up by an earlier engine of this process (its "
+                "rendezvous sequence is process-wide; a new engine's workers start at zero)")
     if device.type != "cuda" or not torch.cuda.is_available():
         return "not a CUDA device"
     if tp.size > MAX_RANKS:

@@ -12,7 +12,9 @@ builds two groups from the store:
   each side also watches the other's process (engine/distributed/watchdog.py).
 
 On the CPU both groups are free-standing gloo groups (not the process-wide default group),
-so one process may hold several engines. NCCL goes through the default group.
+so one process may hold several engines. NCCL goes through the default group, so on CUDA
+one process holds one tensor-parallel engine at a time (`check_free`, before any worker
+starts); a closed engine leaves the group, and the next one may start.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel import TPGroup
+from loramux_core.errors import InvalidRequestError
 
 _log = logging.getLogger(__name__)
 
@@ -50,14 +53,22 @@ def join_store(port: int) -> dist.TCPStore:
     return dist.TCPStore(HOST, port, None, False, timeout=STORE_TIMEOUT)
 
 
+def check_free(device: torch.device) -> None:
+    """Refuse a second CUDA tensor-parallel engine in this process while one still holds
+    the NCCL default group (InvalidRequestError, before any worker is spawned)."""
+    if device.type == "cuda" and dist.is_initialized():
+        raise InvalidRequestError(
+            "a CUDA tensor-parallel engine is already running in this process (it holds "
+            "torch.distributed's default group): close it before starting another, or run "
+            "each engine in a process of its own")
+
+
 def connect(store, rank: int, size: int, device: torch.device) -> Groups:
     """Build this rank's groups; blocks until every rank has called it."""
     control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size,
                                     CONTROL_TIMEOUT)
     if device.type == "cuda":
-        if dist.is_initialized():
-            raise RuntimeError("this process already belongs to a torch.distributed default "
-                               "group; one CUDA tensor-parallel engine per process")
+        check_free(device)
         dist.init_process_group("nccl", store=dist.PrefixStore("model/", store), rank=rank,
                                 world_size=size, timeout=MODEL_TIMEOUT)
         return Groups(TPGroup(rank, size, None), control)
