@@ -225,13 +225,17 @@ class CudaGraphRunner:
         self._pool = None
         self.num_replays = 0
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
         """Destroy every captured graph (they are captured again when needed). Under
         tensor parallelism this comes before NCCL's teardown: a graph that captured NCCL
-        kernels holds resources of the communicator until it is destroyed."""
+        kernels holds resources of the communicator until it is destroyed. `wait=False`
+        when a rank is lost: a replay in flight may then spin in an all-reduce until the
+        communicator is aborted, and a device synchronize here would never return (CUDA
+        destroys a graph still running once it completes)."""
         self._graphs.clear()
         self._pool = None
-        torch.cuda.synchronize()
+        if wait:
+            torch.cuda.synchronize()
 
     def can_run(self, scheduled: list[ScheduledRequest]) -> bool:
         return is_decode_step(scheduled) and len(scheduled) <= self.buckets[-1]

@@ -370,10 +370,15 @@ class Engine:
                 self._inflight = None
         if getattr(self, "adapters", None) is not None:
             self.adapters.loader.close()
+        executor = getattr(self, "executor", None)
+        # a lost rank: a step's NCCL kernels may spin on this device until the
+        # communicator is aborted (executor.close), so nothing here waits for the device
+        dead = executor is not None and executor.dead
         if getattr(self, "runner", None) is not None:
-            self.runner.release_graphs()  # before NCCL's teardown (CudaGraphRunner.release)
-        if getattr(self, "executor", None) is not None:
-            self.executor.close()
+            # before NCCL's teardown (CudaGraphRunner.release)
+            self.runner.release_graphs(wait=not dead)
+        if executor is not None:
+            executor.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -26,9 +26,12 @@ class Executor(Protocol):
     tokens this step's placeholder inputs take, and may be given only when
     `must_read_before_next(prev)` is False. `result` waits for a launched step's tokens.
     `adapter_mirror(registry)`: the residency observer that repeats slot loads and host
-    drops on the other ranks, or None. `close` stops the other ranks."""
+    drops on the other ranks, or None. `close` stops the other ranks. `dead`: a rank is
+    gone or a collective failed, so work queued on this device may wait forever for a
+    peer (close() must not wait for the device then)."""
 
     tp: TPGroup
+    dead: bool
 
     def agree_min(self, value: int) -> int: ...
 
@@ -48,6 +51,7 @@ class LocalExecutor:
     """One process, one device: the runner decides its own greedy pick."""
 
     tp = TPGroup.single()
+    dead = False
 
     def agree_min(self, value: int) -> int:
         return value

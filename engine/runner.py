@@ -83,10 +83,11 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(model, kv_caches, lora_pool, block_size,
                                           graph_max_batch, max_model_len, self.device)
 
-    def release_graphs(self) -> None:
-        """Destroy the captured decode graphs (CUDA), e.g. before the engine closes."""
+    def release_graphs(self, wait: bool = True) -> None:
+        """Destroy the captured decode graphs (CUDA), e.g. before the engine closes;
+        `wait=False`: without waiting for the device (see CudaGraphRunner.release)."""
         if self.graphs is not None:
-            self.graphs.release()
+            self.graphs.release(wait)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         ids: list[int] = []

@@ -58,25 +58,6 @@ def test_killed_worker_raises_promptly_and_cleans_up(llama_family):
     assert wait_gone(pids, 30)
 
 
-def test_killed_worker_mid_async_run_raises_and_close_is_clean(llama_family):
-    """A step in flight when a worker dies: the next step raises EngineDeadError promptly
-    (no hang), it stays dead, and close() drops the step in flight without raising."""
-    engine = Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2,
-                                 num_kv_blocks=64, async_scheduling=True))
-    pids = engine.executor.pids
-    try:
-        engine.add_request("r", [5, 6, 7, 8], SamplingParams(
-            max_tokens=200, temperature=0.0, ignore_eos=True))
-        for _ in range(3):
-            engine.step()
-        assert engine._inflight is not None, "async: a step is in flight"
-        kill_rank_and_expect_dead(engine, pids[0])
-    finally:
-        engine.close()
-    assert engine._inflight is None
-    assert wait_gone(pids, 30)
-
-
 def test_close_joins_workers_and_engines_do_not_collide(llama_family, caplog):
     """On the CPU two engines run side by side (free-standing gloo groups). On CUDA a
     second engine while the first runs is refused at once, before any worker starts (NCCL
@@ -134,3 +115,26 @@ def test_workers_exit_when_rank0_dies(llama_family, tmp_path):
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 1
     assert wait_gone(pids, 30), "a worker outlived rank 0"
+
+
+def test_killed_worker_mid_async_run_raises_and_close_is_clean(llama_family):
+    """A step in flight when a worker dies: the next step raises EngineDeadError promptly
+    (no hang), it stays dead, and close() drops the step in flight without raising. On
+    CUDA rank 0's all-reduce of that step waits for the lost peer until close() aborts the
+    communicator, so close() must not wait for the device first (Engine.close). Last in
+    the file: a process that lost a rank starts no other engine in the product (the
+    served engine exits), so nothing after it should depend on that device's state."""
+    engine = Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2,
+                                 num_kv_blocks=64, async_scheduling=True))
+    pids = engine.executor.pids
+    try:
+        engine.add_request("r", [5, 6, 7, 8], SamplingParams(
+            max_tokens=200, temperature=0.0, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        assert engine._inflight is not None, "async: a step is in flight"
+        kill_rank_and_expect_dead(engine, pids[0])
+    finally:
+        engine.close()
+    assert engine._inflight is None
+    assert wait_gone(pids, 30)

@@ -51,6 +51,7 @@ class TPExecutor:
         self._adds: list[tuple[int, str, str]] = []   # (adapter id, path, version)
         self._tracker = PlanTracker()
         self._closed = False
+        self._failed = False   # a collective raised (the watchdog may not see a death yet)
         pg.check_free(self.device)
         store = pg.open_store()
         spec = {"config": dataclasses.asdict(config), "size": self.size, "port": store.port}
@@ -145,6 +146,7 @@ class TPExecutor:
             while self._watchdog.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
             why = self._watchdog.poll() or f"a collective failed: {exc}"
+            self._failed = True
             _stop_procs(self._procs, self._watchdog)
             raise EngineDeadError(why) from exc
 
@@ -167,6 +169,12 @@ class TPExecutor:
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()
+
+    @property
+    def dead(self) -> bool:
+        """A worker died or a collective failed: rank 0's queued NCCL kernels may wait for
+        the lost peer until the communicator is aborted (close() aborts it)."""
+        return self._failed or self._watchdog.poll() is not None
 
     @property
     def pids(self) -> list[int]:
