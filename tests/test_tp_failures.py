@@ -20,7 +20,7 @@ import pytest
 from engine import Engine, EngineConfig, SamplingParams
 from engine.distributed import fast_allreduce
 from loramux_core.errors import InvalidRequestError
-from tests.conftest import TEST_DEVICE
+from tests.conftest import TEST_DEVICE, placed
 from tests.support.ranks import kill_rank_and_expect_dead
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +45,41 @@ def wait_gone(pids, timeout_s: float) -> bool:
     return False
 
 
-def test_killed_worker_raises_promptly_and_cleans_up(llama_family):
-    engine = Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2, num_kv_blocks=64))
+def in_own_process_on_cuda(fn, *args, timeout_s: float = 180.0) -> None:
+    """fn(*args) here on the CPU; on CUDA in a spawned process that leaves by os._exit.
+    A CUDA process that lost a tensor-parallel rank keeps NCCL's default group (its
+    teardown may wait for the lost peer), so it starts no other TP engine and its
+    interpreter exit may not return: the engine server exits by os._exit then too
+    (engine/server/main.py). `fn` raises on failure; its traceback is in the output."""
+    if TEST_DEVICE == "cpu":
+        fn(*args)
+        return
+    proc = multiprocessing.get_context("spawn").Process(target=_run_and_exit, args=(fn, args))
+    proc.start()
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+        pytest.fail(f"{fn.__name__} did not finish within {timeout_s:.0f} s")
+    assert proc.exitcode == 0, f"{fn.__name__} failed (traceback above)"
+
+
+def _run_and_exit(fn, args) -> None:
+    import traceback
+    code = 0
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001 - reported by the exit status
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _killed_worker_sync(model_dir: str) -> None:
+    engine = Engine(placed(EngineConfig(model=model_dir, tp_size=2, num_kv_blocks=64),
+                           TEST_DEVICE))
     try:
         pids = engine.executor.pids
         engine.add_request("r", [5, 6, 7, 8], LONG)
@@ -56,6 +89,10 @@ def test_killed_worker_raises_promptly_and_cleans_up(llama_family):
     finally:
         engine.close()
     assert wait_gone(pids, 30)
+
+
+def test_killed_worker_raises_promptly_and_cleans_up(llama_family):
+    in_own_process_on_cuda(_killed_worker_sync, str(llama_family.model_dir))
 
 
 def test_close_joins_workers_and_engines_do_not_collide(llama_family, caplog):
@@ -117,15 +154,9 @@ def test_workers_exit_when_rank0_dies(llama_family, tmp_path):
     assert wait_gone(pids, 30), "a worker outlived rank 0"
 
 
-def test_killed_worker_mid_async_run_raises_and_close_is_clean(llama_family):
-    """A step in flight when a worker dies: the next step raises EngineDeadError promptly
-    (no hang), it stays dead, and close() drops the step in flight without raising. On
-    CUDA rank 0's all-reduce of that step waits for the lost peer until close() aborts the
-    communicator, so close() must not wait for the device first (Engine.close). Last in
-    the file: a process that lost a rank starts no other engine in the product (the
-    served engine exits), so nothing after it should depend on that device's state."""
-    engine = Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2,
-                                 num_kv_blocks=64, async_scheduling=True))
+def _killed_worker_async(model_dir: str) -> None:
+    engine = Engine(placed(EngineConfig(model=model_dir, tp_size=2, num_kv_blocks=64,
+                                        async_scheduling=True), TEST_DEVICE))
     pids = engine.executor.pids
     try:
         engine.add_request("r", [5, 6, 7, 8], SamplingParams(
@@ -138,3 +169,11 @@ def test_killed_worker_mid_async_run_raises_and_close_is_clean(llama_family):
         engine.close()
     assert engine._inflight is None
     assert wait_gone(pids, 30)
+
+
+def test_killed_worker_mid_async_run_raises_and_close_is_clean(llama_family):
+    """A step in flight when a worker dies: the next step raises EngineDeadError promptly
+    (no hang), it stays dead, and close() drops the step in flight without raising. On
+    CUDA rank 0's all-reduce of that step waits for the lost peer until close() aborts the
+    communicator, so close() must not wait for the device first (Engine.close)."""
+    in_own_process_on_cuda(_killed_worker_async, str(llama_family.model_dir))

@@ -58,9 +58,9 @@ def check_free(device: torch.device) -> None:
     the NCCL default group (InvalidRequestError, before any worker is spawned)."""
     if device.type == "cuda" and dist.is_initialized():
         raise InvalidRequestError(
-            "a CUDA tensor-parallel engine is already running in this process (it holds "
-            "torch.distributed's default group): close it before starting another, or run "
-            "each engine in a process of its own")
+            "a CUDA tensor-parallel engine is already running in this process, or one that "
+            "lost a rank could not leave torch.distributed's default group: close the "
+            "running one first, or run each engine in a process of its own")
 
 
 def connect(store, rank: int, size: int, device: torch.device) -> Groups:
@@ -87,6 +87,9 @@ def disconnect(device: torch.device, timeout_s: float = DISCONNECT_TIMEOUT_S) ->
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     _bounded(abort or dist.destroy_process_group, timeout_s)
+    if dist.is_initialized():
+        _log.warning("the NCCL default group is still held after its teardown (a lost "
+                     "peer?): this process can start no other CUDA tensor-parallel engine")
 
 
 def _bounded(fn, timeout_s: float) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 from loramux_core import curve, open_audit
 from loramux_core.gc_heap import freeze_heap
@@ -128,4 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         server.serve_forever(stop, args.shutdown_grace)
     finally:
         engine.close()  # joins the other tensor-parallel ranks, if any
+        if engine.executor.dead and engine.device.type == "cuda":
+            # a lost rank: NCCL's teardown at interpreter exit may wait for the lost peer
+            # forever, and the launcher restarts this process only once it has exited
+            if sys.exc_info()[0] is not None:
+                traceback.print_exc()
+            print("engine: a tensor-parallel rank was lost; exiting", file=sys.stderr,
+                  flush=True)
+            os._exit(3)
     return 0
