@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()  # joins the other tensor-parallel ranks, if any
         if engine.executor.dead and engine.device.type == "cuda":
             # a lost rank: NCCL's teardown at interpreter exit may wait for the lost peer
-            # forever, and the launcher restarts this process only once it has exited
+            # forever, and what supervises this process (loramux serve, Kubernetes) sees
+            # the engine's death only once the process has exited
             if sys.exc_info()[0] is not None:
                 traceback.print_exc()
             print("engine: a tensor-parallel rank was lost; exiting", file=sys.stderr,
