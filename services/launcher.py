@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -85,6 +86,9 @@ class Cluster:
         self.zmq_keys: ZmqKeys | None = (
             None if cfg.insecure_zmq else generate_keys(self.workdir / "zmq-keys"))
         self.procs: dict[str, subprocess.Popen] = {}
+        self._fresh: set[str] = set()         # started, ready file not yet read
+        self._log_from: dict[str, int] = {}   # where each process's log of this start begins
+        self.rebinds: list[str] = []          # addresses picked again (see wait_ready)
 
     def command(self, name: str) -> list[str]:
         c = self.cfg
@@ -130,6 +134,8 @@ class Cluster:
             ready.unlink(missing_ok=True)
             env = self.environment(name)
             log = open(self.workdir / f"{name}.log", "ab")
+            self._log_from[name] = log.tell()
+            self._fresh.add(name)
             # own session: a terminal's Ctrl-C reaches the launcher only, which stops the
             # services in drain order (close) instead of all at once
             self.procs[name] = subprocess.Popen(self.command(name), stdout=log, stderr=log,
@@ -145,12 +151,89 @@ class Cluster:
             while not ready.exists():
                 proc = self.procs[name]
                 if proc.poll() is not None:
+                    if self._rebind(name):
+                        continue
                     raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} not ready after {timeout_s} s:\n{self.log_tail(name)}")
                 time.sleep(0.05)
             out[name] = json.loads(ready.read_text())
+            self._fresh.discard(name)
         return out
+
+    # Addresses are picked before the processes start (so that a restart comes back on the
+    # same ones), and another process of the machine may bind a picked port before ours
+    # does. A process that left before it was ready because its address was taken starts
+    # again on freshly picked ones, with the processes that connect to it, when those have
+    # not been ready yet either (nobody holds the old address then). A port the
+    # configuration fixed is never changed: its conflict is the caller's error.
+    _MAX_REBINDS = 5
+
+    def _binds(self, name: str) -> tuple[list[str], tuple[str, ...]]:
+        """The picked addresses service `name` binds (attribute names; a configured port is
+        not among them) and the services that connect to them."""
+        if name in self.engine_names:
+            return ["engines"], ("control", "gateway")
+        if name == "control":
+            return ["table_address", *(["control_address"] if not self.cfg.control_port else [])], \
+                ("gateway",)
+        if name == "gateway":
+            return [*(["gateway_address"] if not self.cfg.gateway_port else []),
+                    *(["http_port"] if self.cfg.http_port == 0 else [])], ()
+        return [], ()
+
+    def _addresses(self) -> list[str]:
+        return [a for pair in self.engines for a in pair] + [
+            self.table_address, self.control_address, self.gateway_address, str(self.http_port)]
+
+    def _log_of_start(self, name: str) -> str:
+        """What process `name` logged since it was last started."""
+        path = self.workdir / f"{name}.log"
+        if not path.exists():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(self._log_from.get(name, 0))
+            return f.read().decode(errors="replace")
+
+    def _rebind(self, name: str) -> bool:
+        """Start `name` again on fresh addresses if it left because one was taken (see
+        above); False when that is not the case or not possible."""
+        picked, dependents = self._binds(name)
+        if (len(self.rebinds) >= self._MAX_REBINDS or not picked or name not in self._fresh
+                or "Address already in use" not in self._log_of_start(name)):
+            return False
+        c = self.cfg
+        fixed = ([c.control_port] if name == "control" else
+                 [c.gateway_port, c.http_port, c.metrics_port] if name == "gateway" else [])
+        if any(p > 0 and re.search(rf"\b{p}\b", self._log_of_start(name)) for p in fixed):
+            return False  # a configured port may be the taken one
+        running = [d for d in dependents if d in self.procs and self.procs[d].poll() is None]
+        if any(d not in self._fresh for d in running):
+            return False  # one of them is serving on the old address: leave it be
+        before = self._addresses()
+        h = self.cfg.host
+        for attr in picked:
+            if attr == "engines":
+                i = self.engine_names.index(name)
+                self.engines[i] = (f"tcp://{h}:{free_port(h)}", f"tcp://{h}:{free_port(h)}")
+                self.engine_input, self.engine_output = self.engines[0]
+            elif attr == "http_port":
+                self.http_port = free_port(h)
+                self.http_address = f"{h}:{self.http_port}"
+            else:
+                prefix = "tcp://" if attr == "table_address" else ""
+                setattr(self, attr, f"{prefix}{h}:{free_port(h)}")
+        after = self._addresses()
+        self.rebinds.append(f"{name}: " + ", ".join(
+            f"{old} -> {new}" for old, new in zip(before, after) if old != new))
+        print(f"launcher: {name} could not bind an address picked for it (another process "
+              f"took it first); starting it again on new ones: {self.rebinds[-1]}",
+              file=sys.stderr, flush=True)
+        for d in running:
+            self.stop(d, signal.SIGKILL)
+        self.procs.pop(name, None)
+        self.start(name, *running)
+        return True
 
     def wait_output(self, predicate, timeout_s: float = 5.0, last: list | None = None):
         """The first message on the engine's output socket with predicate(msg) true, read
