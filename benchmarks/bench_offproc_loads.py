@@ -9,7 +9,8 @@ in one run, on the same engine build.
 The engine process is pinned to `--engine-cpus` cores (default 1; 0: no pinning) and
 the loader processes to the others, as an engine process on a GPU host has its cores:
 reads on its own threads then take time from its step thread; reads in loaders do not.
-For each path (`--paths`, in that order: repeated to see the noise), an engine (random
+For each path (`--paths`, in that order: repeated to see the noise; "4u": 4 loaders with host
+buffers page-locked unpopulated, as before their pages were faulted in first), an engine (random
 weights):
 
 1. reads LOADS new adapters at once on READERS threads (Engine.read_adapter, as the
@@ -143,9 +144,16 @@ def stepping_loads(eng, args, root: Path, names: list[str]) -> dict:
             "steps_during_loads": len(steps), "loads_per_s_while_decoding": args.loads / wall}
 
 
-def measure(args, model: Path, root: Path, names: list[str], loaders: int) -> dict:
+def measure(args, model: Path, root: Path, names: list[str], path: str) -> dict:
     """The first of `names` read to warm up, then the next LOADS idle, the LOADS after
-    while decoding."""
+    while decoding. `path`: the adapter_loaders value; with a "u" after it, host buffers
+    are page-locked unpopulated, as before 2026-11-27 (the driver faults their pages in)."""
+    from engine.lora import host_buffers
+
+    loaders, unpopulated = int(path.rstrip("u")), path.endswith("u")
+    populate = host_buffers.populate
+    if unpopulated:
+        host_buffers.populate = lambda data, nbytes: False
     eng = build_engine(args, model, root, loaders)
     try:
         if eng.adapter_loaders is not None:
@@ -153,8 +161,8 @@ def measure(args, model: Path, root: Path, names: list[str], loaders: int) -> di
             for pid in eng.adapter_loaders.pids() if args.pin else ():
                 os.sched_setaffinity(pid, args.pin[1])
         eng.register_adapter(eng.read_adapter(names[0], root / names[0]))
-        row = {"path": "loader processes" if loaders else "in-process threads",
-               "adapter_loaders": loaders}
+        row = {"path": ("loader processes" if loaders else "in-process threads")
+               + (", unpopulated" if unpopulated else ""), "adapter_loaders": loaders}
         row.update(idle_loads(eng, args, root, names[1:args.loads + 1]))
         row.update(stepping_loads(eng, args, root, names[args.loads + 1:]))
         return row
@@ -162,6 +170,7 @@ def measure(args, model: Path, root: Path, names: list[str], loaders: int) -> di
         eng.close()
         del eng
         gc.collect()  # its host copies go before the next engine's
+        host_buffers.populate = populate
 
 
 def stats_ms(xs: list[float]) -> dict:
@@ -210,7 +219,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="baseline steps")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of a CPU engine")
     ap.add_argument("--paths", default="0,2,0,2",
-                    help="adapter_loaders values to compare, in this order")
+                    help="adapter_loaders values to compare, in this order; 'u' after one: "
+                         "host buffers page-locked without populating them first (as before)")
     ap.add_argument("--engine-cpus", type=int, default=1,
                     help="cores the engine process is pinned to (the loaders get the "
                          "others; 0: no pinning)")
@@ -223,8 +233,7 @@ def main() -> None:
                                         2 * args.loads)
         mb = sum(f.stat().st_size for f in (root / names[0]).iterdir()) / 1e6
         log(f"adapter files: {mb:.1f} MB each")
-        rows = [measure(args, model, root, list(names), int(n))
-                for n in args.paths.split(",")]
+        rows = [measure(args, model, root, list(names), n) for n in args.paths.split(",")]
     report(rows, log)
     (args.out / "bench_offproc_loads.json").write_text(json.dumps(rows, indent=2))
     log.close()

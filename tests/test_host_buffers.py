@@ -2,7 +2,9 @@
 conversion, buffers reused only once nothing reads them."""
 from __future__ import annotations
 
+import ctypes
 import gc
+import sys
 import threading
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.lora import load_lora
-from engine.lora.host_buffers import HostBufferPool
+from engine.lora.host_buffers import HostBufferPool, populate
 from loramux_core.model.hf_config import ModelConfig
 from engine.parallel import TPGroup
 from loramux_core.errors import AdapterError
@@ -200,3 +202,35 @@ def test_loads_do_not_wait_for_page_locking(base, monkeypatch):
     pool.wait_registered()
     assert all(w.pinned for w in loaded)
     assert sorted(driver.registered) == sorted(w.buffer.data.data_ptr() for w in loaded)
+
+
+def _resident_pages(data: torch.Tensor, nbytes: int) -> int:
+    """Pages of `data[:nbytes]` in memory now (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-nbytes // 4096)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(data.data_ptr(), nbytes, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_POPULATE_WRITE), mincore: Linux")
+@pytest.mark.parametrize("shared", [False, True])
+def test_registering_faults_the_pages_in_first_and_keeps_the_bytes(shared):
+    """cudaHostRegister faults missing pages in under the driver's lock, which every launch
+    of the process waits for: register() populates them first (without CUDA, where the
+    registration itself fails, the pages are still populated). Bytes a reader already
+    wrote stay."""
+    if not populate(torch.empty(4096, dtype=torch.uint8), 4096):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    pool = HostBufferPool(pin=False, shared=shared)
+    nbytes = 64 << 20
+    buf = pool.acquire(nbytes)
+    pages = nbytes // 4096
+    assert _resident_pages(buf.data, nbytes) < pages // 2   # fresh: not there yet
+    marks = torch.randint(1, 255, (64,), dtype=torch.uint8)
+    at = torch.arange(64) * (nbytes // 64) + 17
+    buf.data[at] = marks                                     # a reader's first bytes
+    buf.register()
+    assert _resident_pages(buf.data, nbytes) == pages
+    assert torch.equal(buf.data[at], marks)
