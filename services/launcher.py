@@ -71,17 +71,11 @@ class Cluster:
         self.cfg = cfg
         self.workdir = Path(cfg.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        h = cfg.host
-        self.engines = [(f"tcp://{h}:{free_port(h)}", f"tcp://{h}:{free_port(h)}")
-                        for _ in range(cfg.replicas)]
-        self.engine_input, self.engine_output = self.engines[0]
         self.engine_names = engine_names(cfg.replicas)
         self.services = (*self.engine_names, "control", "gateway")
-        self.table_address = f"tcp://{h}:{free_port(h)}"
-        self.gateway_address = f"{h}:{cfg.gateway_port or free_port(h)}"
-        self.control_address = f"{h}:{cfg.control_port or free_port(h)}"
-        self.http_port = cfg.http_port if cfg.http_port != 0 else free_port(h)
-        self.http_address = f"{h}:{self.http_port}" if self.http_port > 0 else None
+        self.engines: list[tuple[str, str]] = [("", "")] * cfg.replicas
+        for name in self.services:
+            self._pick(name)
         self.db = str(self.workdir / "registry.sqlite")
         self.zmq_keys: ZmqKeys | None = (
             None if cfg.insecure_zmq else generate_keys(self.workdir / "zmq-keys"))
@@ -169,18 +163,25 @@ class Cluster:
     # configuration fixed is never changed: its conflict is the caller's error.
     _MAX_REBINDS = 5
 
-    def _binds(self, name: str) -> tuple[list[str], tuple[str, ...]]:
-        """The picked addresses service `name` binds (attribute names; a configured port is
-        not among them) and the services that connect to them."""
+    def _pick(self, name: str) -> None:
+        """Pick the addresses service `name` binds (a configured port stays as it is)."""
+        c, h = self.cfg, self.cfg.host
         if name in self.engine_names:
-            return ["engines"], ("control", "gateway")
-        if name == "control":
-            return ["table_address", *(["control_address"] if not self.cfg.control_port else [])], \
-                ("gateway",)
-        if name == "gateway":
-            return [*(["gateway_address"] if not self.cfg.gateway_port else []),
-                    *(["http_port"] if self.cfg.http_port == 0 else [])], ()
-        return [], ()
+            self.engines[self.engine_names.index(name)] = (f"tcp://{h}:{free_port(h)}",
+                                                           f"tcp://{h}:{free_port(h)}")
+            self.engine_input, self.engine_output = self.engines[0]
+        elif name == "control":
+            self.table_address = f"tcp://{h}:{free_port(h)}"
+            self.control_address = f"{h}:{c.control_port or free_port(h)}"
+        elif name == "gateway":
+            self.gateway_address = f"{h}:{c.gateway_port or free_port(h)}"
+            self.http_port = c.http_port if c.http_port != 0 else free_port(h)
+            self.http_address = f"{h}:{self.http_port}" if self.http_port > 0 else None
+
+    def _dependents(self, name: str) -> tuple[str, ...]:
+        """The services that connect to what `name` binds."""
+        return (("control", "gateway") if name in self.engine_names else
+                ("gateway",) if name == "control" else ())
 
     def _addresses(self) -> list[str]:
         return [a for pair in self.engines for a in pair] + [
@@ -198,34 +199,25 @@ class Cluster:
     def _rebind(self, name: str) -> bool:
         """Start `name` again on fresh addresses if it left because one was taken (see
         above); False when that is not the case or not possible."""
-        picked, dependents = self._binds(name)
-        if (len(self.rebinds) >= self._MAX_REBINDS or not picked or name not in self._fresh
-                or "Address already in use" not in self._log_of_start(name)):
+        log = self._log_of_start(name)
+        if (len(self.rebinds) >= self._MAX_REBINDS or name not in self._fresh
+                or "Address already in use" not in log):
             return False
         c = self.cfg
         fixed = ([c.control_port] if name == "control" else
                  [c.gateway_port, c.http_port, c.metrics_port] if name == "gateway" else [])
-        if any(p > 0 and re.search(rf"\b{p}\b", self._log_of_start(name)) for p in fixed):
+        if any(p > 0 and re.search(rf"\b{p}\b", log) for p in fixed):
             return False  # a configured port may be the taken one
-        running = [d for d in dependents if d in self.procs and self.procs[d].poll() is None]
+        running = [d for d in self._dependents(name)
+                   if d in self.procs and self.procs[d].poll() is None]
         if any(d not in self._fresh for d in running):
             return False  # one of them is serving on the old address: leave it be
         before = self._addresses()
-        h = self.cfg.host
-        for attr in picked:
-            if attr == "engines":
-                i = self.engine_names.index(name)
-                self.engines[i] = (f"tcp://{h}:{free_port(h)}", f"tcp://{h}:{free_port(h)}")
-                self.engine_input, self.engine_output = self.engines[0]
-            elif attr == "http_port":
-                self.http_port = free_port(h)
-                self.http_address = f"{h}:{self.http_port}"
-            else:
-                prefix = "tcp://" if attr == "table_address" else ""
-                setattr(self, attr, f"{prefix}{h}:{free_port(h)}")
-        after = self._addresses()
-        self.rebinds.append(f"{name}: " + ", ".join(
-            f"{old} -> {new}" for old, new in zip(before, after) if old != new))
+        self._pick(name)
+        moved = [f"{old} -> {new}" for old, new in zip(before, self._addresses()) if old != new]
+        if not moved:
+            return False  # every address it binds was configured
+        self.rebinds.append(f"{name}: " + ", ".join(moved))
         print(f"launcher: {name} could not bind an address picked for it (another process "
               f"took it first); starting it again on new ones: {self.rebinds[-1]}",
               file=sys.stderr, flush=True)
