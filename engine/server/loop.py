@@ -117,7 +117,7 @@ class EngineServer:
                 self._publish(heartbeat=engine_pb2.Heartbeat(
                     instance_id=self.instance_id, seq=seq, max_model_len=self._limits[0],
                     vocab_size=self._limits[1], in_flight_requests=len(self._live),
-                    unix_time=time.time()))
+                    unix_time=time.time(), phase=engine_pb2.ENGINE_PHASE_SERVING))
             if done.wait(self.cfg.heartbeat_interval_s):
                 return
 

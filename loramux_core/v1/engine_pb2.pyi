@@ -27,6 +27,13 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_FAILED_PRECONDITION: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
+
+class EnginePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_PHASE_UNSPECIFIED: _ClassVar[EnginePhase]
+    ENGINE_PHASE_LOADING: _ClassVar[EnginePhase]
+    ENGINE_PHASE_WARMING_UP: _ClassVar[EnginePhase]
+    ENGINE_PHASE_SERVING: _ClassVar[EnginePhase]
 ADAPTER_COMMAND_KIND_UNSPECIFIED: AdapterCommandKind
 ADAPTER_COMMAND_KIND_LOAD: AdapterCommandKind
 ADAPTER_COMMAND_KIND_UNLOAD: AdapterCommandKind
@@ -40,6 +47,10 @@ ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
 ERROR_CODE_FAILED_PRECONDITION: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
+ENGINE_PHASE_UNSPECIFIED: EnginePhase
+ENGINE_PHASE_LOADING: EnginePhase
+ENGINE_PHASE_WARMING_UP: EnginePhase
+ENGINE_PHASE_SERVING: EnginePhase
 
 class EngineGenerate(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "adapter", "sampling")
@@ -224,20 +235,28 @@ class EngineEvent(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterStatus, _Mapping]]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., histograms: _Optional[_Iterable[_Union[HistogramSnapshot, _Mapping]]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("instance_id", "seq", "max_model_len", "vocab_size", "in_flight_requests", "unix_time")
+    __slots__ = ("instance_id", "seq", "max_model_len", "vocab_size", "in_flight_requests", "unix_time", "phase", "phase_detail", "phase_progress", "phase_eta_s")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PHASE_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_ETA_S_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     seq: int
     max_model_len: int
     vocab_size: int
     in_flight_requests: int
     unix_time: float
-    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., unix_time: _Optional[float] = ...) -> None: ...
+    phase: EnginePhase
+    phase_detail: str
+    phase_progress: float
+    phase_eta_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., unix_time: _Optional[float] = ..., phase: _Optional[_Union[EnginePhase, str]] = ..., phase_detail: _Optional[str] = ..., phase_progress: _Optional[float] = ..., phase_eta_s: _Optional[float] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("instance_id", "step_batch", "heartbeat", "adapter_ack", "event")
