@@ -13,6 +13,7 @@ from loramux_core.gc_heap import freeze_heap
 from loramux_core.options import OneLineErrors, positive_float, positive_int
 from loramux_core.safe_files import roots_from
 from services.common import grpc_server, replicas, service_args, tls
+from services.common.bind_errors import BindError, binding
 from services.common.logs import configure_logging
 
 SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].full_name
@@ -88,10 +89,13 @@ async def serve(args) -> int:
     binding = await asyncio.to_thread(binding_for, args.model, roots)
     prepare_registry(args.db, binding, log)
     registry = Registry(args.db, binding.to_json())
-    table = TablePublisher(args.table_address, keys=args.keys)
+    with binding("--table-address", args.table_address):
+        table = TablePublisher(args.table_address, keys=args.keys)
     manager_box: list[AdapterManager] = []
     metrics = ControlMetrics()
-    metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
+    with binding("--metrics-port", f"{args.metrics_host}:{args.metrics_port}"):
+        metrics_port = (metrics.serve(args.metrics_port, args.metrics_host)
+                        if args.metrics_port >= 0 else -1)
 
     def replay(replica: int):
         async def run(instance: str) -> None:
@@ -115,7 +119,8 @@ async def serve(args) -> int:
     adapter_admin_pb2_grpc.add_AdapterAdminServiceServicer_to_server(
         AdapterAdminServicer(manager, metrics), server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
-    address = grpc_server.bind(server, args.listen, args.tls)
+    with binding("--listen", args.listen):
+        address = grpc_server.bind(server, args.listen, args.tls)
     await server.start()
     await grpc_server.mark_alive(health)
     table.start()
@@ -151,4 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except BindError as err:  # one line naming the flag, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
