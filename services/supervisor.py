@@ -85,8 +85,9 @@ class Supervisor:
                 self._died(name, life, proc.returncode, now)
             elif not self._ready_seen[name] and self.cluster.is_ready(name):
                 self._ready_seen[name] = True
-                self._say(f"{name}: {'serving' if name in self.cluster.engine_names else 'ready'}"
-                          f" again (restart {life.attempt})")
+                replay = ("; the control plane replays its adapters before it takes them"
+                          if name in self.cluster.engine_names else "")
+                self._say(f"{name}: up again (attempt {life.attempt}){replay}")
 
     def _died(self, name: str, life: _Life, returncode: int, now: float) -> None:
         p = self.policy

@@ -24,7 +24,7 @@ def _reason(err: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def binding(flag: str, address: str):
+def bind_flag(flag: str, address: str):
     """Raise BindError naming `flag` and `address` for a bind that fails inside."""
     try:
         yield

@@ -13,7 +13,7 @@ from loramux_core.gc_heap import freeze_heap
 from loramux_core.options import (OneLineErrors, Option, add_options, given, non_negative_float,
                                   positive_float, positive_int)
 from services.common import grpc_server, replicas, service_args, tls
-from services.common.bind_errors import BindError, binding
+from services.common.bind_errors import BindError, bind_flag
 from services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -133,7 +133,7 @@ async def serve(args) -> int:
                             adapter_roots=AdapterRoots(roots) if roots else None)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
     metrics = GatewayMetrics(args.metrics_max_adapters)
-    with binding("--metrics-port", f"{args.metrics_host}:{args.metrics_port}"):
+    with bind_flag("--metrics-port", f"{args.metrics_host}:{args.metrics_port}"):
         metrics_port = (metrics.serve(args.metrics_port, args.metrics_host)
                         if args.metrics_port >= 0 else -1)
     engine = EngineClient(args.engines, max_inflight=args.max_inflight,
@@ -145,9 +145,9 @@ async def serve(args) -> int:
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
-    with binding("--listen", args.listen):
+    with bind_flag("--listen", args.listen):
         address = grpc_server.bind(server, args.listen, args.tls)
-    with binding("--http-port", f"{args.listen.rsplit(':', 1)[0]}:{args.http_port}"):
+    with bind_flag("--http-port", f"{args.listen.rsplit(':', 1)[0]}:{args.http_port}"):
         http = _http_server(args, servicer, table) if args.http_port > 0 else None
     await engine.start()
     await table.start()
