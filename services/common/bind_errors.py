@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import socket
+
+import zmq
 
 
 class BindError(Exception):
@@ -23,10 +26,27 @@ def _reason(err: BaseException) -> str:
     return str(err) or type(err).__name__
 
 
+def _probe(address: str) -> OSError | None:
+    """Why `address` ("host:port", "tcp://host:port") cannot be bound now, found by binding
+    it as the servers do (gRPC only says "Failed to bind")."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, int(port)))
+    except OSError as err:
+        return err
+    except ValueError:  # not host:port (a ZMQ ipc:// address): nothing to probe
+        return None
+    return None
+
+
 @contextlib.contextmanager
 def bind_flag(flag: str, address: str):
     """Raise BindError naming `flag` and `address` for a bind that fails inside."""
     try:
         yield
-    except (OSError, RuntimeError) as err:  # grpc raises RuntimeError for a taken port
-        raise BindError(flag, address, _reason(err)) from None
+    except (OSError, RuntimeError, zmq.ZMQError) as err:  # gRPC: RuntimeError
+        raise BindError(flag, address, _reason(
+            err if isinstance(err, OSError) else _probe(address) or err)) from None
