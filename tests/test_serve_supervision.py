@@ -12,8 +12,9 @@ import os
 import shutil
 import time
 
+import grpc
 import pytest
-from loramux import AdminClient, GenerateClient
+from loramux import AdminClient, GenerateClient, LoramuxError
 from loramux.aio import AsyncGenerateClient
 
 from services.launcher import wait_serving
@@ -22,7 +23,7 @@ from tests.support.streams import finish
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.engine_device("cpu")]
-HEARTBEAT = ("--heartbeat-timeout", "0.5")
+HEARTBEAT = ("--heartbeat-timeout", "2")  # a loaded CPU stalls processes for a second
 PROMPTS = ([5, 6, 7, 8], [40, 41, 42])
 ADAPTERS = ("a", "")        # streams use the shared adapter and the base model
 STREAMS = 24
@@ -106,10 +107,30 @@ async def _kill_under_streams(served: ServeProcess) -> dict:
         rest = asyncio.ensure_future(finish(pairs))
         # once the service knows replica 1 is gone, new requests go to replica 0 alone
         seen = await asyncio.to_thread(_wait_states, served, lambda s: s[1] != "serving")
+        back = asyncio.Event()
+        solo = asyncio.ensure_future(_ask_until(served.gateway, "solo1", back))
         fresh = await _run_all(served.gateway, _jobs(STREAMS), SHORT)
         seen += await asyncio.to_thread(_wait_states, served, lambda s: s == ["serving"] * 2)
+        back.set()
         streams = [(toks, err) for toks, err, _ in await rest]
-    return {"jobs": jobs, "streams": streams, "fresh": fresh, "seen": seen, "old_pid": old_pid}
+    return {"jobs": jobs, "streams": streams, "fresh": fresh, "seen": seen, "old_pid": old_pid,
+            "solo": await solo}
+
+
+async def _ask_until(gateway: str, adapter: str, stop: asyncio.Event) -> list:
+    """(tokens, error) of requests for `adapter`, one after the other until `stop`."""
+    out = []
+    async with AsyncGenerateClient(gateway) as gen:
+        while not stop.is_set():
+            try:
+                toks = [t async for r in gen.stream(PROMPTS[0], adapter, temperature=0.0,
+                                                    max_tokens=SHORT, ignore_eos=True)
+                        for t in r.token_ids]
+                out.append((toks, None))
+            except LoramuxError as err:
+                out.append((None, err))
+            await asyncio.sleep(0.1)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +172,17 @@ def test_a_killed_replica_restarts_and_serves_its_adapters_again(served, referen
             assert "replica 1" in str(err), err
     # the adapter placed only on replica 1 was replayed to it and it takes requests again
     assert _generate(served.gateway, PROMPTS[0], "solo1") == references["solo1"]
+
+
+def test_a_restarted_replica_takes_adapter_requests_only_once_replayed(references, engine_kill):
+    """Requests for the adapter placed only on the restarted replica, made while it was
+    down and while it came back: UNAVAILABLE (retry) until its adapters were replayed, then
+    served; never sent to it before (the engine would refuse them as not loaded)."""
+    asked = engine_kill["solo"]
+    assert asked and asked[-1] == (references["solo1"], None), asked[-3:]
+    for toks, err in asked:
+        assert (err is None and toks == references["solo1"]) or (
+            err.code == grpc.StatusCode.UNAVAILABLE), err
 
 
 @pytest.mark.xfail(strict=True, reason="streams resume on a live replica: lands with the "

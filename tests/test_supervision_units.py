@@ -119,8 +119,9 @@ def test_replica_states_from_heartbeats_and_their_absence():
     P = engine_pb2.EnginePhase
     clock = SimpleNamespace(now=0.0)
     links = [_link(), _link()]
-    changes = []
-    states = ReplicaStates(links, failed_after_s=30.0, clock=lambda: clock.now,
+    changes, replayed = [], ["", ""]  # the table's: by replica, the instance replayed last
+    states = ReplicaStates(links, lambda i: replayed[i], failed_after_s=30.0,
+                           clock=lambda: clock.now,
                            on_change=lambda *c: changes.append(c))
     metrics = ControlMetrics()
     metrics.watch_replicas(states)
@@ -138,7 +139,7 @@ def test_replica_states_from_heartbeats_and_their_absence():
     assert (status.detail, status.progress, status.eta_s) == ("capturing decode graphs", 0.4, 3.0)
     links[0] = _link(True, "i1", P.ENGINE_PHASE_SERVING)
     assert names()[0] == "starting"  # serving, its adapters not replayed yet
-    states.replay_done(0, "i1")
+    replayed[0] = "i1"
     assert names()[0] == "serving"
     text = generate_latest(metrics.registry).decode()
     assert 'loramux:engine_replica_state{replica="0",state="serving"} 1.0' in text
@@ -153,7 +154,7 @@ def test_replica_states_from_heartbeats_and_their_absence():
     links[0] = _link(True, "i2", P.ENGINE_PHASE_SERVING)  # a new engine process
     states.up(0, "i2")
     assert names()[0] == "starting"  # the replay of i1 does not count for i2
-    states.replay_done(0, "i2")
+    replayed[0] = "i2"
     assert names()[0] == "serving" and states.status()[0].restarts == 1
     assert [c[1:3] for c in changes if c[0] == 0] == [
         ("starting", "warming_up"), ("warming_up", "starting"), ("starting", "serving"),

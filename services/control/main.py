@@ -108,7 +108,7 @@ async def serve(args) -> int:
     prepare_registry(args.db, binding, log)
     registry = Registry(args.db, binding.to_json())
     with bind_flag("--table-address", args.table_address):
-        table = TablePublisher(args.table_address, keys=args.keys)
+        table = TablePublisher(args.table_address, keys=args.keys, replicas=len(args.engines))
     manager_box: list[AdapterManager] = []
     metrics = ControlMetrics()
     with bind_flag("--metrics-port", f"{args.metrics_host}:{args.metrics_port}"):
@@ -122,7 +122,6 @@ async def serve(args) -> int:
                 return  # it went away while starting: its next instance is replayed
             metrics.replays.inc()
             await manager_box[0].replay(replica, instance)
-            states.replay_done(replica, instance)
         return run
 
     links = [EngineLink(input_address, output_address, on_connect=replay(index),
@@ -130,7 +129,8 @@ async def serve(args) -> int:
                         on_down=lambda reason, i=index: states.down(i),
                         heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
              for index, (input_address, output_address) in enumerate(args.engines)]
-    states = ReplicaStates(links, args.replica_failed_after, on_change=_log_transition(log))
+    states = ReplicaStates(links, lambda replica: table.replayed[replica],
+                           args.replica_failed_after, on_change=_log_transition(log))
     metrics.watch_replicas(states)
     adapter_roots = AdapterRoots(roots)
     manager = AdapterManager(registry, adapter_roots,

@@ -27,19 +27,20 @@ _PHASE = engine_pb2.EnginePhase
 class _Seen:
     """What one replica's link told so far."""
     instances: set
-    replayed: str = ""       # the engine instance whose replay finished
     down_since: float | None = None
     state: int = pb.REPLICA_STATE_STARTING
     state_since: float = 0.0
 
 
 class ReplicaStates:
-    def __init__(self, links: list, failed_after_s: float = 120.0, *,
+    def __init__(self, links: list, replayed: Callable[[int], str],
+                 failed_after_s: float = 120.0, *,
                  on_change: Callable[[int, str, str, str], None] = lambda *a: None,
                  clock: Callable[[], float] = time.monotonic):
         """`links`: services.control.engine_link.EngineLink per replica, by index.
+        `replayed(replica)`: the engine instance whose replay ended (the table's).
         `on_change(replica, old, new, detail)` is told every transition seen by status()."""
-        self.links, self.failed_after_s = links, failed_after_s
+        self.links, self.failed_after_s, self._replayed = links, failed_after_s, replayed
         self._clock, self._on_change = clock, on_change
         now = clock()
         self._seen = [_Seen(set(), state_since=now) for _ in links]
@@ -52,9 +53,6 @@ class ReplicaStates:
 
     def down(self, replica: int) -> None:
         self._seen[replica].down_since = self._clock()
-
-    def replay_done(self, replica: int, instance_id: str) -> None:
-        self._seen[replica].replayed = instance_id
 
     # ---- what they add up to ----
     def _now_state(self, replica: int, now: float) -> tuple[int, str]:
@@ -71,7 +69,7 @@ class ReplicaStates:
             return pb.REPLICA_STATE_STARTING, hb.phase_detail or "loading"
         if hb.phase == _PHASE.ENGINE_PHASE_WARMING_UP:
             return pb.REPLICA_STATE_WARMING_UP, hb.phase_detail or "warming up"
-        if seen.replayed != hb.instance_id:
+        if self._replayed(replica) != hb.instance_id:
             return pb.REPLICA_STATE_STARTING, "replaying its adapters and pins"
         return pb.REPLICA_STATE_SERVING, ""
 

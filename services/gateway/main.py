@@ -136,10 +136,11 @@ async def serve(args) -> int:
     with bind_flag("--metrics-port", f"{args.metrics_host}:{args.metrics_port}"):
         metrics_port = (metrics.serve(args.metrics_port, args.metrics_host)
                         if args.metrics_port >= 0 else -1)
+    table = AdapterTable(args.table_address, keys=args.keys)
     engine = EngineClient(args.engines, max_inflight=args.max_inflight,
                           heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys,
-                          spill_waiting=args.spill_waiting, on_route=metrics.route)
-    table = AdapterTable(args.table_address, keys=args.keys)
+                          spill_waiting=args.spill_waiting, on_route=metrics.route,
+                          replayed=table.replayed)
     metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
