@@ -3,6 +3,7 @@ short-lived processes under a clock the test moves; the control plane's replica 
 from heartbeats and their absence, and their gauge. Fast: no engine."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,22 @@ def test_replica_states_from_heartbeats_and_their_absence():
         ("starting", "warming_up"), ("warming_up", "starting"), ("starting", "serving"),
         ("serving", "restarting"), ("restarting", "failed"), ("failed", "starting"),
         ("starting", "serving")]
+
+
+def test_the_gateway_sends_adapter_requests_to_replayed_engines_only():
+    from services.gateway.adapter_table import AdapterTable
+
+    table = AdapterTable("tcp://127.0.0.1:1")
+    try:
+        table.update(engine_pb2.AdapterTable())  # a control plane that does not say
+        assert table.replayed(0, "i1")
+        table.update(engine_pb2.AdapterTable(replayed=["", ""]))  # none replayed yet
+        assert not table.replayed(0, "i1") and not table.replayed(1, "j1")
+        table.update(engine_pb2.AdapterTable(replayed=["i1", ""]))
+        assert table.replayed(0, "i1") and not table.replayed(1, "j1")
+        assert not table.replayed(0, "i2")  # replica 0 restarted: not replayed yet
+        # a restarted control plane, before its replays: what was replayed stays so
+        table.update(engine_pb2.AdapterTable(replayed=["", ""]))
+        assert table.replayed(0, "i1")
+    finally:
+        asyncio.run(table.close())
