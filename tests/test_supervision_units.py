@@ -180,3 +180,38 @@ def test_the_gateway_sends_adapter_requests_to_replayed_engines_only():
         assert table.replayed(0, "i1")
     finally:
         asyncio.run(table.close())
+
+
+def test_the_probe_tells_a_warming_engine_from_a_serving_one():
+    """`loramux_core.probe`: a heartbeat is alive (start-up, liveness), `--serving` waits for
+    one whose phase is SERVING (readiness). Heartbeats from a PUB socket of the test."""
+    import threading
+
+    import zmq
+
+    from loramux_core.probe import wait_heartbeat
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    phase = [engine_pb2.ENGINE_PHASE_WARMING_UP]
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(0.05):
+            pub.send(engine_pb2.EngineOutput(heartbeat=engine_pb2.Heartbeat(
+                instance_id="e", phase=phase[0])).SerializeToString())
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        address = f"tcp://127.0.0.1:{port}"
+        assert wait_heartbeat(address, 5.0).phase == engine_pb2.ENGINE_PHASE_WARMING_UP
+        assert wait_heartbeat(address, 1.0, serving=True) is None
+        phase[0] = engine_pb2.ENGINE_PHASE_SERVING
+        assert wait_heartbeat(address, 5.0, serving=True).phase == engine_pb2.ENGINE_PHASE_SERVING
+    finally:
+        done.set()
+        thread.join()
+        pub.close(0)
+        ctx.term()
