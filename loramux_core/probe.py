@@ -1,8 +1,10 @@
 """Waits for an engine heartbeat on its output socket: the engine's health check.
 
-`python -m loramux_core.probe tcp://host:port [--timeout S] [--zmq-keys DIR]` exits 0
-once a heartbeat arrives, 1 when none does in time. The keys default to $LORAMUX_ZMQ_KEYS
-(the engine admits no subscriber without them)."""
+`python -m loramux_core.probe tcp://host:port [--timeout S] [--zmq-keys DIR] [--serving]`
+exits 0 once a heartbeat arrives, 1 when none does in time. An engine heartbeats while it
+loads and warms up too: a heartbeat says it is alive (a liveness or start-up probe);
+`--serving` waits for one whose phase is SERVING (a readiness probe). The keys default to
+$LORAMUX_ZMQ_KEYS (the engine admits no subscriber without them)."""
 from __future__ import annotations
 
 import os
@@ -18,11 +20,18 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_F
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
+_SERVES = (engine_pb2.ENGINE_PHASE_SERVING, engine_pb2.ENGINE_PHASE_UNSPECIFIED)
+
+
 def wait_heartbeat(output_address: str, timeout_s: float = 5.0,
-                   keys: ZmqKeys | None = None) -> engine_pb2.Heartbeat | None:
-    """The first heartbeat published on `output_address`, or None after `timeout_s`."""
-    out = wait_output(output_address, lambda m: m.WhichOneof("kind") == "heartbeat", timeout_s,
-                      keys=keys)
+                   keys: ZmqKeys | None = None, serving: bool = False
+                   ) -> engine_pb2.Heartbeat | None:
+    """The first heartbeat published on `output_address` (when `serving`, the first that
+    says the engine serves), or None after `timeout_s`."""
+    def wanted(m: engine_pb2.EngineOutput) -> bool:
+        return m.WhichOneof("kind") == "heartbeat" and (
+            not serving or m.heartbeat.phase in _SERVES)
+    out = wait_output(output_address, wanted, timeout_s, keys=keys)
     return None if out is None else out.heartbeat
 
 
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     timeout = float(argv[argv.index("--timeout") + 1]) if "--timeout" in argv else 5.0
     key_dir = argv[argv.index("--zmq-keys") + 1] if "--zmq-keys" in argv else os.environ.get(KEYS_ENV)
     keys = ZmqKeys.load(key_dir) if key_dir else None
-    return 0 if wait_heartbeat(argv[0], timeout, keys) is not None else 1
+    serving = "--serving" in argv
+    return 0 if wait_heartbeat(argv[0], timeout, keys, serving) is not None else 1
 
 
 if __name__ == "__main__":

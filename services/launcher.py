@@ -234,6 +234,14 @@ class Cluster:
 
         return wait_output(self.engine_output, predicate, timeout_s, last=last, keys=self.zmq_keys)
 
+    def log_path(self, name: str) -> Path:
+        """Where service `name` logs (every start appends)."""
+        return self.workdir / f"{name}.log"
+
+    def is_ready(self, name: str) -> bool:
+        """Service `name` wrote its ready file since it was last started."""
+        return Path(self._ready(name)).exists()
+
     def log_tail(self, name: str, n: int = 4000) -> str:
         path = self.workdir / f"{name}.log"
         return path.read_text(errors="replace")[-n:] if path.exists() else ""

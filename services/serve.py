@@ -4,7 +4,11 @@ processes.
 With no --model it serves the demo model (made once in the cache directory) and loads its
 two adapters, so a fresh machine serves at once. Ctrl-C or SIGTERM drains: the gateway
 refuses new calls, in-flight streams finish within --shutdown-grace, then the engine and
-control plane stop; a second Ctrl-C stops everything at once."""
+control plane stop; a second Ctrl-C stops everything at once.
+
+Once serving, every process is supervised (services/supervisor.py): a dead one starts
+again after a backoff, and a crash loop stops the service. Fixed ports are checked before
+anything slow (services/port_check.py)."""
 from __future__ import annotations
 
 import signal
@@ -71,11 +75,31 @@ def _started(cluster, workdir: str, tls) -> str | None:
     return None
 
 
+def _supervise(cluster, policy, stop: _StopSignals) -> int:
+    """Keep every process alive until a stop signal (0) or a crash loop (1)."""
+    from services.supervisor import CrashLoop, Supervisor
+
+    supervisor = Supervisor(cluster, policy)
+    while not stop.requested.is_set():
+        try:
+            supervisor.poll()
+        except CrashLoop as err:
+            print(f"loramux: {err}", file=sys.stderr, flush=True)
+            return 1
+        time.sleep(0.2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from services.launcher import Cluster
-    from services.serve_args import client_tls, cluster_config, files, parse_args
+    from services.port_check import fixed_ports, port_problem
+    from services.serve_args import (client_tls, cluster_config, files, parse_args,
+                                     restart_policy)
 
     args = parse_args(argv)
+    if (why := port_problem(args.host, fixed_ports(args))) is not None:
+        print(f"loramux: {why}", file=sys.stderr)  # before the demo model or any warm-up
+        return 1
     if args.model is None:
         print("loramux: preparing the demo model (once) ...", file=sys.stderr, flush=True)
     plan = files(args)
@@ -96,13 +120,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'--adapter demo-a ' if plan.demo else ''}\"hello\"   (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         stop.serving = True
-        while not stop.requested.is_set():
-            if dead := cluster.dead():
-                print(f"loramux: {', '.join(dead)} exited; stopping. Logs in {plan.workdir}",
-                      file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        return 0
+        return _supervise(cluster, restart_policy(args), stop)
     except _ForcedStop:
         cluster.kill_all()
         return 130

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options, config_error_message,
-                                  given, non_negative_float, positive_int, to_argv)
+                                  given, non_negative_float, positive_float, positive_int,
+                                  to_argv)
 from services.config_file import ConfigFileError, defaults_from_file
 from services.gateway.main import GATEWAY_OPTIONS
+from services.supervisor import RestartPolicy
 
 DESCRIPTION = ("Run control plane, engine (or --replicas engine replicas) and gateway on "
                "this machine.")
@@ -69,6 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", default=None, help="where the demo model is made")
     s.add_argument("--shutdown-grace", type=non_negative_float, default=30.0,
                    help="seconds in-flight streams may take to finish on stop (default: 30)")
+    v = p.add_argument_group("supervision: a dead process starts again after a backoff")
+    v.add_argument("--restart-backoff", type=positive_float, default=RestartPolicy.backoff_s,
+                   help="seconds before the first restart of a dead process, doubled on each "
+                        "death (default: %(default)s)")
+    v.add_argument("--restart-backoff-max", type=positive_float,
+                   default=RestartPolicy.max_backoff_s,
+                   help="longest wait before a restart (default: %(default)s)")
+    v.add_argument("--crash-loop-deaths", type=positive_int,
+                   default=RestartPolicy.crash_loop_deaths,
+                   help="this many deaths of one process within --crash-loop-window stop the "
+                        "service (default: %(default)s)")
+    v.add_argument("--crash-loop-window", type=positive_float,
+                   default=RestartPolicy.crash_loop_window_s,
+                   help="seconds (default: %(default)s)")
     t = p.add_argument_group("TLS on the gateway (gRPC and HTTP) and control plane ports")
     t.add_argument("--tls-cert", help="PEM certificate (chain) the ports serve")
     t.add_argument("--tls-key", help="its PEM private key")
@@ -180,6 +196,12 @@ def files(args) -> Plan:
     workdir = args.workdir or (tempfile.mkdtemp(prefix="loramux-serve-") if demo
                                else str(default_cache_dir() / "serve"))
     return Plan(model, tuple(roots), workdir, demo)
+
+
+def restart_policy(args) -> RestartPolicy:
+    return RestartPolicy(backoff_s=args.restart_backoff, max_backoff_s=max(
+        args.restart_backoff, args.restart_backoff_max), crash_loop_deaths=args.crash_loop_deaths,
+        crash_loop_window_s=args.crash_loop_window)
 
 
 def cluster_config(args, plan: Plan):

@@ -60,6 +60,10 @@ def test_compose_file_is_valid(compose):
     for name in (*ENGINES, "control", "gateway"):
         svc = services[name]
         assert svc["healthcheck"]["test"][0] == "CMD", name
+        assert svc["restart"] == "unless-stopped", name  # a process that dies comes back
+        if name in ENGINES:  # healthy: serving, not only alive (it heartbeats warming up)
+            assert svc["healthcheck"]["test"][-1] == "--serving", name
+            assert _seconds(svc["healthcheck"]["start_period"]) >= 300, name
         for vol in svc["volumes"]:
             assert vol.split(":")[0] in compose["volumes"], (name, vol)
     deps = services["gateway"]["depends_on"]
@@ -208,3 +212,8 @@ def test_compose_services_serve_together(compose, tmp_path):
                 assert len(out.token_ids) == 5 or out.finish_reason == "eos"
     finally:
         local.close()
+
+
+def _seconds(duration: str) -> int:
+    """A compose duration in seconds ("300s", "5m")."""
+    return int(duration[:-1]) * {"s": 1, "m": 60}[duration[-1]]

@@ -85,6 +85,13 @@ def test_roles_services_probes_and_secrets(docs):
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["exec"]["command"][:3] == ["python", "-m", "loramux_core.probe"]
+    # the engine heartbeats while it warms up: alive (start-up, liveness) is a heartbeat,
+    # ready is one that says SERVING; start-up has 10 minutes for the warm-up
+    assert "--serving" in c["readinessProbe"]["exec"]["command"]
+    assert "--serving" not in c["livenessProbe"]["exec"]["command"]
+    assert "--serving" not in c["startupProbe"]["exec"]["command"]
+    startup = c["startupProbe"]
+    assert startup["failureThreshold"] * startup["periodSeconds"] >= 600
     token = env_of(deployments["loramux-control"], config)["LORAMUX_ADMIN_TOKEN"]
     secret = by_kind(docs, "Secret")[token["secretKeyRef"]["name"]]
     assert token["secretKeyRef"]["key"] in secret["stringData"]

@@ -51,6 +51,7 @@ class ScriptedLink:
 class Table:
     def __init__(self):
         self.published: list[list[AdapterRecord]] = []
+        self.replayed = ["", ""]  # by replica: the engine instance replayed last
 
     def publish(self, records):
         self.published.append(records)
@@ -101,6 +102,7 @@ def test_a_down_replica_is_skipped_then_replayed(make):
     r1.up = True
     asyncio.run(m.replay(1, "restarted"))
     assert r1.sent == [(LOAD, "a", True)]  # with its pin
+    assert m.table.replayed == ["", "restarted"]  # gateways send it adapter requests now
     r0.up = r1.up = False
     with pytest.raises(AdminError) as info:  # nobody to load it on
         asyncio.run(m.load("b", "b", None))

@@ -289,9 +289,11 @@ class AdapterTableEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_adapter_admin_pb2.AdapterState, str]] = ..., pinned: _Optional[bool] = ..., id: _Optional[int] = ..., path: _Optional[str] = ..., replicas: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AdapterTable(_message.Message):
-    __slots__ = ("version", "entries")
+    __slots__ = ("version", "entries", "replayed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     version: int
     entries: _containers.RepeatedCompositeFieldContainer[AdapterTableEntry]
-    def __init__(self, version: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[AdapterTableEntry, _Mapping]]] = ...) -> None: ...
+    replayed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[AdapterTableEntry, _Mapping]]] = ..., replayed: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -10,6 +10,7 @@ from loramux_core.v1 import engine_pb2
 from services.common.engine_connection import EngineConnection
 
 _SEND_RETRY_S = 2.0
+_PHASE = engine_pb2.EnginePhase
 
 
 class EngineUnavailable(RuntimeError):
@@ -20,8 +21,10 @@ class EngineLink:
     def __init__(self, input_address: str, output_address: str, *,
                  on_connect: Callable[[str], Awaitable[None]],
                  on_event: Callable[[engine_pb2.EngineEvent], None],
+                 on_down: Callable[[str], None] = lambda reason: None,
                  heartbeat_timeout_s: float = 1.5, keys=None):
         self._on_connect = on_connect
+        self._on_down = on_down
         self._on_event = on_event
         self._pending: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -94,7 +97,19 @@ class EngineLink:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def serving(self, instance_id: str, poll_s: float = 0.05) -> bool:
+        """Wait until engine `instance_id` heartbeats that it serves (an engine heartbeats
+        while it still loads and warms up, and reads adapter commands only once serving);
+        False when it went down or was replaced meanwhile."""
+        ready = (_PHASE.ENGINE_PHASE_SERVING, _PHASE.ENGINE_PHASE_UNSPECIFIED)
+        while self.conn.up and self.conn.instance_id == instance_id:
+            if self.conn.heartbeat.phase in ready:
+                return True
+            await asyncio.sleep(poll_s)
+        return False
+
     def _down(self, reason: str) -> None:
+        self._on_down(reason)
         self._connected.clear()
         self.last_event = engine_pb2.EngineEvent()
         for fut in self._pending.values():

@@ -13,6 +13,7 @@ from loramux_core.gc_heap import freeze_heap
 from loramux_core.options import OneLineErrors, positive_float, positive_int
 from loramux_core.safe_files import roots_from
 from services.common import grpc_server, replicas, service_args, tls
+from services.common.bind_errors import BindError, bind_flag
 from services.common.logs import configure_logging
 
 SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].full_name
@@ -40,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=env("LORAMUX_HEARTBEAT_TIMEOUT", "1.5"),
                    help="seconds without an engine heartbeat before the engine counts as gone "
                         "(default: 1.5)")
+    p.add_argument("--replica-failed-after", type=positive_float,
+                   default=env("LORAMUX_REPLICA_FAILED_AFTER", "120"),
+                   help="seconds without a heartbeat from a replica that had sent some before "
+                        "it counts as failed rather than restarting (default: 120)")
     p.add_argument("--metrics-port", type=int, default=int(env("LORAMUX_CONTROL_METRICS_PORT", "-1")),
                    help="Prometheus /metrics HTTP port for admin-call metrics "
                         "(0 picks one, -1 disables: the default)")
@@ -71,6 +76,19 @@ def make_validator(model_dir: str, max_lora_rank: int, roots, header_only: bool 
     return validate
 
 
+def _log_transition(log):
+    def said(replica: int, old: str, new: str, detail: str) -> None:
+        log.info("replica_state", replica=replica, old=old, new=new, detail=detail)
+    return said
+
+
+async def _watch_states(states, period_s: float = 0.5) -> None:
+    """Log each replica's transitions as they happen, not only when someone asks."""
+    while True:
+        states.status()
+        await asyncio.sleep(period_s)
+
+
 async def serve(args) -> int:
     from services.control.auth import BearerTokenInterceptor
     from services.control.binding import binding_for
@@ -80,6 +98,7 @@ async def serve(args) -> int:
     from services.control.metrics import ControlMetrics
     from services.control.paths import AdapterRoots
     from services.control.registry import Registry
+    from services.control.replica_states import ReplicaStates
     from services.control.servicer import AdapterAdminServicer
     from services.control.table_publisher import TablePublisher
 
@@ -88,21 +107,31 @@ async def serve(args) -> int:
     binding = await asyncio.to_thread(binding_for, args.model, roots)
     prepare_registry(args.db, binding, log)
     registry = Registry(args.db, binding.to_json())
-    table = TablePublisher(args.table_address, keys=args.keys)
+    with bind_flag("--table-address", args.table_address):
+        table = TablePublisher(args.table_address, keys=args.keys, replicas=len(args.engines))
     manager_box: list[AdapterManager] = []
     metrics = ControlMetrics()
-    metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
+    with bind_flag("--metrics-port", f"{args.metrics_host}:{args.metrics_port}"):
+        metrics_port = (metrics.serve(args.metrics_port, args.metrics_host)
+                        if args.metrics_port >= 0 else -1)
 
     def replay(replica: int):
         async def run(instance: str) -> None:
+            states.up(replica, instance)
+            if not await links[replica].serving(instance):
+                return  # it went away while starting: its next instance is replayed
             metrics.replays.inc()
             await manager_box[0].replay(replica, instance)
         return run
 
     links = [EngineLink(input_address, output_address, on_connect=replay(index),
                         on_event=lambda ev: manager_box[0].on_event(ev),
+                        on_down=lambda reason, i=index: states.down(i),
                         heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys)
              for index, (input_address, output_address) in enumerate(args.engines)]
+    states = ReplicaStates(links, lambda replica: table.replayed[replica],
+                           args.replica_failed_after, on_change=_log_transition(log))
+    metrics.watch_replicas(states)
     adapter_roots = AdapterRoots(roots)
     manager = AdapterManager(registry, adapter_roots,
                              make_validator(args.model, args.max_lora_rank, adapter_roots),
@@ -113,9 +142,10 @@ async def serve(args) -> int:
     interceptors = [BearerTokenInterceptor(args.auth_token)] if args.auth_token else []
     server = grpc_server.make_server(interceptors=interceptors)
     adapter_admin_pb2_grpc.add_AdapterAdminServiceServicer_to_server(
-        AdapterAdminServicer(manager, metrics), server)
+        AdapterAdminServicer(manager, metrics, states), server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
-    address = grpc_server.bind(server, args.listen, args.tls)
+    with bind_flag("--listen", args.listen):
+        address = grpc_server.bind(server, args.listen, args.tls)
     await server.start()
     await grpc_server.mark_alive(health)
     table.start()
@@ -129,10 +159,12 @@ async def serve(args) -> int:
                                                    "gc_frozen": frozen})
     log.info("serving", address=address, table=table.address, adapters=len(registry.all()),
              replicas=len(links))
+    watch = asyncio.create_task(_watch_states(states))
     stop = asyncio.Event()
     grpc_server.install_stop_signals(stop)
     await stop.wait()
     log.info("stopping")
+    watch.cancel()
     await health.enter_graceful_shutdown()
     await server.stop(5.0)
     for link in links:
@@ -151,4 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except BindError as err:  # one line naming the flag, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2

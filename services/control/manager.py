@@ -283,14 +283,16 @@ class AdapterManager:
     async def replay(self, replica: int, instance_id: str) -> None:
         """Bring a (re)connected replica to the desired state: load every LOADED adapter
         placed on it (with its pin), unload every UNLOADING one and every one no longer
-        placed on it."""
+        placed on it. Then the table says the engine `instance_id` was replayed: gateways
+        send it requests that name adapters only from then on."""
         async with self._locks.everything():
             for rec in self.registry.all():
                 if rec.state == LOADED and replica in self.placed(rec):
                     await self._replay_load(replica, rec)
                 elif rec.state in (LOADED, UNLOADING):
                     await self._replay_unload(replica, rec)
-            self.table.publish_later(self.registry.all)
+            self.table.replayed[replica] = instance_id
+            self.table.publish(self.registry.all())
         self._log.info("replayed", replica=replica, engine=instance_id)
 
     async def _replay_load(self, replica: int, rec: AdapterRecord) -> None:

@@ -54,9 +54,10 @@ def _after(token: str) -> str:
 
 
 class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
-    def __init__(self, manager: AdapterManager, metrics=None):
+    def __init__(self, manager: AdapterManager, metrics=None, states=None):
         self.m = manager
         self.metrics = metrics  # services/control/metrics.py ControlMetrics, or None
+        self.states = states    # services/control/replica_states.py ReplicaStates, or None
 
     def to_proto(self, rec: AdapterRecord) -> pb.Adapter:
         """Registry record + what each replica last reported about this name: per replica,
@@ -129,6 +130,12 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
         if len(recs) > size:
             resp.next_page_token = _page_token(recs[size - 1].name)
         return resp
+
+    @_admin_call
+    async def GetStatus(self, request, context):
+        if self.states is None:
+            raise AdminError(grpc.StatusCode.UNIMPLEMENTED, "replica states are not tracked here")
+        return pb.GetStatusResponse(replicas=self.states.status())
 
 
 def _engine_status(ev: engine_pb2.EngineEvent, rec: AdapterRecord) -> engine_pb2.AdapterStatus | None:

@@ -27,7 +27,7 @@ from services.control.registry import AdapterRecord
 
 class TablePublisher:
     def __init__(self, address: str, interval_s: float = 0.5, keys: ZmqKeys | None = None,
-                 min_gap_s: float = 0.01):
+                 min_gap_s: float = 0.01, replicas: int = 0):
         self._ctx = zmq.Context()
         self._auth = start_authenticator(self._ctx, keys) if keys else None
         self._pub = self._ctx.socket(zmq.PUB)
@@ -41,13 +41,15 @@ class TablePublisher:
         self._task: asyncio.Task | None = None
         self._pending: Callable[[], list[AdapterRecord]] | None = None
         self._pacer = BusyPacer(min_gap_s=min_gap_s)  # paces the publish_later tables
+        # by replica: the engine instance whose replay ended (the manager sets it)
+        self.replayed = [""] * replicas
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._periodic())
 
     def publish(self, records: list[AdapterRecord]) -> None:
         """Replace the table with `records` and send it now."""
-        table = engine_pb2.AdapterTable(version=self._table.version + 1)
+        table = engine_pb2.AdapterTable(version=self._table.version + 1, replayed=self.replayed)
         for r in records:
             table.entries.add(name=r.name, state=r.state, pinned=r.pinned, id=r.adapter_id,
                               path=r.path, replicas=r.replicas)

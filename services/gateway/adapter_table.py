@@ -27,6 +27,8 @@ class AdapterTable:
         if keys is not None:
             keys.connect(self._sub)
         self._entries: dict[str, engine_pb2.AdapterTableEntry] | None = None
+        self._replayed: dict[int, str] = {}  # replica -> engine instance replayed last
+        self._tracks_replays = False  # a control plane that predates `replayed`: no check
         self._task: asyncio.Task | None = None
         self._received = 0                      # tables taken in, for resolve_current
         self._arrival: asyncio.Condition | None = None
@@ -49,6 +51,16 @@ class AdapterTable:
 
     def update(self, table: engine_pb2.AdapterTable) -> None:
         self._entries = {e.name: e for e in table.entries}
+        # "" (a control plane that restarted and has not replayed yet) keeps what an
+        # earlier table said: a control plane restart takes no replica out of traffic
+        self._replayed.update((i, v) for i, v in enumerate(table.replayed) if v)
+        self._tracks_replays |= len(table.replayed) > 0
+
+    def replayed(self, replica: int, instance_id: str) -> bool:
+        """The control plane replayed adapters and pins to engine `instance_id` of
+        `replica`: it may take requests that name adapters (a restarted engine holds none
+        of them before)."""
+        return not self._tracks_replays or self._replayed.get(replica) == instance_id
 
     async def _receive(self) -> None:
         while True:

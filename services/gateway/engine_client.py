@@ -44,9 +44,12 @@ class Replica:
 class EngineClient:
     def __init__(self, engines: list[tuple[str, str]], *, max_inflight: int,
                  heartbeat_timeout_s: float = 1.5, keys=None, spill_waiting: int = 4,
-                 on_route: Callable[[int, str], None] = lambda replica, decision: None):
+                 on_route: Callable[[int, str], None] = lambda replica, decision: None,
+                 replayed: Callable[[int, str], bool] = lambda replica, instance: True):
         """`engines`: (input, output) address pairs, one per replica, by replica index.
-        `on_route(replica, decision)` is told every routing decision."""
+        `on_route(replica, decision)` is told every routing decision. `replayed(replica,
+        instance_id)`: that engine got its adapters replayed (AdapterTable.replayed)."""
+        self._replayed = replayed
         self.max_inflight = max_inflight
         self.spill_waiting = spill_waiting
         self.prefix = f"gw-{uuid.uuid4().hex[:12]}-"  # request ids unique across gateways
@@ -108,7 +111,8 @@ class EngineClient:
     def _route(self, adapter: str, placement: tuple[int, ...]) -> Replica:
         allowed = set(placement) if placement else None
         live = [r.view() for r in self.replicas
-                if r.up and r.conn.writable and (allowed is None or r.index in allowed)]
+                if r.up and r.conn.writable and (allowed is None or r.index in allowed)
+                and (not adapter or self._replayed(r.index, r.conn.instance_id))]
         choice = choose(live, adapter, self.spill_waiting)
         if choice is None:
             if not self.up:

@@ -13,6 +13,7 @@ from loramux_core.gc_heap import freeze_heap
 from loramux_core.options import (OneLineErrors, Option, add_options, given, non_negative_float,
                                   positive_float, positive_int)
 from services.common import grpc_server, replicas, service_args, tls
+from services.common.bind_errors import BindError, bind_flag
 from services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -132,18 +133,23 @@ async def serve(args) -> int:
                             adapter_roots=AdapterRoots(roots) if roots else None)
     max_len = ModelConfig.from_dir(args.model).max_position_embeddings
     metrics = GatewayMetrics(args.metrics_max_adapters)
-    metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
+    with bind_flag("--metrics-port", f"{args.metrics_host}:{args.metrics_port}"):
+        metrics_port = (metrics.serve(args.metrics_port, args.metrics_host)
+                        if args.metrics_port >= 0 else -1)
+    table = AdapterTable(args.table_address, keys=args.keys)
     engine = EngineClient(args.engines, max_inflight=args.max_inflight,
                           heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys,
-                          spill_waiting=args.spill_waiting, on_route=metrics.route)
-    table = AdapterTable(args.table_address, keys=args.keys)
+                          spill_waiting=args.spill_waiting, on_route=metrics.route,
+                          replayed=table.replayed)
     metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
-    address = grpc_server.bind(server, args.listen, args.tls)
-    http = _http_server(args, servicer, table) if args.http_port > 0 else None
+    with bind_flag("--listen", args.listen):
+        address = grpc_server.bind(server, args.listen, args.tls)
+    with bind_flag("--http-port", f"{args.listen.rsplit(':', 1)[0]}:{args.http_port}"):
+        http = _http_server(args, servicer, table) if args.http_port > 0 else None
     await engine.start()
     await table.start()
     await server.start()
@@ -183,4 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except BindError as err:  # one line naming the flag, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -121,6 +121,9 @@ class AsyncAdminClient:
     async def get(self, name: str) -> admin_pb2.Adapter:
         return (await self._call("GetAdapter", admin_pb2.GetAdapterRequest(name=name))).adapter
 
+    async def status(self) -> list[admin_pb2.ReplicaStatus]:
+        return list((await self._call("GetStatus", admin_pb2.GetStatusRequest())).replicas)
+
     async def list(self, page_size: int = 0) -> list[admin_pb2.Adapter]:
         out, token = [], ""
         while True:

@@ -50,6 +50,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _control_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--control", default=os.environ.get("LORAMUX_CONTROL", DEFAULT_CONTROL))
+    p.add_argument("--token", default=os.environ.get("LORAMUX_ADMIN_TOKEN"),
+                   help="bearer token (default: $LORAMUX_ADMIN_TOKEN)")
+    tls.add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="loramux", description="loramux client and launcher")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -70,10 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_arguments(g)
 
     a = sub.add_parser("adapters", help="manage adapters on the control plane")
-    a.add_argument("--control", default=os.environ.get("LORAMUX_CONTROL", DEFAULT_CONTROL))
-    a.add_argument("--token", default=os.environ.get("LORAMUX_ADMIN_TOKEN"),
-                   help="bearer token (default: $LORAMUX_ADMIN_TOKEN)")
-    tls.add_arguments(a)
+    _control_arguments(a)
     asub = a.add_subparsers(dest="action", required=True)
     reg = asub.add_parser("register")
     reg.add_argument("name")
@@ -90,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
         asub.add_parser(action).add_argument("name")
     lst = asub.add_parser("list")
     lst.add_argument("--page-size", type=_int_in(0, _INT32, "must be >= 0"), default=0)
+
+    st = sub.add_parser("status", help="each engine replica's state, from the control plane")
+    _control_arguments(st)
+    st.add_argument("--json", action="store_true", help="every field, as JSON")
 
     s = sub.add_parser("serve", help="run control plane, engine and gateway on this machine",
                        add_help=False)
@@ -145,6 +153,25 @@ def run_adapters(args) -> int:
     return 0
 
 
+def run_status(args) -> int:
+    """One line per replica ("replica 1  restarting  no heartbeat for 2 s  restarts 1"),
+    or every field as JSON."""
+    from loramux.client import AdminClient
+    from loramux.v1 import adapter_admin_pb2 as admin_pb2
+
+    with AdminClient(args.control, token=args.token, tls=tls.from_args(args)) as admin:
+        replicas = admin.status()
+    if args.json:
+        print(json.dumps([_adapter_json(r) for r in replicas], indent=2))
+        return 0
+    for r in replicas:
+        state = admin_pb2.ReplicaState.Name(r.state).removeprefix("REPLICA_STATE_").lower()
+        progress = f"  {r.progress:.0%}" if r.state == admin_pb2.REPLICA_STATE_WARMING_UP else ""
+        detail = f"  {r.detail}" if r.detail else ""
+        print(f"replica {r.replica}  {state}{progress}{detail}  restarts {r.restarts}")
+    return 0
+
+
 SERVE_MODULE = "services.serve"  # the server package's launcher, run as `python -m`
 
 
@@ -175,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "status":
+            return run_status(args)
         return run_adapters(args)
     except LoramuxError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -175,6 +175,10 @@ class AdminClient:
     def get(self, name: str) -> admin_pb2.Adapter:
         return self._call("GetAdapter", admin_pb2.GetAdapterRequest(name=name)).adapter
 
+    def status(self) -> list[admin_pb2.ReplicaStatus]:
+        """Every engine replica's state (starting, warming up, serving, restarting, failed)."""
+        return list(self._call("GetStatus", admin_pb2.GetStatusRequest()).replicas)
+
     def list(self, page_size: int = 0) -> list[admin_pb2.Adapter]:
         """Every adapter, following the pages."""
         out, token = [], ""

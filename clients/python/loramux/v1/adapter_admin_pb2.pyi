@@ -20,6 +20,15 @@ class Residency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESIDENCY_DEVICE: _ClassVar[Residency]
     RESIDENCY_HOST: _ClassVar[Residency]
     RESIDENCY_DISK: _ClassVar[Residency]
+
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    REPLICA_STATE_STARTING: _ClassVar[ReplicaState]
+    REPLICA_STATE_WARMING_UP: _ClassVar[ReplicaState]
+    REPLICA_STATE_SERVING: _ClassVar[ReplicaState]
+    REPLICA_STATE_RESTARTING: _ClassVar[ReplicaState]
+    REPLICA_STATE_FAILED: _ClassVar[ReplicaState]
 ADAPTER_STATE_UNSPECIFIED: AdapterState
 ADAPTER_STATE_REGISTERED: AdapterState
 ADAPTER_STATE_LOADED: AdapterState
@@ -28,6 +37,12 @@ RESIDENCY_UNSPECIFIED: Residency
 RESIDENCY_DEVICE: Residency
 RESIDENCY_HOST: Residency
 RESIDENCY_DISK: Residency
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+REPLICA_STATE_STARTING: ReplicaState
+REPLICA_STATE_WARMING_UP: ReplicaState
+REPLICA_STATE_SERVING: ReplicaState
+REPLICA_STATE_RESTARTING: ReplicaState
+REPLICA_STATE_FAILED: ReplicaState
 
 class Adapter(_message.Message):
     __slots__ = ("name", "path", "state", "residency", "pinned", "rank", "target_modules", "id", "in_flight_requests", "loads", "evictions", "slot", "replicas")
@@ -182,3 +197,35 @@ class ListAdaptersResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
     next_page_token: str
     def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica", "state", "detail", "progress", "eta_s", "since_s", "instance_id", "restarts", "in_flight_requests")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    SINCE_S_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    state: ReplicaState
+    detail: str
+    progress: float
+    eta_s: float
+    since_s: float
+    instance_id: str
+    restarts: int
+    in_flight_requests: int
+    def __init__(self, replica: _Optional[int] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., detail: _Optional[str] = ..., progress: _Optional[float] = ..., eta_s: _Optional[float] = ..., since_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., restarts: _Optional[int] = ..., in_flight_requests: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...

@@ -86,6 +86,11 @@ class AdapterAdminServiceStub:
                 request_serializer=loramux_dot_v1_dot_adapter__admin__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=loramux_dot_v1_dot_adapter__admin__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/loramux.v1.AdapterAdminService/GetStatus',
+                request_serializer=loramux_dot_v1_dot_adapter__admin__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=loramux_dot_v1_dot_adapter__admin__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
 
 
 class AdapterAdminServiceServicer:
@@ -160,6 +165,13 @@ class AdapterAdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """GetStatus: the state of every engine replica, as this control plane sees it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdapterAdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +214,11 @@ def add_AdapterAdminServiceServicer_to_server(servicer, server):
                     servicer.ListAdapters,
                     request_deserializer=loramux_dot_v1_dot_adapter__admin__pb2.ListAdaptersRequest.FromString,
                     response_serializer=loramux_dot_v1_dot_adapter__admin__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=loramux_dot_v1_dot_adapter__admin__pb2.GetStatusRequest.FromString,
+                    response_serializer=loramux_dot_v1_dot_adapter__admin__pb2.GetStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -432,6 +449,33 @@ class AdapterAdminService:
             '/loramux.v1.AdapterAdminService/ListAdapters',
             loramux_dot_v1_dot_adapter__admin__pb2.ListAdaptersRequest.SerializeToString,
             loramux_dot_v1_dot_adapter__admin__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramux.v1.AdapterAdminService/GetStatus',
+            loramux_dot_v1_dot_adapter__admin__pb2.GetStatusRequest.SerializeToString,
+            loramux_dot_v1_dot_adapter__admin__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
