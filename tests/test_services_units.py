@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,32 @@ def test_registry_survives_reopen(tmp_path):
     assert (b.name, b.rank, b.target_modules) == ("b", 8, ("q_proj",))
     assert [r.name for r in reg.page("a", 10)] == ["b"]
     assert reg.delete("a") and not reg.delete("a") and reg.get("a") is None
+
+
+def test_registry_deferred_writes_are_committed_by_flush(tmp_path):
+    """A batch's writes are seen at once and reach the file in one flush, as the
+    records are then: a later direct write of a name wins, a deleted name stays gone."""
+    db = str(tmp_path / "r.sqlite")
+    reg = Registry(db)
+    reg.put(AdapterRecord("a", "/x/a"), defer=True)
+    reg.put(AdapterRecord("b", "/x/b"), defer=True)
+    reg.put(AdapterRecord("c", "/x/c"), defer=True)
+    assert [r.name for r in reg.all()] == ["a", "b", "c"]
+
+    def on_disk():
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            return dict(con.execute("SELECT name, state FROM adapters"))
+    assert on_disk() == {}
+    reg.put(reg.get("b").evolve(state=pb.ADAPTER_STATE_LOADED))   # direct: written now
+    reg.put(reg.get("a").evolve(state=pb.ADAPTER_STATE_LOADED), defer=True)
+    reg.delete("c")
+    assert on_disk() == {"b": pb.ADAPTER_STATE_LOADED}
+    reg.flush()
+    assert on_disk() == {"a": pb.ADAPTER_STATE_LOADED, "b": pb.ADAPTER_STATE_LOADED}
+    reg.flush()  # nothing deferred: nothing written
+    reg.close()
+    assert [(r.name, r.state) for r in Registry(db).all()] == [
+        ("a", pb.ADAPTER_STATE_LOADED), ("b", pb.ADAPTER_STATE_LOADED)]
 
 
 def test_adapter_roots(tmp_path):

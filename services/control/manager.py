@@ -10,6 +10,7 @@ call. Errors are AdminError(status code, message)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 
 import grpc
@@ -28,6 +29,13 @@ from services.control.table_publisher import TablePublisher
 _K = engine_pb2.AdapterCommandKind
 REGISTERED, LOADED, UNLOADING = (pb.ADAPTER_STATE_REGISTERED, pb.ADAPTER_STATE_LOADED,
                                  pb.ADAPTER_STATE_UNLOADING)
+# Items of one LoadAdapters batch in flight at once: enough to keep every engine reader and
+# the validation threads busy, few enough that one batch leaves room for other calls.
+BATCH_PARALLEL = 64
+# Set inside a batch: its registry writes are committed together when it ends.
+_in_batch: contextvars.ContextVar[bool] = contextvars.ContextVar("in_batch", default=False)
+# LoadAdapters item: (name, path or None, pinned or None, replicas)
+LoadItem = tuple[str, "str | None", "bool | None", "list[int] | None"]
 # Validator: path inside the roots -> (rank, target modules, sha256 version); raises
 # loramux_core.errors.AdapterError (AdapterPathError: outside the roots or through a link).
 Validator = Callable[[str], tuple[int, tuple[str, ...], str]]
@@ -90,7 +98,7 @@ class AdapterManager:
         return () if len(chosen) == len(self.links) else chosen
 
     def _save(self, rec: AdapterRecord) -> AdapterRecord:
-        rec = self.registry.put(rec)
+        rec = self.registry.put(rec, defer=_in_batch.get())
         self.table.publish_later(self.registry.all)
         return rec
 
@@ -163,6 +171,30 @@ class AdapterManager:
                     self.registry.delete(name)
                     self.table.publish_later(self.registry.all)
                 raise
+
+    async def load_many(self, items: list[LoadItem]) -> list[AdapterRecord | AdminError]:
+        """Each item loaded as `load` would (BATCH_PARALLEL at a time; items of one name
+        in order, as concurrent calls would be): its record, or the AdminError that
+        refused it alone. The registry writes of the whole batch are committed once,
+        before this returns."""
+        gate = asyncio.Semaphore(BATCH_PARALLEL)
+
+        async def one(item: LoadItem):
+            async with gate:
+                try:
+                    return await self.load(*item)
+                except AdminError as err:
+                    return err
+                except Exception as err:  # noqa: BLE001 - one item's failure stays its own
+                    self._log.exception("batch_item_failed", adapter=item[0])
+                    return AdminError(grpc.StatusCode.INTERNAL,
+                                      f"loading adapter {item[0]!r} failed: {err}")
+        token = _in_batch.set(True)
+        try:
+            return list(await asyncio.gather(*(one(i) for i in items)))
+        finally:
+            _in_batch.reset(token)
+            self.registry.flush()
 
     async def _load(self, rec: AdapterRecord, pinned: bool, fresh: bool,
                     placement: tuple[int, ...]) -> AdapterRecord:

@@ -182,3 +182,25 @@ class ListAdaptersResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
     next_page_token: str
     def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class LoadAdaptersRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[LoadAdapterRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[LoadAdapterRequest, _Mapping]]] = ...) -> None: ...
+
+class LoadAdapterResult(_message.Message):
+    __slots__ = ("code", "message", "adapter")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    adapter: Adapter
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class LoadAdaptersResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LoadAdapterResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[LoadAdapterResult, _Mapping]]] = ...) -> None: ...
