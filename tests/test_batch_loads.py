@@ -8,9 +8,12 @@ than host copies (max_cpu_loras): the later loads are lazy, as a single load wou
 (How fast is measured in benchmarks/bench_admin_loads.py, never asserted here.)"""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -136,3 +139,13 @@ def test_a_malformed_batch_is_refused_whole(cluster):
     assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
     with AdminClient(cluster.control_address) as admin:
         assert not any(a.name.startswith("x") for a in admin.list())
+
+
+def test_cli_load_many_reads_a_list_and_says_each_status(cluster):
+    lines = "# name path\nc0 d0\n\nc1 d1\nbad bad\n"
+    out = subprocess.run([sys.executable, "-m", "loramux.cli", "adapters", "--control",
+                          cluster.control_address, "load-many", "-"], input=lines,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    got = {r["name"]: r["code"] for r in json.loads(out.stdout)}
+    assert got == {"c0": "OK", "c1": "OK", "bad": "INVALID_ARGUMENT"}

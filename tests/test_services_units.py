@@ -3,6 +3,7 @@ adapter path policy, names, sampling conversion, the client package without torc
 generated-code staleness check, the CLI parser, and the demo model against HF + PEFT."""
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sqlite3
@@ -62,6 +63,38 @@ def test_registry_deferred_writes_are_committed_by_flush(tmp_path):
     reg.close()
     assert [(r.name, r.state) for r in Registry(db).all()] == [
         ("a", pb.ADAPTER_STATE_LOADED), ("b", pb.ADAPTER_STATE_LOADED)]
+
+
+def test_group_commit_answers_only_after_the_commit_and_shares_it(tmp_path):
+    """Calls that defer their writes return only when those are on disk; calls finishing
+    together share one commit; outside `deferring` writes go to disk at once."""
+    from services.control.group_commit import GroupCommit
+
+    db = str(tmp_path / "r.sqlite")
+    reg, flushes = Registry(db), []
+    flush = reg.flush
+    reg.flush = lambda: (flushes.append(1), flush())
+    group = GroupCommit(reg)
+
+    def on_disk():
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            return {n for (n,) in con.execute("SELECT name FROM adapters")}
+
+    async def call(name):
+        async with group.deferring():
+            async with group.deferring():   # nested: committed once, by the outer one
+                reg.put(AdapterRecord(name, "/x"), defer=group.active())
+                await asyncio.sleep(0)
+            assert name not in on_disk()
+        assert name in on_disk()
+
+    async def go():
+        await asyncio.gather(*(call(f"n{i}") for i in range(8)))
+    asyncio.run(go())
+    assert on_disk() == {f"n{i}" for i in range(8)} and len(flushes) < 8
+    assert not group.active()
+    reg.put(AdapterRecord("direct", "/x"), defer=group.active())
+    assert "direct" in on_disk()
 
 
 def test_adapter_roots(tmp_path):

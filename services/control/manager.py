@@ -10,7 +10,6 @@ call. Errors are AdminError(status code, message)."""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 from collections.abc import Callable
 
 import grpc
@@ -21,6 +20,7 @@ from loramux_core.file_digest import FINGERPRINT_PREFIX
 from loramux_core.v1 import engine_pb2
 from services.common.messages import bounded
 from services.control.engine_link import EngineLink, EngineUnavailable
+from services.control.group_commit import GroupCommit
 from services.control.locks import AdminLocks
 from services.control.paths import AdapterRoots, PathRefused, check_name
 from services.control.registry import AdapterRecord, Registry
@@ -32,8 +32,6 @@ REGISTERED, LOADED, UNLOADING = (pb.ADAPTER_STATE_REGISTERED, pb.ADAPTER_STATE_L
 # Items of one LoadAdapters batch in flight at once: enough to keep every engine reader and
 # the validation threads busy, few enough that one batch leaves room for other calls.
 BATCH_PARALLEL = 64
-# Set inside a batch: its registry writes are committed together when it ends.
-_in_batch: contextvars.ContextVar[bool] = contextvars.ContextVar("in_batch", default=False)
 # LoadAdapters item: (name, path or None, pinned or None, replicas)
 LoadItem = tuple[str, "str | None", "bool | None", "list[int] | None"]
 # Validator: path inside the roots -> (rank, target modules, sha256 version); raises
@@ -71,6 +69,7 @@ class AdapterManager:
         self.checker = checker
         self.links, self.table = links, table
         self._locks = AdminLocks()
+        self._group = GroupCommit(registry)  # loads' registry writes: one commit per turn
         self._log = structlog.get_logger().bind(component="adapters")
 
     def require(self, name: str) -> AdapterRecord:
@@ -98,7 +97,7 @@ class AdapterManager:
         return () if len(chosen) == len(self.links) else chosen
 
     def _save(self, rec: AdapterRecord) -> AdapterRecord:
-        rec = self.registry.put(rec, defer=_in_batch.get())
+        rec = self.registry.put(rec, defer=self._group.active())
         self.table.publish_later(self.registry.all)
         return rec
 
@@ -156,7 +155,14 @@ class AdapterManager:
                    replicas: list[int] | None = None) -> AdapterRecord:
         """Register (when `path` is given) and load on `replicas` (None: every replica, or
         the placement a loaded adapter has). `pinned` None keeps the record's pin. A
-        refused load changes nothing: a name registered by this call is forgotten."""
+        refused load changes nothing: a name registered by this call is forgotten. Its
+        registry writes are committed before it returns, in one transaction with those
+        of the loads that finish beside it (services/control/group_commit.py)."""
+        async with self._group.deferring():
+            return await self._load_one(name, path, pinned, replicas)
+
+    async def _load_one(self, name: str, path: str | None, pinned: bool | None,
+                        replicas: list[int] | None) -> AdapterRecord:
         async with self._locks.name(name):
             placement = self.placement(replicas)
             before = self.registry.get(name)
@@ -189,12 +195,8 @@ class AdapterManager:
                     self._log.exception("batch_item_failed", adapter=item[0])
                     return AdminError(grpc.StatusCode.INTERNAL,
                                       f"loading adapter {item[0]!r} failed: {err}")
-        token = _in_batch.set(True)
-        try:
+        async with self._group.deferring():
             return list(await asyncio.gather(*(one(i) for i in items)))
-        finally:
-            _in_batch.reset(token)
-            self.registry.flush()
 
     async def _load(self, rec: AdapterRecord, pinned: bool, fresh: bool,
                     placement: tuple[int, ...]) -> AdapterRecord:
