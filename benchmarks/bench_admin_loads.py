@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("calls", "batch", "both"), default="both")
     p.add_argument("--streams", type=int, default=8, help="S live decode streams")
     p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="host copies (default: N + 8, every load read in full)")
+                   help="host copies (default: the engine's own sizing; loads past the host "
+                        "tier are registered lazily, as in service)")
     p.add_argument("--window", type=float, default=None, help="seconds of decode before loads")
     p.add_argument("--out", default=None, help="directory for the JSON result")
     return p.parse_args(argv)
@@ -76,11 +77,11 @@ def cluster_config(tmp: Path, model: Path, root: Path, args):
     from services.launcher import ClusterConfig
 
     device = ("--device", "cpu", "--dtype", "float32") if args.tiny else ("--dtype", "bfloat16")
-    cpu_loras = args.max_cpu_loras or args.adapters + 8
+    cpu_loras = ("--max-cpu-loras", str(args.max_cpu_loras)) if args.max_cpu_loras else ()
     return ClusterConfig(
         model=str(model), adapter_roots=(str(root),), workdir=str(tmp / "run"),
         engine_args=(*device, "--load-format", "dummy", "--max-lora-rank", "16",
-                     "--max-loras", "8", "--max-cpu-loras", str(cpu_loras),
+                     "--max-loras", "8", *cpu_loras,
                      "--max-num-seqs", str(max(16, args.streams)), "--max-model-len", "4096"),
         env={"OMP_NUM_THREADS": "2"} if args.tiny else {})
 
@@ -242,6 +243,7 @@ def main(argv=None) -> int:
         finally:
             cluster.close()
     result = {"tiny": args.tiny, "concurrency": args.concurrency, "batch": args.batch,
+              "max_cpu_loras": args.max_cpu_loras,
               "streams": args.streams, "distinct_files": args.distinct, "rows": rows}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
