@@ -184,14 +184,17 @@ def run_mode(mode: str, cluster, names: list[str], streams: Streams, args) -> di
             "decode_slowdown": None if ratio is None else round(ratio, 3)}
 
 
-def warm_up(control: str, path: str) -> None:
-    """One load and unload first: the engine starts its loader processes at its first read
-    (on the CPU), which is start-up, not the cost of a load."""
+def warm_up(control: str, paths: list[str]) -> None:
+    """A few loads at once and their unloads first: on the CPU the engine starts each
+    loader process at the first read that needs it (a second's start-up, not the cost of
+    a load; on CUDA they are started ahead)."""
     from loramux import AdminClient
 
     with AdminClient(control, timeout=600) as admin:
-        admin.load("warm-up", path)
-        admin.unload("warm-up")
+        names = [f"warm-up-{i}" for i in range(len(paths))]
+        admin.load_many(list(zip(names, paths)))
+        for name in names:
+            admin.unload(name)
 
 
 def unload_all(control: str, prefix: str) -> None:
@@ -229,7 +232,7 @@ def main(argv=None) -> int:
             cluster.start()
             cluster.wait_ready(timeout_s=900)
             wait_serving(cluster.gateway_address, timeout_s=900)
-            warm_up(cluster.control_address, names[0])
+            warm_up(cluster.control_address, names[:8])
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             streams = Streams(cluster.gateway_address, args.streams, vocab)
             try:
