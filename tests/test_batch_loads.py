@@ -149,3 +149,17 @@ def test_cli_load_many_reads_a_list_and_says_each_status(cluster):
     assert out.returncode == 1, out.stderr
     got = {r["name"]: r["code"] for r in json.loads(out.stdout)}
     assert got == {"c0": "OK", "c1": "OK", "bad": "INVALID_ARGUMENT"}
+
+
+def test_async_client_load_many(cluster):
+    import asyncio
+
+    from loramux.aio import AsyncAdminClient
+
+    async def go():
+        async with AsyncAdminClient(cluster.control_address) as admin:
+            return await admin.load_many([("e0", "d2"), {"name": "e1", "path": "nowhere"}])
+    ok, missing = asyncio.run(go())
+    assert (ok.name, ok.code, ok.adapter.state) == ("e0", grpc.StatusCode.OK,
+                                                   pb.ADAPTER_STATE_LOADED)
+    assert missing.name == "e1" and missing.code != grpc.StatusCode.OK and missing.adapter is None
