@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
+from engine.lora.base_copies import BaseLayers
 from engine.lora.weights import check_lora
 from loramux_core.adapter.plan import PlanCache
 from engine.lora.host_buffers import HostBufferPool, shared_memory_pins
@@ -141,11 +142,12 @@ def adapter_reader(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
     """(path, expected version) -> this rank's LoRAWeights (in a buffer from `buffers`),
     read inside the adapter roots, on the calling thread."""
     roots = AdapterRoots(config.adapter_roots) if config.adapter_roots else None
+    base = BaseLayers(config.model, mc.tie_word_embeddings)
 
     def read(path: str, version: str | None):
         return load_lora(path, mc, config.max_lora_rank, tp=tp, dtype=config.torch_dtype,
                          roots=roots, expected_version=version, buffers=buffers,
-                         plan_cache=plans)
+                         plan_cache=plans, base_layers=base)
     return read
 
 

@@ -19,6 +19,7 @@ _CORPUS = (
 _SPECIALS = ("<s>", "</s>", "<pad>")
 _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEMO_ADAPTERS = ("demo-a", "demo-b")
+SERVED_NAME = "loramux-demo"  # the demo model's name in the HTTP API (not its path)
 DEMO_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

@@ -211,6 +211,10 @@ def cluster_config(args, plan: Plan):
     tp = engine.pop("tp_size", 1)
     shared = {k: engine[k] for k in ("max_lora_rank",) if k in engine}  # control checks it too
     heartbeat = {k: args.gateway[k] for k in ("heartbeat_timeout",) if k in args.gateway}
+    gateway = dict(args.gateway)
+    if plan.demo:
+        from services.demo_model import SERVED_NAME
+        gateway.setdefault("served_model_name", SERVED_NAME)
     return ClusterConfig(
         model=plan.model, adapter_roots=plan.adapter_roots, workdir=plan.workdir,
         host=args.host, gateway_port=args.gateway_port, control_port=args.control_port,
@@ -218,6 +222,6 @@ def cluster_config(args, plan: Plan):
         auth_token=args.auth_token, tensor_parallel_size=tp, replicas=args.replicas,
         shutdown_grace_s=args.shutdown_grace,
         engine_args=tuple(to_argv(engine, ENGINE_OPTIONS)),
-        gateway_args=tuple(to_argv(args.gateway, GATEWAY_OPTIONS)) + tls_flags(args),
+        gateway_args=tuple(to_argv(gateway, GATEWAY_OPTIONS)) + tls_flags(args),
         control_args=tuple(to_argv(shared, ENGINE_OPTIONS) + to_argv(heartbeat, GATEWAY_OPTIONS))
         + tls_flags(args))

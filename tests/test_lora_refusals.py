@@ -142,14 +142,19 @@ def test_lora_embedding_keys(base, adapter):
     refused(base[0], adapter, "embedding", WEIGHTS)
 
 
-def test_saved_embedding_copy_refused(base, tmp_path):
-    """PEFT's default for an embed_tokens adapter also saves the whole embedding; a
-    replacement of the base weight is never silently ignored."""
-    d = make_adapter(tmp_path / "a", base[1], AdapterSpec(r=4, target_modules=("embed_tokens",)))
+def test_saved_base_layer_copies_refused(base, tmp_path):
+    """A full copy of a base layer is served only for embed_tokens and lm_head when the
+    adapter targets them (tests/test_base_layer_copies.py: their values); a copy of any
+    other layer, or of an end the adapter does not target, is refused by name."""
+    d = make_adapter(tmp_path / "a", base[1], AdapterSpec(r=4, target_modules=("q_proj",)))
     edit_tensors(d, lambda t: t.update({
-        "base_model.model.model.embed_tokens.base_layer.weight": torch.ones(384, 64)}))
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight": torch.ones(64, 64)}))
+    assert "q_proj.base_layer" in refused(base[0], d, "save_embedding_layers", WEIGHTS)
+    edit_tensors(d, lambda t: (
+        t.pop("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"),
+        t.update({"base_model.model.model.embed_tokens.base_layer.weight": torch.ones(384, 64)})))
     msg = refused(base[0], d, "save_embedding_layers", WEIGHTS)
-    assert "embed_tokens" in msg
+    assert "embed_tokens.base_layer" in msg and "target_modules does not select" in msg
 
 
 def test_end_target_shapes_checked(base, tmp_path):

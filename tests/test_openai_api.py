@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import openai
@@ -134,7 +135,8 @@ def client(server, admin):
 
 @pytest.fixture(scope="module")
 def base_model(files):
-    return files["model"]
+    """The base model's served name: its directory's name, never the path."""
+    return Path(files["model"]).name
 
 
 def _model_ids(base: str) -> set[str]:
@@ -166,6 +168,18 @@ def test_models_lists_base_and_loaded_adapters(server, admin, client, files, bas
         assert entry["root"] == os.path.realpath(os.path.join(files["adapters"], name))
         assert entry["object"] == "model" and entry["owned_by"] == "loramux"
     assert client.models.retrieve("a1").id == "a1"
+    assert not any(os.sep in m for m in models)  # names, no paths
+
+
+def test_base_model_by_name_and_by_its_path(client, files, base_model):
+    """`model` = the served name; the directory as given (the name served before) still
+    names the base model."""
+    by_name = client.completions.create(model=base_model, prompt=PROMPTS[0], max_tokens=6,
+                                        temperature=0.0)
+    by_path = client.completions.create(model=files["model"], prompt=PROMPTS[0], max_tokens=6,
+                                        temperature=0.0)
+    assert by_name.model == base_model and by_name.choices[0].text
+    assert by_path.choices[0].text == by_name.choices[0].text
 
 
 def test_models_follow_loads_and_unloads(server, admin):

@@ -17,7 +17,7 @@ from engine.server import main as engine_main
 from loramux_core.options import ENGINE_OPTIONS
 from services.gateway import main as gateway_main
 from services.launcher import Cluster
-from services.serve_args import cluster_config, files, parse_args
+from services.serve_args import Plan, cluster_config, files, parse_args
 from tests.support.tiny import TinySpec, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +90,21 @@ def test_nothing_given_forwards_nothing(model, tmp_path):
     assert engine_main.engine_config(args, {}) == EngineConfig(
         model=model, adapter_roots=c.cfg.adapter_roots)
     assert c.cfg.gateway_args == () and c.cfg.control_args == ()
+
+
+def test_the_base_model_is_served_under_a_name_not_a_path(model, tmp_path):
+    """The demo model's HTTP name is loramux-demo, a user's model its directory's name,
+    unless --served-model-name says otherwise (tests/test_openai_api.py: /v1/models)."""
+    def served(argv, demo):
+        args = parse_args(argv + ["--workdir", str(tmp_path)])
+        c = Cluster(cluster_config(args, Plan(model, (model,), str(tmp_path), demo)))
+        gw = gateway_main.build_parser().parse_args(_sub_args(c.command("gateway")))
+        vars(gw).update(gateway_main.given(gw, gateway_main.GATEWAY_OPTIONS))
+        return gw.served_model_name or gateway_main.served_name(gw.model)
+    assert served([], demo=True) == "loramux-demo"
+    assert served(["--served-model-name", "mine"], demo=True) == "mine"
+    assert served(["--model", model], demo=False) == "model"
+    assert gateway_main.served_name(model + "/") == "model"
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".toml"])

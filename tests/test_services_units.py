@@ -3,8 +3,10 @@ adapter path policy, names, sampling conversion, the client package without torc
 generated-code staleness check, the CLI parser, and the demo model against HF + PEFT."""
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +37,64 @@ def test_registry_survives_reopen(tmp_path):
     assert (b.name, b.rank, b.target_modules) == ("b", 8, ("q_proj",))
     assert [r.name for r in reg.page("a", 10)] == ["b"]
     assert reg.delete("a") and not reg.delete("a") and reg.get("a") is None
+
+
+def test_registry_deferred_writes_are_committed_by_flush(tmp_path):
+    """A batch's writes are seen at once and reach the file in one flush, as the
+    records are then: a later direct write of a name wins, a deleted name stays gone."""
+    db = str(tmp_path / "r.sqlite")
+    reg = Registry(db)
+    reg.put(AdapterRecord("a", "/x/a"), defer=True)
+    reg.put(AdapterRecord("b", "/x/b"), defer=True)
+    reg.put(AdapterRecord("c", "/x/c"), defer=True)
+    assert [r.name for r in reg.all()] == ["a", "b", "c"]
+
+    def on_disk():
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            return dict(con.execute("SELECT name, state FROM adapters"))
+    assert on_disk() == {}
+    reg.put(reg.get("b").evolve(state=pb.ADAPTER_STATE_LOADED))   # direct: written now
+    reg.put(reg.get("a").evolve(state=pb.ADAPTER_STATE_LOADED), defer=True)
+    reg.delete("c")
+    assert on_disk() == {"b": pb.ADAPTER_STATE_LOADED}
+    reg.flush()
+    assert on_disk() == {"a": pb.ADAPTER_STATE_LOADED, "b": pb.ADAPTER_STATE_LOADED}
+    reg.flush()  # nothing deferred: nothing written
+    reg.close()
+    assert [(r.name, r.state) for r in Registry(db).all()] == [
+        ("a", pb.ADAPTER_STATE_LOADED), ("b", pb.ADAPTER_STATE_LOADED)]
+
+
+def test_group_commit_answers_only_after_the_commit_and_shares_it(tmp_path):
+    """Calls that defer their writes return only when those are on disk; calls finishing
+    together share one commit; outside `deferring` writes go to disk at once."""
+    from services.control.group_commit import GroupCommit
+
+    db = str(tmp_path / "r.sqlite")
+    reg, flushes = Registry(db), []
+    flush = reg.flush
+    reg.flush = lambda: (flushes.append(1), flush())
+    group = GroupCommit(reg)
+
+    def on_disk():
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            return {n for (n,) in con.execute("SELECT name FROM adapters")}
+
+    async def call(name):
+        async with group.deferring():
+            async with group.deferring():   # nested: committed once, by the outer one
+                reg.put(AdapterRecord(name, "/x"), defer=group.active())
+                await asyncio.sleep(0)
+            assert name not in on_disk()
+        assert name in on_disk()
+
+    async def go():
+        await asyncio.gather(*(call(f"n{i}") for i in range(8)))
+    asyncio.run(go())
+    assert on_disk() == {f"n{i}" for i in range(8)} and len(flushes) < 8
+    assert not group.active()
+    reg.put(AdapterRecord("direct", "/x"), defer=group.active())
+    assert "direct" in on_disk()
 
 
 def test_adapter_roots(tmp_path):

@@ -65,6 +65,7 @@ def _reader(init: dict):
     the pool files are read into."""
     import torch
 
+    from engine.lora.base_copies import BaseLayers
     from engine.lora.host_buffers import HostBufferPool
     from engine.lora.weights import load_lora
     from engine.parallel import TPGroup
@@ -77,10 +78,12 @@ def _reader(init: dict):
     roots = AdapterRoots(init["roots"]) if init["roots"] else None
     tp, dtype = TPGroup(init["tp_rank"], init["tp_size"]), getattr(torch, init["dtype"])
     plans = PlanCache()
+    base = BaseLayers(init["model"], mc.tie_word_embeddings)
 
     def read(path: str, version: str | None, buffers):
         return load_lora(path, mc, init["max_lora_rank"], tp=tp, dtype=dtype, roots=roots,
-                         expected_version=version, buffers=buffers, plan_cache=plans)
+                         expected_version=version, buffers=buffers, plan_cache=plans,
+                         base_layers=base)
     return read, HostBufferPool().scratch
 
 

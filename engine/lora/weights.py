@@ -143,13 +143,16 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
               dtype: torch.dtype = torch.float32, roots=None,
               expected_version: str | None = None,
               buffers: HostBufferPool | None = None,
-              plan_cache: PlanCache | None = None) -> LoRAWeights:
+              plan_cache: PlanCache | None = None,
+              base_layers=None) -> LoRAWeights:
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors; below
     `roots` when given) into this rank's host layout, scaling folded into B, in a buffer
     from `buffers` (a private one when None). Raises AdapterError (feature, file) for
     anything that is not a plain LoRA fitting the model, or when the files' version is
     not `expected_version`; nothing is kept on error. `plan_cache`: what earlier plans of
-    this model derived from identical config and header bytes (loramux_core/adapter/plan.py)."""
+    this model derived from identical config and header bytes (loramux_core/adapter/plan.py).
+    `base_layers` (engine/lora/base_copies.py BaseLayers): checks the full copies of base
+    layers a file may hold; without it such a file is refused."""
     pool = buffers if buffers is not None else HostBufferPool()
     reads: list[HostBuffer] = []
 
@@ -158,6 +161,8 @@ def load_lora(path: str | Path, model_cfg, max_lora_rank: int, tp: TPGroup = TPG
         return memoryview(reads[-1].data.numpy())
     try:
         plan = plan_adapter(path, model_cfg, max_lora_rank, roots, alloc, cache=plan_cache)
+        if plan.base_copies:
+            _check_base_copies(plan, base_layers)
         # converted while the last chunks of the files still hash on other threads
         weights = weights_from_plan(plan, model_cfg, tp, dtype, pool)
         _check_version(plan, expected_version, path)
@@ -239,6 +244,14 @@ def check_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None,
     if expected_version and expected_version.startswith(FINGERPRINT_PREFIX):
         _check_version(plan, expected_version, path)
     return plan
+
+
+def _check_base_copies(plan: AdapterPlan, base_layers) -> None:
+    if base_layers is None:
+        raise AdapterError(f"tensor {plan.base_copies[0][1]!r} is a full copy of a base layer, "
+                           f"which this reader cannot compare with the base model",
+                           feature="save_embedding_layers", file=plan.weights_file)
+    base_layers.check(plan)
 
 
 def _check_version(plan: AdapterPlan, expected: str | None, path) -> None:

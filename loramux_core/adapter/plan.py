@@ -19,6 +19,7 @@ from functools import cached_property
 from pathlib import Path
 
 from loramux_core.adapter import expert_plan
+from loramux_core.adapter.base_copies import check_copies, copied_end, copies_bytes
 from loramux_core.adapter.config import (CONFIG_NAME, AdapterConfig, parse_adapter_config,
                                          read_config_bytes)
 from loramux_core.adapter.patterns import dotted_suffixes
@@ -49,8 +50,8 @@ _END_KEY = re.compile(r"^(?:base_model\.model\.)?(?:(?P<head>lm_head)\.lora_(?P<
 # Tensors of features we refuse, recognised by name: (regex searched in the key, feature, what).
 _REFUSED_KEYS = tuple((re.compile(p), f, w) for p, f, w in (
     (r"\.base_layer\.weight$", "save_embedding_layers",
-     "a full copy of a base layer (PEFT's save_embedding_layers; save the adapter with "
-     "save_embedding_layers=False to serve it over this base model)"),
+     "a full copy of a base layer (only copies of embed_tokens and lm_head, equal to the "
+     "base model's, are served)"),
     (r"lora_embedding_", "embedding", "LoRA on an embedding"),
     (r"embed_tokens", "embedding", "weights for the embedding"),
     (r"lm_head", "lm_head", "weights for the output head"),
@@ -108,6 +109,9 @@ class AdapterPlan:
     fingerprint: str = ""
     # the same as recorded before the fingerprint left out the ctime (still honoured)
     legacy_fingerprint: str = field(default="", repr=False, compare=False)
+    # ((end module, key), ...): full copies of base layers PEFT saved beside the end
+    # targets' LoRA; their values must be the base model's (loramux_core/adapter/base_copies.py)
+    base_copies: tuple[tuple[str, str], ...] = ()
 
     @cached_property
     def version(self) -> str:
@@ -198,7 +202,8 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
         config_key = bytes(config.data)
         params, targets = (find_targets() if cache is None
                            else cache.get(("targets", config_key), find_targets))
-        limit = max_weights_bytes(model_cfg, max_lora_rank)
+        limit = max_weights_bytes(model_cfg, max_lora_rank) + copies_bytes(
+            model_cfg, [m for layer, m in targets if layer == END_GROUP])
         if header_only:
             weights, (data, st) = None, d.read_head_stat(WEIGHTS_NAME, limit, MAX_HEADER_BYTES)
             size = st.st_size
@@ -209,19 +214,24 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
 
     def check_tensors():
         return _check_tensors(cfg, model_cfg, data, size, weights_file, params, targets)
-    shapes, modules = (check_tensors() if cache is None
-                       else cache.get(("tensors", config_key, head, size), check_tensors))
+    shapes, modules, copies = (check_tensors() if cache is None
+                               else cache.get(("tensors", config_key, head, size), check_tensors))
     files = () if weights is None else ((CONFIG_NAME, config), (WEIGHTS_NAME, weights))
     return AdapterPlan(cfg, weights_file, modules, data, shapes, files,
                        file_fingerprint(config.digest, head, st),
-                       file_fingerprint(config.digest, head, st, legacy=True))
+                       file_fingerprint(config.digest, head, st, legacy=True), copies)
 
 
 def _check_tensors(cfg: AdapterConfig, model_cfg, data, size: int, weights_file: str,
-                   params, targets) -> tuple[dict[str, TensorInfo], tuple[ModulePlan, ...]]:
-    """The checked header of the weights file and the plan of every module it wraps."""
+                   params, targets) -> tuple[dict[str, TensorInfo], tuple[ModulePlan, ...],
+                                             tuple[tuple[str, str], ...]]:
+    """The checked header of the weights file, the plan of every module it wraps and its
+    copies of base layers."""
     shapes = parse_header(data, weights_file, size)
-    found, found_experts = _index_keys(shapes, model_cfg, weights_file, cfg.use_dora)
+    copies = {copied_end(k): k for k in shapes if copied_end(k) is not None}
+    found, found_experts = _index_keys({k: v for k, v in shapes.items()
+                                        if k not in copies.values()},
+                                       model_cfg, weights_file, cfg.use_dora)
     modules = []
     for layer, module in targets:
         modules.append(_module_plan(cfg, model_cfg, layer, module, found, shapes, weights_file))
@@ -237,7 +247,7 @@ def _check_tensors(cfg: AdapterConfig, model_cfg, data, size: int, weights_file:
         raise AdapterError(f"tensor {key!r} is for {module_name(layer, module, model_cfg)}, which "
                            f"target_modules does not select", feature="tensor",
                            file=weights_file)
-    return shapes, tuple(modules)
+    return shapes, tuple(modules), check_copies(copies, shapes, targets, model_cfg, weights_file)
 
 
 def _check_weights_file(d: AdapterDir) -> str:

@@ -20,6 +20,7 @@ from loramux_core.file_digest import FINGERPRINT_PREFIX
 from loramux_core.v1 import engine_pb2
 from services.common.messages import bounded
 from services.control.engine_link import EngineLink, EngineUnavailable
+from services.control.group_commit import GroupCommit
 from services.control.locks import AdminLocks
 from services.control.paths import AdapterRoots, PathRefused, check_name
 from services.control.registry import AdapterRecord, Registry
@@ -28,6 +29,11 @@ from services.control.table_publisher import TablePublisher
 _K = engine_pb2.AdapterCommandKind
 REGISTERED, LOADED, UNLOADING = (pb.ADAPTER_STATE_REGISTERED, pb.ADAPTER_STATE_LOADED,
                                  pb.ADAPTER_STATE_UNLOADING)
+# Items of one LoadAdapters batch in flight at once: enough to keep every engine reader and
+# the validation threads busy, few enough that one batch leaves room for other calls.
+BATCH_PARALLEL = 64
+# LoadAdapters item: (name, path or None, pinned or None, replicas)
+LoadItem = tuple[str, "str | None", "bool | None", "list[int] | None"]
 # Validator: path inside the roots -> (rank, target modules, sha256 version); raises
 # loramux_core.errors.AdapterError (AdapterPathError: outside the roots or through a link).
 Validator = Callable[[str], tuple[int, tuple[str, ...], str]]
@@ -63,6 +69,7 @@ class AdapterManager:
         self.checker = checker
         self.links, self.table = links, table
         self._locks = AdminLocks()
+        self._group = GroupCommit(registry)  # loads' registry writes: one commit per turn
         self._log = structlog.get_logger().bind(component="adapters")
 
     def require(self, name: str) -> AdapterRecord:
@@ -90,7 +97,7 @@ class AdapterManager:
         return () if len(chosen) == len(self.links) else chosen
 
     def _save(self, rec: AdapterRecord) -> AdapterRecord:
-        rec = self.registry.put(rec)
+        rec = self.registry.put(rec, defer=self._group.active())
         self.table.publish_later(self.registry.all)
         return rec
 
@@ -148,7 +155,14 @@ class AdapterManager:
                    replicas: list[int] | None = None) -> AdapterRecord:
         """Register (when `path` is given) and load on `replicas` (None: every replica, or
         the placement a loaded adapter has). `pinned` None keeps the record's pin. A
-        refused load changes nothing: a name registered by this call is forgotten."""
+        refused load changes nothing: a name registered by this call is forgotten. Its
+        registry writes are committed before it returns, in one transaction with those
+        of the loads that finish beside it (services/control/group_commit.py)."""
+        async with self._group.deferring():
+            return await self._load_one(name, path, pinned, replicas)
+
+    async def _load_one(self, name: str, path: str | None, pinned: bool | None,
+                        replicas: list[int] | None) -> AdapterRecord:
         async with self._locks.name(name):
             placement = self.placement(replicas)
             before = self.registry.get(name)
@@ -163,6 +177,26 @@ class AdapterManager:
                     self.registry.delete(name)
                     self.table.publish_later(self.registry.all)
                 raise
+
+    async def load_many(self, items: list[LoadItem]) -> list[AdapterRecord | AdminError]:
+        """Each item loaded as `load` would (BATCH_PARALLEL at a time; items of one name
+        in order, as concurrent calls would be): its record, or the AdminError that
+        refused it alone. The registry writes of the whole batch are committed once,
+        before this returns."""
+        gate = asyncio.Semaphore(BATCH_PARALLEL)
+
+        async def one(item: LoadItem):
+            async with gate:
+                try:
+                    return await self.load(*item)
+                except AdminError as err:
+                    return err
+                except Exception as err:  # noqa: BLE001 - one item's failure stays its own
+                    self._log.exception("batch_item_failed", adapter=item[0])
+                    return AdminError(grpc.StatusCode.INTERNAL,
+                                      f"loading adapter {item[0]!r} failed: {err}")
+        async with self._group.deferring():
+            return list(await asyncio.gather(*(one(i) for i in items)))
 
     async def _load(self, rec: AdapterRecord, pinned: bool, fresh: bool,
                     placement: tuple[int, ...]) -> AdapterRecord:

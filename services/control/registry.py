@@ -1,7 +1,8 @@
 """The adapter registry: the control plane's desired state, persisted in SQLite.
 
-Every change is one committed transaction, so a control plane killed at any moment
-restarts with exactly the registry its last answered call left."""
+Every change is one committed transaction (a batch of loads: one for all its items,
+before it answers), so a control plane killed at any moment restarts with exactly the
+registry its last answered call left."""
 from __future__ import annotations
 
 import json
@@ -89,6 +90,7 @@ class Registry:
         self._records = {rec.name: rec for rec in map(_from_row, rows)}
         self._unloading = {n for n, r in self._records.items()
                            if r.state == pb.ADAPTER_STATE_UNLOADING}
+        self._deferred: set[str] = set()  # names whose row waits for `flush`
 
     def close(self) -> None:
         self._db.close()
@@ -107,13 +109,17 @@ class Registry:
         """The records in state UNLOADING (without looking at the others)."""
         return [self._records[n] for n in sorted(self._unloading)]
 
-    def put(self, rec: AdapterRecord) -> AdapterRecord:
-        """Insert or replace `rec` (one transaction); returns what was stored."""
+    def put(self, rec: AdapterRecord, defer: bool = False) -> AdapterRecord:
+        """Insert or replace `rec` (one transaction); returns what was stored. `defer`:
+        seen by readers at once, written by the next `flush` (one transaction for many:
+        a batch of loads commits once, not twice per adapter)."""
         rec = rec if rec.created_at else rec.evolve(created_at=time.time())
-        with self._db:
-            self._db.execute(
-                f"INSERT OR REPLACE INTO adapters ({','.join(_COLUMNS)}) "
-                f"VALUES ({','.join('?' * len(_COLUMNS))})", _to_row(rec))
+        if defer:
+            self._deferred.add(rec.name)
+        else:
+            self._deferred.discard(rec.name)
+            with self._db:
+                self._write(rec)
         self._records[rec.name] = rec
         if rec.state == pb.ADAPTER_STATE_UNLOADING:
             self._unloading.add(rec.name)
@@ -122,8 +128,33 @@ class Registry:
         return rec
 
     def delete(self, name: str) -> bool:
+        self._deferred.discard(name)
         with self._db:
             cur = self._db.execute("DELETE FROM adapters WHERE name = ?", (name,))
         self._records.pop(name, None)
         self._unloading.discard(name)
         return cur.rowcount > 0
+
+    def flush(self) -> None:
+        """Write every deferred record as it is now (a later write of the name may have
+        replaced it; a deleted one is gone) in one transaction."""
+        names, self._deferred = self._deferred, set()
+        if not names:
+            return
+        self._db.execute("BEGIN")
+        try:
+            for name in sorted(names):
+                rec = self._records.get(name)
+                if rec is None:
+                    self._db.execute("DELETE FROM adapters WHERE name = ?", (name,))
+                else:
+                    self._write(rec)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            self._deferred |= names
+            raise
+        self._db.execute("COMMIT")
+
+    def _write(self, rec: AdapterRecord) -> None:
+        self._db.execute(f"INSERT OR REPLACE INTO adapters ({','.join(_COLUMNS)}) "
+                         f"VALUES ({','.join('?' * len(_COLUMNS))})", _to_row(rec))

@@ -17,6 +17,7 @@ from services.control.manager import AdapterManager, AdminError
 from services.control.registry import AdapterRecord
 
 _DEFAULT_PAGE, _MAX_PAGE = 100, 1000
+_MAX_BATCH = 1000  # LoadAdapters items per call
 _RESIDENCY_ORDER = {pb.RESIDENCY_DEVICE: 0, pb.RESIDENCY_HOST: 1, pb.RESIDENCY_DISK: 2}
 
 
@@ -58,6 +59,7 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
         self.m = manager
         self.metrics = metrics  # services/control/metrics.py ControlMetrics, or None
         self.states = states    # services/control/replica_states.py ReplicaStates, or None
+        self._by_name: dict[int, tuple] = {}  # replica -> (its last event, name -> statuses)
 
     def to_proto(self, rec: AdapterRecord) -> pb.Adapter:
         """Registry record + what each replica last reported about this name: per replica,
@@ -69,7 +71,8 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
         live = []
         for index, link in enumerate(self.m.links):
             r = out.replicas.add(replica=index, up=link.up, placed=index in placed, slot=-1)
-            status = _engine_status(link.last_event, rec) if link.up else None
+            status = _engine_status(self._statuses(index, link.last_event), rec) \
+                if link.up else None
             if status is not None and rec.state != pb.ADAPTER_STATE_REGISTERED:
                 r.residency, r.slot, r.id = status.residency, status.slot, status.id
                 r.in_flight_requests = status.in_flight_requests
@@ -85,6 +88,18 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
             out.residency = pb.RESIDENCY_DISK
         return out
 
+    def _statuses(self, replica: int, ev: engine_pb2.EngineEvent) -> list:
+        """The statuses `ev` lists for each name, indexed once per event: answering a
+        batch of a thousand loads must not scan a thousand-adapter event a thousand
+        times."""
+        have = self._by_name.get(replica)
+        if have is None or have[0] is not ev:
+            index: dict[str, list] = {}
+            for a in ev.adapters:
+                index.setdefault(a.name, []).append(a)
+            have = self._by_name[replica] = (ev, index)
+        return have[1]
+
     @_admin_call
     async def RegisterAdapter(self, request, context):
         return pb.RegisterAdapterResponse(adapter=self.to_proto(
@@ -96,6 +111,22 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
         pinned = request.pinned if request.HasField("pinned") else None
         return pb.LoadAdapterResponse(adapter=self.to_proto(
             await self.m.load(request.name, path, pinned, list(request.replicas))))
+
+    @_admin_call
+    async def LoadAdapters(self, request, context):
+        if len(request.items) > _MAX_BATCH:
+            raise AdminError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{len(request.items)} items: at most {_MAX_BATCH} per LoadAdapters")
+        items = [(it.name, it.path if it.HasField("path") else None,
+                  it.pinned if it.HasField("pinned") else None, list(it.replicas))
+                 for it in request.items]
+        resp = pb.LoadAdaptersResponse()
+        for result in await self.m.load_many(items):
+            if isinstance(result, AdminError):
+                resp.results.add(code=result.code.value[0], message=str(result))
+            else:
+                resp.results.add(adapter=self.to_proto(result))
+        return resp
 
     @_admin_call
     async def UnloadAdapter(self, request, context):
@@ -138,9 +169,10 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
         return pb.GetStatusResponse(replicas=self.states.status())
 
 
-def _engine_status(ev: engine_pb2.EngineEvent, rec: AdapterRecord) -> engine_pb2.AdapterStatus | None:
-    """The engine's entry for this record's id; else its newest version of the name."""
-    same_name = [a for a in ev.adapters if a.name == rec.name]
+def _engine_status(by_name: dict, rec: AdapterRecord) -> engine_pb2.AdapterStatus | None:
+    """The engine's entry for this record's id; else its newest version of the name
+    (`by_name`: an event's statuses by name, AdapterAdminServicer._statuses)."""
+    same_name = by_name.get(rec.name, ())
     for a in same_name:
         if a.id == rec.adapter_id:
             return a

@@ -86,7 +86,7 @@ class OpenAIFront:
 
     async def adapter_for(self, model: str) -> str:
         """The adapter a `model` value names ("" for the base model), or 404."""
-        if model == self.model_name:
+        if model in (self.model_name, self.model_root):  # the path: what was served before
             return ""
         try:
             await self.table.resolve_current(model)

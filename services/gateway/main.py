@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
@@ -38,7 +39,8 @@ GATEWAY_OPTIONS = (
            "requests for adapters it holds go to another replica, even one that must load "
            "them first (default: 4)", env="LORAMUX_SPILL_WAITING", default=4),
     Option("served_model_name", "--served-model-name", str,
-           "the base model's name in the HTTP API (default: --model as given)",
+           "the base model's name in the HTTP API's `model` field and /v1/models "
+           "(default: the --model directory's name)",
            env="LORAMUX_SERVED_MODEL_NAME"),
     Option("metrics_max_adapters", "--metrics-max-adapters", positive_int,
            "distinct adapter label values in the gateway's metrics; later adapters count "
@@ -96,11 +98,17 @@ def _http_server(args, servicer, table):
     from services.gateway.http_api import OpenAIFront, build_app
     from services.gateway.http_server import HttpServer
 
-    front = OpenAIFront(servicer, table, model_name=args.served_model_name or args.model,
-                        model_root=args.model)
+    front = OpenAIFront(servicer, table, model_name=args.served_model_name
+                        or served_name(args.model), model_root=args.model)
     host = args.listen.rsplit(":", 1)[0].strip("[]")
     return HttpServer(build_app(front), host, args.http_port, token=args.auth_token,
                       max_body_bytes=args.max_message_bytes, tls=args.tls)
+
+
+def served_name(model: str) -> str:
+    """The base model's default name in the HTTP API: its directory's name, not the path
+    (a path tells clients about this machine, and changes when the files move)."""
+    return Path(model.rstrip("/")).name or model
 
 
 async def _drain(grace_s: float, engine, health, health_task, log) -> None:

@@ -150,12 +150,15 @@ def load_hf_model(model_dir: str | os.PathLike, dtype=torch.float32):
 
 
 def make_adapter(path: str | os.PathLike, model_dir: str | os.PathLike,
-                 spec: AdapterSpec = AdapterSpec(), **overrides) -> Path:
+                 spec: AdapterSpec = AdapterSpec(), *, save_embedding_layers=False,
+                 **overrides) -> Path:
     """Write a random PEFT LoRA adapter for the model at `model_dir` through peft itself.
 
     Both A and B are random (PEFT's default B=0 would make every adapter the identity).
-    `overrides` go to peft.LoraConfig as is, for writing adapters we must refuse
-    (use_dora, bias, modules_to_save, ...)."""
+    `save_embedding_layers`: PEFT's save option ("auto", its default, also writes the
+    whole base layer of a targeted embed_tokens or lm_head). `overrides` go to
+    peft.LoraConfig as is, for writing adapters we must refuse (use_dora, bias,
+    modules_to_save, ...)."""
     from peft import LoraConfig, get_peft_model
 
     path = Path(path)
@@ -180,8 +183,8 @@ def make_adapter(path: str | os.PathLike, model_dir: str | os.PathLike,
                 p.mul_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * spec.std)
-    # LoRA on embed_tokens: PEFT would also save the unchanged base embedding in full
-    peft_model.save_pretrained(path, safe_serialization=True, save_embedding_layers=False)
+    peft_model.save_pretrained(path, safe_serialization=True,
+                               save_embedding_layers=save_embedding_layers)
     return path
 
 

@@ -1,7 +1,10 @@
 """Builds Generate and admin requests from plain Python arguments (shared by both clients)."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+import grpc
 
 from loramux.v1 import adapter_admin_pb2, generate_pb2
 
@@ -56,6 +59,32 @@ def _set_sampling(req: generate_pb2.GenerateRequest, sampling: dict) -> None:
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """gRPC metadata carrying the admin bearer token (none when token is empty)."""
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class LoadResult(NamedTuple):
+    """One item of a batch load: `code` OK with the `adapter`, or the status that refused
+    this item alone and its `message`."""
+    name: str
+    code: grpc.StatusCode
+    message: str
+    adapter: adapter_admin_pb2.Adapter | None
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def load_many_request(items: Iterable) -> adapter_admin_pb2.LoadAdaptersRequest:
+    """A LoadAdaptersRequest of `items`: (name, path) pairs, or mappings of load_request's
+    arguments ({"name": ..., "path": ..., "pinned": ..., "replicas": ...})."""
+    return adapter_admin_pb2.LoadAdaptersRequest(items=[
+        load_request(**item) if isinstance(item, Mapping) else load_request(*item)
+        for item in items])
+
+
+def load_results(req, resp) -> list[LoadResult]:
+    return [LoadResult(item.name, _CODES.get(r.code, grpc.StatusCode.UNKNOWN), r.message,
+                       r.adapter if r.code == 0 else None)
+            for item, r in zip(req.items, resp.results)]
 
 
 def load_request(name: str, path: str | None = None, pinned: bool | None = None,

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--replica", type=int, action="append", dest="replicas", default=None,
                       help="engine replica (index) to place it on, repeatable; default: every "
                            "replica (or the placement it has)")
+    many = asub.add_parser("load-many", help="load many adapters in one LoadAdapters call")
+    many.add_argument("file", help="lines of `name path` ('-': standard input); each "
+                      "adapter gets its own status, one refused fails no other")
     for action in ("unload", "unregister", "pin", "unpin", "get"):
         asub.add_parser(action).add_argument("name")
     lst = asub.add_parser("list")
@@ -142,6 +145,11 @@ def run_adapters(args) -> int:
             out = _adapter_json(admin.register(args.name, args.path))
         elif act == "load":
             out = _adapter_json(admin.load(args.name, args.path, pinned=args.pinned, replicas=args.replicas))
+        elif act == "load-many":
+            results = admin.load_many(_load_items(args.file))
+            print(json.dumps([{"name": r.name, "code": r.code.name, "message": r.message}
+                              for r in results], indent=2))
+            return 0 if all(r.code.name == "OK" for r in results) else 1
         elif act == "unregister":
             admin.unregister(args.name)
             out = {"unregistered": args.name}
@@ -170,6 +178,19 @@ def run_status(args) -> int:
         detail = f"  {r.detail}" if r.detail else ""
         print(f"replica {r.replica}  {state}{progress}{detail}  restarts {r.restarts}")
     return 0
+
+
+def _load_items(file: str) -> list[tuple[str, str]]:
+    """(name, path) of each non-empty line `name path` of `file` ('-': stdin)."""
+    text = sys.stdin.read() if file == "-" else open(file, encoding="utf-8").read()
+    items = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            parts = line.split(None, 1)
+            if len(parts) != 2:
+                raise SystemExit(f"error: {file}:{number}: expected `name path`")
+            items.append((parts[0], parts[1].strip()))
+    return items
 
 
 SERVE_MODULE = "services.serve"  # the server package's launcher, run as `python -m`

@@ -8,7 +8,8 @@ import grpc
 from loramux import tls as _tls
 from loramux._channel import channel as open_channel
 from loramux._channel import status_details
-from loramux._request import auth_metadata, chat_request, generate_request, load_request
+from loramux._request import (LoadResult, auth_metadata, chat_request, generate_request,
+                              load_many_request, load_request, load_results)
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from loramux.v1 import adapter_admin_pb2_grpc as admin_grpc
 from loramux.v1 import generate_pb2, generate_pb2_grpc
@@ -159,6 +160,13 @@ class AdminClient:
         `replicas`: the engine replicas (indexes) to place it on, None: every one (or the
         placement it has)."""
         return self._call("LoadAdapter", load_request(name, path, pinned, replicas)).adapter
+
+    def load_many(self, items) -> list[LoadResult]:
+        """Load many adapters in one LoadAdapters call: `items` are (name, path) pairs or
+        mappings of load()'s arguments (at most 1000). Each item gets its own LoadResult,
+        in order: one refused adapter fails no other."""
+        req = load_many_request(items)
+        return load_results(req, self._call("LoadAdapters", req))
 
     def unload(self, name: str) -> admin_pb2.Adapter:
         return self._call("UnloadAdapter", admin_pb2.UnloadAdapterRequest(name=name)).adapter

@@ -229,3 +229,25 @@ class GetStatusResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class LoadAdaptersRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[LoadAdapterRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[LoadAdapterRequest, _Mapping]]] = ...) -> None: ...
+
+class LoadAdapterResult(_message.Message):
+    __slots__ = ("code", "message", "adapter")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    adapter: Adapter
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class LoadAdaptersResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LoadAdapterResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[LoadAdapterResult, _Mapping]]] = ...) -> None: ...

@@ -91,6 +91,11 @@ class AdapterAdminServiceStub:
                 request_serializer=loramux_dot_v1_dot_adapter__admin__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=loramux_dot_v1_dot_adapter__admin__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapters = channel.unary_unary(
+                '/loramux.v1.AdapterAdminService/LoadAdapters',
+                request_serializer=loramux_dot_v1_dot_adapter__admin__pb2.LoadAdaptersRequest.SerializeToString,
+                response_deserializer=loramux_dot_v1_dot_adapter__admin__pb2.LoadAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class AdapterAdminServiceServicer:
@@ -172,6 +177,16 @@ class AdapterAdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapters(self, request, context):
+        """LoadAdapters: many LoadAdapter calls in one (at most 1000 items). Each item is loaded
+        as LoadAdapter would load it, with the same guarantees, concurrently with the others,
+        and gets its own status: a refused item (a malformed adapter, a name in the wrong
+        state) fails no other. The call itself fails only for a malformed batch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdapterAdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -219,6 +234,11 @@ def add_AdapterAdminServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=loramux_dot_v1_dot_adapter__admin__pb2.GetStatusRequest.FromString,
                     response_serializer=loramux_dot_v1_dot_adapter__admin__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'LoadAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapters,
+                    request_deserializer=loramux_dot_v1_dot_adapter__admin__pb2.LoadAdaptersRequest.FromString,
+                    response_serializer=loramux_dot_v1_dot_adapter__admin__pb2.LoadAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +496,33 @@ class AdapterAdminService:
             '/loramux.v1.AdapterAdminService/GetStatus',
             loramux_dot_v1_dot_adapter__admin__pb2.GetStatusRequest.SerializeToString,
             loramux_dot_v1_dot_adapter__admin__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loramux.v1.AdapterAdminService/LoadAdapters',
+            loramux_dot_v1_dot_adapter__admin__pb2.LoadAdaptersRequest.SerializeToString,
+            loramux_dot_v1_dot_adapter__admin__pb2.LoadAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,259 @@
+"""AdapterAdmin loads at scale, through the real service (services/launcher.py Cluster:
+engine, control plane and gateway processes, real gRPC and ZMQ).
+
+N rank-16 adapters of the model's shape are loaded under new names with C concurrent
+LoadAdapter callers (`--mode calls`), and/or through LoadAdapters batches of B items
+(`--mode batch`), while S steady streams decode on the base model. Reported: loads per
+second, and the decode step time of the live streams (median and p90 gap between
+consecutive tokens of a stream) in a window before the loads and during them.
+
+On the GPU the model is Llama-3-8B-shaped with dummy weights (benchmarks/llama8b.py), 84 MB
+adapters; `--tiny` runs a tiny model on the CPU to check that the benchmark works. Only
+`--distinct` adapter files are written; the other directories hard-link them (a thousand
+84 MB files would not fit the disk; the loads are served from the page cache either way,
+and every name still gets its own id).
+
+    python benchmarks/bench_admin_loads.py --tiny
+    python benchmarks/bench_admin_loads.py --adapters 1000 --concurrency 16 --out results/admin
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.llama8b import LLAMA3_8B, write_adapter, write_model_dir  # noqa: E402
+
+TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            bos_token_id=1, eos_token_id=2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny model on the CPU")
+    p.add_argument("--adapters", type=int, default=None, help="N (default: 1000; tiny 120)")
+    p.add_argument("--distinct", type=int, default=16, help="distinct adapter files")
+    p.add_argument("--concurrency", type=int, default=16, help="C concurrent LoadAdapter calls")
+    p.add_argument("--batch", type=int, default=100, help="B items per LoadAdapters call")
+    p.add_argument("--mode", choices=("calls", "batch", "both"), default="both")
+    p.add_argument("--streams", type=int, default=8, help="S live decode streams")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="host copies (default: the engine's own sizing; loads past the host "
+                        "tier are registered lazily, as in service)")
+    p.add_argument("--window", type=float, default=None, help="seconds of decode before loads")
+    p.add_argument("--out", default=None, help="directory for the JSON result")
+    return p.parse_args(argv)
+
+
+def make_files(tmp: Path, args) -> tuple[Path, Path, list[str]]:
+    model = write_model_dir(tmp / "model", base=TINY if args.tiny else LLAMA3_8B)
+    root = tmp / "adapters"
+    firsts = [write_adapter(root / f"f{i}", model, rank=16, seed=i) for i in range(args.distinct)]
+    names = []
+    for i in range(args.adapters):
+        d = root / f"a{i}"
+        if i >= args.distinct:
+            d.mkdir()
+            for f in firsts[i % args.distinct].iterdir():
+                os.link(f, d / f.name)
+        else:
+            firsts[i].rename(d)
+            firsts[i] = d
+        names.append(d.name)
+    return model, root, names
+
+
+def cluster_config(tmp: Path, model: Path, root: Path, args):
+    from services.launcher import ClusterConfig
+
+    device = ("--device", "cpu", "--dtype", "float32") if args.tiny else ("--dtype", "bfloat16")
+    cpu_loras = ("--max-cpu-loras", str(args.max_cpu_loras)) if args.max_cpu_loras else ()
+    return ClusterConfig(
+        model=str(model), adapter_roots=(str(root),), workdir=str(tmp / "run"),
+        engine_args=(*device, "--load-format", "dummy", "--max-lora-rank", "16",
+                     "--max-loras", "8", *cpu_loras,
+                     "--max-num-seqs", str(max(16, args.streams)), "--max-model-len", "4096"),
+        env={"OMP_NUM_THREADS": "2"} if args.tiny else {})
+
+
+class Streams:
+    """S base-model streams that decode until stopped; every token's arrival time."""
+
+    def __init__(self, gateway: str, n: int, vocab: int):
+        from loramux import GenerateClient
+
+        self.client = GenerateClient(gateway)
+        self.stop = threading.Event()
+        self.times: list[list[float]] = [[] for _ in range(n)]
+        self.threads = [threading.Thread(target=self._run, args=(i, vocab), daemon=True)
+                        for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int, vocab: int) -> None:
+        prompt = [(7 * i + j) % (vocab - 3) + 3 for j in range(16)]
+        while not self.stop.is_set():
+            it = self.client.stream(prompt, max_tokens=4000, temperature=0.0, ignore_eos=True)
+            for resp in it:
+                self.times[i].extend([time.perf_counter()] * max(1, len(resp.token_ids)))
+                if self.stop.is_set():
+                    it.close()
+                    break
+
+    def gaps_ms(self, t0: float, t1: float) -> list[float]:
+        """Gaps between consecutive tokens of each stream that arrived within [t0, t1]."""
+        out = []
+        for ts in self.times:
+            inside = [t for t in ts if t0 <= t <= t1]
+            out += [(b - a) * 1e3 for a, b in zip(inside, inside[1:]) if b > a]
+        return out
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+        self.client.close()
+
+
+async def load_calls(control: str, names: list[str], prefix: str, concurrency: int) -> list[str]:
+    """LoadAdapter for every name by `concurrency` callers; the failures, as text."""
+    from loramux import LoramuxError
+    from loramux.aio import AsyncAdminClient
+
+    todo, failed = list(names), []
+    async with AsyncAdminClient(control) as admin:
+        async def caller():
+            while todo:
+                name = todo.pop()
+                try:
+                    await admin.load(f"{prefix}{name}", name)
+                except LoramuxError as err:
+                    failed.append(f"{name}: {err.code.name} {err.details}")
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return failed
+
+
+def load_batches(control: str, names: list[str], prefix: str, batch: int) -> list[str]:
+    """LoadAdapters of `batch` items at a time; the items that failed, as text."""
+    from loramux import AdminClient
+
+    failed = []
+    with AdminClient(control, timeout=600) as admin:
+        for i in range(0, len(names), batch):
+            items = [(f"{prefix}{n}", n) for n in names[i:i + batch]]
+            for result in admin.load_many(items):
+                if result.code.name != "OK":
+                    failed.append(f"{result.name}: {result.code.name} {result.message}")
+    return failed
+
+
+def summary(gaps: list[float]) -> dict:
+    if not gaps:
+        return {"median_ms": None, "p90_ms": None, "tokens": 0}
+    gaps = sorted(gaps)
+    return {"median_ms": round(statistics.median(gaps), 3),
+            "p90_ms": round(gaps[int(0.9 * (len(gaps) - 1))], 3), "tokens": len(gaps)}
+
+
+def run_mode(mode: str, cluster, names: list[str], streams: Streams, args) -> dict:
+    window = args.window or (3.0 if args.tiny else 5.0)
+    t0 = time.perf_counter()
+    time.sleep(window)
+    t1 = time.perf_counter()
+    if mode == "calls":
+        failed = asyncio.run(load_calls(cluster.control_address, names, "c-", args.concurrency))
+    else:
+        failed = load_batches(cluster.control_address, names, "b-", args.batch)
+    t2 = time.perf_counter()
+    before, during = summary(streams.gaps_ms(t0, t1)), summary(streams.gaps_ms(t1, t2))
+    ratio = (during["median_ms"] / before["median_ms"]
+             if before["median_ms"] and during["median_ms"] else None)
+    return {"mode": mode, "adapters": len(names), "seconds": round(t2 - t1, 3),
+            "loads_per_s": round(len(names) / (t2 - t1), 1), "failed": failed[:10],
+            "decode_before": before, "decode_during": during,
+            "decode_slowdown": None if ratio is None else round(ratio, 3)}
+
+
+def warm_up(control: str, paths: list[str]) -> None:
+    """A few loads at once and their unloads first: on the CPU the engine starts each
+    loader process at the first read that needs it (a second's start-up, not the cost of
+    a load; on CUDA they are started ahead)."""
+    from loramux import AdminClient
+
+    with AdminClient(control, timeout=600) as admin:
+        names = [f"warm-up-{i}" for i in range(len(paths))]
+        admin.load_many(list(zip(names, paths)))
+        for name in names:
+            admin.unload(name)
+
+
+def unload_all(control: str, prefix: str) -> None:
+    from loramux import AdminClient
+
+    with AdminClient(control, timeout=600) as admin:
+        for a in admin.list():
+            if a.name.startswith(prefix):
+                admin.unload(a.name)
+
+
+def table(rows: list[dict]) -> None:
+    print("\n| mode | adapters | s | loads/s | decode step before (median/p90 ms) | "
+          "during | slowdown | failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b, d = r["decode_before"], r["decode_during"]
+        print(f"| {r['mode']} | {r['adapters']} | {r['seconds']} | {r['loads_per_s']} | "
+              f"{b['median_ms']}/{b['p90_ms']} | {d['median_ms']}/{d['p90_ms']} | "
+              f"{r['decode_slowdown']} | {len(r['failed'])} |")
+
+
+def main(argv=None) -> int:
+    from services.launcher import Cluster, wait_serving
+
+    args = parse_args(argv)
+    args.adapters = args.adapters or (120 if args.tiny else 1000)
+    args.distinct = min(args.distinct, args.adapters)
+    with tempfile.TemporaryDirectory(prefix="bench-admin-loads-") as tmp:
+        tmp = Path(tmp)
+        model, root, names = make_files(tmp, args)
+        cluster = Cluster(cluster_config(tmp, model, root, args))
+        rows = []
+        try:
+            cluster.start()
+            cluster.wait_ready(timeout_s=900)
+            wait_serving(cluster.gateway_address, timeout_s=900)
+            warm_up(cluster.control_address, names[:8])
+            vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+            streams = Streams(cluster.gateway_address, args.streams, vocab)
+            try:
+                modes = ("calls", "batch") if args.mode == "both" else (args.mode,)
+                for mode in modes:
+                    rows.append(run_mode(mode, cluster, names, streams, args))
+                    if mode != modes[-1]:
+                        unload_all(cluster.control_address, "c-")
+            finally:
+                streams.close()
+        finally:
+            cluster.close()
+    result = {"tiny": args.tiny, "concurrency": args.concurrency, "batch": args.batch,
+              "max_cpu_loras": args.max_cpu_loras,
+              "streams": args.streams, "distinct_files": args.distinct, "rows": rows}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "admin_loads.json").write_text(json.dumps(result, indent=2))
+    table(rows)
+    return 0 if all(not r["failed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
