@@ -63,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency-per-gpu", type=int, default=None,
                    help="closed-loop streams per GPU (default: 128; tiny: 4)")
     p.add_argument("--input-len", type=parse_lengths, default=None,
-                   help="prompt tokens MIN:MAX (default: 256:1024; tiny: 8:32)")
+                   help="prompt tokens N or LO-HI (default: 256-1024; tiny: 8-32)")
     p.add_argument("--output-len", type=parse_lengths, default=None,
-                   help="output tokens MIN:MAX (default: 128:256; tiny: 4:8)")
+                   help="output tokens N or LO-HI (default: 128-256; tiny: 4-8)")
     p.add_argument("--layers", type=int, default=None, help="layers of the 8B-shaped model")
     p.add_argument("--point-s", type=float, default=300.0,
                    help="no request is sent later than this into a layout's run (default: 300)")

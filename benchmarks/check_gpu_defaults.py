@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama8b  # noqa: E402
-from common import report  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import llama8b  # noqa: E402
+from benchmarks.common import report  # noqa: E402
 
 GiB = 1 << 30
 
