@@ -4,9 +4,9 @@ one GPU, N replicas of one GPU each (routed by adapter affinity and load), one r
 tensor parallelism N. Reports output tokens/s in all and per GPU, and the router's
 decisions.
 
-    python benchmarks/bench_replicas.py --out DIR                  # 2 GPUs: 1x1, 2x1, 1x2
-    python benchmarks/bench_replicas.py --out DIR --tiny           # CPU, demo model
-    python benchmarks/bench_replicas.py --out DIR -- --max-loras 16  # after --: serve flags
+    python -m benchmarks.parallel replicas --out DIR                  # 2 GPUs: 1x1, 2x1, 1x2
+    python -m benchmarks.parallel replicas --out DIR --tiny           # CPU, demo model
+    python -m benchmarks.parallel replicas --out DIR -- --max-loras 16  # after --: serve flags
 
 A layout is REPLICASxTP (--layouts 1x1,2x1,1x2). Each starts the service afresh (the
 engines on GPUs 0.. of $CUDA_VISIBLE_DEVICES), loads --adapters adapters (every replica

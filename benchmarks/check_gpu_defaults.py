@@ -1,6 +1,6 @@
 """The engine's automatic defaults on this GPU, under the heaviest load they allow.
 
-    python benchmarks/check_gpu_defaults.py [--rank 16] [--adapters 64] [--out DIR]
+    python -m benchmarks.serving defaults --out DIR [--rank 16] [--adapters 64]
 
 Builds the engine exactly as `loramux serve` would with no flags (device, dtype, slots,
 host copies, sequence and token budgets, KV cache all resolved by engine/resolve.py) on
