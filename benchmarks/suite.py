@@ -75,6 +75,9 @@ def plan(cases: dict[str, Case], argv: list[str]) -> tuple[str, Case, Path, list
                              f"not {known.device!r}")
         if case.device_flag:
             extra += ["--device", known.device]
+        elif known.device not in case.devices:  # it would run on the default device
+            raise UsageError(f"case {name!r} takes no device index; choose the GPU with "
+                             "CUDA_VISIBLE_DEVICES")
     out = Path(known.out)
     return name, case, out, [*case.args, "--out", str(out), *extra, *rest]
 

@@ -51,7 +51,7 @@ def test_shared_flags_become_the_case_options():
     _, _, _, argv = plan(_cases("decode"), ["prefill", "--out", "D", "--device", "cpu"])
     assert argv == ["--out", "D", "--device", "cpu"]
     # a CUDA-only case takes --device cuda (nothing to pass) and refuses the CPU
-    _, _, _, argv = plan(_cases("decode"), ["--out", "D", "--device", "cuda:0", "--no-hf"])
+    _, _, _, argv = plan(_cases("decode"), ["--out", "D", "--device", "cuda", "--no-hf"])
     assert argv == ["--out", "D", "--no-hf"]
 
 
@@ -60,6 +60,7 @@ def test_shared_flags_become_the_case_options():
     (["--out", "D", "--device", "cpu"], "case 'decode' runs on cuda, not 'cpu'"),
     (["prefil", "--out", "D"], "unknown case 'prefil'; cases: decode, prefill"),
     (["prefill", "--tiny"], "--out DIR is required"),
+    (["--out", "D", "--device", "cuda:1"], "case 'decode' takes no device index; choose"),
 ])
 def test_refusals_are_precise(argv, says, capsys):
     with pytest.raises(UsageError, match=re.escape(says)):
