@@ -3,8 +3,8 @@ and LoadAdapter through the service (control plane + engine process over ZMQ) fo
 thousands of adapters, with the cost of each block of loads, so growth with the number
 of adapters shows.
 
-    python benchmarks/bench_adapter_loads.py --out DIR                  # GPU machine, < 4 min
-    python benchmarks/bench_adapter_loads.py --out DIR --service tiny   # a small CPU host
+    python -m benchmarks.adapters loads --out DIR                  # GPU machine, < 4 min
+    python -m benchmarks.adapters loads --out DIR --service tiny   # a small CPU host
 
 - add:     the engine's adapter operations alone (registry, host tier, reader: what
            Engine.add_adapter runs, without a model), real 84 MB adapters in PEFT layout

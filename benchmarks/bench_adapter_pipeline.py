@@ -2,8 +2,8 @@
 slot swaps, and decode step time with and without swaps, on a Llama-3-8B-shaped model
 (random bf16 weights) with rank-16 adapters on all seven projections (84 MB each).
 
-    python benchmarks/bench_adapter_pipeline.py --out DIR                 # GPU, < 4 minutes
-    python benchmarks/bench_adapter_pipeline.py --out DIR --device cpu    # CPU (2 layers for
+    python -m benchmarks.adapters pipeline --out DIR                 # GPU, < 4 minutes
+    python -m benchmarks.adapters pipeline --out DIR --device cpu    # CPU (2 layers for
                                                                           # the engine parts)
 
 - breakdown: one AddAdapter of the full 84 MB adapter, stage by stage (read into a reused
@@ -36,7 +36,7 @@ slot swaps, and decode step time with and without swaps, on a Llama-3-8B-shaped 
           (where each copy sits against the input uploads and graph replays); --trace:
           a torch.profiler trace of them (step_swap_trace.json, for ui.perfetto.dev).
 
-    python benchmarks/bench_adapter_pipeline.py --out DIR --quick   # steps and profile only
+    python -m benchmarks.adapters pipeline --out DIR --quick   # steps and profile only
 
 Targets (issue 20, on one H100/H200): add <= 50 ms, swap <= 5 ms, step with swaps within
 5% of without. Logs and a JSON summary go to --out.

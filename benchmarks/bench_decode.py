@@ -1,7 +1,7 @@
 """Engine decode benchmark on a Llama-3-8B-shaped model with random bf16 weights, against
 the memory-bandwidth floor and, in the same run, Hugging Face transformers + PEFT.
 
-    python benchmarks/bench_decode.py --out DIR [--quick] [--no-hf]
+    python -m benchmarks.decode --out DIR [--quick] [--no-hf]
 
 Modes: "base" (no adapter), "one" (one rank-16 adapter for every request, the engine's
 defaults), "one-split" (the same through the two-launch LoRA path), "one-launch" (through

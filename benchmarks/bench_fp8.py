@@ -2,7 +2,7 @@
 accuracy and speed of the FP8 GEMM path (kernels/fp8.py: per-channel weight scales,
 per-token activation scales, torch._scaled_mm) in one command.
 
-    python benchmarks/bench_fp8.py --out DIR [--layers 32] [--quick]
+    python -m benchmarks.models fp8 --out DIR [--layers 32] [--quick]
 
 1. GEMMs: every projection shape (qkv, o, gate_up, down) at several token counts: bf16
    F.linear against fp8_linear (activation quantization included), both timed with

@@ -4,7 +4,7 @@ gather) against the Triton kernel (kernels/greedy_pick_triton.py: one read), on
 Llama-3's vocabulary (128256) for batch sizes 1 to 256, against the floor of reading the
 logits once.
 
-    python benchmarks/bench_greedy_pick.py --out DIR [--dtype bfloat16] [--chunks 2048,4096,8192]
+    python -m benchmarks.kernels greedy-pick --out DIR [--dtype bfloat16] [--chunks 2048,4096,8192]
 
 Each path is checked against the torch ops first (same tokens, logprobs within 1e-5;
 random logits with a tie placed across chunks), then timed in CUDA graphs over rotating

@@ -3,7 +3,7 @@ top 4, expert width 1408): the Triton grouped-GEMM path (kernels/moe_triton.py),
 with expert LoRA (4 slots of rank 16, tokens spread over them and base), against a bf16
 loop over the experts present as transformers runs them, across token counts.
 
-    python benchmarks/bench_moe.py --out DIR [--quick] [--no-engine]
+    python -m benchmarks.models moe --out DIR [--quick] [--no-engine]
 
 Measures the device copy bandwidth in the same run; for every case checks the Triton
 result against the float32 torch reference (kernels/moe_ref.py) first, then times

@@ -2,8 +2,8 @@
 (`--adapter-loaders 0`) against reads in loader processes (engine/adapters/loader_pool.py),
 in one run, on the same engine build.
 
-    python benchmarks/bench_offproc_loads.py --out DIR                 # CPU, ~2 min
-    python benchmarks/bench_offproc_loads.py --out DIR --device cuda --width 8b \
+    python -m benchmarks.adapters offproc --out DIR                 # CPU, ~2 min
+    python -m benchmarks.adapters offproc --out DIR --device cuda --width 8b \
         --layers 32 --rank 16 --batch 64 --loads 64 --readers 16 --engine-cpus 0
 
 The engine process is pinned to `--engine-cpus` cores (default 1; 0: no pinning) and

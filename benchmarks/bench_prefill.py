@@ -2,7 +2,7 @@
 nothing downloaded): the base model, one rank-16 adapter for every prompt, and 64 adapters
 round robin, with chunked prefill at the engine's default token budget.
 
-    python benchmarks/bench_prefill.py --out DIR [--prompts 64] [--min-len 512]
+    python -m benchmarks.decode prefill --out DIR [--prompts 64] [--min-len 512]
         [--max-len 2048] [--modes base,one,l64] [--paths tiles,blocks]
 
 Every prompt asks for one new token, so a request finishes with its last prefill chunk and

@@ -4,9 +4,9 @@ one GPU, N replicas of one GPU each (routed by adapter affinity and load), one r
 tensor parallelism N. Reports output tokens/s in all and per GPU, and the router's
 decisions.
 
-    python benchmarks/bench_replicas.py --out DIR                  # 2 GPUs: 1x1, 2x1, 1x2
-    python benchmarks/bench_replicas.py --out DIR --tiny           # CPU, demo model
-    python benchmarks/bench_replicas.py --out DIR -- --max-loras 16  # after --: serve flags
+    python -m benchmarks.parallel replicas --out DIR                  # 2 GPUs: 1x1, 2x1, 1x2
+    python -m benchmarks.parallel replicas --out DIR --tiny           # CPU, demo model
+    python -m benchmarks.parallel replicas --out DIR -- --max-loras 16  # after --: serve flags
 
 A layout is REPLICASxTP (--layouts 1x1,2x1,1x2). Each starts the service afresh (the
 engines on GPUs 0.. of $CUDA_VISIBLE_DEVICES), loads --adapters adapters (every replica
@@ -63,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency-per-gpu", type=int, default=None,
                    help="closed-loop streams per GPU (default: 128; tiny: 4)")
     p.add_argument("--input-len", type=parse_lengths, default=None,
-                   help="prompt tokens MIN:MAX (default: 256:1024; tiny: 8:32)")
+                   help="prompt tokens N or LO-HI (default: 256-1024; tiny: 8-32)")
     p.add_argument("--output-len", type=parse_lengths, default=None,
-                   help="output tokens MIN:MAX (default: 128:256; tiny: 4:8)")
+                   help="output tokens N or LO-HI (default: 128-256; tiny: 4-8)")
     p.add_argument("--layers", type=int, default=None, help="layers of the 8B-shaped model")
     p.add_argument("--point-s", type=float, default=300.0,
                    help="no request is sent later than this into a layout's run (default: 300)")

@@ -2,16 +2,16 @@
 launcher as `loramux serve`, with its defaults unless flags are given) driven through the
 client SDK, and the same workload through the offline engine in the same invocation.
 
-    python benchmarks/bench_serving.py --out DIR                       # GPU, 8B shape
-    python benchmarks/bench_serving.py --out DIR --rate 8 --adapters 1000 --popularity zipf:1
-    python benchmarks/bench_serving.py --out DIR --sweep 2,4,8,16      # latency vs throughput
-    python benchmarks/bench_serving.py --out DIR --adapters 1,32,256,1000,2000 \\
+    python -m benchmarks.serving --out DIR                       # GPU, 8B shape
+    python -m benchmarks.serving --out DIR --rate 8 --adapters 1000 --popularity zipf:1
+    python -m benchmarks.serving --out DIR --sweep 2,4,8,16      # latency vs throughput
+    python -m benchmarks.serving --out DIR --adapters 1,32,256,1000,2000 \\
         --popularity uniform,zipf:1 --concurrency 256 --cold-first --no-offline
-    python benchmarks/bench_serving.py --out DIR --concurrency 256 --no-offline \\
+    python -m benchmarks.serving --out DIR --concurrency 256 --no-offline \\
         --points 5/zipf:1,32/uniform,256/uniform,1000/zipf:1,2000/zipf:1 --cold-first \\
         --background-loads --warm-s 4 --point-s 17 --drain-s 5   # issue 20's round
-    python benchmarks/bench_serving.py --out DIR --tiny                # CPU, demo model
-    python benchmarks/bench_serving.py --out DIR -- --max-loras 32     # after --: serve flags
+    python -m benchmarks.serving --out DIR --tiny                # CPU, demo model
+    python -m benchmarks.serving --out DIR -- --max-loras 32     # after --: serve flags
 
 Points: every (adapter count, popularity, load) of --adapters, --popularity and the loads
 (--rate / --sweep: Poisson arrivals; --concurrency: closed loops), each with its own seeded

@@ -1,9 +1,9 @@
 """Tensor parallelism on several GPUs (NCCL, and the one-shot symmetric-memory all-reduce).
 
-    python benchmarks/bench_tp.py allreduce --out DIR
-    python benchmarks/bench_tp.py parity --tp 2 --out DIR [--eager]
-    python benchmarks/bench_tp.py decode --tp 1 --out DIR [--eager] [--batches 1,64,256]
-    python benchmarks/bench_tp.py decode --tp 2 --allreduce {auto,nccl,symm_mem} --out DIR
+    python -m benchmarks.parallel allreduce --out DIR
+    python -m benchmarks.parallel parity --tp 2 --out DIR [--eager]
+    python -m benchmarks.parallel decode --tp 1 --out DIR [--eager] [--batches 1,64,256]
+    python -m benchmarks.parallel decode --tp 2 --allreduce {auto,nccl,symm_mem} --out DIR
         [--async-scheduling auto|on|off|on,off] [--profile [--profile-modes base,distinct]]
 
 `allreduce`: benchmarks/tp_allreduce.py (one-shot vs NCCL sums, eager and in CUDA graphs,

@@ -1,6 +1,6 @@
 """The engine's automatic defaults on this GPU, under the heaviest load they allow.
 
-    python benchmarks/check_gpu_defaults.py [--rank 16] [--adapters 64] [--out DIR]
+    python -m benchmarks.serving defaults --out DIR [--rank 16] [--adapters 64]
 
 Builds the engine exactly as `loramux serve` would with no flags (device, dtype, slots,
 host copies, sequence and token budgets, KV cache all resolved by engine/resolve.py) on
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama8b  # noqa: E402
-from common import report  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import llama8b  # noqa: E402
+from benchmarks.common import report  # noqa: E402
 
 GiB = 1 << 30
 

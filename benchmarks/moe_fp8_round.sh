@@ -12,10 +12,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
 LORAMUX_TEST_DEVICE=cuda timeout ${TESTS_S:-120} python3 -m pytest -q tests/test_cuda_moe.py \
   tests/test_kernels_moe.py tests/test_moe_parity.py > "$OUT/tests.log" 2>&1; echo "tests rc=$?"
 tail -3 "$OUT/tests.log"
-timeout ${MOE_S:-240} python3 benchmarks/bench_moe.py --out "$TMP/m" > "$OUT/moe.log" 2>&1
+timeout ${MOE_S:-240} python3 -m benchmarks.models moe --out "$TMP/m" > "$OUT/moe.log" 2>&1
 echo "moe rc=$?"; cp "$TMP/m/moe.csv" "$TMP/m/engine.csv" "$OUT/" 2>/dev/null
-tail -24 "$OUT/moe.log"
-timeout ${FP8_S:-200} python3 benchmarks/bench_fp8.py --out "$TMP/f" > "$OUT/fp8.log" 2>&1
+tail -25 "$OUT/moe.log"
+timeout ${FP8_S:-200} python3 -m benchmarks.models fp8 --out "$TMP/f" > "$OUT/fp8.log" 2>&1
 echo "fp8 rc=$?"; cp "$TMP/f/gemm.csv" "$TMP/f/model.csv" "$OUT/" 2>/dev/null
-tail -30 "$OUT/fp8.log"
+tail -31 "$OUT/fp8.log"
 rm -rf "$TMP"

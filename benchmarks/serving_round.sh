@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The serving benchmark on one GPU (Llama-3-8B shape, random weights, rank-16 adapters),
 # `loramux serve`'s defaults, in three rounds of one device call each (ROUNDS=<name>).
-# Each round is one bench_serving.py run (one service start for all its points) and ends
+# Each round is one `python -m benchmarks.serving` run (one service start for all its points) and ends
 # in under 9 minutes on an H100 including a cold start (~240 s to serving: empty Triton
 # cache); a later round on the same machine reuses the model files and the compiled
 # kernels under $WORK and starts faster.
@@ -72,7 +72,7 @@ run() {  # name, deadline s, bench flags...
   local name=$1 deadline=$2; shift 2
   local t0=$SECONDS
   # SIGTERM at the deadline + 22 s: the run stops the service and still writes its table
-  timeout -k 8 $((deadline + 22)) python3 benchmarks/bench_serving.py --out "$OUT/$name" \
+  timeout -k 8 $((deadline + 22)) python3 -m benchmarks.serving --out "$OUT/$name" \
     --workdir "$WORK" --deadline-s "$deadline" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -E '^(service|offline): (serving|ready|loaded|skipped|one adapter)|warm-up|first round|^  service: |^target |adapters load / without' "$OUT/$name.log"

@@ -3,8 +3,8 @@ CPU: `--ops` random operations in runs of `--run-ops`, each run on a fresh engin
 next configuration of CONFIGS and seed `--seed` + run index, every run checked after every
 operation and back to the idle baseline at its end.
 
-    python benchmarks/stress_lifecycle.py --ops 100000 --out /tmp/stress
-    python benchmarks/stress_lifecycle.py --seed 1234 --ops 2000   # replay one failed run
+    python -m benchmarks.adapters stress --out DIR --ops 100000
+    python -m benchmarks.adapters stress --out DIR --seed 1234 --ops 2000  # replay a failed run
 
 Prints a table per configuration at the end; the log (one line per run) goes to --out.
 """

@@ -11,7 +11,7 @@
 #      and 64 distinct adapters: collectives counted per step); then batches 1 and 256;
 #   3. the same over NCCL, when phase 2 ran the one-shot (batch 64 first);
 #   4. the all-reduce microbench (one-shot against NCCL: checks, us per all-reduce);
-#   5. REPLICAS=1: bench_replicas.py (1 replica on 1 GPU vs 2 on 2) if 240 s are left; an
+#   5. REPLICAS=1: the replicas case (1 replica on 1 GPU vs 2 on 2) if 240 s are left; an
 #      engine warm-up per layout takes minutes on a fresh machine, so it wants a call of
 #      its own: REPLICAS=only TOTAL_S=540.
 # Parity is left to the CPU tests (tests/test_tp_*.py: TP=2 equals TP=1 token for token in
@@ -27,7 +27,7 @@ TOTAL_S=${TOTAL_S:-285}; REPLICAS=${REPLICAS:-0}
 TP1_S=${TP1_S:-90}; TP2_S=${TP2_S:-120}; AR_S=${AR_S:-45}
 STEPS=${STEPS:-20}; REPEATS=${REPEATS:-3}   # 3 timed runs of 20 back-to-back steps a point
 DEVICE=${DEVICE:-cuda}
-B="python3 benchmarks/bench_tp.py"
+B="python3 -m benchmarks.parallel"
 DEC="$B decode --device $DEVICE --steps $STEPS --repeats $REPEATS --modes base,one,distinct"
 START=$SECONDS
 left() { echo $((TOTAL_S - (SECONDS - START))); }
@@ -76,7 +76,7 @@ if [ "$REPLICAS" != only ]; then
     timeout -k 10 "$t" $B allreduce --tp 2 --timeout $((t > 20 ? t - 10 : t)) --out "$JSON" \
       > "$OUT/allreduce.log" 2>&1
     stamp "allreduce rc=$?"
-    grep -v '^ \|^{\|^}\|^\]' "$OUT/allreduce.log" | tail -13
+    grep -v '^ \|^{\|^}\|^\]' "$OUT/allreduce.log" | tail -14
   else
     stamp "4. all-reduce microbench skipped: $(left)s left"
   fi
@@ -87,11 +87,11 @@ if [ "$REPLICAS" = 1 ] || [ "$REPLICAS" = only ]; then
     stamp "5. replicas skipped: $(left)s left (an engine warm-up per layout needs more)"
   else
     t=$(limit "$(left)")
-    stamp "5. bench_replicas 1x1 vs 2x1 (limit ${t}s)"
+    stamp "5. replicas 1x1 vs 2x1 (limit ${t}s)"
     # SIGINT: the benchmark stops its services on the way out
-    timeout -s INT -k 30 "$t" python3 benchmarks/bench_replicas.py --out "$JSON/replicas" \
+    timeout -s INT -k 30 "$t" $B replicas --out "$JSON/replicas" \
       --layouts 1x1,2x1 --adapters 16 --requests-per-gpu 96 --concurrency-per-gpu 48 \
-      --input-len 128:512 --output-len 64:128 --point-s 45 --drain-s 20 > "$OUT/replicas.log" 2>&1
+      --input-len 128-512 --output-len 64-128 --point-s 45 --drain-s 20 > "$OUT/replicas.log" 2>&1
     stamp "replicas rc=$?"
   fi
 fi

@@ -1,12 +1,13 @@
 """benchmarks/bench_prefill.py: its arithmetic, and its whole flow on the CPU with a 2-layer
-toy model (the real run needs a GPU and the Llama-3-8B shape)."""
+toy model through the decode suite (`python -m benchmarks.decode prefill --tiny`; the real
+run needs a GPU and the Llama-3-8B shape)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from benchmarks import bench_prefill
+from benchmarks import bench_prefill, decode, suite
 from benchmarks.llama8b import LLAMA3_8B
 
 
@@ -28,10 +29,13 @@ def test_flops_count_projections_and_causal_attention():
 
 @pytest.mark.engine_device("cpu")  # the device its --device names, whatever the suite's
 def test_whole_flow_on_the_cpu(tmp_path, capsys):
-    rc = bench_prefill.main(["--out", str(tmp_path), "--device", "cpu", "--tiny",
-                             "--prompts", "5", "--min-len", "3", "--max-len", "30",
-                             "--paths", "tiles,blocks"])
+    rc = suite.main("decode", decode.CASES, ["prefill", "--out", str(tmp_path), "--tiny",
+                                             "--prompts", "5", "--min-len", "3", "--max-len",
+                                             "30", "--paths", "tiles,blocks"])
     assert rc == 0
+    record = json.loads((tmp_path / "run-decode-prefill.json").read_text())
+    assert (record["rc"], record["files"]) == (0, ["prefill.json"])
+    assert record["command"][3:5] == ["prefill", "--out"] and record["commit"]
     rows = json.loads((tmp_path / "prefill.json").read_text())["rows"]
     assert [(r["mode"], r["path"]) for r in rows] == [
         ("base", "-"), ("one", "tiles"), ("one", "blocks"), ("l64", "tiles"), ("l64", "blocks")]

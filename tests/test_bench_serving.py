@@ -1,5 +1,5 @@
-"""benchmarks/bench_serving.py: the workload it generates, and a tiny CPU run of the whole
-script (real service processes and the offline engine) checked for its report's fields,
+"""The serving suite (`python -m benchmarks.serving`, benchmarks/bench_serving.py): the
+workload it generates, and a tiny CPU run of the whole script (real service processes and the offline engine) checked for its report's fields,
 not its speed."""
 from __future__ import annotations
 
@@ -64,9 +64,10 @@ def test_tiny_run_writes_the_report(tmp_path):
     """Two adapter counts x two popularities on one service start, the first point run
     twice (--cold-first), adapters loaded 6 at a time, then the offline engine."""
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--tiny", "--out", str(out),
+        [sys.executable, "-m", "benchmarks.serving", "--tiny", "--out", str(out),
          "--concurrency", "3", "--adapters", "2,6", "--popularity", "uniform,zipf:1",
          "--num-requests", "8", "--load-workers", "6", "--cold-first", "--point-s", "60",
          "--", "--device", "cpu", "--max-loras", "2", "--max-cpu-loras", "4"],
@@ -272,9 +273,10 @@ def test_tiny_adapters_round(tmp_path):
     the background), every point measured in its window with the engine's counters and
     CPU at the window's edges."""
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--tiny", "--out", str(out),
+        [sys.executable, "-m", "benchmarks.serving", "--tiny", "--out", str(out),
          "--points", "2/zipf:1,6/uniform,6/zipf:1", "--concurrency", "3", "--cold-first",
          "--background-loads", "--no-offline", "--warm-s", "0.5", "--point-s", "2.5",
          "--drain-s", "3", "--load-workers", "4", "--", "--device", "cpu", "--max-loras", "2",

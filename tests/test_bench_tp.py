@@ -1,4 +1,5 @@
-"""benchmarks/bench_tp.py's decode phase, run on the CPU (two gloo ranks, the tiny test
+"""The parallel suite's decode case (`python -m benchmarks.parallel decode --tiny`,
+benchmarks/bench_tp.py), run on the CPU (two gloo ranks, the tiny test
 model): every point timed with async scheduling on and off on one engine, and the
 profile's collective count: an all-reduce per row-parallel layer output and the
 embedding, one all-gather for the logits, the same with adapters as without. The GPU run
@@ -44,7 +45,7 @@ def test_count_collectives_per_step():
 
 def test_decode_phase_on_gloo_times_async_on_and_off_and_counts_collectives(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "clients/python")])}
-    cmd = [sys.executable, str(REPO / "benchmarks/bench_tp.py"), "decode", "--device", "cpu",
+    cmd = [sys.executable, "-m", "benchmarks.parallel", "decode", "--tiny",
            "--tp", "2", "--batches", "2", "--modes", "base,distinct", "--async-scheduling",
            "on,off", "--steps", "2", "--repeats", "1", "--profile", "--profile-batches", "2",
            "--out", str(tmp_path)]
@@ -61,8 +62,11 @@ def test_decode_phase_on_gloo_times_async_on_and_off_and_counts_collectives(tmp_
     counts = [r["profile"]["collectives_per_step"] for r in rows if "profile" in r]
     assert counts == [{"all_gather": 1.0, "all_reduce": 5.0}] * 2
     assert "collectives per step tp=2 ar=auto distinct b=2: " in run.stdout
+    record = json.loads((tmp_path / "run-parallel-decode.json").read_text())
+    assert record["rc"] == 0 and record["module"] == "benchmarks.bench_tp"
+    assert "decode_tp2_auto.json" in record["files"]
     # the round's last phase: the table over every JSON under the directory
-    table = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_tp.py"), "table",
+    table = subprocess.run([sys.executable, "-m", "benchmarks.parallel", "table",
                             "--out", str(tmp_path), "--results", str(tmp_path / "all.json")],
                            env=env, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr[-3000:]

@@ -113,3 +113,31 @@ def test_every_requirement_has_a_floor():
         for extra in [None, *project.get("optional-dependencies", {})]:
             for req in _requirements(project, extra).values():
                 assert re.search(r"(>=|==)\s*\d", req), f"{package}: {req!r} has no version floor"
+
+
+@pytest.mark.parametrize("package", ["pyproject.toml", "clients/python/pyproject.toml"])
+def test_build_prints_no_deprecation_warning(package, tmp_path):
+    """Metadata is written the way setuptools keeps supporting (an SPDX `license` string
+    instead of the table deprecated in setuptools 77): building a wheel of the package's
+    pyproject.toml (with its readme, no modules: the warnings come from the metadata)
+    prints no deprecation warning, and the build backend's floor is one that reads it."""
+    import subprocess
+
+    source = REPO / package
+    project = _project(source)
+    assert isinstance(project["license"], str), "license as an SPDX string"
+    with open(source, "rb") as f:
+        requires = tomllib.load(f)["build-system"]["requires"]
+    assert _floor(next(r for r in requires if r.startswith("setuptools"))) >= (77,)
+    tree = tmp_path / "src"
+    tree.mkdir()
+    (tree / "pyproject.toml").write_bytes(source.read_bytes())
+    if "readme" in project:
+        (tree / project["readme"]).write_text("readme\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "-v", "-w", str(tmp_path / "wheel"), str(tree)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    output = (proc.stdout + proc.stderr).replace(str(tmp_path), "TMP")  # the test's name
+    assert "deprecat" not in output.lower(), output[-3000:]

@@ -1,7 +1,7 @@
 """The longest gap between engine steps while a large adapter is loaded through the
 engine server (the path AdapterAdmin.LoadAdapter takes), on the CPU.
 
-    python benchmarks/bench_adapter_read_gap.py [--rank 704] [--out DIR]
+    python benchmarks/experiments/bench_adapter_read_gap.py [--rank 704] [--out DIR]
 
 A Llama-shaped model (hidden 1024, 16 layers, random weights, nothing downloaded) is
 served by a real EngineServer on loopback ZMQ; one request decodes throughout. The
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llama8b  # noqa: E402  (model dir and adapter writers)
-from common import report  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import llama8b  # noqa: E402  (model dir and adapter writers)
+from benchmarks.common import report  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
              num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000)

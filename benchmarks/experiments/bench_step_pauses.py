@@ -1,6 +1,6 @@
 """Stalls of whole decode steps on the host, and the garbage collections inside them (CPU).
 
-    python benchmarks/bench_step_pauses.py [--batch 256] [--rounds 8] [--steps 32]
+    python benchmarks/experiments/bench_step_pauses.py [--batch 256] [--rounds 8] [--steps 32]
 
 A real Engine on a tiny model (tests/support/tiny.py, async scheduling on as on one CUDA
 device, the CPU's eager forward pass), driven the way benchmarks/bench_decode.py drives
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.gc_clock import GcClock  # noqa: E402
 
 NUM_ADAPTERS = 4

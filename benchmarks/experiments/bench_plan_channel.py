@@ -1,6 +1,6 @@
 """Latency of one step plan from rank 0 to a worker over the gloo control group (CPU, TP=2).
 
-    python benchmarks/bench_plan_channel.py [--batch 64] [--messages 400]
+    python benchmarks/experiments/bench_plan_channel.py [--batch 64] [--messages 400]
 
 Two processes. Rank 0 sends a decode step's plan (encode_step of `batch` sequences, one
 new token each, a new block every 16th) every 2 ms, so that messages do not queue; the
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 GAP_S = 0.002
 
@@ -54,7 +54,7 @@ def _plan(batch: int, step: int):
 
 
 def _rank(rank: int, port: int, kind: str, batch: int, messages: int, out: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from engine.distributed import group as pg
     from engine.distributed.channel import PlanChannel
     from engine.distributed.plan import OP_STEP, decode_step

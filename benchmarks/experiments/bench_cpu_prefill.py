@@ -1,7 +1,7 @@
 """One prefill of N tokens (default 512) on the CPU: the engine against Hugging Face
 transformers on the same model and prompt.
 
-    python benchmarks/bench_cpu_prefill.py [--model DIR] [--tokens 512] [--out DIR]
+    python benchmarks/experiments/bench_cpu_prefill.py [--model DIR] [--tokens 512] [--out DIR]
 
 Without --model it uses the demo model (services/demo_model.py, made in a temporary
 directory). The engine runs the prompt as one step (max_num_batched_tokens >= N, prefix
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common import report  # noqa: E402
 
 
 def time_engine(model: str, ids: list[int], reps: int) -> tuple[float, str]:

@@ -1,6 +1,6 @@
 """Host overhead of one decode step at a large batch, measured on the CPU (no GPU needed).
 
-    python benchmarks/bench_host.py [--batch 256] [--steps 50] [--profile]
+    python benchmarks/experiments/bench_host.py [--batch 256] [--steps 50] [--profile]
 
 A real Engine on a tiny model is driven until `--batch` requests are all decoding; then,
 per step, the host phases that run serially with a GPU step are timed separately:
@@ -16,7 +16,7 @@ per step, the host phases that run serially with a GPU step are timed separately
 
 "total" = schedule + fill + update (what a graph-replayed decode step costs the host).
 Under tensor parallelism rank 0 sends the plan, then fills; a worker receives it (gloo:
-benchmarks/bench_plan_channel.py), then runs `worker`; so the worker starts its replay
+benchmarks/experiments/bench_plan_channel.py), then runs `worker`; so the worker starts its replay
 about latency + worker - fill after rank 0 (the rank skew that rank 0 waits out in the
 step's first all-reduce).
 Modes: "base" (no adapter) and "lora" (4 adapters spread round-robin over the batch).
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.cuda_graph import DecodeStaging  # noqa: E402
 from engine.distributed.mirror import RequestMirror  # noqa: E402

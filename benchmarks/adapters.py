@@ -1,0 +1,29 @@
+"""Adapter movement and loads: `python -m benchmarks.adapters [CASE] --out DIR [options]`
+(benchmarks/suite.py).
+
+    loads     AddAdapter of an 84 MB adapter (one, 16 at once) and LoadAdapter of thousands
+              through the service, per block of loads
+    pipeline  disk -> host reads, AddAdapter, host -> slot swaps, decode steps with swaps
+    offproc   what cold loads cost a decoding engine: loader processes against reads on its
+              own threads (--paths 4,0; "u": buffers page-locked unpopulated)
+    stress    the long run of the adapter lifecycle stress (--ops N; CPU)
+"""
+from __future__ import annotations
+
+import sys
+
+from benchmarks.suite import Case, main
+
+CASES = {
+    "loads": Case("benchmarks.bench_adapter_loads", "AddAdapter and LoadAdapter at scale",
+                  devices=("cuda", "cpu"), device_flag=True),
+    "pipeline": Case("benchmarks.bench_adapter_pipeline", "reads, loads, swaps, steps with swaps",
+                     devices=("cuda", "cpu"), device_flag=True),
+    "offproc": Case("benchmarks.bench_offproc_loads", "loads during decode, by load path",
+                    devices=("cpu", "cuda"), device_flag=True),
+    "stress": Case("benchmarks.stress_lifecycle", "adapter lifecycle stress, long run",
+                   devices=("cpu",)),
+}
+
+if __name__ == "__main__":
+    sys.exit(main("adapters", CASES))

@@ -1,0 +1,27 @@
+"""The LoRA and decode-path kernels on Llama-3-8B shapes against their memory floor, timed
+in CUDA graphs: `python -m benchmarks.kernels [CASE] --out DIR [options]`
+(benchmarks/suite.py). CUDA only.
+
+    lora         shrink + expand per layer group at the target points (--targets), the
+                 uniform (--uniform) and prefill (--prefill) grids, or all (--quick)
+    sweep        the decode LoRA launch parameters (split-K, expand programs)
+    sweep-mixed  the mixed-adapter kernels' launch parameters (--budget SECONDS)
+    norm-shrink  add + RMSNorm + shrink and SiLU + shrink against the separate launches
+    greedy-pick  the greedy pick of a step's logits, torch against Triton
+"""
+from __future__ import annotations
+
+import sys
+
+from benchmarks.suite import Case, main
+
+CASES = {
+    "lora": Case("benchmarks.bench_kernels", "multi-adapter LoRA kernels vs the floor"),
+    "sweep": Case("benchmarks.sweep_lora", "decode LoRA launch parameters"),
+    "sweep-mixed": Case("benchmarks.sweep_lora_mixed", "mixed-adapter launch parameters"),
+    "norm-shrink": Case("benchmarks.bench_norm_shrink", "fused norm / SiLU + shrink"),
+    "greedy-pick": Case("benchmarks.bench_greedy_pick", "greedy pick, torch vs Triton"),
+}
+
+if __name__ == "__main__":
+    sys.exit(main("kernels", CASES))
