@@ -81,7 +81,7 @@ class ProgressLine:
     or `every_s` passed since the last line, and when a phase begins:
     `engine warm-up: capturing decode graphs 30/56, 54% of warm-up, about 21 s left`."""
 
-    def __init__(self, stream: TextIO | None = None, every_s: float = 3.0,
+    def __init__(self, stream: TextIO | None = None, every_s: float = 5.0,
                  every_fraction: float = 0.1, clock: Callable[[], float] = time.monotonic):
         self._stream = stream
         self._every_s, self._every_fraction, self._clock = every_s, every_fraction, clock
