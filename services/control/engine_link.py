@@ -1,5 +1,10 @@
 """The control plane's link to an engine: adapter commands awaiting acks, events, and
-(re)connect notifications so the desired state can be replayed."""
+(re)connect notifications so the desired state can be replayed.
+
+An engine heartbeats from the moment its sockets are bound, while it still loads its
+weights and warms up (Heartbeat.phase); the link counts it as up, and replays the
+desired state to it, only once a heartbeat says it serves: a command sent to a starting
+engine would wait in its queue for as long as the start takes, past any ack timeout."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +15,13 @@ from loramux_core.v1 import engine_pb2
 from services.common.engine_connection import EngineConnection
 
 _SEND_RETRY_S = 2.0
+_PHASE_POLL_S = 0.05
+
+
+def serving(hb: engine_pb2.Heartbeat) -> bool:
+    """The engine takes commands and requests (an engine that says no phase predates
+    phases: it heartbeats only once serving)."""
+    return hb.phase in (engine_pb2.ENGINE_PHASE_SERVING, engine_pb2.ENGINE_PHASE_UNSPECIFIED)
 
 
 class EngineUnavailable(RuntimeError):
@@ -27,13 +39,15 @@ class EngineLink:
         self._tasks: set[asyncio.Task] = set()
         self.last_event = engine_pb2.EngineEvent()
         self._connected = asyncio.Event()
+        self._serving: str | None = None   # the instance id once it serves
         self.conn = EngineConnection(input_address, output_address, on_output=self._output,
                                      on_up=self._up, on_down=self._down,
                                      heartbeat_timeout_s=heartbeat_timeout_s, keys=keys)
 
     @property
     def up(self) -> bool:
-        return self.conn.up
+        """Connected and serving (a starting engine is connected, not up)."""
+        return self.conn.up and self._serving == self.conn.instance_id
 
     async def start(self) -> None:
         await self.conn.start()
@@ -46,8 +60,8 @@ class EngineLink:
     async def command(self, kind: int, name: str, path: str = "", pinned: bool = False,
                       version: str = "", timeout_s: float = 60.0, connect_wait_s: float = 5.0) -> engine_pb2.AdapterAck:
         """Send one adapter command and wait for its ack (raises EngineUnavailable). An
-        engine that is (re)starting gets `connect_wait_s` to send its first heartbeat."""
-        if not self.conn.up:
+        engine that is (re)starting gets `connect_wait_s` to say it serves."""
+        if not self.up:
             try:
                 await asyncio.wait_for(self._connected.wait(), connect_wait_s)
             except asyncio.TimeoutError:
@@ -89,12 +103,22 @@ class EngineLink:
             self._on_event(msg.event)
 
     def _up(self, instance_id: str) -> None:
-        self._connected.set()
-        task = asyncio.get_running_loop().create_task(self._on_connect(instance_id))
+        task = asyncio.get_running_loop().create_task(self._when_serving(instance_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _when_serving(self, instance_id: str) -> None:
+        """Once `instance_id` says it serves (while it stays connected): up, replay."""
+        while not serving(self.conn.heartbeat):
+            await asyncio.sleep(_PHASE_POLL_S)
+            if not self.conn.up or self.conn.instance_id != instance_id:
+                return   # gone or restarted: its own _up follows
+        self._serving = instance_id
+        self._connected.set()
+        await self._on_connect(instance_id)
+
     def _down(self, reason: str) -> None:
+        self._serving = None
         self._connected.clear()
         self.last_event = engine_pb2.EngineEvent()
         for fut in self._pending.values():
