@@ -35,6 +35,11 @@ What a step can look like is bounded by the config:
   some shape's sampling rows). tests/test_warmup.py records the kernels' launch keys
   and fails if a step after warm-up launches one the warm-up did not.
 
+Each eager step runs over a slice of the decoder layers (engine/warmup_layers.py: the
+first, and one standing for the rest), which launches every variant the whole model does
+at a fraction of the work; the graphs are captured over the whole model. Progress goes to
+engine/startup.py's StartupProgress (the engine's heartbeats and a line on stderr).
+
 Compiled kernels also persist on disk: the engine server points TRITON_CACHE_DIR at its
 work dir (and the container image at a volume), so a restart loads instead of compiling.
 """
