@@ -12,8 +12,9 @@ import traceback
 
 from loramux_core import curve, open_audit
 from loramux_core.gc_heap import freeze_heap
-from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options, config_error_message,
-                                  given, non_negative_float, positive_float)
+from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
+                                  auto_non_negative_int, config_error_message, given,
+                                  non_negative_float, positive_float)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-step-sleep", type=non_negative_float, default=0.0,
                    help=argparse.SUPPRESS)
     p.add_argument("--debug-sleep-step", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--compile-workers", type=auto_non_negative_int,
+                   default=env("LORAMUX_COMPILE_WORKERS", "auto"),
+                   help="processes that compile the warm-up's kernel variants in parallel "
+                        "before it runs, on a GPU whose compile cache lacks them "
+                        "(default: auto: half the cores, at most 8; 0: none)")
     # test hook: run the warm-up where it has nothing to compile (the CPU), to see it
     p.add_argument("--debug-warm-up", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None,
@@ -78,6 +84,7 @@ def start_engine(args, progress):
     """Build the engine (LOADING) and warm it up (WARMING_UP), reporting to `progress`;
     None (said on stderr) when the configuration is refused."""
     from engine.engine import Engine
+    from engine.precompile import precompile
     from loramux_core.errors import LoramuxError
     from loramux_core.v1 import engine_pb2
 
@@ -92,6 +99,9 @@ def start_engine(args, progress):
         engine.adapter_loaders.start_in_background()
     progress.enter(engine_pb2.ENGINE_PHASE_WARMING_UP, "starting")
     try:  # before the ready file: no request meets a compile
+        compiled = precompile(engine, args.compile_workers, progress)
+        if compiled is not None:
+            print(f"engine {compiled}", file=sys.stderr, flush=True)
         report = engine.warm_up(progress=progress, force=args.debug_warm_up)
     except Exception as err:  # serving still works: kernels then compile on first use
         print(f"engine warm-up failed, serving without it: {err!r}", file=sys.stderr,
