@@ -54,6 +54,7 @@ from engine.resolve import MachineFacts, describe, resolve_config
 from engine.sampling import RequestSeeds, SamplingState
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
+from engine.startup import StartupProgress
 from engine.warmup import WarmupReport, warm_up
 from loramux_core.errors import AdapterUnavailableError, EngineDeadError, InvalidRequestError
 from loramux_core.sampling import SamplingParams
@@ -386,17 +387,19 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def warm_up(self) -> WarmupReport | None:
+    def warm_up(self, progress: StartupProgress | None = None,
+                force: bool = False) -> WarmupReport | None:
         """Compile every kernel variant and capture every CUDA graph the limits can reach
-        (engine/warmup.py), before any request; None where there is nothing to compile
-        (the CPU runs torch references) or where it is not supported yet (tensor
-        parallelism: every rank would have to run the same warm-up steps)."""
-        if self.device.type != "cuda" or self.executor.tp.size > 1:
+        (engine/warmup.py), before any request, telling `progress` how far it is; None
+        where there is nothing to compile (the CPU runs torch references; `force`: run
+        it there all the same) or where it is not supported yet (tensor parallelism:
+        every rank would have to run the same warm-up steps)."""
+        if (self.device.type != "cuda" and not force) or self.executor.tp.size > 1:
             return None
         assert not self.scheduler.has_unfinished(), "warm up before serving requests"
         c = self.config
         return warm_up(self.runner, self.num_kv_blocks, c.block_size, c.max_num_seqs,
-                       c.max_num_batched_tokens, self.max_model_len)
+                       c.max_num_batched_tokens, self.max_model_len, progress)
 
     def describe(self) -> str:
         """The resolved configuration in one line (the server logs it at start-up)."""

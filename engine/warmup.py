@@ -35,6 +35,11 @@ What a step can look like is bounded by the config:
   some shape's sampling rows). tests/test_warmup.py records the kernels' launch keys
   and fails if a step after warm-up launches one the warm-up did not.
 
+Each eager step runs over a slice of the decoder layers (engine/warmup_layers.py: the
+first, and one standing for the rest), which launches every variant the whole model does
+at a fraction of the work; the graphs are captured over the whole model. Progress goes to
+engine/startup.py's StartupProgress (the engine's heartbeats and a line on stderr).
+
 Compiled kernels also persist on disk: the engine server points TRITON_CACHE_DIR at its
 work dir (and the container image at a volume), so a restart loads instead of compiling.
 """
@@ -48,8 +53,11 @@ from types import SimpleNamespace
 import torch
 
 from engine.cuda_graph import GraphKey, decode_buckets
+from engine.kernel_count import KernelCount
 from engine.lora.pool import LoRAExtras
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.startup import StartupProgress
+from engine.warmup_layers import only_layers, representative_layers
 from kernels import lora as lora_kernels
 
 
@@ -58,10 +66,16 @@ class WarmupReport:
     seconds: float
     graphs: int          # CUDA graphs captured
     eager_steps: int     # eager forward passes run
+    layers: int = 0      # decoder layers each eager step ran (engine/warmup_layers.py)
+    eager_seconds: float = 0.0
+    graph_seconds: float = 0.0
+    kernels: KernelCount = KernelCount(-1, -1)
 
     def __str__(self) -> str:
-        return (f"warm-up {self.seconds:.1f} s: {self.graphs} CUDA graphs captured, "
-                f"{self.eager_steps} eager step shapes compiled")
+        return (f"warm-up {self.seconds:.1f} s: {self.eager_steps} eager step shapes "
+                f"({self.layers} layers each) in {self.eager_seconds:.1f} s, "
+                f"{self.graphs} CUDA graphs captured in {self.graph_seconds:.1f} s, "
+                f"{self.kernels}")
 
 
 @dataclass(frozen=True)
@@ -176,24 +190,67 @@ def eager_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
 
 
 def warm_up(runner, num_kv_blocks: int, block_size: int, max_num_seqs: int,
-            max_num_batched_tokens: int, max_model_len: int) -> WarmupReport:
-    """Run every eager shape and capture every graph key (CUDA graphs on). The KV cache
-    is written with garbage: call before any request (no block holds cached data yet)."""
+            max_num_batched_tokens: int, max_model_len: int,
+            progress: StartupProgress | None = None) -> WarmupReport:
+    """Run every eager shape over a slice of the layers that launches every kernel
+    variant of the whole model (engine/warmup_layers.py), then capture every graph key
+    (CUDA graphs on). The KV cache is written with garbage: call before any request (no
+    block holds cached data yet). `progress`: told after each step and capture (the
+    share of the work done: an eager step counts 1, a capture of the whole model one per
+    layer)."""
     start = time.perf_counter()
     graphs, pool = runner.graphs, runner.lora_pool
+    count = KernelCount.start()
+    layers = representative_layers(runner)
     with pool.extras_marked(0) as extras:   # the eager steps' adapter rows use slot 0
         shapes = eager_shapes(max_num_batched_tokens, max_num_seqs, max_model_len,
-                              graphs is not None,
-                              lambda t: lora_kernels.mixed_min_rows(runner.device, t),
+                              graphs is not None, lambda t: mixed_min_rows(runner.device, t),
                               head=extras.head)
-        for shape in shapes:
-            _eager_step(runner, shape, num_kv_blocks, block_size)
+        keys = graph_keys(graphs.buckets[-1], graphs.min_rows, extras) if graphs else []
+        report = _Progress(progress, len(shapes), len(keys), len(runner.kv_caches))
+        with only_layers(runner, layers):
+            for shape in shapes:
+                _eager_step(runner, shape, num_kv_blocks, block_size)
+                report.eager_step()
+    eager_done = time.perf_counter()
     captured = 0
-    if graphs is not None:
-        captured = graphs.capture_all(graph_keys(graphs.buckets[-1], graphs.min_rows, extras))
+    for key in keys:   # one at a time: progress between captures
+        captured += graphs.capture_all([key])
+        report.captured()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    return WarmupReport(time.perf_counter() - start, captured, len(shapes))
+    end = time.perf_counter()
+    return WarmupReport(end - start, captured, len(shapes), len(layers), eager_done - start,
+                        end - eager_done, count.done())
+
+
+def mixed_min_rows(device, num_tokens: int) -> int:
+    """The LoRA kernels' rows per adapter below which a step of `num_tokens` tokens
+    takes the spread path: the one place the warm-up reads the kernels' thresholds."""
+    return lora_kernels.mixed_min_rows(device, num_tokens)
+
+
+class _Progress:
+    """Warm-up progress in work units: an eager step counts 1, a capture `layers`."""
+
+    def __init__(self, progress, eager: int, graphs: int, layers: int):
+        self._progress, self._eager, self._graphs = progress, eager, graphs
+        self._per_graph = layers
+        self._total = max(1, eager + graphs * layers)
+        self._steps = self._captures = 0
+
+    def eager_step(self) -> None:
+        self._steps += 1
+        self._tell(f"compiling eager step {self._steps}/{self._eager}")
+
+    def captured(self) -> None:
+        self._captures += 1
+        self._tell(f"capturing decode graph {self._captures}/{self._graphs}")
+
+    def _tell(self, detail: str) -> None:
+        if self._progress is not None:
+            done = self._steps + self._captures * self._per_graph
+            self._progress.advance(detail, done / self._total)
 
 
 @torch.no_grad()

@@ -50,7 +50,8 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# the step's sequence count only bounds a search: no variant per value class
+@triton.jit(do_not_specialize=["num_seqs"])
 def paged_attn_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                       pos_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale, num_seqs, split_size,
                       stride_qt, stride_qh, stride_kb, stride_ko, stride_kh,

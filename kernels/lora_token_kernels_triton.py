@@ -61,7 +61,9 @@ def _shrink_rows(x_ptr, a_ptr, h_base, sorted_ptr, ranks_ptr, row0, last, slot, 
              mask=m_mask[:, None] & (offs_r < R)[None, :])
 
 
-@triton.jit
+# T (the step's tokens) only bounds rows: no variant per value class (1, a
+# multiple of 16, other), which would triple the compiles of every shape
+@triton.jit(do_not_specialize=["T"])
 def lora_shrink_tok_kernel(x_ptr, a_ptr, hp_ptr, sorted_ptr, sorted_slots_ptr, ranks_ptr,
                            T, K, R,
                            stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
@@ -144,7 +146,9 @@ def _expand_rows(hp_ptr, b_ptr, y_ptr, sorted_ptr, ranks_ptr, scale_ptr, row0, l
                          BLOCK_R, BLOCK_N, PRECISION, UPCAST)
 
 
-@triton.jit
+# T (the step's tokens) only bounds rows: no variant per value class (1, a
+# multiple of 16, other), which would triple the compiles of every shape
+@triton.jit(do_not_specialize=["T"])
 def lora_expand_tok_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, sorted_slots_ptr, ranks_ptr,
                            scale_ptr, T, R, n_chunks, o0, o1, o2, o3, o4,
                            stride_hk, stride_hs, stride_ht, stride_hr,

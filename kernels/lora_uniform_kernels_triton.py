@@ -177,7 +177,9 @@ def _expand_program(b_ptr, y_ptr, hp_ptr, sync_ptr, slots_ptr, ranks_ptr, e, T, 
         tl.store(y_ptrs, acc.to(y.dtype), mask=y_mask)
 
 
-@triton.jit
+# T (the step's tokens) only bounds rows: no variant per value class (1, a
+# multiple of 16, other), which would triple the compiles of every shape
+@triton.jit(do_not_specialize=["T"])
 def lora_uniform_kernel(x_ptr, a_ptr, b_ptr, y_ptr, hp_ptr, sync_ptr, slots_ptr,
                         ranks_ptr, T, K, R, S, k_chunk,
                         n_shrink, n_expand, tiles_per_block,

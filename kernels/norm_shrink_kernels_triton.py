@@ -142,7 +142,9 @@ def _shrink_row(x_ptr, res_ptr, w_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, N
                  + col_r * stride_hr, acc, mask=c_in)
 
 
-@triton.jit
+# T (the step's tokens) only bounds rows: no variant per value class (1, a
+# multiple of 16, other), which would triple the compiles of every shape
+@triton.jit(do_not_specialize=["T"])
 def add_rms_norm_shrink_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, rstd_ptr,
                                a_ptr, hp_ptr, slots_ptr, ranks_ptr,
                                T, N, R, SR, k_chunk, eps,

@@ -96,7 +96,9 @@ def _row(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr, q, I, R, k_chunk,
                  mask=offs_r < R)
 
 
-@triton.jit
+# T (the step's tokens) only bounds rows: no variant per value class (1, a
+# multiple of 16, other), which would triple the compiles of every shape
+@triton.jit(do_not_specialize=["T"])
 def silu_mul_shrink_kernel(x_ptr, out_ptr, a_ptr, hp_ptr, slots_ptr, ranks_ptr,
                            T, I, R, k_chunk, stride_x, stride_o,
                            stride_al, stride_ar, stride_ak, stride_hk, stride_ht, stride_hr,

@@ -23,6 +23,7 @@ import zmq
 from engine.server.adapter_commands import AdapterCommands
 from engine.server.convert import delta_to_proto
 from engine.server.events import engine_event, max_model_len
+from engine.startup import StartupProgress
 from engine.telemetry import GcPauses
 from loramux_core.curve import ZmqKeys, start_authenticator
 from loramux_core.errors import error_code
@@ -48,12 +49,18 @@ class ServerConfig:
 
 
 class EngineServer:
-    """Serves one Engine over ZMQ until `stop` is set."""
+    """Serves one Engine over ZMQ until `stop` is set.
 
-    def __init__(self, engine, cfg: ServerConfig, ctx: zmq.Context | None = None):
-        self.engine = engine
+    The sockets are bound and the heartbeats may start (`start_heartbeats`) before the
+    engine exists: `EngineServer(None, cfg)` while the weights load and the kernels warm
+    up, the heartbeats telling the phase from `progress`; `attach(engine)` once built.
+    Inputs sent meanwhile wait in the PULL socket's queue, read when the loop runs."""
+
+    def __init__(self, engine, cfg: ServerConfig, ctx: zmq.Context | None = None,
+                 progress: StartupProgress | None = None):
         self.cfg = cfg
         self.instance_id = uuid.uuid4().hex
+        self.progress = progress or StartupProgress()
         self._ctx = ctx or zmq.Context.instance()
         self._auth = start_authenticator(self._ctx, cfg.keys) if cfg.keys else None
         self._pull = self._ctx.socket(zmq.PULL)
@@ -64,7 +71,8 @@ class EngineServer:
                 cfg.keys.serve(sock)
         self._pull.bind(cfg.input_address)
         self._pub.bind(cfg.output_address)
-        self.adapters = AdapterCommands(engine)
+        self.engine = None
+        self.adapters: AdapterCommands | None = None
         self._live: set[str] = set()
         self._stopping = False
         self._step = 0
@@ -72,31 +80,58 @@ class EngineServer:
         self._event_pacer = BusyPacer()  # events sent early, at a residency change
         self._pub_lock = threading.Lock()
         self._progress = time.monotonic()  # the step thread's last completed iteration
-        self._limits = (max_model_len(engine), engine.model_config.vocab_size)
+        self._limits = (0, 0)  # max_model_len, vocab size: 0 until the engine is built
         self._gc_pauses = GcPauses()  # in every event, timed while serving
+        self._beat: threading.Thread | None = None
+        self._beat_done = threading.Event()
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine) -> None:
+        """The engine this server serves, built and warmed up: from now on the heartbeats
+        say SERVING (what arrives is read once serve_forever runs)."""
+        self.engine = engine
+        self.adapters = AdapterCommands(engine)
+        self._limits = (max_model_len(engine), engine.model_config.vocab_size)
+        self._progress = time.monotonic()
+        self.progress.enter(engine_pb2.ENGINE_PHASE_SERVING, "serving")
+
+    def start_heartbeats(self) -> None:
+        """Heartbeat from now on, from a thread of their own (idempotent)."""
+        if self._beat is None:
+            self._beat = threading.Thread(target=self._heartbeats, args=(self._beat_done,),
+                                          daemon=True, name="engine-heartbeat")
+            self._beat.start()
+
+    def close(self) -> None:
+        """Stop the heartbeats and close the sockets (serve_forever does it on its way
+        out; call it when the engine never came to serve)."""
+        self._beat_done.set()
+        if self._beat is not None:
+            self._beat.join()
+        if self.adapters is not None:
+            self.adapters.close()
+        self._pull.close(0)
+        self._pub.close(0)
+        if self._auth:
+            self._auth.stop()
+            self._auth = None
 
     def serve_forever(self, stop: threading.Event, drain_s: float = 0.0) -> None:
         """Serve until `stop` is set, then drain for up to `drain_s` seconds."""
+        assert self.engine is not None, "attach an engine first"
         with self._gc_pauses:  # from before the first heartbeat says the engine serves
             self._serve(stop, drain_s)
 
     def _serve(self, stop: threading.Event, drain_s: float) -> None:
-        done = threading.Event()
-        beat = threading.Thread(target=self._heartbeats, args=(done,), daemon=True,
-                                name="engine-heartbeat")
-        beat.start()
+        self._progress = time.monotonic()
+        self.start_heartbeats()
         try:
             while not stop.is_set():
                 self._iterate()
             self._drain_requests(drain_s)
         finally:
-            done.set()
-            beat.join()
-            self.adapters.close()
-            self._pull.close(0)
-            self._pub.close(0)
-            if self._auth:
-                self._auth.stop()
+            self.close()
 
     def _drain_requests(self, grace_s: float) -> None:
         """Stopping: new requests are refused (UNAVAILABLE), running ones go on for up to
@@ -112,12 +147,17 @@ class EngineServer:
     def _heartbeats(self, done: threading.Event) -> None:
         seq = 0
         while True:
-            if time.monotonic() - self._progress <= self.cfg.stall_timeout_s:
+            snap = self.progress.snapshot()
+            # starting: the start-up's last report is its progress; serving: the loop's
+            moved = (self._progress if snap.phase == engine_pb2.ENGINE_PHASE_SERVING
+                     else snap.updated)
+            if time.monotonic() - moved <= self.cfg.stall_timeout_s:
                 seq += 1
                 self._publish(heartbeat=engine_pb2.Heartbeat(
                     instance_id=self.instance_id, seq=seq, max_model_len=self._limits[0],
                     vocab_size=self._limits[1], in_flight_requests=len(self._live),
-                    unix_time=time.time(), phase=engine_pb2.ENGINE_PHASE_SERVING))
+                    unix_time=time.time(), phase=snap.phase, phase_detail=snap.detail,
+                    phase_progress=snap.progress, phase_eta_s=snap.eta_s))
             if done.wait(self.cfg.heartbeat_interval_s):
                 return
 

@@ -12,8 +12,9 @@ import traceback
 
 from loramux_core import curve, open_audit
 from loramux_core.gc_heap import freeze_heap
-from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options, config_error_message,
-                                  given, non_negative_float, positive_float)
+from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
+                                  auto_non_negative_int, config_error_message, given,
+                                  non_negative_float, positive_float)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-step-sleep", type=non_negative_float, default=0.0,
                    help=argparse.SUPPRESS)
     p.add_argument("--debug-sleep-step", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--compile-workers", type=auto_non_negative_int,
+                   default=env("LORAMUX_COMPILE_WORKERS", "auto"),
+                   help="processes that compile the warm-up's kernel variants in parallel "
+                        "before it runs, on a GPU whose compile cache lacks them "
+                        "(default: auto: half the cores, at most 8; 0: none)")
+    # test hook: run the warm-up where it has nothing to compile (the CPU), to see it
+    p.add_argument("--debug-warm-up", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None,
                    help="write {instance_id, input, output} here as JSON once serving")
     curve.add_arguments(p)
@@ -72,6 +80,39 @@ def resolved_config(engine) -> dict:
     return out
 
 
+def start_engine(args, progress):
+    """Build the engine (LOADING) and warm it up (WARMING_UP), reporting to `progress`;
+    None (said on stderr) when the configuration is refused."""
+    from engine.engine import Engine
+    from engine.precompile import precompile
+    from loramux_core.errors import LoramuxError
+    from loramux_core.v1 import engine_pb2
+
+    progress.enter(engine_pb2.ENGINE_PHASE_LOADING, "loading weights, sizing the KV cache")
+    try:
+        engine = Engine(engine_config(args, os.environ))
+    except (LoramuxError, argparse.ArgumentTypeError) as err:
+        print(f"error: {config_error_message(str(err))}", file=sys.stderr)
+        return None
+    if engine.adapter_loaders is not None and engine.device.type == "cuda":
+        # the loaders import torch while kernels compile, not when the first adapter loads
+        engine.adapter_loaders.start_in_background()
+    progress.enter(engine_pb2.ENGINE_PHASE_WARMING_UP, "starting")
+    try:  # before the ready file: no request meets a compile
+        compiled = precompile(engine, args.compile_workers, progress)
+        if compiled is not None:
+            print(f"engine {compiled}", file=sys.stderr, flush=True)
+        report = engine.warm_up(progress=progress, force=args.debug_warm_up)
+    except Exception as err:  # serving still works: kernels then compile on first use
+        print(f"engine warm-up failed, serving without it: {err!r}", file=sys.stderr,
+              flush=True)
+    else:
+        if report is not None:
+            print(f"engine {report} (loading {progress.seconds.get('loading', 0):.1f} s)",
+                  file=sys.stderr, flush=True)
+    return engine
+
+
 def main(argv: list[str] | None = None) -> int:
     open_audit.install_from_env("engine")
     args = build_parser().parse_args(argv)
@@ -85,32 +126,28 @@ def main(argv: list[str] | None = None) -> int:
     except curve.ZmqKeyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from engine.engine import Engine
-    from loramux_core.errors import LoramuxError
     from engine.server.loop import EngineServer, ServerConfig
+    from engine.startup import ProgressLine, StartupProgress
 
-    try:
-        engine = Engine(engine_config(args, os.environ))
-    except (LoramuxError, argparse.ArgumentTypeError) as err:
-        print(f"error: {config_error_message(str(err))}", file=sys.stderr)
-        return 2
-    if engine.adapter_loaders is not None and engine.device.type == "cuda":
-        # the loaders import torch while kernels compile, not when the first adapter loads
-        engine.adapter_loaders.start_in_background()
-    try:
-        report = engine.warm_up()  # before the ready file: no request meets a compile
-    except Exception as err:  # serving still works: kernels then compile on first use
-        print(f"engine warm-up failed, serving without it: {err!r}", file=sys.stderr,
-              flush=True)
-    else:
-        if report is not None:
-            print(f"engine {report}", file=sys.stderr, flush=True)
-    # the model, kernels and graphs live until exit: a full collection never walks them
-    frozen = freeze_heap()
-    server = EngineServer(engine, ServerConfig(
+    # the sockets first: the replica is seen (heartbeats with its phase and progress)
+    # while it loads and warms up, and a taken address fails before anything slow
+    progress = StartupProgress(on_update=ProgressLine())
+    server = EngineServer(None, ServerConfig(
         args.input, args.output, heartbeat_interval_s=args.heartbeat_interval,
         stall_timeout_s=args.stall_timeout, debug_step_sleep_s=args.debug_step_sleep,
-        debug_sleep_step=args.debug_sleep_step, keys=keys))
+        debug_sleep_step=args.debug_sleep_step, keys=keys), progress=progress)
+    server.start_heartbeats()
+    try:
+        engine = start_engine(args, progress)
+    except BaseException:
+        server.close()
+        raise
+    if engine is None:
+        server.close()
+        return 2
+    # the model, kernels and graphs live until exit: a full collection never walks them
+    frozen = freeze_heap()
+    server.attach(engine)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,7 +1,7 @@
 """Record the Triton kernel variants a piece of code launches, as Triton would key its
 compiled binaries: the kernel, its constexpr arguments, and for every other argument the
-properties Triton specialises on (an integer equal to 1 or a multiple of 16, a tensor's
-dtype). Works compiled (CUDA) and interpreted (the CPU), through
+properties Triton specialises on (an integer equal to 1 or a multiple of 16, unless the
+kernel says do_not_specialize for it; a tensor's dtype). Works compiled (CUDA) and interpreted (the CPU), through
 each kernel's pre-run hook.
 
 `force_triton(monkeypatch)` routes the model's kernel dispatch (kernels/lora.py, its
@@ -54,15 +54,26 @@ class LaunchKeys:
         params = list(inspect.signature(kernel.fn).parameters.values())
         names = [p.name for p in params]
         const = {p.name for p in params if "constexpr" in str(p.annotation)}
+        plain = _not_specialized(kernel, names)
 
         def record(*args, **kwargs):
             if not self.recording:
                 return
             values = dict(zip(names, args)) | kwargs
-            key = tuple((n, values[n] if n in const else _spec(values[n]))
+            key = tuple((n, values[n] if n in const else
+                         "int" if n in plain and isinstance(values[n], int) else _spec(values[n]))
                         for n in names if n in values)
             self.keys.add((name, key))
         return record
+
+
+def _not_specialized(kernel, names: list[str]) -> set[str]:
+    """The kernel's do_not_specialize arguments (by name), compiled or interpreted: Triton
+    keys none of their values."""
+    given = getattr(kernel, "do_not_specialize", None)
+    if given is None:   # the interpreter keeps the decorator's arguments as they came
+        given = getattr(kernel, "kwargs", {}).get("do_not_specialize") or ()
+    return {names[a] if isinstance(a, int) else a for a in given}
 
 
 def _recording_run(record):
