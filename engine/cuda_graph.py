@@ -19,7 +19,7 @@ captured with launch parameters tuned for one adapter (kernels/lora_token_triton
 mapping would still be computed right). Mixed batches whose rows average fewer rows per
 adapter than the kernels' rule for the bucket (`min_rows`, kernels.lora.mixed_min_rows)
 replay a "spread" graph, captured on the token kernels where the other one has the
-segment kernels (kernels/lora_mixed_triton.py); the bit is counted on the host from the
+segment kernels (kernels/lora/plan.py); the bit is counted on the host from the
 rows' slots. Graphs are captured at start-up (`capture_all`, engine/warmup.py), or else
 the first time a `GraphKey` is needed.
 
