@@ -55,7 +55,7 @@ def test_scale_rows_matches_reference(dtype, T, N):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 9, TOKEN_PATH_MAX_TOKENS + 13])
 def test_embedding_lora_matches_reference(dtype, T):
-    """Token path up to TOKEN_PATH_MAX_TOKENS tokens, the row-block expand above."""
+    """Token path up to TOKEN_PATH_MAX_TOKENS tokens, the tile list's expand above."""
     g = torch.Generator().manual_seed(T)
     V, H, R = 97, 48, 16
     a = torch.randn(L, R, V, generator=g).to(DEV, dtype)

@@ -309,7 +309,7 @@ def _count_fused(monkeypatch, device: str) -> list[int]:
 def test_norm_shrink_then_expand_matches_peft(setup, device, mode, case, monkeypatch):
     """FUSED_NORM_SHRINK: the add + RMSNorm before q/k/v and gate/up also shrinks its
     output (kernels/lora/norm_shrink.py), FUSED_SILU_SHRINK: the SiLU-and-multiply
-    before down too (kernels/silu_shrink_triton.py); `apply` only expands. The norm's and
+    before down too (kernels/lora/silu_shrink.py); `apply` only expands. The norm's and
     activation's outputs equal the references', the deltas PEFT's on those rows; base
     rows get nothing."""
     from engine.lora import batch as batch_module
