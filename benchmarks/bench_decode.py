@@ -4,10 +4,8 @@ the memory-bandwidth floor and, in the same run, Hugging Face transformers + PEF
     python -m benchmarks.decode --out DIR [--quick] [--no-hf]
 
 Modes: "base" (no adapter), "one" (one rank-16 adapter for every request, the engine's
-defaults), "one-split" (the same through the two-launch LoRA path), "one-launch" (through
-the one-launch kernel, kernels/lora_triton.py UNIFORM_ONE_LAUNCH), "one-ahead" (each
-group's shrink on a side stream beside its base matmul, engine/lora/batch.py
-SHRINK_AHEAD), "distinct" (one rank-16 adapter per request, on all seven projections),
+defaults), "one-split" (the same; the two-launch LoRA path is the only one now),
+"distinct" (one rank-16 adapter per request, on all seven projections),
 "dora" (one rank-16 DoRA adapter for every request: the row factors after each group),
 "head" (one adapter with LoRA on lm_head too: the vocabulary-wide expand).
 --norm-shrink off,all,all+all runs every mode once per setting of engine/lora/batch.py
@@ -19,7 +17,7 @@ registered from a few adapter files under different names: each name gets its ow
 slot and device copy, so a step reads every adapter's A/B separately exactly as with
 distinct files, without writing gigabytes of adapter files first.
 --mixed-paths table,rule runs the mixed modes ("distinct", "d64": 64 adapters round robin)
-once per choice of kernels/lora_mixed_triton.py PATH: "rule" (the engine's: the GPU's
+once per choice of kernels/lora/plan.py FORCED: "rule" (the engine's: the GPU's
 table and its rows-per-adapter rule), "table" (the table alone, the choice before that
 rule), "tokens", "segments"; rows of a choice other than "rule" are labelled
 "MODE/mp-CHOICE", so one run gives before and after.
@@ -123,21 +121,8 @@ _DEFAULT_PATH: dict = {}
 
 
 def select_uniform_path(eng, mode: str) -> None:
-    """Modes "one-split" (two launches per group), "one-launch" (one) and "one-ahead"
-    (the shrink beside the base matmul, the expand after it) set the one-adapter LoRA
-    path; any other mode the engine's defaults. Captured graphs are dropped when the path
-    changes (they are captured again when next needed)."""
-    from engine.lora import batch
-    from kernels import lora_triton
-    if "one" not in _DEFAULT_PATH:
-        _DEFAULT_PATH.update(one=lora_triton.UNIFORM_ONE_LAUNCH, ahead=batch.SHRINK_AHEAD)
-    one_launch = {"one-launch": True, "one-split": False}.get(mode, _DEFAULT_PATH["one"])
-    ahead = {"one-ahead": True, "one-split": False, "one-launch": False}.get(
-        mode, _DEFAULT_PATH["ahead"])
-    if (lora_triton.UNIFORM_ONE_LAUNCH, batch.SHRINK_AHEAD) != (one_launch, ahead):
-        lora_triton.UNIFORM_ONE_LAUNCH, batch.SHRINK_AHEAD = one_launch, ahead
-        if eng.runner.graphs is not None:
-            eng.runner.graphs.release()
+    """The one-adapter LoRA path has one form (kernels/lora/plan.py): every mode runs it
+    as it is, so no captured graph is dropped."""
 
 
 def norm_shrink_pair(setting: str) -> tuple[str, str]:
@@ -180,15 +165,15 @@ def pick_label(label: str, pick: str, picks: list[str]) -> str:
 
 
 MIXED_MODES = ("distinct", "d64")         # modes whose steps take the mixed LoRA path
-MIXED_PATHS = {"rule": None, "table": "table", "tokens": "tokens", "segments": "segments"}
+MIXED_PATHS = {"rule": None, "table": "table", "tokens": "tokens", "segments": "mixed"}
 
 
 def select_mixed_path(eng, path: str) -> None:
-    """kernels/lora_mixed_triton.py PATH = MIXED_PATHS[path]; captured graphs are dropped
+    """kernels/lora/plan.py FORCED = MIXED_PATHS[path]; captured graphs are dropped
     when it changes."""
-    from kernels import lora_mixed_triton
-    if lora_mixed_triton.PATH != MIXED_PATHS[path]:
-        lora_mixed_triton.PATH = MIXED_PATHS[path]
+    from kernels.lora import plan
+    if plan.FORCED != MIXED_PATHS[path]:
+        plan.FORCED = MIXED_PATHS[path]
         if eng.runner.graphs is not None:
             eng.runner.graphs.release()
 
@@ -208,7 +193,7 @@ def decode_graph(eng, adapters: list[str | None]):
 
 def mode_adapters(mode: str, b: int, names: list[str]) -> list[str | None]:
     return {"base": [None] * b, "one": [names[0]] * b, "one-split": [names[0]] * b,
-            "one-ahead": [names[0]] * b, "one-launch": [names[0]] * b, "distinct": names[:b],
+            "distinct": names[:b],
             "d64": [names[i % 64] for i in range(b)], "dora": ["dora"] * b,
             "head": ["head"] * b}[mode]
 
@@ -316,9 +301,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,8,16,32,64,128,256")
     ap.add_argument("--modes", default="base,one,distinct,d64",
-                    help="base; one adapter for all rows; one-split / one-launch / "
-                         "one-ahead: the same through the two-launch, one-launch or "
-                         "shrink-beside-the-matmul LoRA path; "
+                    help="base; one adapter for all rows; one-split: the same; "
                          "distinct: one adapter per row; "
                          "d64: 64 adapters round robin (4 rows each at batch 256); "
                          "dora / head: one rank-16 DoRA adapter / one with LoRA on "

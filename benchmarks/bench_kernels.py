@@ -6,13 +6,13 @@ Measures the device copy bandwidth in the same run, then for every layer group (
 gate_up, down), rank, token count, distinct-adapter count and token->adapter mapping:
 checks `add_lora` against the torch reference on sampled rows, times it with CUDA graphs
 over rotating buffer sets, counts its launches, and (on the two-kernel path) times the
-shrink and expand kernels alone. One-adapter cases up to 256 tokens run twice, as the
-engine's uniform graph launches them: path "one-launch" (kernels/lora_uniform_triton.py)
-and "two-launch" (the token kernels), side by side; cases of several adapters and 17-256
-tokens too: path "tokens" (the token kernels) and "segments" (kernels/lora_mixed_triton.py);
-cases above 256 tokens (the prefill path) as well: path "tiles" (the tile-list grouped
-GEMM, kernels/lora_segment_triton.py) and "blocks" (the row-block segment kernels it
-replaced). `--prefill` also times the tile-list shrink alone at every K split. Floors
+shrink and expand kernels alone. One-adapter cases up to 256 tokens run as the engine's
+uniform graph launches them: path "two-launch" (the token kernels); cases of several
+adapters and 17-256 tokens twice: path "tokens" (the token kernels) and "segments"
+(kernels/lora/mixed.py), side by side; cases above 256 tokens (the prefill path): path
+"tiles" (the tile-list grouped GEMM, kernels/lora/segment.py). Which path the engine takes
+is kernels/lora/plan.py's. `--prefill` also times the tile-list shrink alone at every K
+split. Floors
 follow PERF.md. Writes kernels.csv and kernels.md to DIR and prints a short table. Needs
 a CUDA GPU; the arithmetic helpers do not.
 """
@@ -74,45 +74,34 @@ class Case:
     tokens: int
     adapters: int
     mapping: str
-    # one adapter up to 256 tokens: "one-launch" or "two-launch" (uniform decode path);
-    # above 256 tokens: "tiles" or "blocks" (prefill path); else "-"
+    # one adapter up to 256 tokens: "two-launch" (uniform decode path); several: "tokens"
+    # or "segments"; above 256 tokens: "tiles" (prefill path); else "-"
     path: str = "-"
 
 
-UNIFORM_PATHS = ("one-launch", "two-launch")
-AHEAD = "ahead"     # --uniform only: the default kernels' shrink on a side stream (beside
-                    # the base matmul), the expand after it
+UNIFORM_PATHS = ("two-launch",)
 MIXED_PATHS = ("tokens", "segments")     # several adapters, 17..256 tokens: old and new
-SEGMENT_PATHS = ("tiles", "blocks")      # above 256 tokens (prefill): new and old
+SEGMENT_PATHS = ("tiles",)               # above 256 tokens (prefill)
 
 
 @contextlib.contextmanager
 def uniform_path(path: str):
-    """add_lora takes `path` inside the block, a uniform or a prefill one ("-" or a mixed
-    path: the defaults)."""
-    from kernels import lora_triton
-    old = lora_triton.UNIFORM_ONE_LAUNCH, lora_triton.SEGMENT_TILE_LIST
-    if path in UNIFORM_PATHS:
-        lora_triton.UNIFORM_ONE_LAUNCH = path == "one-launch"
-    if path in SEGMENT_PATHS:
-        lora_triton.SEGMENT_TILE_LIST = path == "tiles"
-    try:
-        yield
-    finally:
-        lora_triton.UNIFORM_ONE_LAUNCH, lora_triton.SEGMENT_TILE_LIST = old
+    """add_lora takes `path` inside the block, a uniform or a prefill one: each has one
+    form (kernels/lora/plan.py), so nothing changes."""
+    yield
 
 
 @contextlib.contextmanager
 def mixed_path(path: str):
     """A mixed decode batch takes `path` inside the block (else: the table's choice)."""
-    from kernels import lora_mixed_triton
-    old = lora_mixed_triton.PATH
+    from kernels.lora import plan
+    old = plan.FORCED
     if path in MIXED_PATHS:
-        lora_mixed_triton.PATH = path
+        plan.FORCED = {"segments": plan.MIXED}.get(path, path)
     try:
         yield
     finally:
-        lora_mixed_triton.PATH = old
+        plan.FORCED = old
 
 
 @dataclass(frozen=True)
@@ -158,8 +147,7 @@ def cases(quick: bool, targets: bool = False, uniform: bool = False,
                     maps = ["contiguous", "random"] if n > 1 and t > 1 and not prefill else [
                         "contiguous"]
                     for m in maps:
-                        paths = (UNIFORM_PATHS + ((AHEAD,) if uniform else ())
-                                 if n == 1 and t <= 256 else
+                        paths = (UNIFORM_PATHS if n == 1 and t <= 256 else
                                  MIXED_PATHS if 16 < t <= 256 else
                                  SEGMENT_PATHS if t > 256 else ("-",))
                         out.extend(Case(g, r, t, n, m, p) for p in paths)
@@ -168,7 +156,7 @@ def cases(quick: bool, targets: bool = False, uniform: bool = False,
 
 def make_set(case: Case, seed: int):
     """One buffer set: random bf16 activations, output and an L-slot pool of rank r."""
-    from kernels.lora_triton import build_meta
+    from kernels.lora.launch import build_meta
     _, K, N = next(g for g in layer_groups() if g[0] == case.group)
     g = torch.Generator(device="cuda").manual_seed(seed)
     L, S, r, T = case.adapters, len(N), case.rank, case.tokens
@@ -185,27 +173,21 @@ def make_set(case: Case, seed: int):
 
 
 def check(s, uniform: bool = False, path: str = "-") -> None:
-    """add_lora on all tokens (path "ahead": its two halves on two streams) equals the
-    reference on sampled rows (tokens are independent)."""
-    from kernels.lora_ref import add_lora_ref
-    from kernels.lora_triton import add_lora
+    """add_lora on all tokens equals the reference on sampled rows (tokens are
+    independent)."""
+    from kernels.lora.launch import add_lora
+    from kernels.lora.reference import add_lora_ref
     T = s["x"].shape[0]
     rows = torch.unique(torch.cat([torch.arange(min(T, 64)), torch.randperm(T)[:64]])).cuda()
-    if path == AHEAD:
-        out = dict(s, y=s["y"].clone())
-        _lora_call(out, AHEAD, torch.cuda.Stream())()
-        got = out["y"][rows]
-    else:
-        got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"],
-                       s["ranks"], s["meta"], uniform=uniform)[rows]
+    got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"],
+                   s["ranks"], s["meta"], uniform=uniform)[rows]
     want = add_lora_ref(s["y"][rows].clone(), s["x"][rows], s["a"], s["b"], s["ts"][rows],
                         s["offsets"])
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=3e-2)
 
 
 def run_case(case: Case, bw: float, gemm: bool = False) -> Result:
-    """gemm: also time the group's base matmul alone and with the LoRA after it (or,
-    on path "ahead", with the shrink beside it on a side stream)."""
+    """gemm: also time the group's base matmul alone and with the LoRA after it."""
     with uniform_path(case.path), mixed_path(case.path):
         res = _run_case(case, bw)
         if gemm:
@@ -214,30 +196,15 @@ def run_case(case: Case, bw: float, gemm: bool = False) -> Result:
 
 
 def _lora_call(s, path: str, side, matmul=None):
-    """One group's LoRA on buffer set s (after `matmul`, if given, as the engine does);
-    path "ahead": the shrink forked to stream `side` before the matmul, the expand after."""
-    from kernels import lora as lora_kernels
-    from kernels.lora_triton import add_lora
+    """One group's LoRA on buffer set s (after `matmul`, if given, as the engine does)."""
+    from kernels.lora.launch import add_lora
     uniform = s["a"].shape[0] == 1
 
     def run():
-        if path == AHEAD:
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                shrunk = lora_kernels.shrink_ahead(s["x"], s["a"], s["ts"], s["offsets"],
-                                                   s["ranks"], meta=s["meta"], uniform=True)
-                done = torch.cuda.Event()
-                done.record(side)
-            if matmul is not None:
-                matmul(s)
-            main.wait_event(done)
-            lora_kernels.expand_after(shrunk, s["b"], s["y"])
-        else:
-            if matmul is not None:
-                matmul(s)
-            add_lora(s["y"], s["x"], s["a"], s["b"], s["ts"], s["offsets"], s["ranks"],
-                     s["meta"], uniform=uniform)
+        if matmul is not None:
+            matmul(s)
+        add_lora(s["y"], s["x"], s["a"], s["b"], s["ts"], s["offsets"], s["ranks"],
+                 s["meta"], uniform=uniform)
     return run
 
 
@@ -302,16 +269,11 @@ def _run_case(case: Case, bw: float) -> Result:
 
 def segment_kernels(path: str, K: int, split_k: int | None = None):
     """(shrink(set) -> h, expand(set, h)) of one prefill path with add_lora's parameters."""
-    from kernels.lora_segment_triton import config_for, seg_expand, seg_shrink
-    from kernels.lora_triton import lora_expand, lora_shrink
-    if path == "tiles":
-        cfg = config_for(torch.device("cuda"), K)
-        return (lambda s: seg_shrink(s["x"], s["a"], s["meta"], s["ranks"], split_k=split_k),
-                lambda s, h: seg_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"],
-                                        cfg=cfg))
-    return (lambda s: lora_shrink(s["x"], s["a"], s["meta"], s["ranks"], block_m=64),
-            lambda s, h: lora_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"],
-                                     block_m=64))
+    from kernels.lora.segment import config_for, seg_expand, seg_shrink
+    cfg = config_for(torch.device("cuda"), K)
+    return (lambda s: seg_shrink(s["x"], s["a"], s["meta"], s["ranks"], split_k=split_k),
+            lambda s, h: seg_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"],
+                                    cfg=cfg))
 
 
 def split_k_lines(quick: bool, bw: float) -> list[str]:
@@ -340,8 +302,7 @@ def split_k_lines(quick: bool, bw: float) -> list[str]:
 def _token_kernels(S: int, uniform: bool):
     """(shrink(set), expand(set, h)) of the token kernels (the two-launch one-adapter path
     with `uniform`), to time alone."""
-    from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
-    from kernels.lora_triton import _offsets
+    from kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
 
     def shrink(s):
         return lora_shrink_tokens(s["x"], s["a"], s["meta"], s["ranks"], uniform=uniform)
@@ -356,28 +317,31 @@ def _two_kernels(s, M: int, L: int):
     """(shrink(set), expand(set, h)) of the two-kernel path add_lora takes for this case,
     to time alone: the prefill kernels above the decode path, the mixed decode kernels
     where their table sends the shape; (None, None) otherwise."""
-    from kernels import lora_mixed_triton
-    from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS
-    if M > TOKEN_PATH_MAX_TOKENS:
+    from kernels.lora import mixed
+    from kernels.lora import plan as planner
+    offsets = s["offsets"]
+    widest = max(hi - lo for lo, hi in zip(offsets, offsets[1:]))
+    path = planner.choose(s["x"].device, M, L == 1, False, len(offsets) - 1, s["x"].shape[1],
+                          widest)
+    if path == planner.TILES:
         return segment_kernels("tiles", s["x"].shape[1])
-    if L == 1 or not lora_mixed_triton.takes(s["x"], s["a"], s["offsets"]):
+    if path != planner.MIXED:
         return None, None
-    plan = lora_mixed_triton._plan(s["x"].device, M, L, s["offsets"], s["a"].shape[2],
-                                   s["x"].shape[1], None)
+    plan = mixed._plan(s["x"].device, M, L, s["offsets"], s["a"].shape[2],
+                       s["x"].shape[1], None)
 
     def shrink_mixed(s):
-        return lora_mixed_triton.lora_shrink_mixed(s["x"], s["a"], s["meta"], plan, s["ranks"])
+        return mixed.lora_shrink_mixed(s["x"], s["a"], s["meta"], plan, s["ranks"])
 
     def expand_mixed(s, h):
-        return lora_mixed_triton.lora_expand_mixed(h, s["b"], s["y"], s["meta"], plan,
-                                                   s["ranks"])
+        return mixed.lora_expand_mixed(h, s["b"], s["y"], s["meta"], plan, s["ranks"])
     return shrink_mixed, expand_mixed
 
 
 def expand_lines(quick: bool, bw: float) -> list[str]:
     """The tile-list expand alone at T=8192 over 64 adapters for block sizes around the
     table's (each new (BM, BN, N_LOOP) compiles once), per group."""
-    from kernels.lora_segment_triton import seg_expand, seg_shrink
+    from kernels.lora.segment import seg_expand, seg_shrink
     out = []
     for g, K, N in layer_groups():
         if quick and g not in ("qkv", "gate_up"):
@@ -434,12 +398,11 @@ def main(argv: list[str] | None = None) -> int:
                         "L 1/64")
     p.add_argument("--uniform", action="store_true",
                    help="one adapter, T 1/16/64 (with --quick: qkv and down, T 1/64), rank 16: "
-                        "paths one-launch, two-launch and ahead side by side, each also "
-                        "timed after the group's base matmul (ahead: beside it)")
+                        "the two-launch path, also timed after the group's base matmul")
     p.add_argument("--prefill", action="store_true",
                    help="T 8192 over 64 adapters (with --quick: qkv and down), rank 16: the "
-                        "tile-list and row-block prefill paths side by side, then the "
-                        "tile-list shrink at K splits 1/2/4/8")
+                        "tile-list prefill path, then the tile-list shrink at K splits "
+                        "1/2/4/8")
     p.add_argument("--sweep-expand", action="store_true",
                    help="only the tile-list expand at T 8192 over 64 adapters for 8 block "
                         "sizes (with --quick: qkv and gate_up), about 60-90 s")

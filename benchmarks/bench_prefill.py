@@ -3,14 +3,13 @@ nothing downloaded): the base model, one rank-16 adapter for every prompt, and 6
 round robin, with chunked prefill at the engine's default token budget.
 
     python -m benchmarks.decode prefill --out DIR [--prompts 64] [--min-len 512]
-        [--max-len 2048] [--modes base,one,l64] [--paths tiles,blocks]
+        [--max-len 2048] [--modes base,one,l64] [--paths tiles]
 
 Every prompt asks for one new token, so a request finishes with its last prefill chunk and
 the time measured is prefill (plus one sampled token per prompt). Each (mode, path) runs an
 untimed round first (kernel compiles, adapter loads), then a timed round of fresh prompts
 of the same lengths (prefix caching off). Paths (adapter modes only): "tiles" runs the LoRA
-prefill kernels of kernels/lora_segment_triton.py, "blocks" the row-block kernels they
-replaced (kernels/lora_triton.py SEGMENT_TILE_LIST), in the same run. The bf16 matmul rate
+prefill kernels of kernels/lora/segment.py (the one prefill path). The bf16 matmul rate
 is measured in the same run; "% matmul" is the model's FLOPs (projections and causal
 attention) per second over it. "adapters/step" is what FCFS packing of the prompts into
 the token budget gives (the scheduler's order), i.e. the distinct adapters a step's LoRA
@@ -111,15 +110,11 @@ def make_engine(model_dir: Path, device: str, prompts: int, max_len: int):
 
 @contextlib.contextmanager
 def prefill_path(path: str):
-    """The LoRA prefill kernels of `path` ("tiles" or "blocks"; "-": the default)."""
-    from kernels import lora_triton
-    old = lora_triton.SEGMENT_TILE_LIST
-    if path != "-":
-        lora_triton.SEGMENT_TILE_LIST = path == "tiles"
-    try:
-        yield
-    finally:
-        lora_triton.SEGMENT_TILE_LIST = old
+    """The LoRA prefill kernels of `path` ("tiles"; "-": the default): one path, the
+    tile list (kernels/lora/plan.py), so nothing changes."""
+    if path not in ("-", "tiles"):
+        raise ValueError(f"prefill path {path!r}: the tile list ('tiles') is the only one")
+    yield
 
 
 def run_round(eng, lengths: list[int], adapters: list, vocab: int, tag: str, seed: int) -> float:
@@ -204,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--modes", default="base,one,l64",
                    help="base; one: one adapter for every prompt; l64: 64 adapters round robin")
-    p.add_argument("--paths", default="tiles,blocks",
+    p.add_argument("--paths", default="tiles",
                    help="LoRA prefill kernels to run the adapter modes with (before/after)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")

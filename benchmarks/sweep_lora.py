@@ -7,7 +7,7 @@ For every layer group (qkv, o, gate_up, down) and (tokens, distinct adapters) in
 (1, 1), (16, 1), (64, 1), (64, 64), rank 16, bf16: each candidate (split_k, n_chunks) is
 checked against the torch reference on the first buffer set, then timed as shrink + expand
 with CUDA graphs over rotating buffer sets (benchmarks/common.py). Prints, per point, the
-default choice (kernels/lora_token_triton.py) and the best candidate with their times and
+default choice (kernels/lora/token.py) and the best candidate with their times and
 % of the floor; writes sweep.csv with every candidate. Needs a CUDA GPU.
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ def candidates(K: int, n_tiles: int) -> list[tuple[int, int]]:
 
 
 def run_pair(s, split_k: int | None, n_chunks: int | None):
-    from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
-    from kernels.lora_triton import _offsets
+    from kernels.lora.token import lora_expand_tokens, lora_shrink_tokens
+    from kernels.lora.token import _offsets
     offs = _offsets(s["offsets"])
     S = len(s["offsets"]) - 1
 
@@ -49,7 +49,7 @@ def run_pair(s, split_k: int | None, n_chunks: int | None):
 
 
 def check(s, split_k: int, n_chunks: int) -> None:
-    from kernels.lora_ref import add_lora_ref
+    from kernels.lora.reference import add_lora_ref
     y0 = s["y"].clone()
     got = run_pair(dict(s, y=y0), split_k, n_chunks)()
     want = add_lora_ref(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"])
@@ -57,7 +57,7 @@ def check(s, split_k: int, n_chunks: int) -> None:
 
 
 def sweep_point(group: str, T: int, L: int, bw: float) -> list[dict]:
-    from kernels.lora_token_triton import _block_r, _tile, default_n_chunks, default_split_k
+    from kernels.lora.token import _block_r, _tile, default_n_chunks, default_split_k
     _, K, N = next(g for g in layer_groups() if g[0] == group)
     r, S = 16, len(N)
     case = Case(group, r, T, L, "contiguous")

@@ -1,4 +1,4 @@
-"""Sweep the mixed-adapter decode kernels' launch parameters (kernels/lora_mixed_triton.py)
+"""Sweep the mixed-adapter decode kernels' launch parameters (kernels/lora/mixed.py)
 against the token kernels at 256, 128 and 64 tokens over 64 adapters (rank 16, bf16,
 Llama-3-8B layer groups), within a time budget, and print the TABLE rows they give.
 
@@ -61,7 +61,7 @@ class Setup:
 def make_set(setup: Setup, group: str, T: int, slots: int, seed: int):
     """Random x, y and a `slots`-slot rank-16 pool; T tokens round robin over the first
     ADAPTERS slots (shuffled), a few rows without an adapter."""
-    from kernels.lora_triton import build_meta
+    from kernels.lora.launch import build_meta
     _, K, N = next(g for g in setup.groups if g[0] == group)
     g = torch.Generator(device=setup.device).manual_seed(seed)
     kw = dict(device=setup.device, generator=g)
@@ -83,7 +83,7 @@ def tokens_pair(s):
 
 
 def segments_pair(s, params):
-    from kernels.lora_mixed_triton import add_lora_mixed
+    from kernels.lora.mixed import add_lora_mixed
     return lambda: add_lora_mixed(s["y"], s["x"], s["a"], s["b"], s["meta"], s["offsets"],
                                   s["ranks"], params)
 
@@ -104,7 +104,7 @@ class Point:
                                    + expand_floor_bytes(T, N, RANK, L), bw, 2)
         self.rows: list[dict] = []
         self.times: dict = {}
-        from kernels.lora_ref import add_lora_ref
+        from kernels.lora.reference import add_lora_ref
         s = self.sets[0]
         self.y0 = s["y"].clone()      # (timing adds into the sets' y over and over)
         self.want = add_lora_ref(self.y0.clone(), s["x"], s["a"], s["b"], s["ts"],
@@ -156,11 +156,11 @@ def _near(values: list[int], v: int) -> list[int]:
 
 def sweep_point(pt: Point):
     """(tokens us, automatic us, best us, best params) after coordinate descent."""
-    from kernels.lora_mixed_triton import _plan
+    from kernels.lora.mixed import _plan
     t_tok = pt.time("tokens", None)
     s0 = pt.sets[0]
     plan = _plan(s0["x"].device, pt.T, s0["a"].shape[0], s0["offsets"], RANK, pt.K, None)
-    best = dataclasses.replace(plan.params, path="segments", programs=plan.programs,
+    best = dataclasses.replace(plan.params, programs=plan.programs,
                                split_k=plan.split_k, tpp=plan.tpp)
     auto = best
     t_auto = pt.time("auto", auto)
@@ -180,10 +180,12 @@ def sweep_point(pt: Point):
 
 
 def table_rows(gpu: str, results) -> list[str]:
-    """TABLE rows for `gpu` from (shape class, tokens us, segments us, best params)."""
+    """Rows for `gpu` from (shape class, tokens us, segments us, best params): TOKENS
+    (kernels/lora/plan.py TABLE's entry) or the MIXED entry's MixedParams
+    (kernels/lora/mixed.py PARAMS)."""
     lines = [f'    "{gpu}": {{']
     for cls, tok_us, seg_us, best in results:
-        entry = ('MixedParams(path="tokens")' if tok_us <= seg_us
+        entry = ("TOKENS" if tok_us <= seg_us
                  else f"MixedParams({params_text(best)})")
         lines.append(f"        {cls!r}: {entry},  # tokens {tok_us:.1f} us, "
                      f"segments {seg_us:.1f} us")
@@ -193,7 +195,7 @@ def table_rows(gpu: str, results) -> list[str]:
 def sweep(out: Path, budget: float, slots: int, bw: float, gpu: str,
           setup: Setup = Setup()) -> list[str]:
     """Every point within `budget` seconds; writes the CSV and the rows; returns them."""
-    from kernels.lora_mixed_triton import shape_class
+    from kernels.lora.plan import shape_class
     start = time.time()
     points = [(T, g) for T in setup.tokens for g, _, _ in setup.groups]
     results, rows = [], []
@@ -231,13 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("sweep_lora_mixed needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kernels.lora_mixed_triton import gpu_key
+    from kernels.lora.plan import gpu_key
     start = time.time()
     bw = copy_bandwidth(gib=1.0)
     name = torch.cuda.get_device_name()
     print(f"{name}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     lines = sweep(args.out, args.budget, args.slots, bw, gpu_key(name) or name)
-    print("\nTABLE rows (kernels/lora_mixed_triton.py):")
+    print("\nrows of kernels/lora/plan.py TABLE (TOKENS) and kernels/lora/mixed.py PARAMS:")
     print("\n".join(lines))
     print(f"wrote {args.out / 'sweep_mixed.csv'} in {time.time() - start:.0f} s")
     return 0

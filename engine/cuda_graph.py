@@ -15,11 +15,11 @@ pool, so loading an adapter never invalidates a graph. Attention is captured wit
 max_seq_len = max_model_len, which fixes its split-KV count per graph (empty splits are
 merged away). Batches without any adapter replay a graph without the LoRA launches;
 batches whose rows all use one adapter replay a "uniform" graph, whose LoRA kernels were
-captured with launch parameters tuned for one adapter (kernels/lora_token_triton.py; any
+captured with launch parameters tuned for one adapter (kernels/lora/token.py; any
 mapping would still be computed right). Mixed batches whose rows average fewer rows per
 adapter than the kernels' rule for the bucket (`min_rows`, kernels.lora.mixed_min_rows)
 replay a "spread" graph, captured on the token kernels where the other one has the
-segment kernels (kernels/lora_mixed_triton.py); the bit is counted on the host from the
+segment kernels (kernels/lora/plan.py); the bit is counted on the host from the
 rows' slots. Graphs are captured at start-up (`capture_all`, engine/warmup.py), or else
 the first time a `GraphKey` is needed.
 

@@ -43,7 +43,7 @@ from engine.admission import (AdmissionLimits, check_length, check_request, prom
                               sequence_ids)
 from engine.assembly import build_adapter_parts, build_model_parts, max_model_len
 from engine.config import EngineConfig
-from engine.executor import make_executor
+from engine.distributed.executor import make_executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from loramux_core.model.hf_config import ModelConfig
 from engine.output_processor import OutputProcessor
@@ -69,7 +69,7 @@ class Engine:
         config = resolve_config(config, self.model_config, MachineFacts.probe(config.device))
         self.config = config
         # tp_size > 1: this process is rank 0; the executor spawns ranks 1..N-1 and
-        # mirrors every step and adapter change to them (engine/executor.py)
+        # mirrors every step and adapter change to them (engine/distributed/executor.py)
         self.executor = make_executor(config)
         try:
             self._build(config)

@@ -4,13 +4,14 @@ The engine's step path is the same for both: it launches each scheduled step thr
 `Executor` and reads the step's tokens back through it. `LocalExecutor` runs the step on
 this process's device; `TPExecutor` (engine/distributed/executor.py) also sends the step's
 plan to ranks 1..N-1 and mirrors adapter slot changes to them, and turns a dead rank
-into EngineDeadError.
+into EngineDeadError. `make_executor` (beside TPExecutor) picks one of the two: this
+module sits below the distributed one, whose worker builds its model with
+engine/assembly.py, which names `Executor`.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
-from engine.config import EngineConfig
 from engine.parallel import TPGroup
 from engine.pending import PendingSample
 from engine.runner import ModelRunner
@@ -73,10 +74,3 @@ class LocalExecutor:
     def close(self) -> None:
         pass
 
-
-def make_executor(config: EngineConfig) -> Executor:
-    """TPExecutor at tp_size > 1 (this process becomes rank 0 and spawns the others)."""
-    if config.tp_size > 1:
-        from engine.distributed.executor import TPExecutor  # spawns processes: only then
-        return TPExecutor(config)
-    return LocalExecutor()

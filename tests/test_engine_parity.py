@@ -96,12 +96,12 @@ def test_batch_invariance(setup):
 def test_mixed_batch_with_norm_shrink_fused(llama_family, llama_oracle, monkeypatch):
     """engine/lora/batch.py FUSED_NORM_SHRINK and FUSED_SILU_SHRINK "all": every step's
     q/k/v and gate/up shrinks run inside the add + RMSNorm before them
-    (kernels/norm_shrink_triton.py), down's inside the SiLU-and-multiply
-    (kernels/silu_shrink_triton.py), under the Triton interpreter here, the expands after
+    (kernels/lora/norm_shrink.py), down's inside the SiLU-and-multiply
+    (kernels/lora/silu_shrink.py), under the Triton interpreter here, the expands after
     the matmuls; tokens equal the reference's and the engine's with the switches off."""
     from engine.lora import batch as batch_module
     from kernels import lora as lora_kernels
-    from kernels import lora_triton
+    from kernels.lora import launch
     lengths, adapters = [3, 9, 1, 14, 6], ["rs4", None, "ap8", "attn32", "rs4"]
     prompts = prompts_of(lengths, seed=5)
     off = make_engine(llama_family).generate(prompts, GREEDY, adapters)
@@ -110,7 +110,7 @@ def test_mixed_batch_with_norm_shrink_fused(llama_family, llama_oracle, monkeypa
     def fused(name):                     # the Triton forms: the dispatcher says None off CUDA
         def run(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
-            return getattr(lora_triton, name)(*args, **kwargs)
+            return getattr(launch, name)(*args, **kwargs)
         return run
     for name in ("norm_shrink_ahead", "silu_shrink_ahead"):
         monkeypatch.setattr(lora_kernels, name, fused(name))

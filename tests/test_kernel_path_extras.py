@@ -1,4 +1,4 @@
-"""DoRA and LoRA on lm_head / embed_tokens on the kernel path (kernels/slot_rows_triton.py
+"""DoRA and LoRA on lm_head / embed_tokens on the kernel path (kernels/lora/slot_rows.py
 and the LoRA kernels, in Triton's interpreter on the CPU; natively on CUDA), against
 transformers + PEFT: one forward pass of the engine's model over a mixed batch (a DoRA
 adapter, one with LoRA on both ends, a plain one and base rows) gives every sequence the

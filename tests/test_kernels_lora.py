@@ -1,4 +1,7 @@
-"""Triton multi-adapter LoRA kernels against the torch reference (kernels/lora_ref.py).
+"""Triton multi-adapter LoRA kernels against the torch reference (kernels/lora/reference.py):
+add_lora on every path the planner (kernels/lora/plan.py) chooses, and each family's
+launches alone. The mixed path's own cases: tests/test_kernels_lora_mixed.py; the fused
+shrinks': tests/test_kernels_norm_shrink.py.
 
 On a machine without CUDA the kernels run under the Triton interpreter: tests/conftest.py
 sets TRITON_INTERPRET before any kernel module is imported, and
@@ -11,15 +14,13 @@ import importlib
 import pytest
 import torch
 
-from kernels import lora_kernels_triton, lora_segment_kernels_triton, lora_token_kernels_triton
-from kernels.lora_ref import add_lora_ref, lora_expand_ref, lora_shrink_ref
-from kernels.lora_segment_triton import (build_tiles, fit_block, seg_expand, seg_shrink,
-                                         tiles_bound)
-from kernels.lora_token_triton import lora_expand_tokens, lora_shrink_tokens
-from kernels import lora_triton
-from kernels.lora_triton import (TOKEN_PATH_MAX_TOKENS, add_lora, add_lora_segments,
-                                 add_lora_tokens, build_meta, lora_expand, lora_fused,
-                                 lora_shrink)
+from kernels.lora import launch, mixed, mixed_kernels, plan, segment, token
+from kernels.lora.launch import add_lora, build_meta
+from kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
+from kernels.lora.reference import add_lora_ref, lora_expand_ref, lora_shrink_ref
+from kernels.lora.segment import (add_lora_seg, build_tiles, fit_block, seg_expand, seg_shrink,
+                                  tiles_bound)
+from kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
 from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode
 
@@ -69,6 +70,52 @@ def test_add_lora_matches_reference(dtype, S, T, mapping):
     assert torch.equal(got[none], y[none]), "tokens without an adapter must be untouched"
 
 
+# (tokens, uniform, spread) -> the path the planner picks for them on this machine's table
+# (the CPU interpreter takes the H100's): one batch for each path and each way to it
+PLANNED = [(5, True, False, plan.TOKENS), (40, False, False, plan.TOKENS),
+           (100, True, False, plan.TOKENS), (100, False, True, plan.TOKENS),
+           (100, False, False, plan.MIXED), (200, False, False, plan.MIXED),
+           (300, False, False, plan.TILES), (300, True, True, plan.TILES)]
+
+
+def _spy_paths(monkeypatch) -> list[str]:
+    """The family launches add_lora makes, recorded by path name as they run."""
+    ran = []
+
+    def spy(name, inner):
+        def run(*args, **kwargs):
+            ran.append(name)
+            return inner(*args, **kwargs)
+        return run
+    monkeypatch.setattr(launch, "lora_shrink_tokens", spy(plan.TOKENS, lora_shrink_tokens))
+    monkeypatch.setattr(mixed, "add_lora_mixed", spy(plan.MIXED, mixed.add_lora_mixed))
+    monkeypatch.setattr(launch, "add_lora_seg", spy(plan.TILES, add_lora_seg))
+    return ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,uniform,spread,path", PLANNED)
+def test_add_lora_runs_the_planned_path(dtype, T, uniform, spread, path, monkeypatch):
+    """add_lora takes the one path plan.choose names for the batch (uniform and spread
+    hints, token count, this device's table), and on each the result is the reference's:
+    three slices, uneven ranks, random A and B, base rows untouched."""
+    offsets = SLICES[3]
+    a, b, ranks = _pool(3, offsets, [8, 32, 16, 4, 16], dtype, seed=T)
+    mapping = "random" if not uniform else "contiguous"
+    ts = torch.full((T,), 1, device=DEV) if uniform else _slots(T, a.shape[0], mapping, T)
+    if uniform:
+        ts[-2:] = -1                                   # a padded bucket's base rows
+    x, y = _inputs(T, offsets[-1], dtype, seed=T + 1)
+    assert plan.choose(x.device, T, uniform, spread, 3, K_IN, 32) == path
+    ran = _spy_paths(monkeypatch)
+    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
+    got = add_lora(y.clone(), x, a, b, ts, offsets, ranks=ranks, uniform=uniform,
+                   spread=spread)
+    assert ran == [path]
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got[ts < 0], y[ts < 0]), "tokens without an adapter must be untouched"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,mapping", [(17, "random"), (64, "contiguous")])
 def test_segment_path_matches_reference(dtype, T, mapping):
@@ -78,7 +125,7 @@ def test_segment_path_matches_reference(dtype, T, mapping):
     ts = _slots(T, a.shape[0], mapping, seed=T + 1)
     x, y = _inputs(T, offsets[-1], dtype, seed=T + 2)
     want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
-    got = add_lora_segments(y.clone(), x, a, b, build_meta(ts, a.shape[0]), offsets, ranks)
+    got = add_lora_seg(y.clone(), x, a, b, build_meta(ts, a.shape[0]), offsets, ranks)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
@@ -88,7 +135,7 @@ def test_segment_path_matches_reference(dtype, T, mapping):
                                               (300, False, False)])
 def test_rank_256_on_every_path(dtype, T, uniform, spread):
     """A pool of max rank 256 (q/k/v: 768 rank columns) through the path each batch takes:
-    one-launch and token kernels, the mixed segment tiles, the prefill segments. On a GPU
+    the token kernels, the mixed segment tiles, the prefill tile list. On a GPU
     every launch must fit a program's shared memory (the tables' blocks are for rank 16)."""
     offsets = SLICES[3]
     a, b, ranks = _pool(3, offsets, [256, 64, 200], dtype, R=256, seed=T)
@@ -124,7 +171,9 @@ def test_token_path_uniform_and_mixed_groups(dtype, case, uniform):
     x, y = _inputs(T, offsets[-1], dtype, seed=12)
     meta = build_meta(ts, a.shape[0])
     want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
-    got = add_lora_tokens(y.clone(), x, a, b, meta, offsets, ranks, uniform=uniform)
+    hp = lora_shrink_tokens(x, a, meta, ranks, uniform=uniform)
+    got = lora_expand_tokens(hp, b, y.clone(), meta, _offsets(offsets), 2, ranks,
+                             uniform=uniform)
     torch.testing.assert_close(got, want, **TOL[dtype])
     assert torch.equal(got[ts < 0], y[ts < 0])
 
@@ -133,7 +182,7 @@ def test_token_path_uniform_and_mixed_groups(dtype, case, uniform):
 def test_launch_parameters_stay_in_range(uniform):
     """Every token count, slice count and width (Llama-3-8B, its TP=2 shards, the tests'):
     split-K chunks of at least 128 (or one split), at most one expand program per tile."""
-    from kernels.lora_token_triton import default_n_chunks, default_split_k
+    from kernels.lora.token import default_n_chunks, default_split_k
     for T in range(1, 257):
         for S, Kdim in ((3, 4096), (1, 2048), (2, 4096), (1, 14336), (1, 7168), (2, K_IN)):
             split = default_split_k(T, S, Kdim, uniform)
@@ -206,14 +255,11 @@ def _segment_slots(lens_slots, seed):
 PREFILL_RUNS = [(1, 2), (17, 0), (300, 3), (40, -1), (64, 1), (2, 4)]
 
 
-@pytest.mark.parametrize("tile_list", [True, False], ids=["tiles", "blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("S", [1, 2, 3])
-def test_prefill_path_uneven_segments(dtype, S, tile_list, monkeypatch):
+def test_prefill_path_uneven_segments(dtype, S):
     """add_lora above TOKEN_PATH_MAX_TOKENS: segments of 1, 17 and 300 rows, no-adapter rows,
-    ranks below the pool's max rank, 1-3 slices, fresh random A and B; the tile-list
-    kernels and the row-block ones they replace (kept for comparison)."""
-    monkeypatch.setattr(lora_triton, "SEGMENT_TILE_LIST", tile_list)
+    ranks below the pool's max rank, 1-3 slices, fresh random A and B: the tile list."""
     offsets = SLICES[S]
     a, b, ranks = _pool(S, offsets, [8, 32, 16, 4, 16], dtype, seed=20 + S)
     ts = _segment_slots(PREFILL_RUNS, seed=S)
@@ -268,33 +314,6 @@ def test_segment_kernels_split_k_slice_groups_and_chunks(R, split_k):
     got = seg_expand(hp, b, y.clone(), meta, offsets, ranks, block_m=32, block_n=16, n_loop=2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[~valid], y[~valid])
-
-
-def test_row_block_shrink_and_expand_with_split_k():
-    """The row-block segment kernels (SEGMENT_TILE_LIST off): atomic split-K into a zeroed h."""
-    offsets = SLICES[3]
-    a, b, ranks = _pool(3, offsets, [8, 32, 16], torch.float32, seed=3)
-    ts = _slots(40, 3, "random", seed=5)
-    x, y = _inputs(40, offsets[-1], torch.float32, seed=5)
-    meta = build_meta(ts, 3)
-    valid = ts >= 0
-    want_h = lora_shrink_ref(x, a, ts)
-    for split_k in (1, 3):
-        h = lora_shrink(x, a, meta, ranks, block_m=16, split_k=split_k)
-        torch.testing.assert_close(h[:, valid], want_h[:, valid], atol=1e-5, rtol=1e-5)
-    want = lora_expand_ref(want_h, b, ts, offsets, y.clone())
-    got = lora_expand(h, b, y.clone(), meta, offsets, ranks, block_m=16, block_n=16)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-def test_fused_path_matches_reference_with_shared_adapters():
-    offsets = SLICES[2]
-    a, b, ranks = _pool(2, offsets, [16, 8, 32], torch.float32, seed=9)
-    ts = torch.tensor([1, 1, -1, 0, 1, 2, 2, 0, 1, 1, 1, 1], device=DEV)
-    x, y = _inputs(12, offsets[-1], torch.float32, seed=9)
-    want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
-    got = lora_fused(y.clone(), x, a, b, build_meta(ts, 3), offsets, ranks, block_n=16)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_ranks_stop_the_work_at_the_slot_rank():
@@ -370,8 +389,7 @@ def test_bench_floor_arithmetic():
     assert len(bench.layer_groups()) == 4
 
 
-@pytest.mark.parametrize("module", [lora_kernels_triton, lora_segment_kernels_triton,
-                                    lora_token_kernels_triton],
+@pytest.mark.parametrize("module", [mixed_kernels, segment, token],
                          ids=lambda m: m.__name__)
 def test_kernels_run_as_this_machine_needs(module):
     """Interpreted on the CPU (so the other tests here run the Triton kernels, not only the

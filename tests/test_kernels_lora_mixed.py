@@ -1,5 +1,6 @@
-"""The mixed-adapter decode kernels (kernels/lora_mixed_triton.py: tiles of slot segments)
-against the torch reference (kernels/lora_ref.py), on fresh random inputs and random B.
+"""The mixed-adapter decode kernels (kernels/lora/mixed.py: tiles of slot segments)
+against the torch reference (kernels/lora/reference.py), on fresh random inputs and random
+B, and the planner's choice between them and the token kernels (kernels/lora/plan.py).
 
 Interpreted on the CPU (tests/conftest.py sets TRITON_INTERPRET), compiled on CUDA.
 Shapes are small (K 48, slices of 16-40 columns) so that the interpreter stays quick, with
@@ -11,13 +12,13 @@ import importlib
 import pytest
 import torch
 
-from kernels import lora_mixed_kernels_triton, lora_mixed_triton
 from engine.lora.batch import spread_over_adapters
-from kernels import lora_triton
-from kernels.lora_mixed_triton import (DEFAULT, SEGMENTS, TABLE, MixedParams, add_lora_mixed,
-                                       gpu_key, lookup, min_rows, shape_class)
-from kernels.lora_ref import add_lora_ref, lora_shrink_ref
-from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS, add_lora, build_meta
+from kernels.lora import launch, mixed, mixed_kernels, plan
+from kernels.lora.launch import add_lora, build_meta
+from kernels.lora.mixed import PARAMS, SEGMENTS, MixedParams, add_lora_mixed
+from kernels.lora.plan import (DEFAULT, MIXED, TABLE, TOKEN_PATH_MAX_TOKENS, TOKENS, gpu_key,
+                               min_rows, shape_class)
+from kernels.lora.reference import add_lora_ref, lora_shrink_ref
 from tests.support.triton_mode import check_kernel_mode
 from tests.test_kernels_lora import DEV, SLICES, TOL, _inputs, _pool
 
@@ -86,26 +87,25 @@ def test_mixed_automatic_parameters_and_dispatch():
     offsets = SLICES[2]
     a, b, ranks = _pool(2, offsets, RANKS, torch.float32, seed=4)
     x, y = _inputs(100, offsets[-1], torch.float32, seed=4)
-    for T, want_takes in ((100, True), (64, False)):
-        assert lora_mixed_triton.takes(x[:T], a, offsets) == want_takes
+    for T, want in ((100, MIXED), (64, TOKENS)):
+        assert plan.choose(x.device, T, False, False, 2, x.shape[1], 40) == want
     ts = _mapping("round_robin", 100, a.shape[0], seed=4)
     want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
     torch.testing.assert_close(add_lora(y.clone(), x, a, b, ts, offsets, ranks=ranks), want,
                                **TOL[torch.float32])
-    plan = lora_mixed_triton._plan(x.device, 100, a.shape[0], offsets, a.shape[2], x.shape[1],
-                                   None)
-    assert plan.takes and plan.split_k >= 1 and plan.tpp >= 1
-    assert 1 <= plan.programs <= plan.tiles
+    launch_plan = mixed._plan(x.device, 100, a.shape[0], offsets, a.shape[2], x.shape[1], None)
+    assert launch_plan.split_k >= 1 and launch_plan.tpp >= 1
+    assert 1 <= launch_plan.programs <= launch_plan.tiles
 
 
 def _spy_segments(monkeypatch) -> list:
     """Records each add_lora_mixed call (the segment kernels) that add_lora makes."""
-    calls, real = [], lora_mixed_triton.add_lora_mixed
+    calls, real = [], mixed.add_lora_mixed
 
     def spy(*args, **kwargs):
         calls.append(args[1].shape[0])
         return real(*args, **kwargs)
-    monkeypatch.setattr(lora_mixed_triton, "add_lora_mixed", spy)
+    monkeypatch.setattr(mixed, "add_lora_mixed", spy)
     return calls
 
 
@@ -126,11 +126,10 @@ def test_both_mixed_paths_match_reference(seed, S, monkeypatch):
     x, y = _inputs(T, offsets[-1], torch.float32, seed=seed)
     want = add_lora_ref(y.clone(), x, a, b, ts.to(DEV), offsets)
     rule = spread_over_adapters(((s, 1) for s in ts.tolist()),
-                                lora_triton.mixed_min_rows("cpu", T))
+                                launch.mixed_min_rows("cpu", T))
     calls = _spy_segments(monkeypatch)
     for spread in (rule, not rule):
-        got = lora_triton.add_lora(y.clone(), x, a, b, ts.to(DEV), offsets, ranks=r,
-                                   spread=spread)
+        got = add_lora(y.clone(), x, a, b, ts.to(DEV), offsets, ranks=r, spread=spread)
         torch.testing.assert_close(got, want, **TOL[torch.float32])
         assert torch.equal(got[ts < 0], y[ts < 0])
         assert len(calls) == (not spread), (T, used, spread)
@@ -141,7 +140,7 @@ def test_rows_per_adapter_rule_at_the_boundary(monkeypatch):
     """96 tokens (the CPU's rule: 4 rows per adapter) over 24 adapters stay on the segment
     kernels, over 25 take the token kernels; the same on the H100's table above 64
     tokens; "table" (the choice before the rule) keeps the segment kernels for both."""
-    assert lora_triton.mixed_min_rows("cpu", 96) == 4
+    assert launch.mixed_min_rows("cpu", 96) == 4
     offsets = SLICES[1]
     a, b, r = _pool(1, offsets, [16] * 25, torch.float32, seed=11)
     x, y = _inputs(96, offsets[-1], torch.float32, seed=11)
@@ -149,19 +148,18 @@ def test_rows_per_adapter_rule_at_the_boundary(monkeypatch):
     for adapters, segments in ((24, True), (25, False)):
         ts = torch.arange(96) % adapters
         spread = spread_over_adapters(((s, 1) for s in ts.tolist()), 4)
-        got = lora_triton.add_lora(y.clone(), x, a, b, ts.to(DEV), offsets, ranks=r,
-                                   spread=spread)
+        got = add_lora(y.clone(), x, a, b, ts.to(DEV), offsets, ranks=r, spread=spread)
         torch.testing.assert_close(got, add_lora_ref(y.clone(), x, a, b, ts.to(DEV), offsets),
                                    **TOL[torch.float32])
         assert bool(calls) == segments, adapters
         calls.clear()
-        assert lora_mixed_triton.takes(x, a, offsets, spread) == segments
-        monkeypatch.setattr(lora_mixed_triton, "PATH", "table")
-        assert lora_mixed_triton.takes(x, a, offsets, spread)
-        monkeypatch.setattr(lora_mixed_triton, "PATH", None)
+        assert (plan.choose(x.device, 96, False, spread, 1, x.shape[1], 48) == MIXED) == segments
+        monkeypatch.setattr(plan, "FORCED", "table")
+        assert plan.choose(x.device, 96, False, spread, 1, x.shape[1], 48) == MIXED
+        monkeypatch.setattr(plan, "FORCED", None)
     assert [min_rows("H100", t) for t in (1, 64, 65, 128, 256)] == [0, 0, 4, 4, 4]
     assert min_rows("H200", 200) == min_rows("H100", 200) and min_rows(None, 100) == 4
-    assert lora_triton.mixed_min_rows("cpu", 257) == 0     # the prefill path: no rule
+    assert launch.mixed_min_rows("cpu", 257) == 0     # the prefill path: no rule
 
 
 def test_counters_reset_and_replay_gives_the_same_result():
@@ -188,11 +186,11 @@ def test_shrink_reduced_partials_match_reference():
     ts = _mapping("round_robin", 90, a.shape[0], seed=6)
     x, _ = _inputs(90, offsets[-1], torch.float32, seed=6)
     meta = build_meta(ts, a.shape[0])
-    plan = lora_mixed_triton._plan(x.device, 90, a.shape[0], offsets, a.shape[2], x.shape[1],
-                                   MixedParams(split_k=4, **SMALL))
+    plan = mixed._plan(x.device, 90, a.shape[0], offsets, a.shape[2], x.shape[1],
+                       MixedParams(split_k=4, **SMALL))
     assert plan.reduce and plan.split_k == 3     # 48 = 3 K tiles of 16: no empty split
     assert plan.k_chunk == 16
-    hp = lora_mixed_triton.lora_shrink_mixed(x, a, meta, plan, ranks)
+    hp = mixed.lora_shrink_mixed(x, a, meta, plan, ranks)
     n = int((ts >= 0).sum())
     want = lora_shrink_ref(x, a, ts)[:, meta.sorted_tokens[:n].long()]
     torch.testing.assert_close(hp[0, :, :n], want, atol=1e-5, rtol=1e-5)
@@ -213,7 +211,7 @@ def test_high_rank_pool_with_tiles_kept_small():
     x = torch.randn(66, 96, generator=g2).to(DEV)
     y = torch.randn(66, offsets[-1], generator=g2).to(DEV)
     params = MixedParams(split_k=2, block_k=512, block_n=512)
-    plan = lora_mixed_triton._plan(x.device, 66, 3, offsets, 64, 96, params)
+    plan = mixed._plan(x.device, 66, 3, offsets, 64, 96, params)
     assert (plan.block_r, plan.block_k, plan.block_n) == (64, 128, 128)
     want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
     got = add_lora_mixed(y.clone(), x, a, b, build_meta(ts, 3), offsets, ranks, params)
@@ -247,8 +245,8 @@ def test_no_adapter_rows_only():
 def test_split_k_chunks_cover_k_with_none_empty():
     for Kdim in (48, 100, 4096, 14336, 2048, 7168):
         for split in range(1, 33):
-            plan = lora_mixed_triton._plan(torch.device("cpu"), 128, 64, (0, 32), 16, Kdim,
-                                           MixedParams(split_k=split))
+            plan = mixed._plan(torch.device("cpu"), 128, 64, (0, 32), 16, Kdim,
+                               MixedParams(split_k=split))
             c, n = plan.k_chunk, plan.split_k
             assert c % plan.block_k == 0 or n == 1, (Kdim, split)
             assert n * c >= Kdim and (n - 1) * c < Kdim and n <= split, (Kdim, split)
@@ -261,8 +259,8 @@ def test_tile_bound_covers_every_mapping(block_m):
     g = torch.Generator().manual_seed(block_m)
     for T in list(range(1, 80)) + [127, 128, 129, 200, 255, 256]:
         for L in (1, 3, 64, 300):
-            plan = lora_mixed_triton._plan(torch.device("cpu"), T, L, (0, 32), 16, 64,
-                                           MixedParams(block_m=block_m))
+            plan = mixed._plan(torch.device("cpu"), T, L, (0, 32), 16, 64,
+                               MixedParams(block_m=block_m))
             for _ in range(5):
                 ts = torch.randint(-1, L, (T,), generator=g)
                 lens = torch.bincount(ts[ts >= 0], minlength=L)
@@ -277,29 +275,37 @@ def test_table_keys_and_entries():
     assert shape_class(65, 1, 14336, 4096) == (128, "down")
     assert shape_class(256, 1, 4096, 4096) == (256, "o")
     assert shape_class(TOKEN_PATH_MAX_TOKENS, 2, 4096, 14336) == (256, "gate_up")
-    assert lookup(None, (256, "qkv")) == SEGMENTS
+    assert mixed.lookup(None, (256, "qkv")) == SEGMENTS
+    assert plan.lookup(None, (256, "qkv")) == MIXED
     for cls in DEFAULT:
-        assert lookup("H200", cls) == TABLE["H200"].get(cls, lookup("H100", cls))
+        assert plan.lookup("H200", cls) == plan.lookup("H100", cls)
+        assert mixed.lookup("H200", cls) == mixed.lookup("H100", cls)
     for rows in [DEFAULT, *TABLE.values()]:
+        for (bucket, kind), path in rows.items():
+            assert bucket in (16, 64, 128, 256) and kind in plan.KINDS
+            assert path in (TOKENS, MIXED)
+    for gpu, rows in TABLE.items():      # every MIXED entry has its measured parameters
+        assert {cls for cls, path in rows.items() if path == MIXED} == set(PARAMS[gpu])
+    for rows in PARAMS.values():
         for (bucket, kind), p in rows.items():
-            assert bucket in (16, 64, 128, 256) and kind in ("qkv", "o", "gate_up", "down")
-            assert p.path in ("segments", "tokens") and p.block_m in (16, 32, 64)
+            assert bucket in (16, 64, 128, 256) and kind in plan.KINDS and p.block_m in (16, 32, 64)
             assert min(p.programs, p.split_k, p.tpp) >= 0 and p.warps in (1, 2, 4, 8)
 
 
 def test_kernels_run_as_this_machine_needs():
-    check_kernel_mode(lora_mixed_kernels_triton)
+    check_kernel_mode(mixed_kernels)
 
 
 def test_sweep_prints_rows_the_table_takes():
-    """benchmarks/sweep_lora_mixed.py imports without a GPU and the TABLE rows it prints
-    are Python that gives back its choices (the faster of the two paths)."""
+    """benchmarks/sweep_lora_mixed.py imports without a GPU and the rows it prints are
+    Python that gives back its choices (the faster of the two paths: TOKENS for the
+    planner's table, the MIXED entry's parameters for the mixed kernels' table)."""
     sweep = importlib.import_module("benchmarks.sweep_lora_mixed")
     best = MixedParams(split_k=4, reduce=False, block_n=64, tpp=2, warps=8, stages=2)
     lines = sweep.table_rows("H100", [((128, "qkv"), 30.0, 20.0, best),
                                       ((64, "down"), 10.0, 12.5, SEGMENTS)])
-    rows = eval("{" + "\n".join(lines) + "}", {"MixedParams": MixedParams})
-    assert rows == {"H100": {(128, "qkv"): best, (64, "down"): MixedParams(path="tokens")}}
+    rows = eval("{" + "\n".join(lines) + "}", {"MixedParams": MixedParams, "TOKENS": TOKENS})
+    assert rows == {"H100": {(128, "qkv"): best, (64, "down"): TOKENS}}
 
 
 def test_sweep_descends_to_the_fastest_right_choice(tmp_path, monkeypatch):
@@ -331,10 +337,10 @@ def test_sweep_descends_to_the_fastest_right_choice(tmp_path, monkeypatch):
     setup = sweep.Setup(groups=(("o", 48, (48,)),), tokens=(20,), device=DEV,
                         dtype=torch.float32, timer=cost)
     lines = sweep.sweep(tmp_path, budget=600, slots=24, bw=3e12, gpu="H100", setup=setup)
-    rows = eval("{" + "\n".join(lines) + "}", {"MixedParams": MixedParams})
+    rows = eval("{" + "\n".join(lines) + "}", {"MixedParams": MixedParams, "TOKENS": TOKENS})
     best = rows["H100"][(64, "o")]
-    assert (best.path, best.split_k, best.reduce, best.tpp, best.programs) == (
-        "segments", 2, False, 1, 16)
+    assert isinstance(best, MixedParams)
+    assert (best.split_k, best.reduce, best.tpp, best.programs) == (2, False, 1, 16)
     csv_text = (tmp_path / "sweep_mixed.csv").read_text()
     assert csv_text.count("\n") > 5 and "split_k=2, reduce=True" in csv_text
     assert ",inf," in csv_text                  # the wrong one: timed as never
@@ -350,11 +356,11 @@ def test_bench_times_old_and_new_paths_side_by_side():
     offsets = SLICES[1]
     a, _, _ = _pool(1, offsets, RANKS, torch.float32)
     x, _ = _inputs(100, offsets[-1], torch.float32, seed=0)
-    for path, want in (("tokens", False), ("segments", True)):
+    for path, want in (("tokens", TOKENS), ("segments", MIXED)):
         with bench.mixed_path(path):
-            assert lora_mixed_triton.takes(x, a, offsets) == want
-            assert lora_mixed_triton.takes(x[:30], a, offsets) == want
-    assert lora_mixed_triton.PATH is None
+            assert plan.choose(x.device, 100, False, False, 1, x.shape[1], 48) == want
+            assert plan.choose(x.device, 30, False, False, 1, x.shape[1], 48) == want
+    assert plan.FORCED is None
 
 
 def test_bench_decode_times_before_and_after_the_rule(monkeypatch):
@@ -365,16 +371,16 @@ def test_bench_decode_times_before_and_after_the_rule(monkeypatch):
 
     from engine.cuda_graph import decode_buckets, graph_key
     bench = importlib.import_module("benchmarks.bench_decode")
-    monkeypatch.setattr(lora_mixed_triton, "PATH", None)
+    monkeypatch.setattr(plan, "FORCED", None)
     released = []
     eng = SimpleNamespace(runner=SimpleNamespace(
         graphs=SimpleNamespace(release=lambda: released.append(1))))
     for path, want, n_released in (("rule", None, 0), ("table", "table", 1),
                                    ("table", "table", 1), ("rule", None, 2)):
         bench.select_mixed_path(eng, path)
-        assert (lora_mixed_triton.PATH, len(released)) == (want, n_released), path
+        assert (plan.FORCED, len(released)) == (want, n_released), path
     buckets = decode_buckets(256)
-    min_rows = {b: lora_triton.mixed_min_rows("cpu", b) for b in buckets}
+    min_rows = {b: launch.mixed_min_rows("cpu", b) for b in buckets}
     graphs = SimpleNamespace(key_for=lambda sched, greedy: graph_key(buckets, sched, greedy,
                                                                      min_rows),
                              graph_for=lambda key: key)

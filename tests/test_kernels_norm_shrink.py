@@ -1,6 +1,6 @@
-"""The add + RMSNorm + LoRA shrink launch (kernels/norm_shrink_triton.py), the SiLU-and-
-multiply + shrink launch (kernels/silu_shrink_triton.py) and the expand that finishes
-either, against the torch references (kernels/lora_ref.py): fresh random activations,
+"""The add + RMSNorm + LoRA shrink launch (kernels/lora/norm_shrink.py), the SiLU-and-
+multiply + shrink launch (kernels/lora/silu_shrink.py) and the expand that finishes
+either, against the torch references (kernels/lora/reference.py): fresh random activations,
 residuals, norm weights, A and B; widths that are not powers of two, ranks below the
 pool's, one to three slices, split-K; one adapter, one adapter with base rows, no
 adapter, and mixed adapters per row. Under the Triton interpreter without a GPU
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kernels import lora as lora_kernels
-from kernels import norm_shrink_kernels_triton, silu_shrink_kernels_triton
-from kernels.lora_ref import add_lora_ref, add_rms_norm_shrink_ref, silu_mul_shrink_ref
-from kernels.lora_triton import build_meta
-from kernels.norm_shrink_triton import add_rms_norm_shrink, expand_fused_shrunk, fits
-from kernels.silu_shrink_triton import silu_mul_shrink
+from kernels.lora import norm_shrink, silu_shrink
+from kernels.lora.launch import build_meta
+from kernels.lora.norm_shrink import add_rms_norm_shrink, expand_fused_shrunk, fits
+from kernels.lora.reference import add_lora_ref, add_rms_norm_shrink_ref, silu_mul_shrink_ref
+from kernels.lora.silu_shrink import silu_mul_shrink
 from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode
 
@@ -73,7 +73,7 @@ def _check(T, N, S, R, ranks, case, dtype, has_add=True, splits=None, seed=0, un
 
 
 def test_kernels_run_in_the_expected_mode():
-    check_kernel_mode(norm_shrink_kernels_triton)
+    check_kernel_mode(norm_shrink)
 
 
 @pytest.mark.parametrize("case", ["one", "one_some_base", "mixed"])
@@ -164,7 +164,7 @@ def test_bench_decode_switches_norm_shrink(monkeypatch):
 
 
 def _check_silu(T, I, R, ranks, case, dtype, splits=None, seed=0, uniform=None):
-    """The SiLU-and-multiply + shrink launch (kernels/silu_shrink_triton.py) against
+    """The SiLU-and-multiply + shrink launch (kernels/lora/silu_shrink.py) against
     silu_mul_shrink_ref, then its expand against add_lora_ref on the reference rows."""
     g = torch.Generator().manual_seed(seed)
     offsets = (0, 80)
@@ -183,7 +183,7 @@ def _check_silu(T, I, R, ranks, case, dtype, splits=None, seed=0, uniform=None):
 
 
 def test_silu_kernels_run_in_the_expected_mode():
-    check_kernel_mode(silu_shrink_kernels_triton)
+    check_kernel_mode(silu_shrink)
 
 
 @pytest.mark.parametrize("case", ["one", "one_some_base", "mixed", "all_base"])

@@ -1,6 +1,6 @@
-"""The slot-indexed per-token kernels (kernels/slot_rows_triton.py: DoRA's row factors,
+"""The slot-indexed per-token kernels (kernels/lora/slot_rows.py: DoRA's row factors,
 embed_tokens LoRA) and add_lora on lm_head's shape (one vocabulary-wide slice, float32
-logits, weights in the model dtype) against the torch references (kernels/lora_ref.py),
+logits, weights in the model dtype) against the torch references (kernels/lora/reference.py),
 on random weights and mixed slots with base rows. Without CUDA the kernels run in
 Triton's interpreter (tests/conftest.py)."""
 from __future__ import annotations
@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from kernels import lora as lora_kernels
-from kernels import slot_rows_kernels_triton
-from kernels.lora_ref import add_embedding_lora_ref, add_lora_ref, scale_rows_ref
-from kernels.lora_triton import TOKEN_PATH_MAX_TOKENS, add_lora, build_meta
-from kernels.slot_rows_triton import add_embedding_lora, scale_rows
+from kernels.lora import slot_rows
+from kernels.lora.launch import add_lora, build_meta
+from kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
+from kernels.lora.reference import add_embedding_lora_ref, add_lora_ref, scale_rows_ref
+from kernels.lora.slot_rows import add_embedding_lora, scale_rows
 from tests.support.triton_mode import check_kernel_mode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +31,7 @@ def _slots(T: int, seed: int) -> torch.Tensor:
 
 
 def test_kernels_run_as_this_machine_needs():
-    check_kernel_mode(slot_rows_kernels_triton)
+    check_kernel_mode(slot_rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -54,7 +55,7 @@ def test_scale_rows_matches_reference(dtype, T, N):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 9, TOKEN_PATH_MAX_TOKENS + 13])
 def test_embedding_lora_matches_reference(dtype, T):
-    """Token path up to TOKEN_PATH_MAX_TOKENS tokens, the row-block expand above."""
+    """Token path up to TOKEN_PATH_MAX_TOKENS tokens, the tile list's expand above."""
     g = torch.Generator().manual_seed(T)
     V, H, R = 97, 48, 16
     a = torch.randn(L, R, V, generator=g).to(DEV, dtype)

@@ -217,3 +217,124 @@ def test_running_services_map_no_torch(tmp_path):
         assert _maps_torch(pids[cluster.engine_names[0]])
         assert not _maps_torch(pids["control"])
         assert not _maps_torch(pids["gateway"])
+
+
+# ---- no import circles ---------------------------------------------------------------------
+
+CYCLE_FREE = ("engine", "services", "kernels", "loramux_core")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _target(module: str, known: set[str]) -> str | None:
+    """The module of ours that importing `module` runs: itself, or the nearest package
+    above it that we have (`engine.lora.LoRASlotPool` -> engine.lora); None if not ours."""
+    while module and module not in known:
+        module = module.rpartition(".")[0]
+    return module or None
+
+
+def _edges(node: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """Our modules an import statement runs, relative imports resolved: `from X import n`
+    reaches X.n where that is a module of ours, and X itself for names that are not."""
+    if isinstance(node, ast.Import):
+        return {_target(a.name, known) for a in node.names} - {None}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    base = node.module or ""
+    if node.level:
+        here = module.split(".") if is_package else module.split(".")[:-1]
+        here = here[:len(here) - (node.level - 1)]
+        base = ".".join(here + ([node.module] if node.module else []))
+    subs = {f"{base}.{a.name}" for a in node.names} & known
+    rest = {base} if len(subs) < len(node.names) else set()
+    return {_target(n, known) for n in subs | rest} - {None}
+
+
+def import_graph(root: Path = ROOT, packages=CYCLE_FREE) -> dict[str, set[str]]:
+    """module -> modules of `packages` it imports, at module level or inside functions."""
+    paths = {_module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
+    known = set(paths)
+    graph = {}
+    for module, path in paths.items():
+        tree = ast.parse(path.read_text(), str(path))
+        edges = set().union(*(_edges(node, module, path.name == "__init__.py", known)
+                              for node in ast.walk(tree)))
+        graph[module] = edges - {module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle (a -> ... -> a) per strongly connected group of modules, sorted."""
+    order, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = set()
+            while not group or w != v:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+            if len(group) > 1:
+                found.append(_circle(graph, group))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return sorted(found)
+
+
+def _circle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """A shortest circle through the first module of a strongly connected group."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & group):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{sorted(group)} is not strongly connected")
+
+
+def test_no_import_circles():
+    """No module of engine/, services/, kernels/, loramux_core/ reaches itself through
+    imports, counting those inside functions: each circle found is named."""
+    found = cycles(import_graph())
+    assert found == [], "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    """The check can fail: a circle planted through a function-level relative import and
+    a package's __init__ is reported, and modules beside it are not."""
+    planted = {
+        "engine/__init__.py": "",
+        "engine/a.py": "from engine.pkg import b\n",
+        "engine/pkg/__init__.py": "from .b import thing\n",
+        "engine/pkg/b.py": "def f():\n    from ..c import g\nthing = 1\n",
+        "engine/c.py": "import engine.a\n",
+        "engine/d.py": "from engine.pkg import thing\nfrom engine import c\n",
+    }
+    for rel, text in planted.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    graph = import_graph(tmp_path, ("engine",))
+    assert graph["engine.d"] == {"engine.pkg", "engine.c"}
+    assert cycles(graph) == [["engine.a", "engine.pkg.b", "engine.c", "engine.a"]]

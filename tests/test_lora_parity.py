@@ -164,24 +164,17 @@ def test_mixed_batch_matches_peft(setup, device):
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("device,one_launch,ahead", [
-    pytest.param("cpu", False, False, marks=_INTERPRETED),
-    pytest.param("cpu", True, False, marks=_INTERPRETED),
-    pytest.param("cuda", False, False, marks=_CUDA), pytest.param("cuda", True, False, marks=_CUDA),
-    pytest.param("cuda", False, True, marks=_CUDA), pytest.param("cuda", True, True, marks=_CUDA)])
-def test_one_adapter_batch_matches_peft(setup, device, one_launch, ahead, monkeypatch):
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_INTERPRETED),
+                                    pytest.param("cuda", marks=_CUDA)])
+def test_one_adapter_batch_matches_peft(setup, device, monkeypatch):
     """A batch on one adapter with base rows at its end (a padded decode bucket), given as
-    uniform: the token kernels' two launches per group, or `one_launch` the one-launch
-    kernel (kernels/lora_uniform_triton.py); natively on CUDA and under the Triton
-    interpreter on the CPU (in place of the CPU's reference); `ahead`: each group's shrink
-    started by `prepare` on the side stream, then expanded."""
-    from engine.lora import batch as batch_module
+    uniform: the token kernels' two launches per group with the launch parameters tuned
+    for one adapter; natively on CUDA and under the Triton interpreter on the CPU (in
+    place of the CPU's reference)."""
     from kernels import lora as lora_kernels
-    from kernels import lora_triton
+    from kernels.lora import launch
     if device == "cpu":
-        monkeypatch.setattr(lora_kernels, "add_lora", lora_triton.add_lora)
-    monkeypatch.setattr(lora_triton, "UNIFORM_ONE_LAUNCH", one_launch)
-    monkeypatch.setattr(batch_module, "SHRINK_AHEAD", ahead)
+        monkeypatch.setattr(lora_kernels, "add_lora", launch.add_lora)
     cfg, dirs, peft_models = setup
     names = ["r8_rslora", "patterns", "r32"]
     pool = _loaded_pool(cfg, dirs, names, device)
@@ -195,7 +188,6 @@ def test_one_adapter_batch_matches_peft(setup, device, one_launch, ahead, monkey
             for group in GROUPS:
                 x = torch.randn(T, shapes[group].in_features, generator=gen)
                 xd = x.to(device)
-                batch.prepare(layer, group, xd)
                 got = run_group(batch, layer, group, xd, sum(shapes[group].out_features),
                                 gen).cpu()
                 want = expected_group_delta(peft_models, names, token_slots, layer, group, x)
@@ -208,12 +200,12 @@ def test_one_adapter_batch_matches_peft(setup, device, one_launch, ahead, monkey
 def test_prefill_batch_matches_peft(setup, device, monkeypatch):
     """A prefill-sized batch (above the token path's limit): runs of 1, 17 and 200 tokens
     and a few of other adapters, base-model rows between them, shuffled. The tile-list
-    prefill kernels (kernels/lora_segment_triton.py), natively on CUDA and under the Triton
+    prefill kernels (kernels/lora/segment.py), natively on CUDA and under the Triton
     interpreter on the CPU (in place of the CPU's reference)."""
     from kernels import lora as lora_kernels
-    from kernels import lora_triton
+    from kernels.lora import launch
     if device == "cpu":
-        monkeypatch.setattr(lora_kernels, "add_lora", lora_triton.add_lora)
+        monkeypatch.setattr(lora_kernels, "add_lora", launch.add_lora)
     cfg, dirs, peft_models = setup
     names = list(dirs)
     pool = _loaded_pool(cfg, dirs, names, device)
@@ -222,7 +214,7 @@ def test_prefill_batch_matches_peft(setup, device, monkeypatch):
     token_slots = torch.cat([torch.full((n,), slot) for n, slot in runs])
     token_slots = token_slots[torch.randperm(token_slots.shape[0], generator=gen)]
     T = token_slots.shape[0]
-    assert T > lora_triton.TOKEN_PATH_MAX_TOKENS
+    assert T > lora_kernels.TOKEN_PATH_MAX_TOKENS
     _check_every_group(cfg, pool, peft_models, names, token_slots, device, gen,
                        dict(rtol=1e-4, atol=1e-4))
 
@@ -307,8 +299,8 @@ def _count_fused(monkeypatch, device: str) -> list[int]:
     on the CPU their Triton forms (interpreted) in place of the dispatcher's None, so the
     fused paths really run there too."""
     from kernels import lora as lora_kernels
-    from kernels import lora_triton
-    return count_fused_shrinks(monkeypatch, lora_triton if device == "cpu" else lora_kernels)
+    from kernels.lora import launch
+    return count_fused_shrinks(monkeypatch, launch if device == "cpu" else lora_kernels)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -316,8 +308,8 @@ def _count_fused(monkeypatch, device: str) -> list[int]:
                                        ("mixed", "mixed"), ("all", "all_base")])
 def test_norm_shrink_then_expand_matches_peft(setup, device, mode, case, monkeypatch):
     """FUSED_NORM_SHRINK: the add + RMSNorm before q/k/v and gate/up also shrinks its
-    output (kernels/norm_shrink_triton.py), FUSED_SILU_SHRINK: the SiLU-and-multiply
-    before down too (kernels/silu_shrink_triton.py); `apply` only expands. The norm's and
+    output (kernels/lora/norm_shrink.py), FUSED_SILU_SHRINK: the SiLU-and-multiply
+    before down too (kernels/lora/silu_shrink.py); `apply` only expands. The norm's and
     activation's outputs equal the references', the deltas PEFT's on those rows; base
     rows get nothing."""
     from engine.lora import batch as batch_module

@@ -52,9 +52,6 @@ class MergedDeltaLora:
     def apply_embedding(self, ids: torch.Tensor, h: torch.Tensor) -> None:
         """No LoRA on embed_tokens here (loramux_core/model/lora_targets.py END_TARGETS)."""
 
-    def prepare(self, layer_idx: int, group: str, x: torch.Tensor) -> None:
-        """Called before each group's base matmul; nothing to start ahead here."""
-
     def add_norm(self, layer_idx, group, x, residual, weight, eps):
         """The norm before a group, as the model would run it alone."""
         self.calls.append((layer_idx, f"norm before {group}"))

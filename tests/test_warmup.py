@@ -21,11 +21,8 @@ from engine.lora.batch import spread_over_adapters
 from engine.lora.pool import LoRAExtras
 from engine.scheduler import ScheduledRequest
 from engine.warmup import eager_shapes, graph_keys, token_counts, warm_up
-from kernels import (attention_kernels_triton, elementwise_kernels_triton,
-                     lora_kernels_triton, lora_mixed_kernels_triton,
-                     lora_segment_kernels_triton, lora_token_kernels_triton, lora_triton,
-                     norm_shrink_kernels_triton, silu_shrink_kernels_triton,
-                     slot_rows_kernels_triton)
+from kernels import attention_kernels_triton, elementwise_kernels_triton
+from kernels.lora import launch, mixed_kernels, norm_shrink, segment, silu_shrink, slot_rows, token
 from tests.support.launch_keys import LaunchKeys, force_triton
 from tests.conftest import TEST_DEVICE
 from tests.conftest import ADAPTER_SPECS, TinyFamily
@@ -33,10 +30,8 @@ from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 from tests.test_engine_parity import prompts_of
 from tests.test_lifecycle_tiers import greedy, make_engine
 
-KERNEL_MODULES = (attention_kernels_triton, elementwise_kernels_triton, lora_kernels_triton,
-                  lora_mixed_kernels_triton, lora_segment_kernels_triton,
-                  lora_token_kernels_triton, norm_shrink_kernels_triton,
-                  silu_shrink_kernels_triton, slot_rows_kernels_triton)
+KERNEL_MODULES = (attention_kernels_triton, elementwise_kernels_triton, token, mixed_kernels,
+                  segment, norm_shrink, silu_shrink, slot_rows)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=40)
 # past the kernels' thresholds: 16 sequences, 64 tokens, a split attention key range
 LARGE = dict(max_num_batched_tokens=66, max_num_seqs=17, max_model_len=300)
@@ -54,7 +49,7 @@ def batches(n: int, rng: random.Random):
 
 # rows per adapter the LoRA kernels need by bucket: none, the CPU's (the interpreter's
 # table: the segment kernels above 64 tokens) and a rule of 2 everywhere
-RULES = {"none": lambda b: 0, "cpu": lambda b: lora_triton.mixed_min_rows("cpu", b),
+RULES = {"none": lambda b: 0, "cpu": lambda b: launch.mixed_min_rows("cpu", b),
          "two": lambda b: 2}
 
 
@@ -109,7 +104,7 @@ def test_graph_key_follows_the_rows_per_adapter_rule():
     kernels' graph; one adapter more (3.8 rows each) takes the spread graph; rows of the
     base model are not counted; one adapter or none is never spread."""
     buckets = decode_buckets(128)
-    min_rows = {b: lora_triton.mixed_min_rows("cpu", b) for b in buckets}
+    min_rows = {b: launch.mixed_min_rows("cpu", b) for b in buckets}
     assert min_rows[128] == 4 and min_rows[64] == 0
 
     def key(slots):

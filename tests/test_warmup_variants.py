@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import kernels
-from kernels import lora_uniform_kernels_triton
 from tests.support.launch_keys import LaunchKeys
 from tests.support.triton_mode import triton_kernels
 from tests.test_warmup import KERNEL_MODULES, SMALL, cpu_model, warmed_engine
@@ -30,11 +29,11 @@ def test_no_kernel_is_keyed_by_a_steps_counts(llama_family, monkeypatch):
     assert not keyed, f"kernels keyed by a step's counts: {keyed[:4]}"
 
 
-@pytest.mark.parametrize("module", [*KERNEL_MODULES, lora_uniform_kernels_triton],
+@pytest.mark.parametrize("module", KERNEL_MODULES,
                          ids=lambda m: m.__name__.split(".")[-1])
 def test_kernels_taking_a_steps_counts_do_not_specialise_on_them(module):
-    """Also the kernels the CPU warm-up does not launch (the uniform LoRA kernel runs in
-    decode graphs on CUDA only): launches with a count of 1, 16 and 17 are one key."""
+    """Also the kernels the CPU warm-up does not launch: launches with a count of 1, 16
+    and 17 are one key."""
     rec = LaunchKeys()
     for name, kernel in triton_kernels(module).items():
         params = list(inspect.signature(kernel.fn).parameters)
@@ -48,7 +47,7 @@ def test_kernels_taking_a_steps_counts_do_not_specialise_on_them(module):
 
 def _launched() -> set[str]:
     """Kernels the host code launches (`name[grid](...)`), not helpers inlined in one."""
-    src = "".join(p.read_text() for p in Path(kernels.__file__).parent.glob("*.py"))
+    src = "".join(p.read_text() for p in Path(kernels.__file__).parent.rglob("*.py"))
     return set(re.findall(r"\.(\w+_kernel)\[", src))
 
 

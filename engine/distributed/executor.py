@@ -25,6 +25,7 @@ import weakref
 import torch
 import torch.multiprocessing as mp
 
+from engine.config import EngineConfig
 from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
 from engine.distributed.adapters import AdapterMirror
@@ -34,9 +35,18 @@ from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encod
 from engine.distributed.tracker import PlanTracker
 from engine.distributed.watchdog import WorkerWatchdog
 from engine.distributed.worker import worker_main
+from engine.executor import Executor, LocalExecutor
 from loramux_core.errors import EngineDeadError
 
 START_TIMEOUT_S = 120.0
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """TPExecutor at tp_size > 1 (this process becomes rank 0 and spawns the others), else
+    LocalExecutor. Creating a TPExecutor, not importing this module, spawns processes."""
+    if config.tp_size > 1:
+        return TPExecutor(config)
+    return LocalExecutor()
 
 
 class TPExecutor:

@@ -1,15 +1,13 @@
 """The LoRA view of one forward step: which slot each token uses, applied layer by layer.
 
 The model calls `apply(layer_idx, group, x, y)` for each LoRA group of each layer (see
-loramux_core/model/lora_targets.py); per-step metadata is built once here, not per layer.
-It may call `prepare(layer_idx, group, x)` first, before the group's base matmul: with
-SHRINK_AHEAD, a uniform step's shrink then runs on a side stream beside that matmul and
-`apply` only waits for it and expands (one launch on the critical path, not shrink and
-expand in turn). With FUSED_NORM_SHRINK the model asks `add_norm` for the add + RMSNorm
+loramux_core/model/lora_targets.py); per-step metadata is built once here, not per layer,
+and which kernels run is kernels/lora/plan.py's choice from the step's hints (`uniform`,
+`spread`). With FUSED_NORM_SHRINK the model asks `add_norm` for the add + RMSNorm
 whose output is a group's input (q/k/v, gate/up): the group's shrink then runs in that
-same launch (kernels/norm_shrink_triton.py) and `apply` only expands (one launch less
+same launch (kernels/lora/norm_shrink.py) and `apply` only expands (one launch less
 per group, and the norm's output is not read back for the shrink). FUSED_SILU_SHRINK does
-the same for down_proj with the MLP's activation (`act`, kernels/silu_shrink_triton.py).
+the same for down_proj with the MLP's activation (`act`, kernels/lora/silu_shrink.py).
 """
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ from kernels import lora as lora_kernels
 from kernels.elementwise import add_rms_norm, rms_norm, silu_mul
 from kernels.moe import ExpertLoRA
 
-SHRINK_AHEAD = False   # uniform steps on CUDA: shrink beside the base matmul (see above)
 # The shrink of q/k/v and gate/up inside the add + RMSNorm before them, on CUDA up to 256
 # tokens: "off", "uniform" (steps whose rows share one adapter), "mixed" (steps whose
 # rows do not) or "all" (any mapping). Measured on an H100 (Llama-3-8B shape, rank 16,
@@ -35,7 +32,6 @@ FUSED_NORM_SHRINK = "all"
 NORM_SHRINK_MODES = ("off", "uniform", "mixed", "all")
 # The same for down_proj's shrink inside the SiLU-and-multiply before it (`act`).
 FUSED_SILU_SHRINK = "mixed"
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def spread_over_adapters(slot_rows: Iterable[tuple[int, int]], min_rows: int) -> bool:
@@ -68,7 +64,7 @@ class LoRABatch:
     `uniform`: the tokens (likely) share one adapter, which picks the kernels' launch
     parameters tuned for that (a CUDA graph captured so serves such batches best).
     `spread`: the rows average few rows per adapter (`spread_over_adapters`), which keeps
-    a mixed decode batch on the token kernels (kernels/lora_mixed_triton.py).
+    a mixed decode batch on the token kernels (kernels/lora/plan.py).
     `extras`: DoRA's row factors, lm_head and embed_tokens LoRA, each run for every row
     (indexed by its slot: rows of other slots get factor 1 or nothing) where set; None:
     whatever the pool has buffers for (right for any rows; the runner passes what the
@@ -84,7 +80,7 @@ class LoRABatch:
         self.spread = spread
         self.extras = pool.extras_allocated if extras is None else extras
         self.token_slots = token_slots
-        self._ahead: dict[tuple[int, str], tuple] = {}   # prepared shrinks and their events
+        self._ahead: dict[tuple[int, str], tuple] = {}   # shrinks run fused, to expand
         self._fuse_norm = _fuses(FUSED_NORM_SHRINK, uniform)   # read once: a step's setting
         self._fuse_silu = _fuses(FUSED_SILU_SHRINK, uniform)
         self.meta = meta if meta is not None else lora_kernels.build_meta(
@@ -163,40 +159,14 @@ class LoRABatch:
                        uniform=self.uniform)
         if fused is None:
             return None
-        self._ahead[(layer_idx, group)] = (fused[-1], None)
+        self._ahead[(layer_idx, group)] = fused[-1]
         return fused[:-1]
-
-    def prepare(self, layer_idx: int, group: str, x: torch.Tensor) -> None:
-        """Before the group's base matmul: with SHRINK_AHEAD, start a uniform step's shrink
-        of x on the device's side stream (x must stay unchanged until `apply`); nothing
-        when `add_norm` already started it."""
-        if (not (SHRINK_AHEAD and self.uniform and x.is_cuda)
-                or (layer_idx, group) in self._ahead):
-            return
-        a, _, ranks, offsets = self.pool.weights(layer_idx, group)
-        main = torch.cuda.current_stream(x.device)
-        side = _side_streams.get(x.device)
-        if side is None:
-            side = _side_streams[x.device] = torch.cuda.Stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            shrunk = lora_kernels.shrink_ahead(x, a, self.token_slots, offsets, ranks,
-                                               meta=self.meta, uniform=True)
-            done = torch.cuda.Event()
-            done.record(side)
-        if shrunk is not None:
-            self._ahead[(layer_idx, group)] = (shrunk, done)
-        else:
-            main.wait_event(done)
 
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += LoRA delta of `group` in layer `layer_idx`, in place (x, y: this rank's shards)."""
         a, b, ranks, offsets = self.pool.weights(layer_idx, group)
-        ahead = self._ahead.pop((layer_idx, group), None)
-        if ahead is not None:
-            shrunk, done = ahead
-            if done is not None:           # started on the side stream
-                torch.cuda.current_stream(y.device).wait_event(done)
+        shrunk = self._ahead.pop((layer_idx, group), None)
+        if shrunk is not None:             # started inside add_norm or act
             lora_kernels.expand_after(shrunk, b, y)
         else:
             lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,

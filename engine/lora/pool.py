@@ -1,6 +1,6 @@
 """The device slot pool: fixed, preallocated LoRA weight buffers for `max_loras` adapters.
 
-Per (layer, group), in the layout kernels/lora_ref.py documents:
+Per (layer, group), in the layout kernels/lora/reference.py documents:
 
     a:     [max_loras, S, max_lora_rank, K]
     b:     [max_loras, N, max_lora_rank]      scaling folded in

@@ -13,8 +13,7 @@ RMSNorm in float32, attention softmax in float32) so that float32 runs match it.
 
 LoRA enters through `lora.apply(layer_idx, group, x, y)` on each group's local matmul
 output, before the bias and, for row-parallel layers, before the all-reduce (see
-loramux_core/model/lora_targets.py); `lora.prepare(layer_idx, group, x)` comes before the
-matmul (engine/lora/batch.py may start the shrink of x there, beside the matmul).
+loramux_core/model/lora_targets.py).
 """
 from __future__ import annotations
 
@@ -69,8 +68,6 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
                 lora) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
-        if lora is not None:
-            lora.prepare(self.layer_idx, "qkv", x)
         qkv = self.qkv_proj.matmul(x)
         if lora is not None:
             lora.apply(self.layer_idx, "qkv", x, qkv)
@@ -85,8 +82,6 @@ class LlamaAttention(nn.Module):
             v.reshape(T, self.num_kv_heads, D), k_cache, v_cache, attn.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, attn, self.scale,
                             window=self.sliding_window).reshape(T, self.num_heads * D)
-        if lora is not None:
-            lora.prepare(self.layer_idx, "o", o)
         y = self.o_proj.matmul(o)
         if lora is not None:
             lora.apply(self.layer_idx, "o", o, y)
@@ -127,15 +122,11 @@ class LlamaMLP(nn.Module):
 
     def partial(self, x: torch.Tensor, lora) -> torch.Tensor:
         """This rank's partial output (before the all-reduce and down_proj's bias)."""
-        if lora is not None:
-            lora.prepare(self.layer_idx, "gate_up", x)
         gate_up = self.gate_up_proj.matmul(x)
         if lora is not None:
             lora.apply(self.layer_idx, "gate_up", x, gate_up)
         # [gate | up], equal widths; one launch on CUDA, which may also start down's shrink
         h = silu_mul(gate_up) if lora is None else lora.act(self.layer_idx, "down", gate_up)
-        if lora is not None:
-            lora.prepare(self.layer_idx, "down", h)
         y = self.down_proj.matmul(h)
         if lora is not None:
             lora.apply(self.layer_idx, "down", h, y)

@@ -23,8 +23,9 @@ def lora_kernel_path():
     Counter of the slot-indexed ops' launches by name (OPS), of add_lora's and of
     expand_after's (a group whose shrink ran fused into the op before it: CUDA decode
     steps, engine/lora/batch.py FUSED_NORM_SHRINK)."""
-    from kernels import lora, lora_triton, slot_rows_triton
-    assert lora._triton is not None, "Triton is not installed"
+    from kernels import lora
+    from kernels.lora import launch, slot_rows
+    assert lora._launch is not None, "Triton is not installed"
     calls: Counter = Counter()
 
     def counted(name, inner):
@@ -35,9 +36,9 @@ def lora_kernel_path():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lora, "_on_triton", lambda t: True)
         for name in OPS:
-            mp.setattr(slot_rows_triton, name, counted(name, getattr(slot_rows_triton, name)))
+            mp.setattr(slot_rows, name, counted(name, getattr(slot_rows, name)))
         for name in ("add_lora", "expand_after"):
-            mp.setattr(lora_triton, name, counted(name, getattr(lora_triton, name)))
+            mp.setattr(launch, name, counted(name, getattr(launch, name)))
         if not torch.cuda.is_available():
             _one_launch_at_a_time(mp)
         yield calls
@@ -55,7 +56,7 @@ def _one_launch_at_a_time(mp) -> None:
 
 def count_fused_shrinks(monkeypatch, source) -> list[int]:
     """kernels.lora's norm_shrink_ahead and silu_shrink_ahead replaced by `source`'s
-    (kernels.lora itself, or kernels.lora_triton to run the Triton forms where the
+    (kernels.lora itself, or kernels.lora.launch to run the Triton forms where the
     dispatcher returns None), each counting its fused launches (non-None results)."""
     from kernels import lora as lora_kernels
     calls = [0]

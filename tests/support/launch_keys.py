@@ -85,21 +85,20 @@ def _recording_run(record):
 
 def force_triton(monkeypatch) -> None:
     import engine.model.llama as llama
-    from kernels import attention_triton, elementwise, lora, lora_triton, slot_rows_triton
+    from kernels import attention_triton, elementwise, lora
+    from kernels.lora import launch, slot_rows
 
     monkeypatch.setattr(elementwise, "_gpu", lambda x: True)
-    monkeypatch.setattr(lora, "add_lora", lora_triton.add_lora)
-    monkeypatch.setattr(lora, "scale_rows", slot_rows_triton.scale_rows)
-    monkeypatch.setattr(lora, "add_embedding_lora", slot_rows_triton.add_embedding_lora)
-    monkeypatch.setattr(lora, "norm_shrink_ahead", lora_triton.norm_shrink_ahead)
-    monkeypatch.setattr(lora, "silu_shrink_ahead", lora_triton.silu_shrink_ahead)
+    monkeypatch.setattr(lora, "add_lora", launch.add_lora)
+    monkeypatch.setattr(lora, "scale_rows", slot_rows.scale_rows)
+    monkeypatch.setattr(lora, "add_embedding_lora", slot_rows.add_embedding_lora)
+    monkeypatch.setattr(lora, "norm_shrink_ahead", launch.norm_shrink_ahead)
+    monkeypatch.setattr(lora, "silu_shrink_ahead", launch.silu_shrink_ahead)
 
     def build_meta(token_slots, max_loras, uniform=False):   # kernels.lora's, CPU tensors too
-        if lora_triton.uses_meta(token_slots.shape[0], uniform):
-            return lora_triton.build_meta(token_slots, max_loras)
-        return None
+        return launch.build_meta(token_slots, max_loras)
     monkeypatch.setattr(lora, "build_meta", build_meta)
-    monkeypatch.setattr(lora, "mixed_min_rows", lora_triton.mixed_min_rows)
+    monkeypatch.setattr(lora, "mixed_min_rows", launch.mixed_min_rows)
     monkeypatch.setattr(llama, "paged_attention",
                         lambda q, k, v, attn, scale, window=None:
                         attention_triton.paged_attention(q, k, v, attn, scale, window=window))

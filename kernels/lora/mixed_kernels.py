@@ -1,6 +1,6 @@
 """Triton programs for mixed-adapter decode batches: row tiles of slot segments.
 
-Host wrappers: kernels/lora_mixed_triton.py. A *segment* is the run of slot-sorted tokens
+Host wrappers: kernels/lora/mixed.py. A *segment* is the run of slot-sorted tokens
 that share one adapter (`LoRAMeta.seg_start` / `seg_len` / `active_slots`); each segment
 is cut into tiles of BLOCK_M rows, numbered segment by segment:
 
@@ -30,8 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.fused_shrink_kernels_triton import rank_of
-from kernels.lora_kernels_triton import _expand_tile, _shrink_tile, _slice_bounds
+from kernels.lora.tiles import expand_tile, rank_of, shrink_tile, slice_bounds
 
 
 @triton.jit
@@ -92,7 +91,7 @@ def lora_shrink_mixed_kernel(x_ptr, a_ptr, hp_ptr, count_ptr, sorted_ptr, seg_st
         slot, p0, rows, m_mask, tok = _tile_at(t, lens, n, ends, seg_start_ptr, active_ptr,
                                                sorted_ptr, NSEG, SEG_P, BLOCK_M)
         if rows > 0:
-            acc = _shrink_tile(x_ptr, a_ptr, tok, m_mask, slot, s,
+            acc = shrink_tile(x_ptr, a_ptr, tok, m_mask, slot, s,
                                rank_of(ranks_ptr, slot, R, HAS_RANKS), k_lo, k_hi,
                                stride_xt, stride_xk, stride_al, stride_as, stride_ar,
                                stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION, UPCAST)
@@ -130,7 +129,7 @@ def lora_expand_mixed_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, seg_start_ptr, se
     i = tl.program_id(1)
     s = (i >= i1).to(tl.int32) + (i >= i2).to(tl.int32) + (i >= i3).to(tl.int32)
     item0 = tl.where(s == 0, 0, tl.where(s == 1, i1, tl.where(s == 2, i2, i3)))
-    lo, hi = _slice_bounds(s, o0, o1, o2, o3, o4)
+    lo, hi = slice_bounds(s, o0, o1, o2, o3, o4)
     n_first = lo + (i - item0) * (tpp * BLOCK_N)
     n_last = tl.minimum(hi, n_first + tpp * BLOCK_N)
     lens, n, ends = _segment_tiles(seg_len_ptr, NSEG, SEG_P, BLOCK_M)
@@ -145,6 +144,6 @@ def lora_expand_mixed_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, seg_start_ptr, se
             for k in range(partials):
                 h += tl.load(h_ptrs + k * stride_hk, mask=h_mask, other=0.0)
             for n0 in range(n_first, n_last, BLOCK_N):     # no branch: a pipelined loop
-                _expand_tile(h, b_ptr, y_ptr, tok, m_mask, slot, rank, n0, hi,
+                expand_tile(h, b_ptr, y_ptr, tok, m_mask, slot, rank, n0, hi,
                              stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
                              BLOCK_R, BLOCK_N, PRECISION, UPCAST)

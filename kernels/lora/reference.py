@@ -57,7 +57,7 @@ def add_rms_norm_shrink_ref(x: torch.Tensor | None, residual: torch.Tensor,
                             token_slots: torch.Tensor):
     """(rms_norm(residual + x), residual + x, h [S, T, R] float32: the LoRA shrink of the
     normed rows, zero where token_slots[t] < 0); x None: nothing added to residual. The
-    oracle of kernels/norm_shrink_triton.py."""
+    oracle of kernels/lora/norm_shrink.py."""
     if x is not None:
         residual = residual + x
     out = rms_norm_ref(residual, weight, eps)
@@ -66,7 +66,7 @@ def add_rms_norm_shrink_ref(x: torch.Tensor | None, residual: torch.Tensor,
 
 def silu_mul_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor):
     """(silu(gate) * up of x = [gate | up], h [1, T, R] float32: the LoRA shrink of it,
-    zero where token_slots[t] < 0). The oracle of kernels/silu_shrink_triton.py."""
+    zero where token_slots[t] < 0). The oracle of kernels/lora/silu_shrink.py."""
     out = silu_mul_ref(x)
     return out, lora_shrink_ref(out, a, token_slots)
 
