@@ -135,7 +135,8 @@ async def serve(args) -> int:
     metrics_port = metrics.serve(args.metrics_port, args.metrics_host) if args.metrics_port >= 0 else -1
     engine = EngineClient(args.engines, max_inflight=args.max_inflight,
                           heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys,
-                          spill_waiting=args.spill_waiting, on_route=metrics.route)
+                          spill_waiting=args.spill_waiting, on_route=metrics.route,
+                          on_failover=metrics.failover)
     table = AdapterTable(args.table_address, keys=args.keys)
     metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
