@@ -25,23 +25,27 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _finalize(x: torch.Tensor) -> torch.Tensor:
-    x = (x ^ _shr(x, 30)) * _signed(_MUL1)
-    x = (x ^ _shr(x, 27)) * _signed(_MUL2)
-    return x ^ _shr(x, 31)
+def _shift_xor(x: torch.Tensor, k: int, scratch: torch.Tensor) -> torch.Tensor:
+    """x ^= x >> k (logical: torch's >> on int64 is arithmetic, so the sign is masked off),
+    in place, through `scratch`."""
+    torch.bitwise_right_shift(x, k, out=scratch)
+    scratch &= (1 << (64 - k)) - 1
+    return x.bitwise_xor_(scratch)
 
 
 def gumbel_noise(keys: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """Gumbel(0, 1) noise [len(keys), vocab] in float32: row i, column v from (keys[i], v)
-    alone."""
+    alone. In place over two int64 tensors of the output's shape (the hash is bound by
+    memory traffic)."""
     rows = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=device)
     cols = torch.arange(1, vocab + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN)
-    bits = _shr(_finalize(rows[:, None] + cols[None, :]), 64 - _UNIFORM_BITS)
-    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
+    x = rows[:, None] + cols[None, :]
+    scratch = torch.empty_like(x)
+    _shift_xor(x, 30, scratch).mul_(_signed(_MUL1))
+    _shift_xor(x, 27, scratch).mul_(_signed(_MUL2))
+    _shift_xor(x, 31, scratch)
+    torch.bitwise_right_shift(x, 64 - _UNIFORM_BITS, out=scratch)
+    scratch &= (1 << _UNIFORM_BITS) - 1
+    uniform = scratch.to(torch.float32).add_(0.5).mul_(1.0 / (1 << _UNIFORM_BITS))
     # -log(-log(U)) with U in (0, 1): never 0 or 1, so never an infinity
     return uniform.log_().neg_().log_().neg_()
