@@ -69,6 +69,26 @@ def check_length(num_prompt: int, max_tokens: int, limits: AdmissionLimits) -> N
             f"KV cache capacity of {limits.kv_capacity} tokens ({limits.num_kv_blocks} blocks)")
 
 
+def check_generated(generated, params: SamplingParams, limits: AdmissionLimits) -> list[int]:
+    """A resumed request's tokens already generated (Engine.add_request): token ids, fewer
+    than max_tokens (a request that had all of them was finished), one sequence only. The
+    length was checked with the prompt and max_tokens: they are part of that budget."""
+    ids = list(generated)
+    if not ids:
+        return ids
+    if params.n != 1:
+        raise InvalidRequestError(f"generated tokens with n={params.n}: only a single "
+                                  "sequence resumes")
+    if len(ids) >= params.max_tokens:
+        raise InvalidRequestError(f"{len(ids)} generated tokens: a resumed request has fewer "
+                                  f"than max_tokens={params.max_tokens}")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limits.vocab_size:
+            raise InvalidRequestError(
+                f"generated token {i}: {t!r} is not a token id in [0, {limits.vocab_size})")
+    return ids
+
+
 def sequence_ids(request_id: str, n: int) -> list[str]:
     """The ids of a request's sequences: the id itself, or "<id>/<i>" for each of n > 1
     (they inherit the adapter id and share the prompt's full blocks through the prefix

@@ -9,6 +9,7 @@ request in the scheduler when `append` returns a finish reason.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -68,6 +69,19 @@ class OutputProcessor:
         req.output = OutputState(IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, skip_special_tokens=True, stop=p.stop,
             include_stop_str_in_output=p.include_stop_str_in_output))
+        self._replay(req)
+
+    @staticmethod
+    def _replay(req: Request) -> None:
+        """A resumed request starts with tokens its caller already has: they go through
+        the detokenizer one at a time, as they did on their first run, so its state (the
+        text held back for a stop string, a character still incomplete) is what it was
+        there, and only what follows is sent. Their logprobs were sent with them (NaN
+        here)."""
+        out = req.output
+        for token in req.output_token_ids:
+            out.detokenizer.push([token])
+            out.logprobs.append(math.nan)
 
     def append(self, req: Request, sampled: Sampled) -> str | None:
         """Record the token the scheduler just appended to `req`; returns the reason the

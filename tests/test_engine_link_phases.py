@@ -1,7 +1,8 @@
 """The control plane's engine link (services/control/engine_link.py) over a real ZMQ
-PUB/SUB pair: an engine that heartbeats while it loads and warms up is connected but not
-up, gets no replay and no command (a command then waits for it to serve, up to its
-connect wait); its first SERVING heartbeat makes it up and starts the replay, once."""
+PUB/SUB pair: an engine that heartbeats while it loads and warms up is heard but not up
+(services/common/engine_connection.py: up only while its heartbeat says SERVING), gets no
+replay and no command (a command then waits for it to serve, up to its connect wait); its
+first SERVING heartbeat makes it up and starts the replay, once."""
 from __future__ import annotations
 
 import asyncio
@@ -38,12 +39,13 @@ def test_a_starting_engine_is_replayed_to_once_it_serves():
                           heartbeat_timeout_s=5.0)
         await link.start()
         try:
-            while not link.conn.up:   # the slow joiner
+            while link.conn.instance_id != "e":   # the slow joiner
                 pub.send(_heartbeat(0, engine_pb2.ENGINE_PHASE_LOADING))
                 await asyncio.sleep(0.01)
             for phase in (engine_pb2.ENGINE_PHASE_LOADING, engine_pb2.ENGINE_PHASE_WARMING_UP):
                 await _beat(pub, phase, 0.3)
-                assert link.conn.up and not link.up and connects == []
+                assert link.conn.heartbeat.phase == phase
+                assert not link.conn.up and not link.up and connects == []
             with pytest.raises(EngineUnavailable):
                 await link.command(engine_pb2.ADAPTER_COMMAND_KIND_LOAD, "a", "/x",
                                    connect_wait_s=0.2)

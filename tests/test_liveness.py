@@ -1,6 +1,7 @@
 """Busy is not dead: engine steps far longer than the peers' heartbeat timeout never end
 a stream, while a killed or hung engine is still seen as gone within seconds: the
-heartbeat timeout, and KILL_MARGIN_S more for a loaded machine's scheduling.
+heartbeat timeout, and KILL_MARGIN_S more for a loaded machine's scheduling (its streams
+end the gateway's failover wait later: there is no other replica to take them).
 
 Real processes (engine, control plane, gateway) on loopback; the peers' heartbeat
 timeout is lowered to 0.5 s so that a step of a few seconds is many timeouts long, and
@@ -28,6 +29,8 @@ TIMEOUT = 0.5  # the gateway's and control plane's heartbeat timeout here
 # a killed engine's streams end within its peers' heartbeat timeout and this: room for a
 # loaded machine's stalls (measured: 0.46-0.52 s in all at a 0.5 s timeout, under load)
 KILL_MARGIN_S = 3.0
+# and the gateway's wait for another replica to take them (none here: one engine)
+FAILOVER_WAIT_S = 2.0
 # Services on CPU engines whatever LORAMUX_TEST_DEVICE says (steps made long by a prefill
 # that takes seconds on the CPU): the served engines and the in-process reference alike
 # (tests/conftest.py).
@@ -77,8 +80,8 @@ def test_steps_of_four_timeouts_each_do_not_end_a_stream(slow_steps, tiny_model)
 
 
 def test_engine_killed_in_a_long_step_is_unavailable_promptly(slow_steps):
-    _kill_mid_stream_is_unavailable_within(slow_steps, TIMEOUT + KILL_MARGIN_S,
-                                           settle_s=0.5)  # in a sleeping step
+    _kill_mid_stream_is_unavailable_within(
+        slow_steps, TIMEOUT + FAILOVER_WAIT_S + KILL_MARGIN_S, settle_s=0.5)  # a sleeping step
     with GenerateClient(slow_steps.gateway_address, retry=False) as gen:
         with pytest.raises(LoramuxError) as info:
             gen.generate([5, 6], None, max_tokens=2)
@@ -114,8 +117,8 @@ def test_one_60_s_step_with_default_timeouts_ends_no_stream(tmp_path, tiny_model
     600 s) and one engine step that sleeps 60 s while eight streams are in flight: the
     gateway stays SERVING through it, every stream completes with the tokens the offline
     engine gives, and some stream waited the whole step between two of its tokens. Then
-    the engine is killed mid-stream: UNAVAILABLE within the default heartbeat timeout and
-    KILL_MARGIN_S."""
+    the engine is killed mid-stream: UNAVAILABLE within the default heartbeat timeout,
+    the gateway's failover wait and KILL_MARGIN_S."""
     prompts = [[5 + i, 6, 7] for i in range(8)]
     with Engine(EngineConfig(model=str(tiny_model))) as offline:
         want = [o.token_ids for o in offline.generate(prompts, _greedy(6))]
@@ -157,7 +160,7 @@ def test_one_60_s_step_with_default_timeouts_ends_no_stream(tmp_path, tiny_model
         gaps = [b - a for _, times, _ in results for a, b in zip(times, times[1:])]
         assert max(gaps) >= 55, max(gaps)  # a stream was mid-generation through the step
         assert not c.dead()
-        _kill_mid_stream_is_unavailable_within(c, 1.5 + KILL_MARGIN_S)
+        _kill_mid_stream_is_unavailable_within(c, 1.5 + FAILOVER_WAIT_S + KILL_MARGIN_S)
     finally:
         c.kill_all()
 

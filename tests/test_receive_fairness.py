@@ -15,9 +15,8 @@ FLOOD = 100_000
 
 
 def _heartbeat(instance: str) -> bytes:
-    return engine_pb2.EngineOutput(instance_id=instance,
-                                   heartbeat=engine_pb2.Heartbeat(instance_id=instance)
-                                   ).SerializeToString()
+    return engine_pb2.EngineOutput(instance_id=instance, heartbeat=engine_pb2.Heartbeat(
+        instance_id=instance, phase=engine_pb2.ENGINE_PHASE_SERVING)).SerializeToString()
 
 
 def test_a_flood_of_engine_output_does_not_starve_the_loop():

@@ -1,9 +1,13 @@
 """Two engine replicas behind one gateway and one control plane, as real processes on
 loopback: adapters placed on both or on one, requests routed by where their adapter is,
-per-replica residency in AdapterAdmin, and a replica SIGKILLed under 50 live streams (its
-streams end UNAVAILABLE within the heartbeat timeout and a margin, the other's finish, it
-rejoins after restart and replay). Tests run in file order on one cluster; each runs alone
-too, but the last, which restarts the replica the one before it killed."""
+per-replica residency in AdapterAdmin, a replica SIGKILLed under 50 live streams (every
+stream whose adapter the other replica holds continues there, gRPC and OpenAI HTTP, greedy
+and seeded, token for token as without the kill; one placed on the dead replica only ends
+UNAVAILABLE with retry information within a bound), its rejoining after restart and
+replay, and both replicas killed (every stream ends UNAVAILABLE with retry information
+within a bound). Tests run in file order on one cluster; each runs alone too, but the
+restart, which restarts the replica the kill before it killed, and the last, which kills
+both."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +16,7 @@ import time
 import urllib.request
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loramux import AdminClient, GenerateClient, LoramuxError
@@ -35,6 +40,9 @@ PEERS = ("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
 # a killed replica's streams end within the heartbeat timeout and this: room for a loaded
 # machine's stalls (tests/test_liveness.py's margin)
 KILL_MARGIN_S = 3.0
+# how long the gateway waits for a replica to take a stream whose replica died
+FAILOVER_WAIT_S = HEARTBEAT_TIMEOUT_S + 2.0
+SEEDS = (11, 12, 13)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +63,8 @@ def cluster(files):
                         # however the test process is scheduled (1.5 s were left at full speed)
                         engine_args=("--device", "cpu", "--heartbeat-interval", "0.1",
                                      "--debug-step-sleep", "0.02"),
-                        gateway_args=PEERS, control_args=PEERS, env={"OMP_NUM_THREADS": "1"})
+                        gateway_args=PEERS, control_args=PEERS, env={"OMP_NUM_THREADS": "1"},
+                        http_port=0)
     c = Cluster(cfg)
     c.start()
     try:
@@ -84,10 +93,40 @@ def offline(files):
     return eng
 
 
-def expected(offline, adapter, max_tokens):
-    out = offline.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                           adapters=[adapter])
-    return out[0].token_ids
+def expected(offline, adapter, max_tokens, **sampling):
+    return expected_output(offline, adapter, max_tokens, **sampling).token_ids
+
+
+def expected_output(offline, adapter, max_tokens, **sampling):
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **sampling})
+    return offline.generate([PROMPT], params, adapters=[adapter])[0]
+
+
+def failovers(cluster) -> dict[str, float]:
+    """{reason: requests} the gateway sent again after their replica went down."""
+    text = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "loramux:requests_resumed_total"}
+
+
+def openai_client(cluster) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1",
+                              api_key="unused", max_retries=0)
+
+
+async def http_stream(client, max_tokens: int):
+    """(text, usage, error or None) of one streamed OpenAI completion of `both`."""
+    text, usage = [], None
+    try:
+        stream = await client.completions.create(
+            model="both", prompt=PROMPT, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += [c.text for c in chunk.choices]
+            usage = chunk.usage or usage
+    except openai.APIError as err:
+        return "".join(text), usage, err
+    return "".join(text), usage, None
 
 
 def routed(cluster) -> dict[tuple[str, str], float]:
@@ -204,9 +243,15 @@ async def _open_streams(client, n: int, max_tokens: int):
 
 
 def test_replica_killed_under_50_streams(cluster, admin, offline):
+    """Streams past their first token, streams just sent, seeded sampled ones, OpenAI HTTP
+    ones: none fails, each is what it is without the kill; a stream placed on the dead
+    replica only ends UNAVAILABLE with a retry delay once the gateway's wait is over."""
     placed_and_seen(cluster, admin)  # also when it runs alone
     max_tokens = 200
-    want = expected(offline, "both", max_tokens)
+    want = expected_output(offline, "both", max_tokens, ignore_eos=True)
+    seeded = {seed: expected(offline, "both", 60, temperature=0.8, seed=seed, ignore_eos=True)
+              for seed in SEEDS}
+    before = failovers(cluster)
 
     async def scenario():
         async with AsyncGenerateClient(cluster.gateway_address) as client:
@@ -220,18 +265,37 @@ def test_replica_killed_under_50_streams(cluster, admin, offline):
                     break
                 pairs += await _open_streams(client, 10, max_tokens)
                 inflight = await asyncio.to_thread(gauge, cluster, "loramux:gateway_requests_inflight")
-            t_kill = time.monotonic()
-            await asyncio.to_thread(cluster.kill, "engine-0")
-            return inflight, t_kill, await finish(pairs)
-    inflight, t_kill, results = asyncio.run(scenario())
-    failed = [(err, t_end) for _, err, t_end in results if err is not None]
-    done = [tokens for tokens, err, _ in results if err is None]
+            late = [_stream(client, "both", max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                    for _ in range(10)]
+            sampled = [_stream(client, "both", max_tokens=60, temperature=0.8, seed=seed,
+                               ignore_eos=True) for seed in SEEDS]
+            solo0 = [_stream(client, "solo0", max_tokens=max_tokens, ignore_eos=True)
+                     for _ in range(2)]
+            async with openai_client(cluster) as http:
+                web = [asyncio.ensure_future(http_stream(http, max_tokens)) for _ in range(4)]
+                await asyncio.sleep(0.3)  # every call has reached the gateway
+                t_kill = time.monotonic()
+                await asyncio.to_thread(cluster.kill, "engine-0")
+                results = await asyncio.gather(finish(pairs), *late, *sampled, *solo0, *web)
+            return inflight, t_kill, results
+    inflight, t_kill, (results, *rest) = asyncio.run(scenario())
+    late, sampled, solo0, web = rest[:10], rest[10:13], rest[13:15], rest[15:]
     assert inflight["0"] >= 10 and inflight["1"] >= 10, inflight  # both replicas were busy
-    assert len(failed) == inflight["0"] and len(done) == inflight["1"], (inflight, len(failed))
-    for err, t_end in failed:
-        assert err.code == grpc.StatusCode.UNAVAILABLE and "replica 0" in err.details, err
-        assert t_end - t_kill < HEARTBEAT_TIMEOUT_S + KILL_MARGIN_S, t_end - t_kill
-    assert all(tokens == want for tokens in done)
+    assert [err for _, err, _ in results + late if err is not None] == []
+    assert [_diverges(tokens, want.token_ids) for tokens, _, _ in results + late] == \
+        [None] * len(results + late)
+    assert [tokens for tokens, _, _ in sampled] == [seeded[seed] for seed in SEEDS]
+    for text, usage, err in web:
+        assert err is None and text == want.text
+        assert usage.completion_tokens == max_tokens
+        assert usage.prompt_tokens == len(want.prompt_token_ids)
+    moved = delta(failovers(cluster), before)
+    assert moved.get("resumed", 0) >= inflight["0"], (moved, inflight)
+    for _, err, t_end in solo0:  # nowhere to go: the dead replica alone holds it
+        # (a call that had no response yet is retried by the client: the retry is refused)
+        assert err.code == grpc.StatusCode.UNAVAILABLE and "replica" in err.details, err
+        assert err.retry_delay and err.retry_delay > 0, err
+        assert t_end - t_kill < FAILOVER_WAIT_S + KILL_MARGIN_S, t_end - t_kill
     with GenerateClient(cluster.gateway_address) as gen:  # the other replica serves on
         for name in ("both", "solo1", None):
             assert gen.generate(PROMPT, name, temperature=0.0, max_tokens=3).token_ids == \
@@ -244,6 +308,19 @@ def test_replica_killed_under_50_streams(cluster, admin, offline):
     # one replica up: the gateway stays ready; the liveness service is SERVING throughout
     assert health(cluster.gateway_address, "") == health(cluster.gateway_address, "liveness") == \
         health_pb2.HealthCheckResponse.SERVING
+
+
+def _diverges(got: list[int], want: list[int]):
+    """None when equal, else where they part and what is there (for the failure report)."""
+    if got == want:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return at, len(got), got[at:at + 3], want[at:at + 3]
+
+
+async def _stream(client, adapter, **sampling):
+    """(tokens, error or None, end time) of one Generate stream read to its end."""
+    return (await finish([(client.stream(PROMPT, adapter, **sampling), [])]))[0]
 
 
 def test_restarted_replica_rejoins_with_its_adapters(cluster, admin, offline):
@@ -259,3 +336,36 @@ def test_restarted_replica_rejoins_with_its_adapters(cluster, admin, offline):
     assert delta(routed(cluster), before).get(("0", "host"), 0) + \
         delta(routed(cluster), before).get(("0", "slot"), 0) >= 1
     assert gauge(cluster, "loramux:engine_up") == {"0": 1.0, "1": 1.0}
+
+
+def test_both_replicas_killed(cluster, admin):
+    """No replica left: every stream, started or not, ends UNAVAILABLE with retry
+    information within the heartbeat timeout and the gateway's wait; OpenAI HTTP gets an
+    error event in its stream, then a 503 with Retry-After."""
+    wait_resident(admin, ("both",))  # also when it runs alone
+
+    async def scenario():
+        async with AsyncGenerateClient(cluster.gateway_address) as client:
+            pairs = await _open_streams(client, 6, 400)
+            async with openai_client(cluster) as http:
+                web = asyncio.ensure_future(http_stream(http, 400))
+                await asyncio.sleep(0.3)
+                t_kill = time.monotonic()
+                await asyncio.to_thread(cluster.kill, "engine-0")
+                await asyncio.to_thread(cluster.kill, "engine-1")
+                results = await finish(pairs)
+                _, _, web_err = await web
+                try:
+                    await http.completions.create(model="both", prompt=PROMPT, max_tokens=3)
+                    after = None
+                except openai.APIStatusError as err:
+                    after = err
+            return t_kill, results, web_err, after
+    t_kill, results, web_err, after = asyncio.run(scenario())
+    for _, err, t_end in results:
+        assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, err
+        assert err.retry_delay and err.retry_delay > 0, err
+        assert t_end - t_kill < 2 * HEARTBEAT_TIMEOUT_S + FAILOVER_WAIT_S + KILL_MARGIN_S
+    assert isinstance(web_err, openai.APIError) and "unavailable" in str(web_err), web_err
+    assert after is not None and after.status_code == 503
+    assert float(after.response.headers["retry-after"]) > 0

@@ -289,3 +289,48 @@ def test_cuda_matches_contracts():
     allowed = allowed_set(rows[1], params[1], [1, 2, 3] + a[1][:-1])
     assert a[1][-1] in allowed
     assert list(out.top_logprobs[2]) == torch.log_softmax(rows[2], -1).topk(3).indices.tolist()
+
+
+def test_token_at_a_position_depends_only_on_seed_position_and_logits():
+    """A request resumed at position p (its history given, not sampled here) draws what
+    the one that sampled its way to p draws, from the same logits, anywhere in a batch."""
+    p = SamplingParams(temperature=1.0, seed=99)
+    logits = random_logits(1, seed=3, scale=0.5)
+    there = state(p, prompt=[1, 2])
+    for _ in range(6):
+        there.append(Sampler().sample(random_logits(1, seed=9), [there]).token_ids[0])
+    resumed = state(p, prompt=[7], output=[0] * 6)
+    other = state(SamplingParams(temperature=0.7), seed=5)
+    batch = torch.cat([random_logits(1, seed=4), logits])
+    assert Sampler().sample(logits, [there]).token_ids == \
+        Sampler().sample(batch, [other, resumed]).token_ids[1:]
+    at = lambda seed, pos: Sampler().sample(
+        logits, [state(SamplingParams(temperature=1.0, seed=seed), output=[0] * pos)]).token_ids[0]
+    assert [at(99, pos) for pos in range(30)] != [at(100, pos) for pos in range(30)]
+    assert len({at(99, pos) for pos in range(30)}) > 3  # each position draws afresh
+
+
+def _noise_reference(key: int, column: int) -> float:
+    """gumbel_noise's value for one (key, token id), in Python integers and floats."""
+    mask = (1 << 64) - 1
+    x = (key + (column + 1) * 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    x ^= x >> 31
+    return -math.log(-math.log(((x >> 41) + 0.5) / 2**23))
+
+
+def test_counter_noise_matches_its_reference_and_is_gumbel():
+    from engine.sampling.noise import gumbel_noise
+
+    gen = torch.Generator().manual_seed(6)
+    keys = [0, 2**63 - 1, 2**63, 2**64 - 1] + torch.randint(0, 2**62, (4,), generator=gen).tolist()
+    noise = gumbel_noise(keys, 300, torch.device("cpu"))
+    for i, key in enumerate(keys):
+        for v in (0, 1, 150, 299):
+            assert noise[i, v].item() == pytest.approx(_noise_reference(key, v), abs=1e-5)
+    assert gumbel_noise(keys[::-1], 300, torch.device("cpu")).flip(0).equal(noise)
+    big = gumbel_noise(list(range(1000)), 1000, torch.device("cpu"))
+    assert big.isfinite().all()
+    assert big.mean().item() == pytest.approx(0.5772, abs=0.01)  # Euler-Mascheroni
+    assert big.std().item() == pytest.approx(math.pi / math.sqrt(6), abs=0.01)

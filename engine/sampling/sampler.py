@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling.noise import gumbel_noise
 from engine.sampling.processors import apply_min_p, apply_repetition_penalty, apply_top_k_top_p
 from engine.sampling.state import SamplingState
 from loramux_core.sampling import GREEDY_TEMPERATURE
@@ -50,8 +51,9 @@ class Sampler:
 
     Greedy rows (temperature 0) take the argmax of the penalised logits, as HF greedy
     search does. Other rows sample with the Gumbel-max trick: argmax(processed logits +
-    Gumbel noise), the noise drawn from the row's own step generator, so a row's token
-    depends only on its logits, its parameters, its seed and its step."""
+    Gumbel noise), the noise keyed by the row's seed and step (sampling/noise.py, one draw
+    for the whole batch), so a row's token depends only on its logits, its parameters,
+    its seed and its step."""
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         return self.sample_tensors(logits, states).to_output()
@@ -105,17 +107,6 @@ class Sampler:
         if any(not g and p.min_p > 0.0 for p, g in zip(params, greedy)):
             min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
             x = apply_min_p(x, min_p)
-        return (x + _gumbel_noise(states, greedy, vocab, device)).argmax(dim=-1)
-
-
-def _gumbel_noise(states: list[SamplingState], greedy: list[bool], vocab: int,
-                  device: torch.device) -> torch.Tensor:
-    """Gumbel(0, 1) noise per sampled row from the row's own step generator; 0 on greedy
-    rows. The per-row loop is the price of per-request seeds."""
-    expo = torch.ones((len(states), vocab), dtype=torch.float32, device=device)
-    for i, (state, g) in enumerate(zip(states, greedy)):
-        if not g:
-            expo[i].exponential_(generator=state.step_generator(device))
-    # -log(E) with E ~ Exp(1) is Gumbel; the clamp keeps E = 0 from giving +inf, which
-    # would turn a removed token's -inf into NaN (and argmax picks NaN).
-    return expo.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
+        # greedy rows take the argmax elsewhere: their noise (key 0) is never used
+        keys = [0 if g else s.noise_key for s, g in zip(states, greedy)]
+        return (x + gumbel_noise(keys, vocab, device)).argmax(dim=-1)

@@ -1,14 +1,13 @@
 """Per-request sampling state and the seeds that make sampling reproducible.
 
-Randomness is keyed, not streamed: the noise of a request's step t comes from a generator
-seeded with mix(seed, sample_index, t). So a seeded request draws the same tokens whatever
-else is in the batch, wherever it sits in it, and even if a step is recomputed.
+Randomness is keyed, not streamed: the noise of a request's step t (the position of the
+token in its output) comes from mix(seed, sample_index, t) alone (sampling/noise.py). So a
+seeded request draws the same tokens whatever else is in the batch, wherever it sits in
+it, if a step is recomputed, and when it is resumed on another engine after t tokens.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 from loramux_core.sampling import SamplingParams
 
@@ -58,7 +57,6 @@ class SamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     _seen: set[int] = field(default_factory=set, init=False, repr=False)
     _seen_upto: int = field(default=-1, init=False, repr=False)
-    _generators: dict[str, torch.Generator] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_token_ids, *, default_seed: int,
@@ -87,11 +85,7 @@ class SamplingState:
             self._seen_upto = len(self.output_token_ids)
         return self._seen
 
-    def step_generator(self, device: torch.device) -> torch.Generator:
-        """A generator on `device` seeded for the current step (fresh noise every step)."""
-        key = str(device)
-        gen = self._generators.get(key)
-        if gen is None:
-            gen = self._generators[key] = torch.Generator(device=device)
-        gen.manual_seed(mix_seed(self.seed, self.sample_index, self.step))
-        return gen
+    @property
+    def noise_key(self) -> int:
+        """The key of the noise the next sample() call draws (see sampling/noise.py)."""
+        return mix_seed(self.seed, self.sample_index, self.step)

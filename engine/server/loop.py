@@ -221,7 +221,7 @@ class EngineServer:
         try:
             params = sampling_from_proto(req.sampling)
             self.engine.add_request(req.request_id, list(req.prompt_token_ids), params,
-                                    req.adapter or None)
+                                    req.adapter or None, list(req.generated_token_ids))
         except Exception as exc:  # noqa: BLE001 - the caller gets the typed status
             batch.errors.add(request_id=req.request_id, code=error_code(exc),
                              message=str(exc) or type(exc).__name__)

@@ -53,16 +53,18 @@ ENGINE_PHASE_WARMING_UP: EnginePhase
 ENGINE_PHASE_SERVING: EnginePhase
 
 class EngineGenerate(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "adapter", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "adapter", "sampling", "generated_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter: str
     sampling: _generate_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineAbort(_message.Message):
     __slots__ = ("request_ids",)

@@ -2,7 +2,9 @@
 
 Liveness comes from heartbeats: no heartbeat for `heartbeat_timeout_s` means the engine is
 down; a heartbeat with a new instance id means it restarted (everything it held is gone).
-Both are reported through `on_down`, and the next heartbeat through `on_up`.
+An engine is up only while its latest heartbeat says it is serving: one that beats while
+it loads or warms up is alive but takes nothing yet. Going down is reported through
+`on_down`, and the next serving heartbeat through `on_up`.
 
 The silence is counted only while this process runs: when the watchdog itself wakes late
 (this process was descheduled, paused or busy), the heartbeats sent meanwhile are still
@@ -21,6 +23,13 @@ from loramux_core.v1 import engine_pb2
 
 
 _WATCHDOG_PERIOD_S = 0.05
+
+
+def _phase_name(phase: int) -> str:
+    try:
+        return engine_pb2.EnginePhase.Name(phase).removeprefix("ENGINE_PHASE_")
+    except ValueError:
+        return str(phase)
 
 
 class EngineConnection:
@@ -108,7 +117,11 @@ class EngineConnection:
                 self.up = False
                 self._on_down(f"engine restarted (instance {self.instance_id} -> {hb.instance_id})")
             self.instance_id = hb.instance_id
-        if not self.up:
+        serving = hb.phase == engine_pb2.ENGINE_PHASE_SERVING
+        if self.up and not serving:
+            self.up = False
+            self._on_down(f"engine left serving (phase {_phase_name(hb.phase)})")
+        elif serving and not self.up:
             self.up = True
             self._on_up(hb.instance_id)
 

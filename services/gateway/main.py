@@ -148,7 +148,7 @@ async def serve(args) -> int:
     engine = EngineClient(args.engines, max_inflight=args.max_inflight,
                           heartbeat_timeout_s=args.heartbeat_timeout, keys=args.keys,
                           spill_waiting=args.spill_waiting, on_route=metrics.route,
-                          replayed=table.replayed)
+                          on_failover=metrics.failover, replayed=table.replayed)
     metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
     servicer = GenerateServicer(engine, table, prompts, metrics, max_len)

@@ -63,6 +63,13 @@ class GatewayMetrics:
             "and why: slot/host/cold (the adapter's residency there, the best among the live "
             "replicas), spill (a worse one, its best replicas being saturated)",
             ["replica", "decision"], registry=r)
+        self.failovers = Counter(
+            "loramux:requests_resumed", "Requests sent again to a live engine replica after "
+            "theirs went down: resent (no token delivered yet) or resumed (after the tokens "
+            "already delivered)", ["reason"], registry=r)
+
+    def failover(self, kind: str) -> None:
+        self.failovers.labels(kind).inc()
 
     def route(self, replica: int, decision: str) -> None:
         self.routed.labels(str(replica), decision).inc()
