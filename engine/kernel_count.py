@@ -26,10 +26,14 @@ def _jit_functions() -> list:
 
 
 def _variants() -> int:
+    """-1 where this Triton keeps its caches otherwise (a count must never fail a start)."""
     total = 0
-    for fn in _jit_functions():
-        for entry in getattr(fn, "device_caches", {}).values():
-            total += len(entry[0])   # (kernel cache, ...) per device
+    try:
+        for fn in _jit_functions():
+            for entry in getattr(fn, "device_caches", {}).values():
+                total += len(entry[0])   # (kernel cache, ...) per device
+    except (TypeError, IndexError, KeyError, AttributeError):
+        return -1
     return total
 
 
@@ -53,9 +57,10 @@ class KernelCount:
 
     def done(self) -> "KernelCount":
         """The count since `start`."""
-        if not _jit_functions():
+        now = _variants()
+        if not _jit_functions() or now < 0 or self._start[0] < 0:
             return KernelCount(-1, -1)
-        variants = _variants() - self._start[0]
+        variants = now - self._start[0]
         return KernelCount(variants, min(variants, _cache_entries() - self._start[1]))
 
     def __str__(self) -> str:

@@ -93,7 +93,7 @@ class ProgressLine:
         now = self._clock()
         last = self._last
         if (last is not None and snap.phase == last[0] and snap.progress < 1.0
-                and snap.progress - last[1] < self._every_fraction
+                and snap.progress - last[1] < self._every_fraction - 1e-9  # (rounding)
                 and now - last[2] < self._every_s):
             return
         self._last = (snap.phase, snap.progress, now)

@@ -283,14 +283,17 @@ def test_a_sliding_window_compiles_nothing_after_warm_up(monkeypatch, tmp_path_f
 
 @cpu_model
 def test_a_partial_warm_up_is_caught(llama_family, monkeypatch):
-    """The check above can fail: warming up short steps only leaves variants for later."""
-    short = [s for s in eager_shapes(SMALL["max_num_batched_tokens"], SMALL["max_num_seqs"],
-                                     SMALL["max_model_len"], False, lambda t: 0)
+    """The check above can fail: warming up short steps only leaves variants for later
+    (at the large limits: with no kernel keyed by a step's token count, the short steps
+    of the small ones launch every variant their traffic does)."""
+    short = [s for s in eager_shapes(LARGE["max_num_batched_tokens"], LARGE["max_num_seqs"],
+                                     LARGE["max_model_len"], False, lambda t: 0)
              if s.num_tokens <= 2 and s.context == 0]
-    eng, keys = warmed_engine(llama_family, monkeypatch, SMALL, shapes=short)
+    eng, keys = warmed_engine(llama_family, monkeypatch, LARGE, shapes=short)
     warm = set(keys.keys)
-    run_traffic(eng, SMALL, seed=5)
-    assert keys.keys - warm
+    run_traffic(eng, LARGE, seed=5)
+    missed = {name for name, _ in keys.keys - warm}
+    assert {"paged_attn_kernel", "lora_shrink_tok_kernel"} <= missed, missed
 
 
 @pytest.mark.engine_device("cpu")

@@ -80,9 +80,9 @@ def resolved_config(engine) -> dict:
     return out
 
 
-def start_engine(args, progress):
-    """Build the engine (LOADING) and warm it up (WARMING_UP), reporting to `progress`;
-    None (said on stderr) when the configuration is refused."""
+def start_engine(args, config, progress):
+    """Build the engine of `config` (LOADING) and warm it up (WARMING_UP), reporting to
+    `progress`; None (said on stderr) when the configuration is refused."""
     from engine.engine import Engine
     from engine.precompile import precompile
     from loramux_core.errors import LoramuxError
@@ -90,7 +90,7 @@ def start_engine(args, progress):
 
     progress.enter(engine_pb2.ENGINE_PHASE_LOADING, "loading weights, sizing the KV cache")
     try:
-        engine = Engine(engine_config(args, os.environ))
+        engine = Engine(config)
     except (LoramuxError, argparse.ArgumentTypeError) as err:
         print(f"error: {config_error_message(str(err))}", file=sys.stderr)
         return None
@@ -128,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from engine.server.loop import EngineServer, ServerConfig
     from engine.startup import ProgressLine, StartupProgress
+    from loramux_core.errors import LoramuxError
+
+    try:   # the flags and environment first: a bad value is one line, nothing bound
+        config = engine_config(args, os.environ)
+    except (LoramuxError, argparse.ArgumentTypeError) as err:
+        print(f"error: {config_error_message(str(err))}", file=sys.stderr)
+        return 2
 
     # the sockets first: the replica is seen (heartbeats with its phase and progress)
     # while it loads and warms up, and a taken address fails before anything slow
@@ -138,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         debug_sleep_step=args.debug_sleep_step, keys=keys), progress=progress)
     server.start_heartbeats()
     try:
-        engine = start_engine(args, progress)
+        engine = start_engine(args, config, progress)
     except BaseException:
         server.close()
         raise
