@@ -93,6 +93,7 @@ def _supervise(cluster, policy, stop: _StopSignals) -> int:
 def main(argv: list[str] | None = None) -> int:
     from services.launcher import Cluster
     from services.port_check import fixed_ports, port_problem
+    from services.start_progress import StartProgress
     from services.serve_args import (client_tls, cluster_config, files, parse_args,
                                      restart_policy)
 
@@ -107,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     tls = client_tls(args)
     stop = _StopSignals()
     try:
-        cluster.start()
-        if (why := _started(cluster, plan.workdir, tls)) is not None:
+        # the engines' start-up progress (weights, compiles, graphs) shows here meanwhile
+        with StartProgress({n: cluster.log_path(n) for n in cluster.engine_names}):
+            cluster.start()
+            why = _started(cluster, plan.workdir, tls)
+        if why is not None:
             print(f"loramux: {why}", file=sys.stderr)
             return 1
         if plan.demo:

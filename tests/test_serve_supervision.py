@@ -185,8 +185,6 @@ def test_a_restarted_replica_takes_adapter_requests_only_once_replayed(reference
             err.code == grpc.StatusCode.UNAVAILABLE), err
 
 
-@pytest.mark.xfail(strict=True, reason="streams resume on a live replica: lands with the "
-                                       "gateway change")
 def test_no_stream_is_lost_when_a_replica_dies(references, engine_kill):
     for (prompt, adapter), (toks, err) in zip(engine_kill["jobs"], engine_kill["streams"]):
         assert err is None, err
