@@ -7,6 +7,8 @@
     offproc   what cold loads cost a decoding engine: loader processes against reads on its
               own threads (--paths 4,0; "u": buffers page-locked unpopulated)
     stress    the long run of the adapter lifecycle stress (--ops N; CPU)
+    admin     AdapterAdmin loads at scale through the service (concurrent LoadAdapter calls
+              and LoadAdapters batches) and the decode step of live streams meanwhile
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ CASES = {
                     devices=("cpu", "cuda"), device_flag=True),
     "stress": Case("benchmarks.stress_lifecycle", "adapter lifecycle stress, long run",
                    devices=("cpu",)),
+    "admin": Case("benchmarks.bench_admin_loads", "AdapterAdmin loads/s and decode meanwhile",
+                  tiny=("--tiny",)),
 }
 
 if __name__ == "__main__":

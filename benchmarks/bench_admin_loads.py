@@ -13,8 +13,8 @@ adapters; `--tiny` runs a tiny model on the CPU to check that the benchmark work
 84 MB files would not fit the disk; the loads are served from the page cache either way,
 and every name still gets its own id).
 
-    python benchmarks/bench_admin_loads.py --tiny
-    python benchmarks/bench_admin_loads.py --adapters 1000 --concurrency 16 --out results/admin
+    python -m benchmarks.adapters admin --out DIR --tiny
+    python -m benchmarks.adapters admin --out DIR --adapters 1000 --concurrency 16
 """
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ before the kill, while the replica is gone (until `loramux serve` has it serving
 and after, the streams that failed (target 0), and whether every stream's tokens equal a
 run of the same requests without the fault.
 
-    python benchmarks/bench_failover.py --out DIR                   # GPUs: Llama-3-8B shape
-    python benchmarks/bench_failover.py --out DIR --tiny            # CPU, demo model
-    python benchmarks/bench_failover.py --out DIR -- --max-loras 16 # after --: serve flags
+    python -m benchmarks.parallel failover --out DIR                # GPUs: Llama-3-8B shape
+    python -m benchmarks.parallel failover --out DIR --tiny         # CPU, demo model
+    python -m benchmarks.parallel failover --out DIR -- --max-loras 16  # after --: serve flags
 
 Two rounds over one fixed list of requests (prompt, adapter, max_tokens; ignore_eos):
 round A without a fault gives every request's tokens; round B sends the same requests in

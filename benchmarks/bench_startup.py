@@ -9,7 +9,9 @@ in GPU memory), to the first SERVING heartbeat and to its ready file; and the wa
 own report line (eager shapes, layers per step, graphs, seconds of each part, kernel
 variants compiled or loaded from the cache), from its stderr.
 
-    python benchmarks/bench_startup.py [--layers 32] [--runs fresh,warm] [--out results/startup.json]
+    python -m benchmarks.serving startup --out DIR [--layers 32] [--runs fresh,warm]
+
+Writes DIR/startup.json and each run's engine log (DIR/engine-fresh.log, ...).
 
 Extra engine flags after `--` go to both runs (e.g. `-- --max-num-seqs 128`)."""
 from __future__ import annotations
@@ -100,8 +102,7 @@ def main() -> None:
                    help="comma-separated: fresh (empty compile cache), warm (the cache "
                         "of the run before)")
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--out", default=None, help="write the results here as JSON")
-    p.add_argument("--logs", default=None, help="copy each run's engine log into this folder")
+    p.add_argument("--out", required=True, help="directory for startup.json and the engine logs")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         root = Path(tmp)
@@ -116,12 +117,10 @@ def main() -> None:
             try:
                 results[run] = start_once(model, work, cache, extra, args.timeout)
             finally:
-                if args.logs:
-                    Path(args.logs).mkdir(parents=True, exist_ok=True)
-                    shutil.copy(work / "engine.log", Path(args.logs) / f"engine-{run}.log")
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                shutil.copy(work / "engine.log", Path(args.out) / f"engine-{run}.log")
             print(run, json.dumps(results[run], indent=1), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    (Path(args.out) / "startup.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
     table      the table over every decode_*.json (and allreduce.json) under --out
     replicas   one replica against N replicas against TP=N through the service
                (--layouts 1x1,2x1,1x2); --tiny: the demo model on the CPU
+    failover   `loramux serve --replicas N` under load with one replica SIGKILLed: tok/s
+               before, during and after, failed and changed streams (--tiny: the CPU)
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ CASES = {
     "table": Case(_TP, "the round's table from the JSON under --out", args=("table",),
                   devices=("cuda", "cpu")),
     "replicas": Case("benchmarks.bench_replicas", "replicas against TP through the service",
+                     tiny=("--tiny",)),
+    "failover": Case("benchmarks.bench_failover", "a replica killed under load",
                      tiny=("--tiny",)),
 }
 
