@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.precompile import default_workers, fingerprint, list_variants, precompile
 from triton import knobs
@@ -55,6 +57,7 @@ def test_the_cache_mark_follows_what_picks_variants(llama_family):
         assert fingerprint(dataclasses.replace(config, **change)) != fingerprint(config), change
 
 
+@pytest.mark.engine_device("cpu")  # the device it names, whatever the suite's
 def test_the_cpu_has_nothing_to_precompile(llama_family):
     from engine.engine import Engine
 

@@ -222,7 +222,6 @@ def lora_expand_tok_kernel(hp_ptr, b_ptr, y_ptr, sorted_ptr, sorted_slots_ptr, r
 
 # ---- their launches --------------------------------------------------------------------
 
-SUB = 16                   # sub-group rows (tl.dot needs >= 16)
 _TARGET_PROGRAMS = 2048    # per-token programs wanted per launch (about 16 per SM)
 _MIN_K_CHUNK = 512         # below this a split-K program is mostly prologue
 _MAX_SPLIT_K = 32          # up to 16 tokens (down at 1 token wants 28 splits) ...
@@ -327,7 +326,7 @@ def lora_expand_tokens(hp: torch.Tensor, b: torch.Tensor, y: torch.Tensor, meta,
     group = group_size(T)
     block_n = block_n or _tile(block_r)
     # a GROUP-row tile keeps about 4096 float32 values per program, as the others
-    block_ng = max(16, min(block_n, (block_n * SUB) // group))
+    block_ng = max(16, min(block_n, (block_n * SUB.value) // group))
     widest = max(hi - lo for lo, hi in zip(offsets[:num_slices], offsets[1:num_slices + 1]))
     n_chunks = n_chunks or default_n_chunks(T, num_slices, max(1, triton.cdiv(widest, block_n)),
                                         uniform)
