@@ -245,7 +245,8 @@ def populate(data: torch.Tensor, nbytes: int) -> bool:
     inside the driver, under a lock every kernel launch and copy of the process also
     takes: on an H200, fresh 21 MB shared buffers registered while decoding stretched the
     steps from 1.2 ms to 175 ms; populated first, the steps took 1.9 ms and each
-    registration under 1 ms (BENCHMARKS.md). One madvise(MADV_POPULATE_WRITE), which
+    registration under 1 ms (benchmarks/results/2026-11-27-h200-loads/NOTES.md). One
+    madvise(MADV_POPULATE_WRITE), which
     leaves the bytes as they are (a reader may be writing the buffer already) and runs
     without the interpreter lock; False where the kernel has none (before Linux 5.14),
     and the driver faults the pages in as before."""

@@ -16,8 +16,9 @@ nothing here syncs with the device. The shrinks fused into the op before them
 (engine/lora/batch.py FUSED_NORM_SHRINK, FUSED_SILU_SHRINK, measured there) and finish
 with the token expand.
 
-Every entry names the measurement that chose it; BENCHMARKS.md holds the sections cited,
-benchmarks/results/ the raw files.
+Every entry names the measurement that chose it. "NOTES" below is the results notebook,
+benchmarks/results/2026-11-27-h200-loads/NOTES.md, which holds the sections cited;
+benchmarks/results/ holds the raw files.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ MIXED = "mixed"
 TILES = "tiles"
 
 # Decode batches: grids sized by tokens up to here (at most 256: the fused shrinks and the
-# mixed kernels' counters are sized for it). Above, the tile list: BENCHMARKS.md "Performance
+# mixed kernels' counters are sized for it). Above, the tile list: NOTES "Performance
 # round 3 and thousands of adapters: one NVIDIA H100, 2026-11-25 (evening)": the LoRA pair at
 # M=8192 x 64 adapters at 84-94% of its floor against 18-32% for the row-block kernels it
 # replaced, prefill 1.10x of base against 1.34x; "Performance round 3 measured again,
@@ -43,7 +44,7 @@ KINDS = ("qkv", "o", "gate_up", "down")
 # the H100's SMs and more bandwidth: it takes the H100's rows (_FALLBACK); unknown GPUs and
 # the CPU interpreter take DEFAULT, the H100's choice by bucket.
 # H100 rows: benchmarks/sweep_lora_mixed.py and bench_kernels.py on one H100 80GB HBM3,
-# 2026-11-25 (BENCHMARKS.md "Performance round 3 and thousands of adapters", "Mixed decode
+# 2026-11-25 (NOTES "Performance round 3 and thousands of adapters", "Mixed decode
 # above 64 tokens"; benchmarks/results/2026-11-25-h100/kernels.csv): 64 adapters round
 # robin, rank 16, bf16, Llama-3-8B groups, us per group (both launches), token kernels ->
 # segment tiles. The H200 took them unchanged in "Performance round 3 measured again,
@@ -73,7 +74,7 @@ _FALLBACK = {"H200": "H100"}
 
 # Rows per adapter (rows with an adapter / distinct adapters) a mixed batch needs for the
 # table's MIXED entries; fewer (`spread`): TOKENS, where a tile of one row reads its adapter
-# as a token program does but costs more. H100, decode step at B=256 (BENCHMARKS.md
+# as a token program does but costs more. H100, decode step at B=256 (NOTES
 # 2026-11-25 "The regression"): 64 adapters (4 rows each) 19.20 ms on the token kernels,
 # 16.62 on the segment tiles; 256 adapters (one row each) 22.03 on the token kernels,
 # 25.65-29.91 on the segment tiles. The rule measured on both cards (2026-11-27 "The mixed
@@ -86,7 +87,7 @@ DEFAULT_MIN_ROWS_PER_ADAPTER = 4
 # A `uniform` batch: TOKENS with the launch parameters tuned for one adapter
 # (kernels/lora/token.py default_split_k, measured by benchmarks/sweep_lora.py on an H200,
 # benchmarks/results/sweep_lora.csv). A one-launch kernel for it measured slower on the H100
-# (BENCHMARKS.md 2026-11-25 evening, "One adapter for all": 9.6-12.2 us against 5.9-7.5 us
+# (NOTES 2026-11-25 evening, "One adapter for all": 9.6-12.2 us against 5.9-7.5 us
 # for the two launches at M 1-16) and is gone.
 
 # Benchmarks only (bench_decode.py --mixed-paths, bench_kernels.py): a mixed decode batch
