@@ -10,7 +10,6 @@ from loramux_core.v1 import engine_pb2
 from services.common.engine_connection import EngineConnection
 
 _SEND_RETRY_S = 2.0
-_PHASE = engine_pb2.EnginePhase
 
 
 class EngineUnavailable(RuntimeError):
@@ -96,17 +95,6 @@ class EngineLink:
         task = asyncio.get_running_loop().create_task(self._on_connect(instance_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def serving(self, instance_id: str, poll_s: float = 0.05) -> bool:
-        """Wait until engine `instance_id` heartbeats that it serves (an engine heartbeats
-        while it still loads and warms up, and reads adapter commands only once serving);
-        False when it went down or was replaced meanwhile."""
-        ready = (_PHASE.ENGINE_PHASE_SERVING, _PHASE.ENGINE_PHASE_UNSPECIFIED)
-        while self.conn.up and self.conn.instance_id == instance_id:
-            if self.conn.heartbeat.phase in ready:
-                return True
-            await asyncio.sleep(poll_s)
-        return False
 
     def _down(self, reason: str) -> None:
         self._on_down(reason)

@@ -117,9 +117,9 @@ async def serve(args) -> int:
 
     def replay(replica: int):
         async def run(instance: str) -> None:
+            # the link connects once the engine says SERVING (EngineConnection.up), so
+            # its adapter commands are read at once
             states.up(replica, instance)
-            if not await links[replica].serving(instance):
-                return  # it went away while starting: its next instance is replayed
             metrics.replays.inc()
             await manager_box[0].replay(replica, instance)
         return run
