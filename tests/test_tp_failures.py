@@ -45,15 +45,20 @@ def wait_gone(pids, timeout_s: float) -> bool:
     return False
 
 
-def in_own_process_on_cuda(fn, *args, timeout_s: float = 180.0) -> None:
+def in_own_process_on_cuda(fn, *args, timeout_s: float = 180.0, ranks: int = 2) -> None:
     """fn(*args) here on the CPU; on CUDA in a spawned process that leaves by os._exit.
     A CUDA process that lost a tensor-parallel rank keeps NCCL's default group (its
     teardown may wait for the lost peer), so it starts no other TP engine and its
     interpreter exit may not return: the engine server exits by os._exit then too
-    (engine/server/main.py). `fn` raises on failure; its traceback is in the output."""
+    (engine/server/main.py). `fn` raises on failure; its traceback is in the output.
+    The spawned process is outside conftest's Engine patch, which skips a TP engine
+    wanting more GPUs than there are, so the same skip is here (`ranks`)."""
     if TEST_DEVICE == "cpu":
         fn(*args)
         return
+    import torch
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"tensor parallelism over {ranks} ranks needs as many GPUs")
     proc = multiprocessing.get_context("spawn").Process(target=_run_and_exit, args=(fn, args))
     proc.start()
     proc.join(timeout_s)
