@@ -54,6 +54,15 @@ def default_workers(cpu_count: int) -> int:
     return max(0, min(MAX_WORKERS, cpu_count // 2))
 
 
+# Settings that launch no other kernel variant: sizes taken from the memory free at start
+# (they differ by a few units from one start to the next, which made every restart of a
+# replica list and compile again) and host-side work. Were one of them to matter after
+# all, the warm-up compiles what is missing itself; the mark only skips the parallel step.
+UNRELATED = frozenset({"model", "max_cpu_loras", "num_kv_blocks", "gpu_memory_utilization",
+                       "cpu_threads", "seed", "load_format", "adapter_roots",
+                       "adapter_loaders"})
+
+
 def fingerprint(config) -> str:
     """What decides the variants a warm-up compiles: the resolved engine configuration
     (the model's directory aside: its config.json is hashed instead), the engine's and
@@ -61,7 +70,7 @@ def fingerprint(config) -> str:
     import torch
     import triton
 
-    settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in UNRELATED}
     h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     model_config = Path(config.model) / "config.json"
     if model_config.exists():

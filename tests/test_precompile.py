@@ -55,6 +55,10 @@ def test_the_cache_mark_follows_what_picks_variants(llama_family):
     for change in (dict(max_num_seqs=16), dict(max_loras=8), dict(max_lora_rank=32),
                    dict(lora_extras=("dora",)), dict(dtype="float16")):
         assert fingerprint(dataclasses.replace(config, **change)) != fingerprint(config), change
+    # sized from the memory free at start: a restarted replica must find its mark
+    for change in (dict(max_cpu_loras=1578), dict(num_kv_blocks=34391),
+                   dict(gpu_memory_utilization=0.8), dict(adapter_loaders=8)):
+        assert fingerprint(dataclasses.replace(config, **change)) == fingerprint(config), change
 
 
 @pytest.mark.engine_device("cpu")  # the device it names, whatever the suite's
