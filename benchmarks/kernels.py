@@ -8,6 +8,8 @@ in CUDA graphs: `python -m benchmarks.kernels [CASE] --out DIR [options]`
     sweep-mixed  the mixed-adapter kernels' launch parameters (--budget SECONDS)
     norm-shrink  add + RMSNorm + shrink and SiLU + shrink against the separate launches
     greedy-pick  the greedy pick of a step's logits, torch against Triton
+    peers        ours beside vLLM's and SGLang's Triton LoRA kernels, same shapes and run
+                 (their sources: python -m benchmarks.peer_sources fetch; --tiny: the CPU)
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ CASES = {
     "sweep-mixed": Case("benchmarks.sweep_lora_mixed", "mixed-adapter launch parameters"),
     "norm-shrink": Case("benchmarks.bench_norm_shrink", "fused norm / SiLU + shrink"),
     "greedy-pick": Case("benchmarks.bench_greedy_pick", "greedy pick, torch vs Triton"),
+    "peers": Case("benchmarks.bench_peers", "LoRA kernels vs vLLM's and SGLang's",
+                  tiny=("--tiny",)),
 }
 
 if __name__ == "__main__":
