@@ -69,6 +69,12 @@ def vllm_call(mods: dict, s: dict) -> Callable[[], None]:
     shrink = mods[_VLLM + "lora_shrink_op"].lora_shrink
     expand = mods[_VLLM + "lora_expand_op"].lora_expand
     meta_cls = mods[_VLLM + "lora_kernel_metadata"].LoRAKernelMeta
+    # Its pointer tables are kept by the weights' addresses, made once for a server whose
+    # pool never moves; here each case allocates new weights, which may land at the
+    # addresses of an earlier case's with other strides: start the tables afresh.
+    utils = mods[_VLLM + "utils"]
+    utils._LORA_A_PTR_DICT.clear()
+    utils._LORA_B_PTR_DICT.clear()
     x, y, a, b, o = s["x"], s["y"], s["a"], s["b"], s["offsets"]
     L, S, R, _ = a.shape
     T = x.shape[0]

@@ -32,6 +32,8 @@ logger = init_logger(__name__)
 ON_CUDA = current_platform.is_cuda()
 TUNED = envs.VLLM_TUNED_CONFIG_FOLDER
 POW2_OF_5 = next_power_of_2(5)
+_LORA_A_PTR_DICT = {}
+_LORA_B_PTR_DICT = {}
 ''',
     _VLLM + "lora_kernel_metadata.py": '''
 import torch
