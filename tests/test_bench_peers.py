@@ -163,3 +163,20 @@ def test_the_real_peers_run_in_the_interpreter_and_agree(tmp_path):
     for r in result["rows"]:
         assert {n: "us" in v for n, v in r["results"].items()} == {
             "ours": True, "vllm": True, "sglang": True}, r["results"]
+
+
+def test_the_summary_takes_the_best_peer_and_medians_by_phase():
+    from benchmarks.peer_report import medians, summarize
+
+    def row(tokens, ours, vllm, sglang):
+        return summarize(dict(tokens=tokens, floor_us=5.0, results=dict(
+            ours=dict(us=ours), vllm=dict(us=vllm) if vllm else dict(status="disagrees"),
+            sglang=dict(us=sglang, chunk=16))))
+    rows = [row(16, 10.0, 20.0, 25.0), row(64, 10.0, None, 40.0), row(2048, 50.0, 40.0, 100.0)]
+    assert [(r["best_peer"], r["ours_over_best"]) for r in rows] == [
+        ("vllm", 0.5), ("sglang", 0.25), ("vllm", 1.25)]
+    assert (rows[0]["ours_pct_floor"], rows[0]["best_peer_pct_floor"]) == (50.0, 25.0)
+    med = medians(rows)
+    assert med["decode"] == dict(cases=2, ours_pct_floor=50.0, best_peer_pct_floor=18.75,
+                                 ours_over_best=0.375)
+    assert med["prefill"]["ours_over_best"] == 1.25
