@@ -206,6 +206,7 @@ def run(a, out: Path) -> dict:
             1 for k, v in got.items() for toks, e in v
             if e is None and k in reference and toks != reference[k])
         row["serve_alive"] = proc.poll() is None
+        row["failovers"] = failovers(addr["metrics"])
         row.update(kill_s=state["killed_at"], back_s=state["back_at"],
                    restart_s=(state["back_at"] - state["killed_at"])
                    if state["killed_at"] is not None and state["back_at"] is not None else None)
@@ -224,6 +225,20 @@ def run(a, out: Path) -> dict:
     return row
 
 
+def failovers(metrics: str) -> dict[str, int]:
+    """The gateway's count of requests sent again to a live replica, by kind (resent: no
+    token delivered yet; resumed: after some), from its /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    out = {"resent": 0, "resumed": 0}
+    for line in text.splitlines():
+        if line.startswith("loramux:requests_resumed_total{"):
+            kind = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[kind] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 def phases(ticks, kill_s, back_s, end_s) -> dict:
     """Output tokens/s before the kill (from a few seconds in), while the replica was
     gone, and after it served again."""
@@ -238,14 +253,15 @@ def phases(ticks, kill_s, back_s, end_s) -> dict:
 
 def table(r: dict) -> str:
     f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
-    tok = r.get("tok_s", {})
+    tok, fo = r.get("tok_s", {}), r.get("failovers", {})
     return "\n".join([
         "| replicas | streams | tok/s before | during | after | restart s | streams (B) | failed | "
-        "not identical (B) | not identical, no fault | serve alive |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "resent / resumed | not identical (B) | not identical, no fault | serve alive |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         f"| {r['replicas']} | {r['streams']} | {f(tok.get('before'))} | {f(tok.get('during'))} | "
         f"{f(tok.get('after'))} | {f(r.get('restart_s'))} | {r.get('round_b_streams')} | "
-        f"{r.get('failed_streams')} {r.get('errors') or ''} | {r.get('mismatched_streams')} | "
+        f"{r.get('failed_streams')} {r.get('errors') or ''} | "
+        f"{fo.get('resent')} / {fo.get('resumed')} | {r.get('mismatched_streams')} | "
         f"{r.get('control_mismatched')} of {r.get('control_streams')} | "
         f"{r.get('serve_alive')} |"])
 

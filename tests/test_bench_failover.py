@@ -27,6 +27,9 @@ def test_a_replica_killed_under_load_fails_no_stream(tmp_path):
     assert row["serve_alive"] and row["restart_s"] is not None and row["restart_s"] > 0
     assert row["round_b_streams"] > row["requests"] / 2 and row["reference_failed"] == 0
     assert row["tok_s"]["after"] and row["tok_s"]["after"] > 0
+    # read from the gateway's /metrics: how many streams the kill moved, by kind
+    assert set(row["failovers"]) == {"resent", "resumed"}
+    assert all(isinstance(n, int) and n >= 0 for n in row["failovers"].values())
 
 
 def test_identity_counts_only_where_a_fault_free_repeat_is_identical():
