@@ -9,6 +9,8 @@
     stress    the long run of the adapter lifecycle stress (--ops N; CPU)
     admin     AdapterAdmin loads at scale through the service (concurrent LoadAdapter calls
               and LoadAdapters batches) and the decode step of live streams meanwhile
+    stages    the CPU of one 84 MB load, stage by stage, in process and through a loader
+              process (read, sha256, header checks, conversion, bounds, fresh pages)
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ CASES = {
                    devices=("cpu",)),
     "admin": Case("benchmarks.bench_admin_loads", "AdapterAdmin loads/s and decode meanwhile",
                   tiny=("--tiny",)),
+    "stages": Case("benchmarks.bench_load_stages", "the CPU of one adapter load, by stage",
+                   devices=("cpu",), tiny=("--tiny",)),
 }
 
 if __name__ == "__main__":
