@@ -263,3 +263,19 @@ def test_children_started_ahead_serve_the_first_reads(files):
         assert pool.pids() == started
     finally:
         pool.close()
+
+
+def test_children_run_at_a_lower_priority_than_the_engine(files):
+    """A loader gets a core only when the step thread leaves one idle: its nice value is
+    the engine's plus LoaderSpec.niceness, and it still reads what the engine reads."""
+    pool = make_pool(files["model"], processes=1)
+    try:
+        w = pool.read(str(files["paths"]["a"]), None)
+        (child,) = pool.pids()
+        assert os.getpriority(os.PRIO_PROCESS, child) == min(
+            19, os.getpriority(os.PRIO_PROCESS, 0) + LoaderSpec("m", RANK, "float32").niceness)
+        assert pool.spec.niceness > 0
+        assert_same(w, load_lora(files["paths"]["a"], ModelConfig.from_dir(files["model"]),
+                                 RANK))
+    finally:
+        pool.close()

@@ -26,6 +26,9 @@ class LoaderSpec:
     roots: tuple[str, ...] = ()     # adapter roots; empty: the path is its own root
     tp_rank: int = 0
     tp_size: int = 1
+    # added to the engine's nice value: a loader gets a core only when the step thread and
+    # the service's other processes leave one idle (loads are throughput, steps latency)
+    niceness: int = 10
 
 
 class LoaderFailed(Exception):

@@ -35,6 +35,7 @@ def main(fd: int, parent: int) -> None:
     from engine.adapters.loader_wire import LoaderGone, recv, send
     try:
         init, _ = recv(sock)
+        _lower_priority(int(init.get("niceness", 0)))  # before torch's import, too
         read, scratch = _reader(init)
         send(sock, {"op": "ready"})
         while True:
@@ -58,6 +59,15 @@ def _exit_with_parent(parent: int) -> None:
             time.sleep(PARENT_POLL_S)
         os._exit(0)
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _lower_priority(niceness: int) -> None:
+    """Run `niceness` steps below the engine (where the system refuses, as it is)."""
+    if niceness > 0:
+        try:
+            os.nice(niceness)
+        except OSError:
+            pass
 
 
 def _reader(init: dict):
