@@ -97,12 +97,20 @@ def resolve_config(config: EngineConfig, mc, facts: MachineFacts) -> EngineConfi
                                max_cpu_loras=c.max_cpu_loras or host_copies(c, mc, facts, loras))
 
 
+MAX_AUTO_LOADERS = 16
+
+
 def adapter_loaders(c: EngineConfig, facts: MachineFacts) -> int:
-    """Loader processes per rank: as set, else a quarter of the rank's cores, 2 to 4 (two
-    at least, so one stuck read never holds up the others)."""
+    """Loader processes per rank: as set, else the rank's cores less two (its step thread
+    and the rest of its process), 2 to MAX_AUTO_LOADERS. A full read of an 84 MB adapter
+    costs about 130 ms of CPU, most of it per byte (sha256, the fresh pages of its host
+    copy): 100 loads a second need a dozen cores, so the loaders may use every core the
+    rank does not; they run at a lower priority (LoaderSpec.niceness), so the step thread
+    and the other processes of the service go first. Two at least, so one stuck read never
+    holds up the others."""
     if c.adapter_loaders is not None:
         return c.adapter_loaders
-    return min(4, max(2, facts.cpu_count // (4 * c.tp_size)))
+    return min(MAX_AUTO_LOADERS, max(2, facts.cpu_count // c.tp_size - 2))
 
 
 def cpu_threads(c: EngineConfig, facts: MachineFacts) -> int:

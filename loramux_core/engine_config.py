@@ -58,7 +58,7 @@ class EngineSettings:
     adapter_roots: tuple[str, ...] = ()
     # processes that read, check and convert adapters for each rank, writing host copies
     # into shared memory (engine/adapters/loader_pool.py); 0: reads run on threads of
-    # the engine process itself; None = a quarter of the rank's cores, 2 to 4
+    # the engine process itself; None = the rank's cores less two, 2 to 16
     adapter_loaders: int | None = None
     # adapter features whose device buffers are taken at start (so the warm-up compiles
     # and captures their steps: engine/warmup.py) rather than at the first such adapter's

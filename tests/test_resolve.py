@@ -39,11 +39,12 @@ def test_cpu_defaults_are_small_and_float32():
     assert c.use_async_scheduling is False
 
 
-def test_adapter_loaders_are_a_quarter_of_the_cores_2_to_4_unless_set():
+def test_adapter_loaders_are_the_rank_cores_less_two_2_to_16_unless_set():
     def loaders(facts, **kw):
         return resolve_config(EngineConfig(model="m", **kw), LLAMA3_8B, facts).adapter_loaders
-    assert (loaders(CPU), loaders(H100), loaders(H100, tp_size=2)) == (2, 4, 2)
-    assert loaders(dataclasses.replace(H100, cpu_count=64)) == 4
+    assert (loaders(CPU), loaders(H100), loaders(H100, tp_size=2)) == (2, 14, 6)
+    assert loaders(dataclasses.replace(H100, cpu_count=64)) == 16
+    assert loaders(dataclasses.replace(H100, cpu_count=64), tp_size=8) == 6
     assert (loaders(CPU, adapter_loaders=0), loaders(H100, adapter_loaders=7)) == (0, 7)
 
 
