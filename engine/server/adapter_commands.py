@@ -35,13 +35,26 @@ class LoadedAdapter:
     version: str = ""
 
 
+MIN_READER_THREADS = 8
+
+
+def reader_threads_for(engine) -> int:
+    """One reader thread per loader process at least: a thread only waits on its loader,
+    and fewer threads than loaders would leave loaders idle while loads queue."""
+    loaders = getattr(engine, "adapter_loaders", None)
+    return max(MIN_READER_THREADS, loaders.processes if loaders is not None else 0)
+
+
 class AdapterCommands:
     """Owns the name -> (path, id) view of what this engine was told to load."""
 
-    def __init__(self, engine, reader_threads: int = 8):
+    def __init__(self, engine, reader_threads: int | None = None):
         """`reader_threads`: loads read at once (the control plane sends loads of
-        different names concurrently; reads and conversions release the GIL)."""
+        different names concurrently; reads and conversions release the GIL); default:
+        reader_threads_for(engine)."""
         self._engine = engine
+        if reader_threads is None:
+            reader_threads = reader_threads_for(engine)
         self.loaded: dict[str, LoadedAdapter] = {}
         self._reader = ThreadPoolExecutor(reader_threads, thread_name_prefix="adapter-read")
         # name -> (command, its read, whether the read only checks: `lazy` below)
