@@ -7,6 +7,7 @@ die with the engine. Real files (tests/support/tiny.py), real processes."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from engine.adapters.loader_pool import LoaderPool, LoaderSpec
+from engine.adapters.loader_wire import describe, rebuild
 from engine.lora import load_lora
 from engine.lora.host_buffers import HostBufferPool
 from engine.parallel import TPGroup
@@ -43,6 +45,11 @@ def files(tmp_path_factory):
                                   target_modules=("q_proj", "k_proj", "down_proj")),
              "head": AdapterSpec(r=8, seed=4, target_modules=("v_proj", "lm_head"))}
     paths = {n: make_adapter(adapters / n, model, s) for n, s in specs.items()}
+    # filled layer by layer (engine/lora/stacked_fill.py takes neither)
+    paths["dora"] = make_adapter(adapters / "dora", model, AdapterSpec(r=4, seed=6),
+                                 use_dora=True)
+    paths["one_layer"] = make_adapter(adapters / "one_layer", model, AdapterSpec(r=4, seed=7),
+                                      layers_to_transform=[1])
     moe_model = make_model(root / "moe-model", TinySpec(arch="qwen2_moe"))
     paths["moe"] = make_adapter(adapters / "moe", moe_model, AdapterSpec(
         r=4, seed=5, target_modules=("q_proj",), target_parameters=MOE))
@@ -101,7 +108,7 @@ def test_a_loaded_copy_is_the_in_process_copy_over_poisoned_buffers(files, dtype
         pool = make_pool(model, tp=tp, dtype=dtype)
         try:
             want = {n: load_lora(paths[n], mc, RANK, tp=tp, dtype=dtype)
-                    for n in ("a", "b", "mixed", "head")}
+                    for n in ("a", "b", "mixed", "head", "dora", "one_layer")}
             poison(pool.buffers, [w.buffer.nbytes for w in want.values()] * 2)
             for name, w in want.items():
                 got = pool.read(str(paths[name]), w.version)
@@ -121,6 +128,21 @@ def test_expert_factors_cross_too(files):
         assert_same(pool.read(str(files["paths"]["moe"]), None), want)
     finally:
         pool.close()
+
+
+def test_a_described_layer_outside_the_stacked_tensors_is_refused(files):
+    """The engine builds a group's factors as rows of its stacked tensors, by the layer
+    a loader names: a layer they do not hold is nonsense, not a view elsewhere."""
+    mc = ModelConfig.from_dir(files["model"])
+    w = load_lora(files["paths"]["a"], mc, RANK)
+    bases = [w.buffer.data]
+    desc = describe(w, bases)
+    assert_same(rebuild(desc, bases, w.shapes, torch.float32, w.buffer), w)
+    for layer in (-1, mc.num_layers, "0", None):
+        bad = json.loads(json.dumps(desc))
+        bad["groups"][0][0] = layer
+        with pytest.raises(ValueError, match="which its stacked tensors do not hold"):
+            rebuild(bad, bases, w.shapes, torch.float32, w.buffer)
 
 
 def _outcome(read, path):

@@ -103,7 +103,7 @@ def view_at(place: list, bases: list[torch.Tensor], dtype: torch.dtype) -> torch
     never reaches outside the engine's buffer)."""
     index, offset, shape, stride = place
     base = bases[index]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     last = offset + itemsize * (1 + sum((n - 1) * s for n, s in zip(shape, stride) if n))
     if (offset % itemsize or min(stride, default=0) < 0 or offset < 0
             or (math.prod(shape) and last > base.numel())):
@@ -112,15 +112,28 @@ def view_at(place: list, bases: list[torch.Tensor], dtype: torch.dtype) -> torch
     return flat.as_strided(shape, stride, flat.storage_offset() + offset // itemsize)
 
 
+def _is_row(t: torch.Tensor, stacked: torch.Tensor, layer: int) -> bool:
+    """`t` is stacked[layer], the very view."""
+    row = stacked[layer]
+    return (t.data_ptr(), t.shape, t.stride()) == (row.data_ptr(), row.shape, row.stride())
+
+
 def describe(weights, bases: list[torch.Tensor]) -> dict:
-    """A LoRAWeights whose tensors all view `bases`, as plain values."""
+    """A LoRAWeights whose tensors all view `bases`, as plain values. A group's factors
+    are the rows `layer` of its stacked tensors (engine/lora/weights.py builds them so):
+    named by the layer alone, so the engine makes two views per group by indexing, not
+    two checked views of raw places (a few microseconds each, hundreds per adapter, under
+    the engine's interpreter lock)."""
     def p(t):
         return None if t is None else place_of(t, bases)
+    for (layer, group), g in weights.groups.items():
+        a, b = weights.stacked[group]
+        assert _is_row(g.a, a, layer) and _is_row(g.b, b, layer), (layer, group)
     return {
         "num_layers": weights.num_layers, "max_rank": weights.max_rank,
         "target_modules": sorted(weights.target_modules), "tp_rank": weights.tp_rank,
         "tp_size": weights.tp_size, "source": weights.source, "version": weights.version,
-        "groups": [[layer, group, list(g.slice_ranks), p(g.a), p(g.b), p(g.magnitude)]
+        "groups": [[layer, group, list(g.slice_ranks), p(g.magnitude)]
                    for (layer, group), g in weights.groups.items()],
         "stacked": {group: [p(a), p(b)] for group, (a, b) in weights.stacked.items()},
         "ends": {m: [p(a), p(b)] for m, (a, b) in weights.ends.items()},
@@ -136,13 +149,18 @@ def rebuild(d: dict, bases: list[torch.Tensor], shapes, dtype: torch.dtype, buff
 
     def v(place):
         return None if place is None else view_at(place, bases, dtype)
-    groups = {(layer, group): GroupWeights(v(a), v(b), tuple(ranks), v(m))
-              for layer, group, ranks, a, b, m in d["groups"]}
+    stacked = {g: (v(a), v(b)) for g, (a, b) in d["stacked"].items()}
+    groups = {}
+    for layer, group, ranks, m in d["groups"]:
+        a, b = stacked[group]
+        if not (isinstance(layer, int) and 0 <= layer < min(a.shape[0], b.shape[0])):
+            raise ValueError(f"a loader described layer {layer!r} of group {group!r}, "
+                             f"which its stacked tensors do not hold")
+        groups[(layer, group)] = GroupWeights(a[layer], b[layer], tuple(ranks), v(m))
     return LoRAWeights(
         MappingProxyType(groups), MappingProxyType(shapes), d["num_layers"], d["max_rank"],
         frozenset(d["target_modules"]), d["tp_rank"], d["tp_size"], d["source"],
-        d["version"], buffer=buffer,
-        stacked=MappingProxyType({g: (v(a), v(b)) for g, (a, b) in d["stacked"].items()}),
+        d["version"], buffer=buffer, stacked=MappingProxyType(stacked),
         ends=MappingProxyType({m: (v(a), v(b)) for m, (a, b) in d["ends"].items()}),
         experts=MappingProxyType({(layer, param): (v(a), v(b))
                                   for layer, param, a, b in d["experts"]}))
