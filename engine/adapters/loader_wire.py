@@ -150,13 +150,14 @@ def rebuild(d: dict, bases: list[torch.Tensor], shapes, dtype: torch.dtype, buff
     def v(place):
         return None if place is None else view_at(place, bases, dtype)
     stacked = {g: (v(a), v(b)) for g, (a, b) in d["stacked"].items()}
+    rows = {g: tuple(zip(a.unbind(0), b.unbind(0))) for g, (a, b) in stacked.items()}
     groups = {}
     for layer, group, ranks, m in d["groups"]:
-        a, b = stacked[group]
-        if not (isinstance(layer, int) and 0 <= layer < min(a.shape[0], b.shape[0])):
+        if not (isinstance(layer, int) and 0 <= layer < len(rows[group])):
             raise ValueError(f"a loader described layer {layer!r} of group {group!r}, "
                              f"which its stacked tensors do not hold")
-        groups[(layer, group)] = GroupWeights(a[layer], b[layer], tuple(ranks), v(m))
+        a, b = rows[group][layer]
+        groups[(layer, group)] = GroupWeights(a, b, tuple(ranks), v(m))
     return LoRAWeights(
         MappingProxyType(groups), MappingProxyType(shapes), d["num_layers"], d["max_rank"],
         frozenset(d["target_modules"]), d["tp_rank"], d["tp_size"], d["source"],
