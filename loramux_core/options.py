@@ -228,8 +228,9 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            "model's shapes, for benchmarks)", env="LORAMUX_LOAD_FORMAT"),
     Option("adapter_loaders", "--adapter-loaders", auto_non_negative_int,
            "processes per rank that read, check and convert adapters into shared host "
-           "memory, off the engine process, at a lower priority (default: auto: the rank's "
-           "cores less two, 2 to 16; 0: on threads of the engine process)", env="LORAMUX_ADAPTER_LOADERS"),
+           "memory, off the engine process, at a lower priority (default: auto: the "
+           "rank's cores less two, 2 to 16; 0: on threads of the engine process)",
+           env="LORAMUX_ADAPTER_LOADERS"),
     Option("tp_allreduce", "--tp-allreduce", choice("auto", "nccl", "symm_mem"),
            "all-reduce under tensor parallelism on GPUs (default: auto: one-shot over "
            "symmetric memory for decode-sized messages where possible, else NCCL)",
