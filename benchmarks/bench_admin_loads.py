@@ -245,6 +245,11 @@ def main(argv=None) -> int:
                 streams.close()
         finally:
             cluster.close()
+            if args.out:   # the engine's log names its loaders and host copies
+                logs = Path(args.out) / "logs"
+                logs.mkdir(parents=True, exist_ok=True)
+                for log in (tmp / "run").glob("*.log"):
+                    (logs / log.name).write_bytes(log.read_bytes())
     result = {"tiny": args.tiny, "concurrency": args.concurrency, "batch": args.batch,
               "max_cpu_loras": args.max_cpu_loras,
               "streams": args.streams, "distinct_files": args.distinct, "rows": rows}
