@@ -5,7 +5,9 @@ N rank-16 adapters of the model's shape are loaded under new names with C concur
 LoadAdapter callers (`--mode calls`), and/or through LoadAdapters batches of B items
 (`--mode batch`), while S steady streams decode on the base model. Reported: loads per
 second, and the decode step time of the live streams (median and p90 gap between
-consecutive tokens of a stream) in a window before the loads and during them.
+consecutive tokens of a stream, timed in a process of their own) in a window before the
+loads and during them. Modes run in the order given (`--mode batch,calls`); the first one
+takes fresh host memory for its copies, the later ones reuse what it freed.
 
 On the GPU the model is Llama-3-8B-shaped with dummy weights (benchmarks/llama8b.py), 84 MB
 adapters; `--tiny` runs a tiny model on the CPU to check that the benchmark works. Only
@@ -38,6 +40,13 @@ TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128,
             bos_token_id=1, eos_token_id=2)
 
 
+def parse_modes(text: str) -> tuple[str, ...]:
+    modes = ("calls", "batch") if text == "both" else tuple(text.split(","))
+    if not modes or any(m not in ("calls", "batch") for m in modes):
+        raise argparse.ArgumentTypeError(f"--mode {text!r}: calls, batch, both or a list")
+    return modes
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU")
@@ -45,7 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--distinct", type=int, default=16, help="distinct adapter files")
     p.add_argument("--concurrency", type=int, default=16, help="C concurrent LoadAdapter calls")
     p.add_argument("--batch", type=int, default=100, help="B items per LoadAdapters call")
-    p.add_argument("--mode", choices=("calls", "batch", "both"), default="both")
+    p.add_argument("--mode", type=parse_modes, default="both",
+                   help="calls, batch, or both in an order: calls,batch (= both) or "
+                        "batch,calls. The first mode's host copies take fresh memory (page "
+                        "faults, page-locking); later modes reuse what the first one freed")
     p.add_argument("--streams", type=int, default=8, help="S live decode streams")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="host copies (default: the engine's own sizing; loads past the host "
@@ -87,42 +99,74 @@ def cluster_config(tmp: Path, model: Path, root: Path, args):
 
 
 class Streams:
-    """S base-model streams that decode until stopped; every token's arrival time."""
+    """S base-model streams that decode until stopped, in a process of their own: the
+    token arrival times are taken there, so the load callers of this process (16 asyncio
+    gRPC calls hold its interpreter lock often) cannot stretch the gaps they measure.
+    Times are time.monotonic(), one clock for both processes."""
 
     def __init__(self, gateway: str, n: int, vocab: int):
-        from loramux import GenerateClient
+        import multiprocessing
 
-        self.client = GenerateClient(gateway)
-        self.stop = threading.Event()
-        self.times: list[list[float]] = [[] for _ in range(n)]
-        self.threads = [threading.Thread(target=self._run, args=(i, vocab), daemon=True)
-                        for i in range(n)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, i: int, vocab: int) -> None:
-        prompt = [(7 * i + j) % (vocab - 3) + 3 for j in range(16)]
-        while not self.stop.is_set():
-            it = self.client.stream(prompt, max_tokens=4000, temperature=0.0, ignore_eos=True)
-            for resp in it:
-                self.times[i].extend([time.perf_counter()] * max(1, len(resp.token_ids)))
-                if self.stop.is_set():
-                    it.close()
-                    break
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_streams_main, args=(gateway, n, vocab, child),
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(120) or self._conn.recv() != "started":
+            raise RuntimeError("the decode streams' process did not start")
 
     def gaps_ms(self, t0: float, t1: float) -> list[float]:
         """Gaps between consecutive tokens of each stream that arrived within [t0, t1]."""
+        self._conn.send(("times", t0, t1))
         out = []
-        for ts in self.times:
-            inside = [t for t in ts if t0 <= t <= t1]
+        for inside in self._conn.recv():
             out += [(b - a) * 1e3 for a, b in zip(inside, inside[1:]) if b > a]
         return out
 
     def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
-        self.client.close()
+        try:
+            self._conn.send(("stop",))
+            self._conn.recv()
+        except (OSError, EOFError):
+            pass
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+def _streams_main(gateway: str, n: int, vocab: int, conn) -> None:
+    from loramux import GenerateClient
+
+    client = GenerateClient(gateway)
+    stop = threading.Event()
+    times: list[list[float]] = [[] for _ in range(n)]
+
+    def run(i: int) -> None:
+        prompt = [(7 * i + j) % (vocab - 3) + 3 for j in range(16)]
+        while not stop.is_set():
+            it = client.stream(prompt, max_tokens=4000, temperature=0.0, ignore_eos=True)
+            for resp in it:
+                times[i].extend([time.monotonic()] * max(1, len(resp.token_ids)))
+                if stop.is_set():
+                    it.close()
+                    break
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    conn.send("started")
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        _, t0, t1 = msg
+        conn.send([[t for t in list(ts) if t0 <= t <= t1] for ts in times])
+    stop.set()
+    for t in threads:
+        t.join(30)
+    client.close()
+    conn.send("stopped")
 
 
 async def load_calls(control: str, names: list[str], prefix: str, concurrency: int) -> list[str]:
@@ -165,16 +209,17 @@ def summary(gaps: list[float]) -> dict:
             "p90_ms": round(gaps[int(0.9 * (len(gaps) - 1))], 3), "tokens": len(gaps)}
 
 
-def run_mode(mode: str, cluster, names: list[str], streams: Streams, args) -> dict:
+def run_mode(mode: str, cluster, names: list[str], streams: Streams, args,
+             prefix: str) -> dict:
     window = args.window or (3.0 if args.tiny else 5.0)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     time.sleep(window)
-    t1 = time.perf_counter()
+    t1 = time.monotonic()
     if mode == "calls":
-        failed = asyncio.run(load_calls(cluster.control_address, names, "c-", args.concurrency))
+        failed = asyncio.run(load_calls(cluster.control_address, names, prefix, args.concurrency))
     else:
-        failed = load_batches(cluster.control_address, names, "b-", args.batch)
-    t2 = time.perf_counter()
+        failed = load_batches(cluster.control_address, names, prefix, args.batch)
+    t2 = time.monotonic()
     before, during = summary(streams.gaps_ms(t0, t1)), summary(streams.gaps_ms(t1, t2))
     ratio = (during["median_ms"] / before["median_ms"]
              if before["median_ms"] and during["median_ms"] else None)
@@ -207,12 +252,13 @@ def unload_all(control: str, prefix: str) -> None:
 
 
 def table(rows: list[dict]) -> None:
-    print("\n| mode | adapters | s | loads/s | decode step before (median/p90 ms) | "
+    print("\n| mode | host memory | adapters | s | loads/s | decode step before (median/p90 ms) | "
           "during | slowdown | failed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         b, d = r["decode_before"], r["decode_during"]
-        print(f"| {r['mode']} | {r['adapters']} | {r['seconds']} | {r['loads_per_s']} | "
+        print(f"| {r['mode']} | {r.get('host_memory')} | {r['adapters']} | {r['seconds']} | "
+              f"{r['loads_per_s']} | "
               f"{b['median_ms']}/{b['p90_ms']} | {d['median_ms']}/{d['p90_ms']} | "
               f"{r['decode_slowdown']} | {len(r['failed'])} |")
 
@@ -236,11 +282,13 @@ def main(argv=None) -> int:
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             streams = Streams(cluster.gateway_address, args.streams, vocab)
             try:
-                modes = ("calls", "batch") if args.mode == "both" else (args.mode,)
-                for mode in modes:
-                    rows.append(run_mode(mode, cluster, names, streams, args))
-                    if mode != modes[-1]:
-                        unload_all(cluster.control_address, "c-")
+                modes = args.mode
+                for k, mode in enumerate(modes):
+                    prefix = f"{mode[0]}{k}-"
+                    rows.append(run_mode(mode, cluster, names, streams, args, prefix))
+                    rows[-1]["host_memory"] = "reused" if k else "fresh"
+                    if k + 1 < len(modes):
+                        unload_all(cluster.control_address, prefix)
             finally:
                 streams.close()
         finally:
