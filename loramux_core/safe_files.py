@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
 
-from loramux_core.file_digest import CHUNK, HASH_THREADS, FileRead, chunk_sha256, chunk_spans
+from loramux_core.file_digest import CHUNK, HASH_THREADS, FileRead, chunk_hash, chunk_spans
 
 from loramux_core.errors import AdapterChangedError, AdapterError, AdapterPathError as PathRefused
 
@@ -175,7 +175,7 @@ def _read_in_order(fd: int, view: memoryview, spans: range, hasher) -> tuple[int
     while True:
         while len(chunks) < len(spans) and min(spans[len(chunks)] + CHUNK, size) <= got:
             chunk = view[spans[len(chunks)]:spans[len(chunks)] + CHUNK]
-            chunks.append(hasher.submit(chunk_sha256, chunk) if hasher else chunk_sha256(chunk))
+            chunks.append(hasher.submit(chunk_hash, chunk) if hasher else chunk_hash(chunk))
         if got >= size:
             return got, chunks
         n = os.readv(fd, [view[got:got + CHUNK]])
@@ -208,7 +208,7 @@ def _pread_fully(fd: int, into: memoryview, offset: int) -> int:
 
 def _hash_read(read, chunk: memoryview) -> bytes:
     read.result()
-    return chunk_sha256(chunk)
+    return chunk_hash(chunk)
 
 
 def _moved(a: os.stat_result, b: os.stat_result) -> bool:

@@ -174,7 +174,7 @@ def test_the_fingerprint_ignores_metadata_but_not_a_replaced_file(llama_family, 
     renamed over the weights (a new inode, even with the same bytes) changes it. A
     fingerprint recorded with the ctime, as before, is still honoured."""
     from loramux_core.adapter.plan import plan_adapter
-    from loramux_core.file_digest import file_fingerprint
+    from loramux_core.file_digest import file_digest_v1, file_fingerprint
     from loramux_core.model.hf_config import ModelConfig
 
     cfg = ModelConfig.from_dir(llama_family.model_dir)
@@ -189,8 +189,8 @@ def test_the_fingerprint_ignores_metadata_but_not_a_replaced_file(llama_family, 
         "stat-") and full.legacy_fingerprint != full.fingerprint
     head = bytes(full.weights[:8 + int.from_bytes(full.weights[:8], "little")])
     now = os.stat(path / WEIGHTS)
-    assert full.legacy_fingerprint == file_fingerprint(
-        full.files[0][1].digest, head, now, legacy=True)
+    assert full.legacy_fingerprint == file_fingerprint(  # over the config's v1 digest
+        file_digest_v1(full.files[0][1].data), head, now, legacy=True)
     shutil.copy(path / WEIGHTS, tmp_path / "same-bytes")
     os.utime(tmp_path / "same-bytes", ns=(now.st_atime_ns, now.st_mtime_ns))
     os.replace(tmp_path / "same-bytes", path / WEIGHTS)  # a new inode, the same bytes

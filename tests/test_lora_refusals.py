@@ -344,6 +344,45 @@ def test_versions_recorded_as_plain_sha256_are_still_honoured(base, adapter):
         load_lora(adapter, cfg, MAX_RANK, expected_version=old)
 
 
+def test_versions_recorded_as_chunked_sha256_are_still_honoured(base, adapter, monkeypatch):
+    """A registry written when versions were the v1 digest (sha256 of each 4 MiB chunk):
+    the same bytes load under that version, changed bytes do not; a read under the
+    current version never hashes the files the v1 way."""
+    import hashlib
+
+    from loramux_core import file_digest
+    from loramux_core.errors import AdapterChangedError
+    cfg = base[0]
+
+    def v1(data: bytes) -> str:
+        parts = [hashlib.sha256(data[o:o + (4 << 20)]).digest()
+                 for o in range(0, max(len(data), 1), 4 << 20)]
+        return hashlib.sha256(b"loramux chunked sha256 v1\n" + len(data).to_bytes(8, "little")
+                              + b"".join(parts)).hexdigest()
+
+    def v1_version() -> str:
+        h = hashlib.sha256()
+        for name in (CONFIG, WEIGHTS):
+            h.update(f"{name}\0{v1((adapter / name).read_bytes())}\n".encode())
+        return h.hexdigest()
+    old, now = v1_version(), validate_lora(adapter, cfg, MAX_RANK).version
+    assert old != now
+    v1_hashes = []
+    real_v1 = file_digest.file_digest_v1
+    monkeypatch.setattr(file_digest, "file_digest_v1",
+                        lambda data, threads=1: v1_hashes.append(len(data)) or real_v1(data, threads))
+    size = (adapter / WEIGHTS).stat().st_size
+    assert load_lora(adapter, cfg, MAX_RANK, expected_version=now).version == now
+    assert size not in v1_hashes
+    assert load_lora(adapter, cfg, MAX_RANK, expected_version=old).max_rank == 8
+    assert size in v1_hashes
+    data = bytearray((adapter / WEIGHTS).read_bytes())
+    data[len(data) // 2] ^= 1
+    (adapter / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(AdapterChangedError):
+        load_lora(adapter, cfg, MAX_RANK, expected_version=old)
+
+
 def test_linked_files_inside_a_root_are_refused(base, adapter, tmp_path):
     from loramux_core.safe_files import AdapterRoots
     cfg = base[0]

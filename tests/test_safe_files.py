@@ -10,6 +10,7 @@ import socket
 import struct
 
 import pytest
+from blake3 import blake3
 
 from loramux_core.adapter.safetensors_buffer import parse_header
 from loramux_core import safe_files
@@ -41,31 +42,40 @@ def test_reads_whole_file_once_with_its_hash(tree):
     roots = AdapterRoots([str(root)])
     with roots.open_dir("deep/er") as d:
         got = d.read("f", max_bytes=100)
-    assert got.data == b"x" * 100 and got.digest == _chunked_sha256(b"x" * 100)
+    assert got.data == b"x" * 100 and got.digest == _chunked_blake3(b"x" * 100)
     with roots.open_dir(str(root / "ok")) as d:     # absolute, under the root
         assert d.read("f", 5).data == b"hello"
     assert roots.canonical("ok") == str(root / "ok")
 
 
-def _chunked_sha256(data: bytes, chunk: int = 4 << 20) -> str:
-    """The digest spelled out: sha256 over a tag, the size and each 4 MiB chunk's sha256."""
-    parts = [hashlib.sha256(data[o:o + chunk]).digest() for o in range(0, max(len(data), 1), chunk)]
-    return hashlib.sha256(b"loramux chunked sha256 v1\n" + len(data).to_bytes(8, "little")
-                          + b"".join(parts)).hexdigest()
+def _chunked(data: bytes, tag: bytes, hash_chunk, chunk: int = 4 << 20) -> str:
+    parts = [hash_chunk(data[o:o + chunk]).digest() for o in range(0, max(len(data), 1), chunk)]
+    return hashlib.sha256(tag + len(data).to_bytes(8, "little") + b"".join(parts)).hexdigest()
+
+
+def _chunked_blake3(data: bytes) -> str:
+    """The digest spelled out: sha256 over a tag, the size and each 4 MiB chunk's BLAKE3."""
+    return _chunked(data, b"loramux chunked blake3 v2\n", blake3)
+
+
+def _chunked_sha256(data: bytes) -> str:
+    """The v1 digest spelled out: the same with each chunk's sha256."""
+    return _chunked(data, b"loramux chunked sha256 v1\n", hashlib.sha256)
 
 
 @pytest.mark.parametrize("size", [0, 1, (4 << 20) - 1, 4 << 20, (4 << 20) + 1, (9 << 20) + 7])
 def test_large_files_hash_in_chunks_into_a_given_buffer(tmp_path, size):
     """Files of several chunks hash on threads while being read; the digest is the same
     function whatever the buffer, and one changed byte anywhere changes it."""
-    from loramux_core.file_digest import file_digest, legacy_sha256
+    from loramux_core.file_digest import file_digest, file_digest_v1, legacy_sha256
     data = random.Random(size).randbytes(size)
     (tmp_path / "f").write_bytes(data)
     given = bytearray(size + 100)
     with open_adapter_dir(str(tmp_path), None) as d:
         plain, into = d.read("f", size), d.read("f", size, alloc=lambda n: memoryview(given))
     assert plain.data == data and bytes(into.data) == data and len(into.data) == size
-    assert plain.digest == into.digest == file_digest(data) == _chunked_sha256(data)
+    assert plain.digest == into.digest == file_digest(data) == _chunked_blake3(data)
+    assert file_digest_v1(into.data) == _chunked_sha256(data) != plain.digest
     assert legacy_sha256(into.data) == hashlib.sha256(data).hexdigest()
     if size:
         changed = bytearray(data)

@@ -29,8 +29,8 @@ from loramux_core.model.archs import architecture
 from loramux_core.model.lora_targets import (END_GROUP, END_TARGETS, LoraTarget, decoder_targets,
                                              expert_full_shape, full_shape)
 from loramux_core.errors import AdapterError
-from loramux_core.file_digest import (FINGERPRINT_PREFIX, FileRead, combined_version,
-                                       file_fingerprint)
+from loramux_core.file_digest import (FINGERPRINT_PREFIX, LEGACY, V1, FileRead,
+                                       combined_version, file_digest_v1, file_fingerprint)
 from loramux_core.safe_files import AdapterDir, AdapterRoots, Alloc, open_adapter_dir
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -121,12 +121,16 @@ class AdapterPlan:
 
     def has_version(self, version: str) -> bool:
         """`version` names these files: their version, their fingerprint (what an adapter
-        registered before being read was recorded under), or the plain-sha256 version
-        that was recorded for the same bytes before chunked digests."""
+        registered before being read was recorded under), or a version recorded for the
+        same bytes with an earlier digest (chunked sha256, then plain sha256). The
+        earlier digests hash the files again, so only a version that is not the current
+        one costs them."""
         if version.startswith(FINGERPRINT_PREFIX):
             return version in (self.fingerprint, self.legacy_fingerprint or self.fingerprint)
-        return version == self.version or version == combined_version(list(self.files),
-                                                                      legacy=True)
+        if version == self.version:
+            return True
+        return bool(self.files) and any(version == combined_version(list(self.files), scheme)
+                                        for scheme in (V1, LEGACY))
 
     @property
     def max_rank(self) -> int:
@@ -217,9 +221,11 @@ def plan_adapter(adapter_dir: str | Path, model_cfg, max_lora_rank: int,
     shapes, modules, copies = (check_tensors() if cache is None
                                else cache.get(("tensors", config_key, head, size), check_tensors))
     files = () if weights is None else ((CONFIG_NAME, config), (WEIGHTS_NAME, weights))
+    # over the config's v1 digest, as fingerprints were recorded before BLAKE3 chunks
+    config_v1 = file_digest_v1(config.data)
     return AdapterPlan(cfg, weights_file, modules, data, shapes, files,
-                       file_fingerprint(config.digest, head, st),
-                       file_fingerprint(config.digest, head, st, legacy=True), copies)
+                       file_fingerprint(config_v1, head, st),
+                       file_fingerprint(config_v1, head, st, legacy=True), copies)
 
 
 def _check_tensors(cfg: AdapterConfig, model_cfg, data, size: int, weights_file: str,
