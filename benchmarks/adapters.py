@@ -10,7 +10,7 @@
     admin     AdapterAdmin loads at scale through the service (concurrent LoadAdapter calls
               and LoadAdapters batches) and the decode step of live streams meanwhile
     stages    the CPU of one 84 MB load, stage by stage, in process and through a loader
-              process (read, sha256, header checks, conversion, bounds, fresh pages)
+              process (read, digest, header checks, conversion, bounds, fresh pages)
 """
 from __future__ import annotations
 

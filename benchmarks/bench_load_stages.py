@@ -7,7 +7,9 @@ read from the page cache, on the CPU, no model.
 
 In the engine's process, each stage alone (median of --repeat, wall and process CPU,
 every thread counted): the file read into the reused scratch buffer (open inside the
-root, O_NOFOLLOW, read), its sha256 chunk digests, the header parse and shape checks (a
+root, O_NOFOLLOW, read), its version digest alone (BLAKE3 chunks, one thread; the read
+hashes on several), the v1 digest (sha256 chunks) that only a read checked against a
+version recorded before costs, the header parse and shape checks (a
 plan of the same bytes without the PlanCache), the conversion into the host layout
 (dtype, scaling, stacked layout) and the bounds check of the values. Then whole loads
 through one loader process (engine/adapters/loader_pool.py) into shared buffers: wall
@@ -51,7 +53,7 @@ def in_process(model: Path, root: Path, name: str, repeat: int) -> dict:
     from engine.lora.host_buffers import HostBufferPool
     from engine.lora.weights import _all_within_bounds, weights_from_plan
     from loramux_core.adapter.plan import WEIGHTS_NAME, plan_adapter
-    from loramux_core.file_digest import file_digest
+    from loramux_core.file_digest import file_digest, file_digest_v1
     from loramux_core.model.hf_config import ModelConfig
     from loramux_core.safe_files import AdapterRoots
 
@@ -66,8 +68,9 @@ def in_process(model: Path, root: Path, name: str, repeat: int) -> dict:
         fr.digest
         return fr
     rows = {}
-    rows["open+read+sha256"], fr = timed(read, repeat)
-    rows["sha256 alone"], _ = timed(lambda: file_digest(fr.data), repeat)
+    rows["open+read+digest"], fr = timed(read, repeat)
+    rows["blake3 digest alone"], _ = timed(lambda: file_digest(fr.data), repeat)
+    rows["v1 sha256 digest alone"], _ = timed(lambda: file_digest_v1(fr.data), repeat)
     rows["header+checks"], _ = timed(
         lambda: plan_adapter(str(root / name), mc, 16, roots, header_only=True), repeat)
     plan = plan_adapter(str(root / name), mc, 16, roots)
