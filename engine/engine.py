@@ -120,7 +120,7 @@ class Engine:
         """Validate and read a PEFT adapter into host memory; returns its new id (a new
         one on every call, also for a name already loaded: see AdapterRegistry). It is
         copied into a device slot when a request (or a pin) needs it. `path` must lie in
-        the configured adapter roots; `version`, when given, is the sha256 version the
+        the configured adapter roots; `version`, when given, is the content version the
         files must have. Raises AdapterError (nothing registered; AdapterPathError,
         AdapterChangedError) or CapacityError (a pin would take the last dynamic slot)."""
         return self.adapter_service.add(name, path, pinned, version)
@@ -418,7 +418,7 @@ class Engine:
     def stats(self) -> dict:
         """Counters for the control plane and metrics. Per engine: KV blocks (total,
         free), queue lengths, slots used, host copies, pending evictions (retired versions
-        still draining). Per adapter version (keyed by id): name, path, rank, sha256
+        still draining). Per adapter version (keyed by id): name, path, rank, content
         version, state ("slot" ready in a device slot, "host", or "disk"), slot, pinned,
         unloading, in-flight requests, slot loads and evictions, disk reads, host
         evictions and cached-token hits."""

@@ -103,7 +103,7 @@ MAX_AUTO_LOADERS = 16
 def adapter_loaders(c: EngineConfig, facts: MachineFacts) -> int:
     """Loader processes per rank: as set, else the rank's cores less two (its step thread
     and the rest of its process), 2 to MAX_AUTO_LOADERS. A full read of an 84 MB adapter
-    costs about 130 ms of CPU, most of it per byte (sha256, the fresh pages of its host
+    costs about 130 ms of CPU, most of it per byte (the digest, the fresh pages of its host
     copy): 100 loads a second need a dozen cores, so the loaders may use every core the
     rank does not; they run at a lower priority (LoaderSpec.niceness), so the step thread
     and the other processes of the service go first. Two at least, so one stuck read never

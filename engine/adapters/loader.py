@@ -4,7 +4,7 @@ Reads run on a few background threads, so several adapters are read at once; eac
 thread hands its read to a loader process (engine/adapters/loader_pool.py: the file is
 read once through loramux_core/safe_files.py and converted straight into a reused
 shared, page-locked host buffer, engine/lora/weights.py; CPU work neither the step loop
-nor its process should carry), or with `adapter_loaders=0` does it itself. Each loaded version remembers the sha256 version of its files
+nor its process should carry), or with `adapter_loaders=0` does it itself. Each loaded version remembers the content version of its files
 (the bytes are read once and hashed, and the weights are built from those very bytes); a
 read for an id whose files hash otherwise fails (AdapterChangedError), because an id
 stands for the weights it was loaded with and must never silently serve others.

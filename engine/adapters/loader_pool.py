@@ -1,6 +1,6 @@
 """Adapter reads in a few loader processes, so the engine process does O(1) work per read.
 
-Reading an adapter (file reads, sha256, checks, dtype/scaling/layout/TP conversion) costs
+Reading an adapter (file reads, digest, checks, dtype/scaling/layout/TP conversion) costs
 CPU and memory bandwidth in whatever process runs it; on threads of the engine process it
 slows the step thread (the GIL, the memory bus), by a tenth of the step time with
 thousands of adapters. Here each read runs in a child process

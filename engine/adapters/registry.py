@@ -25,7 +25,7 @@ class AdapterRecord:
     name: str
     path: str
     rank: int
-    version: str          # sha256 of its files when loaded (safe_files): reloads must match
+    version: str          # digest of its files when loaded (safe_files): reloads must match
     retiring: bool = False
     in_flight: int = 0    # admitted requests not yet finished (waiting or running)
     loads: int = 0        # copies into a device slot

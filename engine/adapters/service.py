@@ -25,7 +25,7 @@ class ReadAdapter(NamedTuple):
     name: str
     path: str
     weights: Any          # LoRAWeights, or None when only checked
-    version: str          # sha256 of the bytes it was built from (safe_files), or when
+    version: str          # digest of the bytes it was built from (safe_files), or when
                           # only checked, the version named or the files' fingerprint
     rank: int = 0
 

@@ -1,7 +1,7 @@
 """Adapter residency at TP > 1: rank 0 decides, every other rank follows by adapter id.
 
 Rank 0's AdapterResidency (engine/adapters/residency.py) makes every residency decision
-(slots, LRU, pins, host copies, disk reads checked against each version's sha256) and validates every
+(slots, LRU, pins, host copies, disk reads checked against each version's digest) and validates every
 adapter on its own shard before the workers are involved. Its `AdapterMirror` turns the
 outcome into ops for the workers' next step plan, applied before that step's forward pass:
 
@@ -10,7 +10,7 @@ outcome into ops for the workers' next step plan, applied before that step's for
     RETIRE(id)            the version is gone for good: drop its copy and its path
 
 plus, before the first load of a version, ADD_ADAPTER(id, path, version): where its files
-are and the sha256 version rank 0 read there.
+are and the content version rank 0 read there.
 A worker's `ShardCache` reads its shard of a version from that path on the first load
 it lacks a copy for, so a host copy rank 0 evicted and read back from disk is simply read
 again. Ids are per loaded weights and never reused, and a worker refuses files that hash

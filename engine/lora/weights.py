@@ -76,7 +76,7 @@ class LoRAWeights:
     tp_rank: int
     tp_size: int
     source: str                     # the adapter's weights file, for messages
-    version: str = ""               # sha256 of the files it was built from
+    version: str = ""               # digest of the files it was built from
     buffer: HostBuffer | None = None  # the host memory every group tensor views, if one
     # group -> (a [L, S, R, K], b [L, N, R]), the stacked tensors `groups` view (module
     # docstring); empty for weights not built by weights_from_plan

@@ -2,7 +2,7 @@
 
 Commands are idempotent so that the control plane can replay its desired state at any
 time: loading a name already loaded from the same path (and, when the command names one,
-the same sha256 version) only updates its pin.
+the same content version) only updates its pin.
 
 A load that must read files (a new name, or new weights under a name) is read and
 validated on a reader thread (Engine.read_adapter) while the step thread keeps stepping;

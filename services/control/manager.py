@@ -34,7 +34,7 @@ REGISTERED, LOADED, UNLOADING = (pb.ADAPTER_STATE_REGISTERED, pb.ADAPTER_STATE_L
 BATCH_PARALLEL = 64
 # LoadAdapters item: (name, path or None, pinned or None, replicas)
 LoadItem = tuple[str, "str | None", "bool | None", "list[int] | None"]
-# Validator: path inside the roots -> (rank, target modules, sha256 version); raises
+# Validator: path inside the roots -> (rank, target modules, content version); raises
 # loramux_core.errors.AdapterError (AdapterPathError: outside the roots or through a link).
 Validator = Callable[[str], tuple[int, tuple[str, ...], str]]
 

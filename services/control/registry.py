@@ -45,7 +45,7 @@ class AdapterRecord:
     target_modules: tuple[str, ...] = ()
     loads: int = 0
     created_at: float = 0.0
-    version: str = ""   # sha256 of the files as validated (loramux_core/safe_files.py)
+    version: str = ""   # digest of the files as validated (loramux_core/file_digest.py)
     replicas: tuple[int, ...] = ()  # engine replicas it is placed on; () = every replica
 
     def evolve(self, **changes) -> "AdapterRecord":
