@@ -33,6 +33,9 @@ class LoadedAdapter:
     path: str
     adapter_id: int
     version: str = ""
+    # the version the load named, which the read accepted for these bytes: one recorded
+    # with an earlier digest names them too, so a load naming it again needs no read
+    asked: str = ""
 
 
 MIN_READER_THREADS = 8
@@ -105,7 +108,7 @@ class AdapterCommands:
         have = self.loaded.get(cmd.name)
         return (cmd.kind == _Kind.ADAPTER_COMMAND_KIND_LOAD
                 and (have is None or have.path != cmd.path
-                     or cmd.version not in ("", have.version)))
+                     or cmd.version not in ("", have.version, have.asked)))
 
     def _ack(self, cmd: engine_pb2.AdapterCommand, run) -> _Ack:
         """Run one command; every failure becomes a not-ok ack with a status code. A LOAD
@@ -125,7 +128,7 @@ class AdapterCommands:
         # New weights under the same name get a new id; the engine retires the old one
         # once its requests end.
         adapter_id = self._engine.register_adapter(read, pinned=cmd.pinned)
-        self.loaded[cmd.name] = LoadedAdapter(cmd.path, adapter_id, read.version)
+        self.loaded[cmd.name] = LoadedAdapter(cmd.path, adapter_id, read.version, cmd.version)
         return adapter_id
 
     def _dispatch(self, cmd: engine_pb2.AdapterCommand) -> int:
