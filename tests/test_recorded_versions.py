@@ -1,18 +1,25 @@
-"""Versions recorded with the earlier digests (sha256 of each 4 MiB chunk, v1) through a
-real engine behind real ZMQ sockets (tests/support/served.py): a load naming one is read
+"""Versions recorded with the earlier digests (sha256 of each 4 MiB chunk, v1): through a
+real engine behind real ZMQ sockets (tests/support/served.py), a load naming one is read
 and accepted for unchanged files, refused for changed ones, and the same load again (a
 pin change, a replay) is applied without reading the files again, as for a current
-version. The v1 version is spelled out here, independently of loramux_core."""
+version; through real engine and control plane processes, a SQLite registry holding one
+is replayed while the files are unchanged, and registering the path again records the
+current digest. The v1 version is spelled out here, independently of loramux_core."""
 from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 
 import pytest
+from loramux import AdminClient
 
 from engine import Engine, EngineConfig
 from loramux_core.v1 import engine_pb2
+from services.control.registry import Registry
+from services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.served import ServedEngine
+from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 pytestmark = pytest.mark.timeout(300)
@@ -58,3 +65,64 @@ def test_a_v1_version_loads_once_and_changed_files_are_refused(llama_family, tmp
         (adapter / FILES[1]).write_bytes(bytes(data))
         changed = load(served, "c3", "rs4-changed", adapter, old)
         assert not changed.ok and "changed" in changed.message
+
+
+def test_a_registry_holding_v1_versions_is_replayed_and_registering_records_v2(tmp_path):
+    model = make_model(tmp_path / "model", TinySpec())
+    adapter = make_adapter(tmp_path / "adapters" / "x", model, AdapterSpec(seed=3))
+    run, old = tmp_path / "run", v1_version(adapter)
+    with _start(model, tmp_path / "adapters", run) as c:
+        with AdminClient(c.control_address) as admin:
+            admin.load("x", "x")
+    current = _recorded_version(c, "x")
+    assert current and current != old
+    _record_version(c, "x", old)      # as a registry written before BLAKE3 chunks
+    with _start(model, tmp_path / "adapters", run) as c:
+        assert _replayed(c) == {"x"}
+        with AdminClient(c.control_address) as admin:
+            admin.register("x", "x")  # the files as they are now: the current digest
+    assert _recorded_version(c, "x") == current
+    _record_version(c, "x", old)
+    weights = adapter / FILES[1]
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    with _start(model, tmp_path / "adapters", run) as c:
+        assert _replayed(c) == set()  # the engine refused the changed files
+
+
+def _start(model, adapters, workdir) -> Cluster:
+    c = Cluster(ClusterConfig(model=str(model), adapter_roots=(str(adapters),),
+                              workdir=str(workdir), env={"OMP_NUM_THREADS": "1"}))
+    for name in ("engine", "control"):  # this start's logs only
+        (workdir / f"{name}.log").unlink(missing_ok=True)
+    c.start("engine", "control")
+    c.wait_ready("engine", "control")
+    wait_serving(c.control_address)
+    return c
+
+
+def _replayed(c: Cluster, timeout_s: float = 30.0) -> set[str]:
+    """Adapters the engine holds once the control plane has replayed to it."""
+    deadline = time.monotonic() + timeout_s
+    while '"replayed"' not in c.log_tail("control", 100_000):
+        assert time.monotonic() < deadline, c.log_tail("control")
+        time.sleep(0.1)
+    ev = c.wait_output(lambda m: m.WhichOneof("kind") == "event", 30)
+    return {a.name for a in ev.event.adapters}
+
+
+def _recorded_version(c: Cluster, name: str) -> str:
+    reg = Registry(c.db)
+    try:
+        return reg.get(name).version
+    finally:
+        reg.close()
+
+
+def _record_version(c: Cluster, name: str, version: str) -> None:
+    reg = Registry(c.db)
+    try:
+        reg.put(reg.get(name).evolve(version=version))
+    finally:
+        reg.close()
