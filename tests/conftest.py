@@ -163,7 +163,15 @@ def placed(config, device: str):
     """`config` as the suite runs it on `device`: there, in float32 unless it names a
     dtype (the oracle's precision)."""
     dtype = "float32" if config.dtype == "auto" else config.dtype
-    return dataclasses.replace(config, device=device, dtype=dtype)
+    # the default, the rank's cores less two, is for one engine a machine: the CUDA suite
+    # runs a dozen test files at once, each engine's loaders importing torch beside them
+    loaders = config.adapter_loaders
+    if device != "cpu" and loaders is None:
+        loaders = CUDA_SUITE_LOADERS
+    return dataclasses.replace(config, device=device, dtype=dtype, adapter_loaders=loaders)
+
+
+CUDA_SUITE_LOADERS = 2
 
 
 def served_engine_args() -> tuple[str, ...]:
@@ -171,7 +179,8 @@ def served_engine_args() -> tuple[str, ...]:
     not reach) where the suite's in-process engines run, in the same dtype: a served
     engine compared with an in-process one. None under the default, where both resolve
     "auto" alike."""
-    return () if TEST_DEVICE == "cpu" else ("--device", TEST_DEVICE, "--dtype", "float32")
+    return () if TEST_DEVICE == "cpu" else ("--device", TEST_DEVICE, "--dtype", "float32",
+                                            "--adapter-loaders", str(CUDA_SUITE_LOADERS))
 
 
 @pytest.fixture(scope="session", autouse=True)
