@@ -287,6 +287,18 @@ def test_children_started_ahead_serve_the_first_reads(files):
         pool.close()
 
 
+def test_some_children_ahead_the_rest_later(files):
+    """The engine server starts a few children during its warm-up and the rest after."""
+    pool = make_pool(files["model"], processes=3)
+    try:
+        pool.start_in_background(up_to=1).join()
+        assert len(pool.pids()) == 1 and pool.num_idle == 1
+        pool.start_in_background().join()
+        assert len(pool.pids()) == 3 and pool.num_idle == 3
+    finally:
+        pool.close()
+
+
 def test_children_run_at_a_lower_priority_than_the_engine(files):
     """A loader gets a core only when the step thread leaves one idle: its nice value is
     the engine's plus LoaderSpec.niceness, and it still reads what the engine reads."""

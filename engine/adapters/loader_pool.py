@@ -153,23 +153,25 @@ class LoaderPool:
             self.buffers.attach(weights, buf)
         return weights
 
-    def start(self) -> None:
-        """Start every child now (else each starts on a read that finds none idle)."""
+    def start(self, up_to: int | None = None) -> None:
+        """Start every child now (else each starts on a read that finds none idle), or
+        until `up_to` run."""
+        limit = self.processes if up_to is None else min(up_to, self.processes)
         started = []
         while True:
             with self._cond:
-                if self._closed or len(self._all) + self._starting >= self.processes:
+                if self._closed or len(self._all) + self._starting >= limit:
                     break
             started.append(self._take())
         for proc in started:
             self._give_back(proc)
 
-    def start_in_background(self) -> threading.Thread:
-        """`start` on a daemon thread (a child that cannot start now is started, or its
-        failure reported, by the first read that needs it)."""
+    def start_in_background(self, up_to: int | None = None) -> threading.Thread:
+        """`start(up_to)` on a daemon thread (a child that cannot start now is started, or
+        its failure reported, by the first read that needs it)."""
         def run():
             try:
-                self.start()
+                self.start(up_to)
             except Exception:  # noqa: BLE001 (see above)
                 pass
         thread = threading.Thread(target=run, name="adapter-loaders-start", daemon=True)

@@ -80,6 +80,9 @@ def resolved_config(engine) -> dict:
     return out
 
 
+LOADERS_DURING_WARM_UP = 4
+
+
 def start_engine(args, config, progress):
     """Build the engine of `config` (LOADING) and warm it up (WARMING_UP), reporting to
     `progress`; None (said on stderr) when the configuration is refused."""
@@ -94,9 +97,12 @@ def start_engine(args, config, progress):
     except (LoramuxError, argparse.ArgumentTypeError) as err:
         print(f"error: {config_error_message(str(err))}", file=sys.stderr)
         return None
-    if engine.adapter_loaders is not None and engine.device.type == "cuda":
-        # the loaders import torch while kernels compile, not when the first adapter loads
-        engine.adapter_loaders.start_in_background()
+    loaders = engine.adapter_loaders if engine.device.type == "cuda" else None
+    if loaders is not None:
+        # a few loaders import torch while kernels compile, not when the first adapter
+        # loads; the rest (a dozen on a 16-core host) after the warm-up, whose compile
+        # workers they would otherwise compete with for the cores
+        loaders.start_in_background(up_to=LOADERS_DURING_WARM_UP)
     progress.enter(engine_pb2.ENGINE_PHASE_WARMING_UP, "starting")
     try:  # before the ready file: no request meets a compile
         compiled = precompile(engine, args.compile_workers, progress)
@@ -110,6 +116,8 @@ def start_engine(args, config, progress):
         if report is not None:
             print(f"engine {report} (loading {progress.seconds.get('loading', 0):.1f} s)",
                   file=sys.stderr, flush=True)
+    if loaders is not None:
+        loaders.start_in_background()
     return engine
 
 
