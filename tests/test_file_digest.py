@@ -9,23 +9,11 @@ import random
 import pytest
 from blake3 import blake3
 
+from tests.support import digests
 from loramux_core.file_digest import (CHUNK, CURRENT, LEGACY, V1, FileRead, combined_version,
                                       file_digest, file_digest_v1, legacy_sha256)
 
 SIZES = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7]
-
-
-def _spelled_out(data: bytes, tag: bytes, hash_chunk) -> str:
-    parts = [hash_chunk(data[o:o + CHUNK]).digest() for o in range(0, max(len(data), 1), CHUNK)]
-    return hashlib.sha256(tag + len(data).to_bytes(8, "little") + b"".join(parts)).hexdigest()
-
-
-def _v2(data: bytes) -> str:
-    return _spelled_out(data, b"loramux chunked blake3 v2\n", blake3)
-
-
-def _v1(data: bytes) -> str:
-    return _spelled_out(data, b"loramux chunked sha256 v1\n", hashlib.sha256)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -33,24 +21,24 @@ def _v1(data: bytes) -> str:
 def test_chunks_hashed_on_threads_equal_the_single_threaded_digest(size, threads):
     data = random.Random(size).randbytes(size)
     one = file_digest(data, 1)
-    assert one == _v2(data)
+    assert one == digests.v2(data)
     assert file_digest(data, threads) == one
     assert file_digest(bytearray(data), threads) == file_digest(memoryview(data), 1) == one
-    assert file_digest_v1(data, threads) == file_digest_v1(data, 1) == _v1(data)
+    assert file_digest_v1(data, threads) == file_digest_v1(data, 1) == digests.v1(data)
 
 
 @pytest.mark.parametrize("size", SIZES)
 def test_v2_differs_from_v1_and_plain_sha256_for_the_same_bytes(size):
     data = random.Random(size).randbytes(size)
-    digests = {file_digest(data), file_digest_v1(data), legacy_sha256(data)}
-    assert len(digests) == 3
+    seen = {file_digest(data), file_digest_v1(data), legacy_sha256(data)}
+    assert len(seen) == 3
     files = [("adapter_config.json", FileRead(b"{}", [blake3(b"{}").digest()])),
              ("adapter_model.safetensors", FileRead(data, _chunk_digests(data)))]
     versions = [combined_version(files, s) for s in (CURRENT, V1, LEGACY)]
     assert len(set(versions)) == 3
     assert versions[0] == combined_version(files)
-    assert versions[1] == _combined({"adapter_config.json": _v1(b"{}"),
-                                     "adapter_model.safetensors": _v1(data)})
+    assert versions[1] == _combined({"adapter_config.json": digests.v1(b"{}"),
+                                     "adapter_model.safetensors": digests.v1(data)})
     assert versions[2] == _combined({"adapter_config.json": hashlib.sha256(b"{}").hexdigest(),
                                      "adapter_model.safetensors": hashlib.sha256(data).hexdigest()})
 

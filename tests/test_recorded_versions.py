@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import time
 
 import pytest
 from loramux import AdminClient
@@ -17,7 +16,9 @@ from loramux import AdminClient
 from engine import Engine, EngineConfig
 from loramux_core.v1 import engine_pb2
 from services.control.registry import Registry
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from services.launcher import Cluster
+from tests.support import digests
+from tests.support.replay import replayed, start_engine_and_control
 from tests.support.served import ServedEngine
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
@@ -28,12 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 def v1_version(adapter) -> str:
     h = hashlib.sha256()
     for name in FILES:
-        data = (adapter / name).read_bytes()
-        parts = [hashlib.sha256(data[o:o + (4 << 20)]).digest()
-                 for o in range(0, max(len(data), 1), 4 << 20)]
-        digest = hashlib.sha256(b"loramux chunked sha256 v1\n" + len(data).to_bytes(8, "little")
-                                + b"".join(parts)).hexdigest()
-        h.update(f"{name}\0{digest}\n".encode())
+        h.update(f"{name}\0{digests.v1((adapter / name).read_bytes())}\n".encode())
     return h.hexdigest()
 
 
@@ -71,14 +67,14 @@ def test_a_registry_holding_v1_versions_is_replayed_and_registering_records_v2(t
     model = make_model(tmp_path / "model", TinySpec())
     adapter = make_adapter(tmp_path / "adapters" / "x", model, AdapterSpec(seed=3))
     run, old = tmp_path / "run", v1_version(adapter)
-    with _start(model, tmp_path / "adapters", run) as c:
+    with start_engine_and_control(model, tmp_path / "adapters", run) as c:
         with AdminClient(c.control_address) as admin:
             admin.load("x", "x")
     current = _recorded_version(c, "x")
     assert current and current != old
     _record_version(c, "x", old)      # as a registry written before BLAKE3 chunks
-    with _start(model, tmp_path / "adapters", run) as c:
-        assert _replayed(c) == {"x"}
+    with start_engine_and_control(model, tmp_path / "adapters", run) as c:
+        assert replayed(c) == {"x"}
         with AdminClient(c.control_address) as admin:
             admin.register("x", "x")  # the files as they are now: the current digest
     assert _recorded_version(c, "x") == current
@@ -87,29 +83,8 @@ def test_a_registry_holding_v1_versions_is_replayed_and_registering_records_v2(t
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 1
     weights.write_bytes(bytes(data))
-    with _start(model, tmp_path / "adapters", run) as c:
-        assert _replayed(c) == set()  # the engine refused the changed files
-
-
-def _start(model, adapters, workdir) -> Cluster:
-    c = Cluster(ClusterConfig(model=str(model), adapter_roots=(str(adapters),),
-                              workdir=str(workdir), env={"OMP_NUM_THREADS": "1"}))
-    for name in ("engine", "control"):  # this start's logs only
-        (workdir / f"{name}.log").unlink(missing_ok=True)
-    c.start("engine", "control")
-    c.wait_ready("engine", "control")
-    wait_serving(c.control_address)
-    return c
-
-
-def _replayed(c: Cluster, timeout_s: float = 30.0) -> set[str]:
-    """Adapters the engine holds once the control plane has replayed to it."""
-    deadline = time.monotonic() + timeout_s
-    while '"replayed"' not in c.log_tail("control", 100_000):
-        assert time.monotonic() < deadline, c.log_tail("control")
-        time.sleep(0.1)
-    ev = c.wait_output(lambda m: m.WhichOneof("kind") == "event", 30)
-    return {a.name for a in ev.event.adapters}
+    with start_engine_and_control(model, tmp_path / "adapters", run) as c:
+        assert replayed(c) == set()  # the engine refused the changed files
 
 
 def _recorded_version(c: Cluster, name: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 from loramux import AdminClient
@@ -13,7 +12,8 @@ from loramux.v1 import adapter_admin_pb2 as pb
 
 from services.control.binding import binding_for, model_fingerprint, prepare
 from services.control.registry import AdapterRecord, Registry
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from services.launcher import Cluster
+from tests.support.replay import replayed, start_engine_and_control
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,7 +81,7 @@ def test_prepare_sets_aside_and_restores(files, tmp_path):
                                "state": pb.ADAPTER_STATE_LOADED}]
 
 
-def test_unbound_registry_is_not_replayed(files, tmp_path):
+def test_unbound_registry_is_notreplayed(files, tmp_path):
     db = str(tmp_path / "registry.sqlite")
     old = Registry(db)  # as written before registries carried a binding
     old.put(AdapterRecord("x", str(files / "adapters" / "x"), state=pb.ADAPTER_STATE_LOADED))
@@ -92,24 +92,7 @@ def test_unbound_registry_is_not_replayed(files, tmp_path):
 
 
 def _start(files, model: str, workdir) -> Cluster:
-    c = Cluster(ClusterConfig(model=str(files / model), adapter_roots=(str(files / "adapters"),),
-                              workdir=str(workdir), env={"OMP_NUM_THREADS": "1"}))
-    for name in ("engine", "control"):  # this start's logs only
-        (workdir / f"{name}.log").unlink(missing_ok=True)
-    c.start("engine", "control")
-    c.wait_ready("engine", "control")
-    wait_serving(c.control_address)
-    return c
-
-
-def _replayed(c: Cluster, timeout_s: float = 30.0) -> set[str]:
-    """Adapters the engine holds once the control plane has replayed to it."""
-    deadline = time.monotonic() + timeout_s
-    while '"replayed"' not in c.log_tail("control", 100_000):
-        assert time.monotonic() < deadline, c.log_tail("control")
-        time.sleep(0.1)
-    ev = c.wait_output(lambda m: m.WhichOneof("kind") == "event", 30)
-    return {a.name for a in ev.event.adapters}
+    return start_engine_and_control(files / model, files / "adapters", workdir)
 
 
 def test_another_model_replays_nothing(files, tmp_path):
@@ -118,13 +101,13 @@ def test_another_model_replays_nothing(files, tmp_path):
     with _start(files, "model-a", tmp_path) as c:
         with AdminClient(c.control_address) as admin:
             admin.load("x", "x")
-        assert _replayed(c) == {"x"}
+        assert replayed(c) == {"x"}
     with _start(files, "model-b", tmp_path) as c:
-        assert _replayed(c) == set()
+        assert replayed(c) == set()
         with AdminClient(c.control_address) as admin:
             assert list(admin.list()) == []
         skipped = [json.loads(line) for line in c.log_tail("control", 100_000).splitlines()
                    if '"registry_skipped"' in line]
         assert [a["name"] for a in skipped[0]["adapters"]] == ["x"]
     with _start(files, "model-a", tmp_path) as c:  # back: its adapters come back
-        assert _replayed(c) == {"x"}
+        assert replayed(c) == {"x"}

@@ -10,12 +10,12 @@ import socket
 import struct
 
 import pytest
-from blake3 import blake3
 
 from loramux_core.adapter.safetensors_buffer import parse_header
 from loramux_core import safe_files
 from loramux_core.errors import AdapterError
 from loramux_core.safe_files import AdapterRoots, PathRefused, open_adapter_dir
+from tests.support import digests
 
 
 @pytest.fixture
@@ -42,25 +42,10 @@ def test_reads_whole_file_once_with_its_hash(tree):
     roots = AdapterRoots([str(root)])
     with roots.open_dir("deep/er") as d:
         got = d.read("f", max_bytes=100)
-    assert got.data == b"x" * 100 and got.digest == _chunked_blake3(b"x" * 100)
+    assert got.data == b"x" * 100 and got.digest == digests.v2(b"x" * 100)
     with roots.open_dir(str(root / "ok")) as d:     # absolute, under the root
         assert d.read("f", 5).data == b"hello"
     assert roots.canonical("ok") == str(root / "ok")
-
-
-def _chunked(data: bytes, tag: bytes, hash_chunk, chunk: int = 4 << 20) -> str:
-    parts = [hash_chunk(data[o:o + chunk]).digest() for o in range(0, max(len(data), 1), chunk)]
-    return hashlib.sha256(tag + len(data).to_bytes(8, "little") + b"".join(parts)).hexdigest()
-
-
-def _chunked_blake3(data: bytes) -> str:
-    """The digest spelled out: sha256 over a tag, the size and each 4 MiB chunk's BLAKE3."""
-    return _chunked(data, b"loramux chunked blake3 v2\n", blake3)
-
-
-def _chunked_sha256(data: bytes) -> str:
-    """The v1 digest spelled out: the same with each chunk's sha256."""
-    return _chunked(data, b"loramux chunked sha256 v1\n", hashlib.sha256)
 
 
 @pytest.mark.parametrize("size", [0, 1, (4 << 20) - 1, 4 << 20, (4 << 20) + 1, (9 << 20) + 7])
@@ -74,8 +59,8 @@ def test_large_files_hash_in_chunks_into_a_given_buffer(tmp_path, size):
     with open_adapter_dir(str(tmp_path), None) as d:
         plain, into = d.read("f", size), d.read("f", size, alloc=lambda n: memoryview(given))
     assert plain.data == data and bytes(into.data) == data and len(into.data) == size
-    assert plain.digest == into.digest == file_digest(data) == _chunked_blake3(data)
-    assert file_digest_v1(into.data) == _chunked_sha256(data) != plain.digest
+    assert plain.digest == into.digest == file_digest(data) == digests.v2(data)
+    assert file_digest_v1(into.data) == digests.v1(data) != plain.digest
     assert legacy_sha256(into.data) == hashlib.sha256(data).hexdigest()
     if size:
         changed = bytearray(data)
