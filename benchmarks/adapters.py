@@ -11,6 +11,8 @@
               and LoadAdapters batches) and the decode step of live streams meanwhile
     stages    the CPU of one 84 MB load, stage by stage, in process and through a loader
               process (read, digest, header checks, conversion, bounds, fresh pages)
+    first-touch  fresh host memory: populate on 1..N threads (GB/s) and page-locking, with
+              a stand-in step thread's stalls meanwhile
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ CASES = {
                   tiny=("--tiny",)),
     "stages": Case("benchmarks.bench_load_stages", "the CPU of one adapter load, by stage",
                    devices=("cpu",), tiny=("--tiny",)),
+    "first-touch": Case("benchmarks.bench_first_touch", "fresh host memory and the step",
+                        devices=("cuda", "cpu"), tiny=("--tiny",)),
 }
 
 if __name__ == "__main__":
