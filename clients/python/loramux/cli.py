@@ -57,6 +57,17 @@ def _control_arguments(p: argparse.ArgumentParser) -> None:
     tls.add_arguments(p)
 
 
+def _control_arguments_again() -> argparse.ArgumentParser:
+    """The same options for the actions of `adapters`, so they may also follow the action
+    (`loramux adapters list --control HOST:PORT`); given there, they win; not given, they
+    leave what came before the action (its defaults included) as it is."""
+    again = argparse.ArgumentParser(add_help=False)
+    _control_arguments(again)
+    for action in again._actions:
+        action.default = argparse.SUPPRESS
+    return again
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="loramux", description="loramux client and launcher")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -79,10 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("adapters", help="manage adapters on the control plane")
     _control_arguments(a)
     asub = a.add_subparsers(dest="action", required=True)
-    reg = asub.add_parser("register")
+    again = [_control_arguments_again()]
+    reg = asub.add_parser("register", parents=again)
     reg.add_argument("name")
     reg.add_argument("path")
-    load = asub.add_parser("load")
+    load = asub.add_parser("load", parents=again)
     load.add_argument("name")
     load.add_argument("--path", default=None, help="register from this path first")
     load.add_argument("--pinned", action=argparse.BooleanOptionalAction, default=None,
@@ -90,12 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--replica", type=int, action="append", dest="replicas", default=None,
                       help="engine replica (index) to place it on, repeatable; default: every "
                            "replica (or the placement it has)")
-    many = asub.add_parser("load-many", help="load many adapters in one LoadAdapters call")
+    many = asub.add_parser("load-many", help="load many adapters in one LoadAdapters call",
+                           parents=again)
     many.add_argument("file", help="lines of `name path` ('-': standard input); each "
                       "adapter gets its own status, one refused fails no other")
     for action in ("unload", "unregister", "pin", "unpin", "get"):
-        asub.add_parser(action).add_argument("name")
-    lst = asub.add_parser("list")
+        asub.add_parser(action, parents=again).add_argument("name")
+    lst = asub.add_parser("list", parents=again)
     lst.add_argument("--page-size", type=_int_in(0, _INT32, "must be >= 0"), default=0)
 
     st = sub.add_parser("status", help="each engine replica's state, from the control plane")
