@@ -6,18 +6,9 @@ token, counts the original prompt, and a seeded sampled request continues with t
 tokens. A bad resume is refused and disturbs nothing."""
 import pytest
 
-from engine import Engine, EngineConfig, FinishReason, InvalidRequestError, SamplingParams
+from engine import FinishReason, InvalidRequestError, SamplingParams
 from tests.test_engine_parity import prompts_of
-
-
-@pytest.fixture(scope="module")
-def eng(llama_family):
-    eng = Engine(EngineConfig(model=str(llama_family.model_dir), max_loras=2, max_lora_rank=32,
-                              max_num_batched_tokens=32, block_size=8, num_kv_blocks=64,
-                              max_model_len=200))
-    for name, path in llama_family.adapters.items():
-        eng.add_adapter(name, path)
-    return eng
+from tests.test_engine_requests import eng  # noqa: F401 - the same small engine, a fixture
 
 
 def run(eng, rid, prompt, params, adapter, generated=()):
