@@ -159,6 +159,9 @@ def pytest_runtest_setup(item):
     item.config.stash[ENGINE_DEVICE] = marker.args[0] if marker else TEST_DEVICE
 
 
+CUDA_SUITE_LOADERS = 2   # adapter loader processes per engine under the CUDA suite
+
+
 def placed(config, device: str):
     """`config` as the suite runs it on `device`: there, in float32 unless it names a
     dtype (the oracle's precision)."""
@@ -169,9 +172,6 @@ def placed(config, device: str):
     if device != "cpu" and loaders is None:
         loaders = CUDA_SUITE_LOADERS
     return dataclasses.replace(config, device=device, dtype=dtype, adapter_loaders=loaders)
-
-
-CUDA_SUITE_LOADERS = 2
 
 
 def served_engine_args() -> tuple[str, ...]:
