@@ -89,7 +89,8 @@ def defaults(args) -> None:
 
 
 def routed(metrics_url: str) -> dict[str, float]:
-    """The gateway's routing decisions so far: {decision: requests}."""
+    """The gateway's routing decisions so far: {decision: requests, "replica N": requests}
+    (the second kind tells whether the replicas got even shares)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
@@ -97,7 +98,8 @@ def routed(metrics_url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "loramux:routed_requests_total":
-                out[s.labels["decision"]] = out.get(s.labels["decision"], 0.0) + s.value
+                for key in (s.labels["decision"], f"replica {s.labels['replica']}"):
+                    out[key] = out.get(key, 0.0) + s.value
     return out
 
 
@@ -167,14 +169,14 @@ def _f(x, digits=1) -> str:
 def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["gpus"] == 1), None)
     lines = ["| layout | GPUs | streams | done/sent | tok/s | tok/s/GPU | vs 1x1 per GPU | "
-             "TTFT p50 ms | ITL p50 ms | affinity hits | spills |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TTFT p50 ms | ITL p50 ms | affinity hits | spills | requests per replica |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['layout']} | {r['gpus']} | failed: {r['error'][:80]} |")
             continue
         route = r.get("routing", {})
-        total = sum(route.values())
+        total = sum(v for k, v in route.items() if not k.startswith("replica "))
         hits = (route.get("slot", 0) + route.get("host", 0)) / total if total else None
         rel = (r["output_tok_per_s_per_gpu"] / base["output_tok_per_s_per_gpu"]
                if base and base.get("output_tok_per_s_per_gpu") else None)
@@ -182,7 +184,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['layout']} | {r['gpus']} | {r['concurrency']} | {r['completed']}/{r['requests']} | "
             f"{_f(r['output_tok_per_s'])} | {_f(r['output_tok_per_s_per_gpu'])} | {_f(rel, 2)} | "
             f"{_f((r['ttft_s']['p50'] or 0) * 1e3)} | {_f((r['itl_s']['p50'] or 0) * 1e3, 2)} | "
-            f"{_f(None if hits is None else 100 * hits)}% | {int(route.get('spill', 0))} |")
+            f"{_f(None if hits is None else 100 * hits)}% | {int(route.get('spill', 0))} | "
+            f"{' / '.join(str(int(v)) for k, v in sorted(route.items()) if k.startswith('replica '))} |")
     return "\n".join(lines)
 
 

@@ -27,10 +27,12 @@ def row(layout, gpus, tok_s, routing):
 
 def test_table_is_per_gpu_against_one_gpu():
     text = table([row("1x1", 1, 1000.0, {"slot": 10}),
-                  row("2x1", 2, 1800.0, {"slot": 6, "host": 1, "cold": 1, "spill": 2}),
+                  row("2x1", 2, 1800.0, {"slot": 6, "host": 1, "cold": 1, "spill": 2,
+                                          "replica 0": 7, "replica 1": 3}),
                   {"layout": "1x2", "gpus": 2, "error": "RuntimeError: engine exited"}])
     lines = text.splitlines()
     assert lines[2].split("|")[5:8] == [" 1000.0 ", " 1000.0 ", " 1.00 "]
     assert lines[3].split("|")[5:8] == [" 1800.0 ", " 900.0 ", " 0.90 "]
-    assert lines[3].split("|")[10:12] == [" 70.0% ", " 2 "]  # (6 + 1) / 10 hits, 2 spills
+    # (6 + 1) / 10 hits, 2 spills; the replicas' shares are not decisions
+    assert lines[3].split("|")[10:13] == [" 70.0% ", " 2 ", " 7 / 3 "]
     assert "failed: RuntimeError: engine exited" in lines[4]

@@ -11,6 +11,7 @@ both."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import urllib.request
@@ -216,6 +217,11 @@ def test_requests_go_to_the_replica_holding_their_adapter(cluster, admin, offlin
     assert sum(v for (r, _), v in moved.items() if r == "0") == 4
     hits = sum(v for (_, d), v in moved.items() if d in ("slot", "host"))
     assert hits / sum(moved.values()) == 1.0, moved
+    # each request's log line names the replica it ran on
+    lines = [json.loads(line) for line in cluster.log_path("gateway").read_text().splitlines()
+             if '"generate"' in line and '"solo' in line]
+    assert {(d["adapter"], d["replica"], d["attempts"]) for d in lines[-8:]} == {
+        ("solo1", 1, 1), ("solo0", 0, 1)}, lines[-8:]
 
 
 def test_load_spreads_over_both_replicas(cluster, admin, offline):

@@ -173,6 +173,14 @@ class EngineClient:
             raise Rejected(grpc.StatusCode.UNAVAILABLE, "the engine is unavailable")
         flight.replica.sent += 1
 
+    def placement_of(self, handle: str) -> tuple[int | None, int]:
+        """(index of the replica `handle` runs on, None while stranded or unknown; attempts
+        sent so far): for the request's log line."""
+        flight = self._flights.get(handle)
+        if flight is None:
+            return None, 0
+        return (None if flight.replica is None else flight.replica.index), flight.attempts
+
     def release(self, handle: str, abort: bool) -> None:
         """Forget `handle`; with abort, tell its engine to stop it and free its KV."""
         flight = self._flights.pop(handle, None)

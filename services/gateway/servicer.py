@@ -101,6 +101,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise
         finally:
             if rid is not None:
+                replica, attempts = self.engine.placement_of(rid)
+                log = log.bind(replica=replica, attempts=attempts)
                 self.engine.release(rid, abort=not finished)
                 self.metrics.inflight.dec()
             self.metrics.requests.labels(st.label, status).inc()
