@@ -4,10 +4,12 @@ The warm-up (engine/warmup.py) launches every kernel variant a configuration can
 one after the other: on a fresh machine each launch of a new variant compiles it in this
 one process, on one core (an H200 host has 16). So first a dry run of the same warm-up
 lists the variants without compiling or launching any (Triton's jit_cache_hook sees
-each variant's specialization and says "skip"); then N worker processes
-(`python -m engine.precompile`, no model, one CUDA context each) compile a share of
-the list each (JITFunction.preload) into the shared Triton cache ($TRITON_CACHE_DIR);
-then the real warm-up finds every variant on disk. The graphs the dry run captured
+each variant's specialization and says "skip"), and N worker processes
+(`python -m engine.precompile -`, no model, one CUDA context each), started before it,
+compile each variant (JITFunction.preload) into the shared Triton cache
+($TRITON_CACHE_DIR) as soon as the dry run finds it, dealt out in turn: the workers'
+start and most of their compiling happen while the listing still runs. Then the real
+warm-up finds every variant on disk. The graphs the dry run captured
 launched nothing and are dropped.
 
 A finished precompile marks the cache with a fingerprint of the engine's resolved
@@ -22,9 +24,11 @@ import hashlib
 import importlib
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -93,9 +97,10 @@ def cache_dir() -> Path:
     return Path(default_cache_dir())
 
 
-def list_variants(run) -> list[tuple[str, str, str]]:
+def list_variants(run, found=None) -> list[tuple[str, str, str]]:
     """(module, function name, Triton specialization data) of every kernel variant
     `run()` would compile, in launch order; nothing is compiled or launched meanwhile.
+    `found(variant)`, if given, is called with each new one as it is found.
 
     Triton asks its jit_cache_hook before each compile, and a "skip" leaves the variant
     uncompiled, so every later launch of it asks again and pays for serializing its
@@ -109,7 +114,11 @@ def list_variants(run) -> list[tuple[str, str, str]]:
     known: set[tuple[int, object]] = set()
 
     def skip(*, fn, compile, **_):
-        seen.setdefault((fn.module, fn.name, compile["specialization_data"]), None)
+        variant = (fn.module, fn.name, compile["specialization_data"])
+        if variant not in seen:
+            seen[variant] = None
+            if found is not None:
+                found(variant)
         return True
 
     do_compile = JITFunction._do_compile
@@ -148,12 +157,16 @@ def precompile(engine, workers: int | None, progress=None,
     if marker.exists():
         return PrecompileReport(0, 0, 0.0, skipped="the compile cache is warm")
     if progress is not None:
-        progress.advance("listing kernel variants", 0.0)
-    variants = list_variants(lambda: engine.warm_up())
+        progress.advance(f"listing kernel variants, compiling them in {count} processes", 0.0)
+    with tempfile.TemporaryDirectory(prefix="loramux-precompile-") as tmp:
+        workers = _Workers(count, Path(tmp))
+        try:
+            variants = list_variants(lambda: engine.warm_up(), found=workers.send)
+        finally:
+            listed = time.perf_counter() - start
+            failed = workers.finish(progress, time.monotonic() + timeout_s)
     if engine.runner.graphs is not None:
         engine.runner.graphs.release()   # captured without their kernels: useless
-    listed = time.perf_counter() - start
-    failed = _compile(variants, count, progress, time.monotonic() + timeout_s)
     if not failed:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{len(variants)} variants\n")
@@ -161,34 +174,77 @@ def precompile(engine, workers: int | None, progress=None,
                             failed=failed)
 
 
-def _compile(variants, workers: int, progress, deadline: float) -> int:
-    """Compile `variants` in `workers` processes; how many failed."""
-    with tempfile.TemporaryDirectory(prefix="loramux-precompile-") as tmp:
-        procs = []
-        for i in range(workers):
-            share = Path(tmp) / f"share-{i}.json"
-            share.write_text(json.dumps(variants[i::workers]))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "engine.precompile", str(share)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_worker_env()))
-        failed = 0
-        for done, proc in enumerate(procs, 1):
+class _Workers:
+    """Compile worker processes fed variants over their stdin, one JSON line each, dealt
+    out in turn as the dry run finds them (a thread per worker writes, so a slow worker
+    never blocks the listing); each prints how many it could not compile when its input
+    ends. Their output goes to files: a worker that says much never stalls on a pipe."""
+
+    def __init__(self, count: int, tmp: Path):
+        self.procs, self._queues, self._threads, self._logs = [], [], [], []
+        self.sent = 0
+        for i in range(count):
+            out, err = open(tmp / f"out-{i}", "w+"), open(tmp / f"err-{i}", "w+")
+            self._logs.append((out, err))
+            proc = subprocess.Popen([sys.executable, "-m", "engine.precompile", "-"],
+                                    stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    env=_worker_env(), text=True)
+            q: queue.Queue = queue.Queue()
+            thread = threading.Thread(target=self._feed, args=(proc, q), daemon=True,
+                                      name=f"precompile-feed-{i}")
+            thread.start()
+            self.procs.append(proc)
+            self._queues.append(q)
+            self._threads.append(thread)
+
+    @staticmethod
+    def _feed(proc, q: queue.Queue) -> None:
+        try:
+            while (variant := q.get()) is not None:
+                proc.stdin.write(json.dumps(variant) + "\n")
+                proc.stdin.flush()
+        except OSError:   # the worker died: finish() reports its exit status
+            pass
+        finally:
             try:
-                out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                proc.stdin.close()
+            except OSError:
+                pass
+
+    def send(self, variant) -> None:
+        self._queues[self.sent % len(self._queues)].put(variant)
+        self.sent += 1
+
+    def finish(self, progress, deadline: float) -> int:
+        """End the input, wait for every worker (killed at `deadline`); how many variants
+        failed (a worker that exited badly: every variant it was sent)."""
+        for q in self._queues:
+            q.put(None)
+        failed, n = 0, len(self.procs)
+        for done, (proc, thread, (out, err)) in enumerate(
+                zip(self.procs, self._threads, self._logs), 1):
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                out, err = proc.communicate()
-            if proc.returncode != 0:
-                tail = err.decode(errors="replace").strip().splitlines()[-2:]
+                proc.wait()
+            thread.join(timeout=10)
+            out.seek(0)
+            err.seek(0)
+            said = out.read().strip()
+            if proc.returncode != 0 or not said.isdigit():
+                tail = err.read().strip().splitlines()[-2:]
                 print(f"engine precompile worker exited {proc.returncode}: {' | '.join(tail)}",
                       file=sys.stderr, flush=True)
-                failed += len(variants[done - 1::workers])
+                failed += len(range(done - 1, self.sent, n))
             else:
-                failed += int(out.decode().strip() or 0)
+                failed += int(said)
+            out.close()
+            err.close()
             if progress is not None:
-                progress.advance(f"compiling {len(variants)} kernel variants in {workers} "
-                                 f"processes, {done}/{workers} done", done / workers)
-    return failed
+                progress.advance(f"compiling {self.sent} kernel variants in {n} "
+                                 f"processes, {done}/{n} done", done / n)
+        return failed
 
 
 def _worker_env() -> dict:
@@ -224,9 +280,11 @@ def compile_share(variants) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.precompile",
                                 description="One compile worker of an engine's start.")
-    p.add_argument("share", help="JSON list of [module, function, specialization data]")
-    a = p.parse_args(argv)
-    print(compile_share(json.loads(Path(a.share).read_text())), flush=True)
+    p.add_argument("input", choices=["-"],
+                   help="- : [module, function, specialization data] as JSON, one a line "
+                        "on stdin, compiled as they come until it ends")
+    p.parse_args(argv)
+    print(compile_share(json.loads(line) for line in sys.stdin if line.strip()), flush=True)
     return 0
 
 

@@ -1,19 +1,17 @@
 """engine/precompile.py, the parts a CPU can run: the dry run lists each variant Triton
 is asked to compile once and has it skipped; a worker process compiles its share and
 counts the variants it could not compile (here: every one, there is no GPU) without
-failing; the cache mark is keyed by everything that picks variants; an engine on the CPU
+failing, also when it is fed while the listing runs; the cache mark is keyed by everything that picks variants; an engine on the CPU
 has nothing to precompile. The GPU path (variants listed, compiled in parallel, the
 warm-up then loading every one from the disk cache) is measured by
 benchmarks/bench_startup.py, whose warm-up line counts the variants compiled there."""
 import dataclasses
-import json
-import subprocess
-import sys
+import time
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.precompile import default_workers, fingerprint, list_variants, precompile
+from engine.precompile import _Workers, default_workers, fingerprint, list_variants, precompile
 from triton import knobs
 
 
@@ -31,20 +29,34 @@ def test_the_dry_run_lists_each_variant_once_and_skips_its_compile():
         assert answers == [True] * 4   # skipped: neither compiled nor launched
 
     before = knobs.runtime.jit_cache_hook
-    assert list_variants(run) == [("kernels.m", "a", "1"), ("kernels.m", "b", "1"),
-                                  ("kernels.m", "a", "2")]
+    found = []
+    assert list_variants(run, found=found.append) == [
+        ("kernels.m", "a", "1"), ("kernels.m", "b", "1"), ("kernels.m", "a", "2")]
+    assert found == list_variants(run)   # each new one handed on once, in order
     assert knobs.runtime.jit_cache_hook is before
 
 
-def test_a_worker_counts_what_it_could_not_compile_and_exits_cleanly(tmp_path):
-    share = tmp_path / "share.json"
-    share.write_text(json.dumps([["kernels.elementwise_kernels_triton", "no_such_kernel", "{}"],
-                                 ["no.such.module", "k", "{}"]]))
-    done = subprocess.run([sys.executable, "-m", "engine.precompile", str(share)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "2"
-    assert "no_such_kernel" in done.stderr and "no.such.module" in done.stderr
+def test_workers_compile_what_they_are_fed_and_count_what_they_could_not(tmp_path):
+    """Variants sent while the listing runs reach the workers in turn; each worker counts
+    what it could not compile (here every one: no GPU, or no such kernel) and exits
+    cleanly when its input ends; the total is every variant sent."""
+    workers = _Workers(2, tmp_path)
+    bad = [("kernels.elementwise_kernels_triton", "no_such_kernel", "{}"),
+           ("no.such.module", "k", "{}"), ("no.such.module", "k2", "{}")]
+    for variant in bad:
+        workers.send(variant)
+    assert workers.finish(None, time.monotonic() + 120) == 3
+    assert [p.returncode for p in workers.procs] == [0, 0]
+
+
+def test_a_worker_that_dies_counts_every_variant_it_was_sent(tmp_path, capfd):
+    workers = _Workers(2, tmp_path)
+    workers.procs[1].kill()
+    for i in range(3):
+        workers.send(("no.such.module", f"k{i}", "{}"))
+    # worker 0 got k0 and k2 and could not compile them; worker 1 died with k1
+    assert workers.finish(None, time.monotonic() + 120) == 3
+    assert "engine precompile worker exited -9" in capfd.readouterr().err
 
 
 def test_the_cache_mark_follows_what_picks_variants(llama_family):
