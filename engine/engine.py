@@ -397,19 +397,21 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def warm_up(self, progress: StartupProgress | None = None,
-                force: bool = False) -> WarmupReport | None:
+    def warm_up(self, progress: StartupProgress | None = None, force: bool = False,
+                only=None, on_shape=None) -> WarmupReport | None:
         """Compile every kernel variant and capture every CUDA graph the limits can reach
         (engine/warmup.py), before any request, telling `progress` how far it is; None
         where there is nothing to compile (the CPU runs torch references; `force`: run
         it there all the same) or where it is not supported yet (tensor parallelism:
-        every rank would have to run the same warm-up steps)."""
+        every rank would have to run the same warm-up steps). `only`, `on_shape`: as
+        engine.warmup.warm_up's (the eager shapes a parallel compile found covering)."""
         if (self.device.type != "cuda" and not force) or self.executor.tp.size > 1:
             return None
         assert not self.scheduler.has_unfinished(), "warm up before serving requests"
         c = self.config
         return warm_up(self.runner, self.num_kv_blocks, c.block_size, c.max_num_seqs,
-                       c.max_num_batched_tokens, self.max_model_len, progress)
+                       c.max_num_batched_tokens, self.max_model_len, progress, only=only,
+                       on_shape=on_shape)
 
     def describe(self) -> str:
         """The resolved configuration in one line (the server logs it at start-up)."""

@@ -13,8 +13,10 @@ warm-up finds every variant on disk. The graphs the dry run captured
 launched nothing and are dropped.
 
 A finished precompile marks the cache with a fingerprint of the engine's resolved
-configuration, the source of engine/ and kernels/, torch, triton and the GPU; a start
-that finds the mark goes straight to the warm-up. Nothing depends on the workers for
+configuration, the source of engine/ and kernels/, torch, triton and the GPU, and keeps
+in the mark the eager shapes that first launched some variant in the dry run
+(engine/warmup.py CoveringShapes); a start that finds the mark goes straight to the
+warm-up, which then runs only those shapes (the one after a dry run too). Nothing depends on the workers for
 correctness: a variant they missed or failed is compiled by the warm-up itself."""
 from __future__ import annotations
 
@@ -44,13 +46,17 @@ class PrecompileReport:
     list_seconds: float = 0.0   # the dry run that listed the variants
     skipped: str = ""           # why nothing ran ("" when it did)
     failed: int = 0             # variants a worker could not compile (the warm-up will)
+    shapes: tuple | None = None  # the eager shapes that cover every variant (None: unknown)
 
     def __str__(self) -> str:
+        cover = ("" if self.shapes is None else
+                 f"; {len(self.shapes)} eager shapes cover them all")
         if self.skipped:
-            return f"parallel compile skipped ({self.skipped})"
+            return f"parallel compile skipped ({self.skipped}){cover}"
         return (f"parallel compile: {self.variants} kernel variants listed in "
                 f"{self.list_seconds:.1f} s, compiled by {self.workers} processes; "
-                f"{self.seconds:.1f} s in all" + (f", {self.failed} failed" if self.failed else ""))
+                f"{self.seconds:.1f} s in all" + (f", {self.failed} failed" if self.failed else "")
+                + cover)
 
 
 def default_workers(cpu_count: int) -> int:
@@ -155,23 +161,45 @@ def precompile(engine, workers: int | None, progress=None,
     start = time.perf_counter()
     marker = cache_dir() / f"loramux-precompiled-{fingerprint(engine.config)}"
     if marker.exists():
-        return PrecompileReport(0, 0, 0.0, skipped="the compile cache is warm")
+        return PrecompileReport(0, 0, 0.0, skipped="the compile cache is warm",
+                                shapes=read_mark(marker))
+    from engine.warmup import CoveringShapes   # here: the workers never import the model
+
     if progress is not None:
         progress.advance(f"listing kernel variants, compiling them in {count} processes", 0.0)
+    covering = CoveringShapes()
+
+    def found(variant) -> None:
+        workers.send(variant)
+        covering.found()
+
     with tempfile.TemporaryDirectory(prefix="loramux-precompile-") as tmp:
         workers = _Workers(count, Path(tmp))
         try:
-            variants = list_variants(lambda: engine.warm_up(), found=workers.send)
+            variants = list_variants(lambda: engine.warm_up(on_shape=covering.at), found=found)
         finally:
             listed = time.perf_counter() - start
             failed = workers.finish(progress, time.monotonic() + timeout_s)
     if engine.runner.graphs is not None:
         engine.runner.graphs.release()   # captured without their kernels: useless
+    shapes = tuple(covering.shapes)
     if not failed:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"{len(variants)} variants\n")
+        marker.write_text(json.dumps({"variants": len(variants),
+                                      "shapes": [dataclasses.astuple(s) for s in shapes]}))
     return PrecompileReport(count, len(variants), time.perf_counter() - start, listed,
-                            failed=failed)
+                            failed=failed, shapes=shapes)
+
+
+def read_mark(marker: Path) -> tuple | None:
+    """The covering eager shapes a cache mark keeps; None where it keeps none (a mark of
+    an older version, or unreadable: the warm-up then runs every shape)."""
+    from engine.warmup import EagerShape
+
+    try:
+        return tuple(EagerShape(*row) for row in json.loads(marker.read_text())["shapes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class _Workers:

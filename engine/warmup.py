@@ -35,6 +35,13 @@ What a step can look like is bounded by the config:
   some shape's sampling rows). tests/test_warmup.py records the kernels' launch keys
   and fails if a step after warm-up launches one the warm-up did not.
 
+Only some eager shapes launch a variant no earlier shape did. The parallel compile's dry
+run (engine/precompile.py) notes them (`CoveringShapes`) and keeps them with its cache
+mark; a warm-up told them (`only`) runs just those shapes, and the largest one (the
+caching allocator's peak), instead of every shape: each variant is then still launched
+once, loaded from the disk cache, before serving. On an H200 that is a few dozen shapes
+of 1,906.
+
 Each eager step runs over a slice of the decoder layers (engine/warmup_layers.py: the
 first, and one standing for the rest), which launches every variant the whole model does
 at a fraction of the work; the graphs are captured over the whole model. Progress goes to
@@ -189,29 +196,60 @@ def eager_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
     return out
 
 
+class CoveringShapes:
+    """The eager shapes that launched a kernel variant first, in order: `at(shape)`
+    before each eager step (None once they are done), `found()` at each new variant."""
+
+    def __init__(self):
+        self.current: EagerShape | None = None
+        self.shapes: list[EagerShape] = []
+
+    def at(self, shape: EagerShape | None) -> None:
+        self.current = shape
+
+    def found(self, *_) -> None:
+        if self.current is not None and (not self.shapes or self.shapes[-1] != self.current):
+            self.shapes.append(self.current)
+
+
+def chosen_shapes(shapes: list[EagerShape], only) -> list[EagerShape]:
+    """`shapes` kept where they are in `only` (None: all of them), and always the one of
+    the most tokens (the largest step: the caching allocator's peak)."""
+    if only is None:
+        return shapes
+    keep = set(only) | {max(shapes, key=lambda s: (s.num_tokens, s.context))}
+    return [s for s in shapes if s in keep]
+
+
 def warm_up(runner, num_kv_blocks: int, block_size: int, max_num_seqs: int,
             max_num_batched_tokens: int, max_model_len: int,
-            progress: StartupProgress | None = None) -> WarmupReport:
+            progress: StartupProgress | None = None, only=None,
+            on_shape=None) -> WarmupReport:
     """Run every eager shape over a slice of the layers that launches every kernel
     variant of the whole model (engine/warmup_layers.py), then capture every graph key
     (CUDA graphs on). The KV cache is written with garbage: call before any request (no
     block holds cached data yet). `progress`: told after each step and capture (the
     share of the work done: an eager step counts 1, a capture of the whole model one per
-    layer)."""
+    layer). `only`: the eager shapes to run (`chosen_shapes`; None: all); `on_shape`:
+    told each eager shape before it runs, then None (`CoveringShapes.at`)."""
     start = time.perf_counter()
     graphs, pool = runner.graphs, runner.lora_pool
     count = KernelCount.start()
     layers = representative_layers(runner)
     with pool.extras_marked(0) as extras:   # the eager steps' adapter rows use slot 0
-        shapes = eager_shapes(max_num_batched_tokens, max_num_seqs, max_model_len,
-                              graphs is not None, lambda t: mixed_min_rows(runner.device, t),
-                              head=extras.head)
+        shapes = chosen_shapes(eager_shapes(
+            max_num_batched_tokens, max_num_seqs, max_model_len, graphs is not None,
+            lambda t: mixed_min_rows(runner.device, t), head=extras.head), only)
         keys = graph_keys(graphs.buckets[-1], graphs.min_rows, extras) if graphs else []
         report = _Progress(progress, len(shapes), len(keys), len(runner.kv_caches))
         with only_layers(runner, layers):
             for shape in shapes:
+                if on_shape is not None:
+                    on_shape(shape)
                 _eager_step(runner, shape, num_kv_blocks, block_size)
                 report.eager_step()
+            if on_shape is not None:
+                on_shape(None)
     eager_done = time.perf_counter()
     captured = 0
     for key in keys:   # one at a time: progress between captures

@@ -6,12 +6,14 @@ has nothing to precompile. The GPU path (variants listed, compiled in parallel, 
 warm-up then loading every one from the disk cache) is measured by
 benchmarks/bench_startup.py, whose warm-up line counts the variants compiled there."""
 import dataclasses
+import json
 import time
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.precompile import _Workers, default_workers, fingerprint, list_variants, precompile
+from engine.precompile import (_Workers, default_workers, fingerprint, list_variants, precompile,
+                               read_mark)
 from triton import knobs
 
 
@@ -81,3 +83,15 @@ def test_the_cpu_has_nothing_to_precompile(llama_family):
                               num_kv_blocks=16, max_num_batched_tokens=16))
     assert precompile(eng, workers=4) is None
     assert default_workers(16) == 8 and default_workers(2) == 1 and default_workers(1) == 0
+
+
+def test_the_cache_mark_keeps_the_covering_shapes(tmp_path):
+    from engine.warmup import EagerShape
+
+    shapes = (EagerShape(1, 1, 0, True), EagerShape(66, 17, 233, True, spread=False))
+    mark = tmp_path / "mark"
+    mark.write_text(json.dumps({"variants": 9, "shapes": [dataclasses.astuple(s) for s in shapes]}))
+    assert read_mark(mark) == shapes
+    mark.write_text("90 variants\n")   # a mark of an older version: every shape runs
+    assert read_mark(mark) is None
+    assert read_mark(tmp_path / "absent") is None

@@ -20,7 +20,8 @@ from engine.cuda_graph import decode_buckets, graph_key
 from engine.lora.batch import spread_over_adapters
 from engine.lora.pool import LoRAExtras
 from engine.scheduler import ScheduledRequest
-from engine.warmup import eager_shapes, graph_keys, token_counts, warm_up
+from engine.warmup import (CoveringShapes, chosen_shapes, eager_shapes, graph_keys,
+                           token_counts, warm_up)
 from kernels import attention_kernels_triton, elementwise_kernels_triton
 from kernels.lora import launch, mixed_kernels, norm_shrink, segment, silu_shrink, slot_rows, token
 from tests.support.launch_keys import LaunchKeys, force_triton
@@ -173,9 +174,10 @@ class LoRAPaths:
 
 
 def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None, more=None,
-                  **config):
-    """`more`: {name: path} of further adapters, read before the warm-up; `config`: more
-    EngineConfig fields."""
+                  only=None, covering=None, **config):
+    """`more`: {name: path} of further adapters, read before the warm-up; `only`: the
+    warm-up's eager shapes; `covering`: a CoveringShapes told the shapes that launched a
+    new variant; `config`: more EngineConfig fields."""
     force_triton(monkeypatch)
     blocks = limits["max_num_seqs"] * limits["max_model_len"] // 8 + 8
     eng = make_engine(llama_family, ["rs4", "ap8", "attn32"], max_loras=2, block_size=8,
@@ -186,9 +188,19 @@ def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None, more=Non
     keys.lora_paths = LoRAPaths(eng.runner, monkeypatch)
     if shapes is not None:
         monkeypatch.setattr("engine.warmup.eager_shapes", lambda *a, **kw: shapes)
+    seen = [0]
+
+    def at(shape):   # keys launched since the last shape began were that shape's
+        if covering is not None:
+            if len(keys.keys) > seen[0]:
+                covering.found()
+            seen[0] = len(keys.keys)
+            covering.at(shape)
     report = warm_up(eng.runner, eng.num_kv_blocks, 8, limits["max_num_seqs"],
-                     limits["max_num_batched_tokens"], limits["max_model_len"])
+                     limits["max_num_batched_tokens"], limits["max_model_len"], only=only,
+                     on_shape=at)
     assert report.graphs == 0 and report.eager_steps > 0
+    eng.warm_up_report = report
     return eng, keys
 
 
@@ -279,6 +291,32 @@ def test_a_sliding_window_compiles_nothing_after_warm_up(monkeypatch, tmp_path_f
     run_traffic(eng, limits, seed=5)
     new = keys.keys - warm
     assert not new, f"{len(new)} kernel variants first launched after warm-up: {sorted(new)[:3]}"
+
+
+@cpu_model
+def test_the_covering_shapes_alone_leave_nothing_for_traffic(llama_family, monkeypatch):
+    """A warm-up of only the eager shapes that first launched some variant in a full one
+    (what a parallel compile keeps with its cache mark) launches every variant the full
+    one did, and traffic after it launches none new."""
+    covering = CoveringShapes()
+    full, full_keys = warmed_engine(llama_family, monkeypatch, LARGE, covering=covering)
+    assert 0 < len(covering.shapes) < full.warm_up_report.eager_steps
+    monkeypatch.undo()
+    eng, keys = warmed_engine(llama_family, monkeypatch, LARGE, only=covering.shapes)
+    assert eng.warm_up_report.eager_steps <= len(covering.shapes) + 1
+    assert keys.keys == full_keys.keys
+    warm = set(keys.keys)
+    run_traffic(eng, LARGE, seed=5)
+    new = keys.keys - warm
+    assert not new, f"{len(new)} kernel variants first launched after warm-up: {sorted(new)[:3]}"
+
+
+def test_chosen_shapes_keep_the_largest_step():
+    shapes = eager_shapes(66, 17, 300, False, lambda t: 0)
+    largest = max(shapes, key=lambda s: (s.num_tokens, s.context))
+    assert chosen_shapes(shapes, None) == shapes
+    assert chosen_shapes(shapes, [shapes[3]]) == [shapes[3], largest]
+    assert chosen_shapes(shapes, []) == [largest]
 
 
 @cpu_model

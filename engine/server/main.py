@@ -108,7 +108,8 @@ def start_engine(args, config, progress):
         compiled = precompile(engine, args.compile_workers, progress)
         if compiled is not None:
             print(f"engine {compiled}", file=sys.stderr, flush=True)
-        report = engine.warm_up(progress=progress, force=args.debug_warm_up)
+        report = engine.warm_up(progress=progress, force=args.debug_warm_up,
+                                only=None if compiled is None else compiled.shapes)
     except Exception as err:  # serving still works: kernels then compile on first use
         print(f"engine warm-up failed, serving without it: {err!r}", file=sys.stderr,
               flush=True)
