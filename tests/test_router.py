@@ -17,13 +17,37 @@ def view(index, residency=None, waiting=0, sent=0, inflight=0):
     return ReplicaView(index, residency or {}, waiting, sent, inflight)
 
 
-def test_the_best_tier_wins_over_load():
+def test_the_best_tier_wins_over_load_within_the_balance_margin():
     replicas = [view(0, {"a": DISK}, inflight=0), view(1, {"a": HOST}, inflight=9),
-                view(2, {"a": SLOT}, waiting=3, inflight=20)]
+                view(2, {"a": SLOT}, waiting=3, inflight=10)]
     assert choose(replicas, "a", spill_waiting=4) == Choice(2, "slot")
     assert choose(replicas[:2], "a", spill_waiting=4) == Choice(1, "host")
     assert choose([view(0, {"a": DISK}, waiting=3), view(1, {"a": DISK})], "a",
                   spill_waiting=4) == Choice(1, "cold")
+
+
+def test_past_the_margin_the_least_loaded_warm_replica_takes_it():
+    """More than BALANCE_MIN (4) and BALANCE_SHARE (a quarter) more requests than the least
+    loaded replica holding the adapter warm: that one takes the request, at the host tier
+    a `balance` decision; a replica that would read it from disk is never that one."""
+    assert choose([view(0, {"a": SLOT}, inflight=10), view(1, {"a": HOST}, inflight=5)], "a",
+                  spill_waiting=4) == Choice(1, "balance")
+    assert choose([view(0, {"a": SLOT}, inflight=9), view(1, {"a": HOST}, inflight=5)], "a",
+                  spill_waiting=4) == Choice(0, "slot")        # 4 more: within the margin
+    # a quarter of a large load: 130 against 100 balances, 125 against 100 does not
+    assert choose([view(0, {"a": SLOT}, inflight=130), view(1, {"a": HOST}, inflight=100)],
+                  "a", spill_waiting=4) == Choice(1, "balance")
+    assert choose([view(0, {"a": SLOT}, inflight=125), view(1, {"a": HOST}, inflight=100)],
+                  "a", spill_waiting=4) == Choice(0, "slot")
+    # both in a slot: the tier's name
+    assert choose([view(0, {"a": SLOT}, inflight=10), view(1, {"a": SLOT}, inflight=2, sent=9)],
+                  "a", spill_waiting=4) == Choice(1, "slot")
+    # on disk there: affinity stays (a disk read costs more than the imbalance)
+    assert choose([view(0, {"a": SLOT}, inflight=40), view(1, {"a": DISK})], "a",
+                  spill_waiting=4) == Choice(0, "slot")
+    # the base model is warm everywhere
+    assert choose([view(0, inflight=10), view(1, inflight=2, sent=9)], "",
+                  spill_waiting=4) == Choice(1, "slot")
 
 
 def test_a_replica_not_listing_the_adapter_only_when_none_does():
