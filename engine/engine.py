@@ -89,6 +89,9 @@ class Engine:
         self.model, self.lora_pool, self.runner = parts.model, parts.lora_pool, parts.runner
         self.num_kv_blocks = parts.num_kv_blocks
         self.adapter_loaders = parts.loaders  # loader processes (None: reads in-process)
+        # host buffers made ahead for the first loads (engine/lora/host_reserve.py): its
+        # page-locking waits for the server's word (free, hold, pace)
+        self.host_reserve = parts.host_reserve
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.pins = Pins(config.max_loras)  # the one owner of pin state
@@ -113,6 +116,8 @@ class Engine:
             self.max_model_len)
         self.step_seconds = Histogram("step_seconds", STEP_SECONDS)
         self.batch_sizes = Histogram("batch_size", BATCH_SIZES)  # sequences per forward pass
+        if self.host_reserve is not None:   # last: nothing after it can fail the build
+            self.host_reserve.start()
 
     # ---- adapters ---------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False,
@@ -379,6 +384,8 @@ class Engine:
                 self.flush()
             except EngineDeadError:  # a rank is gone (TP): the step's outputs with it
                 self._inflight = None
+        if getattr(self, "host_reserve", None) is not None:
+            self.host_reserve.close()
         if getattr(self, "adapters", None) is not None:
             self.adapters.loader.close()
         executor = getattr(self, "executor", None)
@@ -407,6 +414,8 @@ class Engine:
         if (self.device.type != "cuda" and not force) or self.executor.tp.size > 1:
             return None
         assert not self.scheduler.has_unfinished(), "warm up before serving requests"
+        if self.host_reserve is not None:   # no page-locking while graphs are captured
+            self.host_reserve.hold()
         c = self.config
         return warm_up(self.runner, self.num_kv_blocks, c.block_size, c.max_num_seqs,
                        c.max_num_batched_tokens, self.max_model_len, progress)
@@ -418,7 +427,8 @@ class Engine:
     def stats(self) -> dict:
         """Counters for the control plane and metrics. Per engine: KV blocks (total,
         free), queue lengths, slots used, host copies, pending evictions (retired versions
-        still draining). Per adapter version (keyed by id): name, path, rank, content
+        still draining), the host reserve's buffers (host_reserve_target, _ready, _taken:
+        engine/lora/host_reserve.py; absent without one). Per adapter version (keyed by id): name, path, rank, content
         version, state ("slot" ready in a device slot, "host", or "disk"), slot, pinned,
         unloading, in-flight requests, slot loads and evictions, disk reads, host
         evictions and cached-token hits."""
@@ -429,6 +439,7 @@ class Engine:
             "pending_evictions": self.registry.num_retiring,
             "base_cached_token_hits": self.adapter_service.base_cache_hits,
             "max_loras": self.config.max_loras,
+            **(self.host_reserve.counters() if self.host_reserve is not None else {}),
             "adapters": self._adapter_stats()}
 
     def _adapter_stats(self) -> dict[int, dict]:

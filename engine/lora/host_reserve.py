@@ -1,0 +1,204 @@
+"""Host memory made ready at start for adapters' host copies, before the loads that need it.
+
+A host copy's buffer costs two things the first time (engine/lora/host_buffers.py): the
+kernel's first touch of its pages, which on a VM goes at about 4.7 GB/s for the whole
+process whatever the thread count, and on CUDA page-locking (cudaHostRegister), ~8 ms per
+84 MB under the driver's lock, which every kernel launch of the step thread also takes
+(benchmarks/bench_first_touch.py). An engine's first `max_cpu_loras` loads pay both, so
+they ran at a third of the rate of loads into reused memory and stretched decode steps
+1.5x on an H200. The reserve pays them in the background instead:
+
+    fill thread:  allocate (shared memory with loader processes), populate on
+                  `populate_threads` threads (MADV_POPULATE_WRITE: no driver, no lock)
+                  ──▶ pool: free and ready (CPU), or waiting to be page-locked (CUDA)
+    pin thread:   page-locks them one at a time (CUDA), as the mode allows:
+                  FREE   back to back (start-up, while nothing runs on the device)
+                  HOLD   not at all (CUDA graph capture: a registration on another
+                         thread would invalidate it)
+                  PACED  after each registration of d seconds, a pause of
+                         d * (1 / lock_share - 1): the driver's lock is held at most
+                         `lock_share` of the wall time (serving)
+
+Buffers are of one size class: the host copy of an adapter that wraps every LoRA group
+of the model at max_lora_rank (engine/lora/weights.py full_copy_bytes), so any adapter
+fits one. The reserve makes buffers until the pool's buffers (of every size, made by
+anyone) hold `count` of them in bytes: loads that allocated meanwhile shrink it, and it
+never adds to what they took. It never blocks a load: one that finds no buffer ready
+allocates as without a reserve, one that finds a populated buffer not yet page-locked
+takes it and has it locked by the pool. `close` stops both threads promptly.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.lora.host_buffers import HostBuffer, HostBufferPool, populate
+
+FREE, HOLD, PACED = "free", "hold", "paced"
+POPULATE_THREADS = 4   # populate saturated at 4 threads on an H200 VM (4.69 GB/s; 14: 4.75)
+LOCK_SHARE = 0.1       # of wall time under the driver's lock while serving
+
+
+class HostReserve:
+    """Up to `count` buffers of `nbytes` (rounded to the pool's size class) made ready in
+    `pool` in the background, from `start` until done or `close`; `mode`: page-locking's
+    at start (FREE, HOLD or PACED; module docstring)."""
+
+    def __init__(self, pool: HostBufferPool, nbytes: int, count: int,
+                 populate_threads: int = POPULATE_THREADS, lock_share: float = LOCK_SHARE,
+                 mode: str = FREE, log: Callable[[str], None] | None = None):
+        self.pool = pool
+        self.size = pool.size_class(nbytes)
+        self.target = count          # lowered when the budget ends the fill early
+        # finished: populated, and on CUDA page-locked here or taken by a load before
+        # (the pool locks those)
+        self.num_ready = 0
+        self._locked = 0
+        self.seconds: float | None = None   # from start to complete, once complete
+        self._threads_n = populate_threads
+        self._pause_per_s = 1.0 / lock_share - 1.0
+        self._log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self._cv = threading.Condition()
+        self._mode = mode
+        self._filled = False
+        self._stopped = False
+        self._registering = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._t0 = 0.0
+        pool.reserve_size = self.size
+
+    # ---- control --------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin making the buffers (idempotent)."""
+        if self._threads or self.target <= 0:
+            return
+        self._t0 = time.monotonic()
+        self.pool.reserving = True
+        self._threads = [threading.Thread(target=self._fill, name="host-reserve-fill",
+                                          daemon=True)]
+        if self.pool.pin:
+            self._threads.append(threading.Thread(target=self._pin, name="host-reserve-pin",
+                                                  daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def hold(self) -> None:
+        """No page-locking from now until `free` or `pace`; returns once none is under way."""
+        self._set_mode(HOLD)
+        with self._registering:
+            pass
+
+    def free(self) -> None:
+        """Page-lock back to back."""
+        self._set_mode(FREE)
+
+    def pace(self) -> None:
+        """Page-lock at most LOCK_SHARE of the time (the engine serves)."""
+        self._set_mode(PACED)
+
+    def close(self) -> None:
+        """Stop making buffers; returns once both threads have ended (a populate or a
+        registration under way finishes first: tens of milliseconds)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+        self.pool.reserving = False
+
+    @property
+    def complete(self) -> bool:
+        return self.seconds is not None
+
+    def counters(self) -> dict[str, int]:
+        """host_reserve_target, _ready (finished buffers), _taken (first hand-outs)."""
+        return {"host_reserve_target": self.target, "host_reserve_ready": self.num_ready,
+                "host_reserve_taken": self.pool.num_reserve_taken}
+
+    def _set_mode(self, mode: str) -> None:
+        with self._cv:
+            self._mode = mode
+            self._cv.notify_all()
+
+    # ---- the threads ----------------------------------------------------------------
+    def _fill(self) -> None:
+        """Allocate and populate, a few buffers at a time, until the budget is reached."""
+        budget = self.target * self.size
+        made = 0
+        with ThreadPoolExecutor(self._threads_n, thread_name_prefix="host-reserve") as ex:
+            pending: deque = deque()
+            while not self._stopped:
+                while len(pending) < 2 * self._threads_n:
+                    buf = self.pool.allocate_reserved(self.size, budget)
+                    if buf is None:
+                        break
+                    pending.append(ex.submit(_populate, buf))
+                if not pending:
+                    break
+                self.pool.offer_reserved(pending.popleft().result())
+                made += 1
+                with self._cv:
+                    if not self.pool.pin:
+                        self.num_ready += 1
+                    self._cv.notify_all()
+            for f in pending:   # stopped: allocated already, so they join the pool
+                self.pool.offer_reserved(f.result())
+        with self._cv:
+            self._filled = True
+            if not self._stopped:   # the budget ended it: what was made is the reserve
+                self.target = made
+            self._cv.notify_all()
+        self.pool.reserving = False
+        if not self.pool.pin:
+            self._finish()
+
+    def _pin(self) -> None:
+        """Page-lock the populated buffers one at a time, as the mode allows."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopped or self._mode != HOLD)
+                if self._stopped:
+                    return
+                filled = self._filled
+            buf = self.pool.take_unpinned()
+            if buf is None:
+                if filled:   # every buffer made is locked, or a load took it
+                    self._finish()
+                    return
+                with self._cv:
+                    self._cv.wait(0.05)   # for the fill thread's next one
+                continue
+            with self._registering:
+                if self._mode == HOLD:    # held since the check above: give it back
+                    self.pool.offer_reserved(buf)
+                    continue
+                t = time.monotonic()
+                buf.register()
+                took = time.monotonic() - t
+            self.pool.offer_reserved(buf)
+            with self._cv:
+                self._locked += 1
+                self.num_ready = self._locked + self.pool.num_unpinned_taken
+                if self._mode == PACED:
+                    self._cv.wait_for(lambda: self._stopped, took * self._pause_per_s)
+
+    def _finish(self) -> None:
+        if self._stopped:
+            return
+        if self.pool.pin:
+            self.num_ready = self._locked + self.pool.num_unpinned_taken
+        self.seconds = time.monotonic() - self._t0
+        gb = self.num_ready * self.size / 1e9
+        self._log(f"engine: host reserve complete: {self.num_ready} buffers of "
+                  f"{self.size / 1e6:.1f} MB ({gb:.1f} GB) in {self.seconds:.1f} s, "
+                  f"{self.pool.num_reserve_taken} taken by loads meanwhile")
+
+
+def _populate(buf: HostBuffer) -> HostBuffer:
+    if not populate(buf.data, buf.nbytes):   # no MADV_POPULATE_WRITE: touch each page
+        buf.data[::4096].zero_()
+    return buf
