@@ -32,7 +32,7 @@ from engine.lora.base_copies import BaseLayers
 from engine.lora.weights import check_lora
 from loramux_core.adapter.plan import PlanCache
 from engine.lora.host_buffers import HostBufferPool, shared_memory_pins
-from engine.lora.host_reserve import HOLD, HostReserve
+from engine.lora.host_reserve import HostReserve
 from engine.lora.weights import full_copy_bytes
 from engine.model.dummy import init_dummy_weights
 from engine.model.build import build_model
@@ -113,12 +113,11 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
 def host_reserve(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
                  buffers: HostBufferPool) -> HostReserve | None:
     """config.host_reserve_loras buffers of a full host copy's size (every LoRA group at
-    max_lora_rank) for `buffers`, page-locking held until the engine says (the warm-up
-    captures CUDA graphs); None for none."""
+    max_lora_rank) for `buffers`, not started; None for none."""
     if not config.host_reserve_loras:
         return None
     nbytes = full_copy_bytes(mc, config.max_lora_rank, tp.size, config.torch_dtype)
-    return HostReserve(buffers, nbytes, config.host_reserve_loras, mode=HOLD)
+    return HostReserve(buffers, nbytes, config.host_reserve_loras)
 
 
 def loaders_can_pin(device: torch.device) -> bool:

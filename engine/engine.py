@@ -89,8 +89,7 @@ class Engine:
         self.model, self.lora_pool, self.runner = parts.model, parts.lora_pool, parts.runner
         self.num_kv_blocks = parts.num_kv_blocks
         self.adapter_loaders = parts.loaders  # loader processes (None: reads in-process)
-        # host buffers made ahead for the first loads (engine/lora/host_reserve.py): its
-        # page-locking waits for the server's word (free, hold, pace)
+        # host buffers made ahead for the first loads (engine/lora/host_reserve.py)
         self.host_reserve = parts.host_reserve
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
@@ -117,7 +116,9 @@ class Engine:
         self.step_seconds = Histogram("step_seconds", STEP_SECONDS)
         self.batch_sizes = Histogram("batch_size", BATCH_SIZES)  # sequences per forward pass
         if self.host_reserve is not None:   # last: nothing after it can fail the build
-            self.host_reserve.start()
+            # page-locking is paced while requests run (the step's launches wait for the
+            # driver's lock it holds), back to back while none does
+            self.host_reserve.start(busy=self.scheduler.has_unfinished)
 
     # ---- adapters ---------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False,
@@ -414,11 +415,19 @@ class Engine:
         if (self.device.type != "cuda" and not force) or self.executor.tp.size > 1:
             return None
         assert not self.scheduler.has_unfinished(), "warm up before serving requests"
-        if self.host_reserve is not None:   # no page-locking while graphs are captured
-            self.host_reserve.hold()
         c = self.config
-        return warm_up(self.runner, self.num_kv_blocks, c.block_size, c.max_num_seqs,
-                       c.max_num_batched_tokens, self.max_model_len, progress)
+        reserve = self.host_reserve
+        if reserve is not None:
+            # no page-locking meanwhile: compiles and graph captures take the driver's
+            # lock often, and the start would take longer (it is safe: captures are
+            # thread_local, engine/cuda_graph.py)
+            reserve.hold()
+        try:
+            return warm_up(self.runner, self.num_kv_blocks, c.block_size, c.max_num_seqs,
+                           c.max_num_batched_tokens, self.max_model_len, progress)
+        finally:
+            if reserve is not None:
+                reserve.resume()
 
     def describe(self) -> str:
         """The resolved configuration in one line (the server logs it at start-up)."""

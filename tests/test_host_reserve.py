@@ -11,7 +11,7 @@ import torch
 
 from engine.lora import load_lora
 from engine.lora.host_buffers import HostBufferPool
-from engine.lora.host_reserve import HOLD, HostReserve
+from engine.lora.host_reserve import HostReserve
 from engine.lora.weights import full_copy_bytes
 from loramux_core.model.hf_config import ModelConfig
 from tests.support.tiny import AdapterSpec, make_adapter, make_model
@@ -99,12 +99,41 @@ def test_reserve_never_exceeds_its_budget_with_what_loads_allocated():
     del taken
 
 
+def test_page_locking_paced_while_the_engine_is_busy_back_to_back_when_idle():
+    """A lock share so small that one registration's pause lasts for ever while the
+    engine is busy: one buffer is locked, then none until the engine is idle; `close`
+    ends a pause."""
+    busy = threading.Event()
+    busy.set()
+    pool = HostBufferPool(pin=True)
+    reserve = HostReserve(pool, SIZE, 3, lock_share=1e-12)
+    reserve.start(busy=busy.is_set)
+    deadline = time.monotonic() + 60
+    while reserve.counters()["host_reserve_ready"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert reserve.counters()["host_reserve_ready"] == 1 and not reserve.complete
+    busy.clear()
+    wait_complete(reserve)
+    assert reserve.counters()["host_reserve_ready"] == 3
+    reserve.close()
+    busy.set()
+    paused = HostReserve(HostBufferPool(pin=True), SIZE, 3, lock_share=1e-12)
+    paused.start(busy=busy.is_set)
+    while paused.counters()["host_reserve_ready"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    paused.close()
+    assert not reserve_threads() and not paused.complete
+
+
 def test_page_locking_held_then_resumed_and_loads_take_unlocked_buffers():
     """pin=True: populated buffers wait for page-locking while held (graph capture); a
     load may take one meanwhile; once resumed every buffer is accounted for. (On a machine
     without CUDA registration fails and the buffers stay pageable: the path is the same.)"""
     pool = HostBufferPool(pin=True)
-    reserve = HostReserve(pool, SIZE, 4, mode=HOLD)
+    reserve = HostReserve(pool, SIZE, 4, held=True)
     reserve.start()
     deadline = time.monotonic() + 60
     while pool.allocated_bytes < 4 * SIZE or pool.reserving:
@@ -116,7 +145,7 @@ def test_page_locking_held_then_resumed_and_loads_take_unlocked_buffers():
     assert pool.num_allocations == 0 and pool.num_unpinned_taken == 1
     pool.wait_registered()                       # the pool had it locked itself
     assert early.pin_tried
-    reserve.free()
+    reserve.resume()
     wait_complete(reserve)
     assert reserve.counters() == {"host_reserve_target": 4, "host_reserve_ready": 4,
                                   "host_reserve_taken": 1}
@@ -127,9 +156,9 @@ def test_page_locking_held_then_resumed_and_loads_take_unlocked_buffers():
 
 def test_close_ends_both_threads_while_held_and_while_filling():
     pool = HostBufferPool(pin=True)
-    held = HostReserve(pool, SIZE, 2, mode=HOLD)
+    held = HostReserve(pool, SIZE, 2, held=True)
     held.start()
-    held.close()                      # the pin thread waits in HOLD: it must still end
+    held.close()                      # the pin thread waits, held: it must still end
     assert not reserve_threads() and not held.complete
     big = HostReserve(HostBufferPool(), SIZE, 100_000)   # 20 GB if it were not stopped
     big.start()

@@ -11,13 +11,12 @@ they ran at a third of the rate of loads into reused memory and stretched decode
     fill thread:  allocate (shared memory with loader processes), populate on
                   `populate_threads` threads (MADV_POPULATE_WRITE: no driver, no lock)
                   ──▶ pool: free and ready (CPU), or waiting to be page-locked (CUDA)
-    pin thread:   page-locks them one at a time (CUDA), as the mode allows:
-                  FREE   back to back (start-up, while nothing runs on the device)
-                  HOLD   not at all (CUDA graph capture: a registration on another
-                         thread would invalidate it)
-                  PACED  after each registration of d seconds, a pause of
-                         d * (1 / lock_share - 1): the driver's lock is held at most
-                         `lock_share` of the wall time (serving)
+    pin thread:   page-locks them one at a time (CUDA): back to back while the
+                  engine has no request; while it has, after each registration of d
+                  seconds a pause of d * (1 / lock_share - 1), so that the driver's lock
+                  is held at most `lock_share` of the time its steps run; not at all
+                  while held (`hold`: the warm-up, whose compiles and graph captures
+                  take the lock often, and would take longer to start the engine)
 
 Buffers are of one size class: the host copy of an adapter that wraps every LoRA group
 of the model at max_lora_rank (engine/lora/weights.py full_copy_bytes), so any adapter
@@ -38,19 +37,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.lora.host_buffers import HostBuffer, HostBufferPool, populate
 
-FREE, HOLD, PACED = "free", "hold", "paced"
 POPULATE_THREADS = 4   # populate saturated at 4 threads on an H200 VM (4.69 GB/s; 14: 4.75)
-LOCK_SHARE = 0.1       # of wall time under the driver's lock while serving
+LOCK_SHARE = 0.1       # of wall time under the driver's lock while requests run
+PAUSE_SLICE_S = 0.05   # how often a pause looks whether the engine became idle
 
 
 class HostReserve:
     """Up to `count` buffers of `nbytes` (rounded to the pool's size class) made ready in
-    `pool` in the background, from `start` until done or `close`; `mode`: page-locking's
-    at start (FREE, HOLD or PACED; module docstring)."""
+    `pool` in the background, from `start` until done or `close`; `held`: page-locking
+    waits for `resume` from the start."""
 
     def __init__(self, pool: HostBufferPool, nbytes: int, count: int,
                  populate_threads: int = POPULATE_THREADS, lock_share: float = LOCK_SHARE,
-                 mode: str = FREE, log: Callable[[str], None] | None = None):
+                 held: bool = False, log: Callable[[str], None] | None = None):
         self.pool = pool
         self.size = pool.size_class(nbytes)
         self.target = count          # lowered when the budget ends the fill early
@@ -63,7 +62,8 @@ class HostReserve:
         self._pause_per_s = 1.0 / lock_share - 1.0
         self._log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self._cv = threading.Condition()
-        self._mode = mode
+        self._held = held
+        self._busy: Callable[[], bool] = lambda: True
         self._filled = False
         self._stopped = False
         self._registering = threading.Lock()
@@ -72,10 +72,12 @@ class HostReserve:
         pool.reserve_size = self.size
 
     # ---- control --------------------------------------------------------------------
-    def start(self) -> None:
-        """Begin making the buffers (idempotent)."""
+    def start(self, busy: Callable[[], bool] = lambda: True) -> None:
+        """Begin making the buffers (idempotent). `busy`: whether the engine's steps run
+        now (page-locking is paced only then); any thread may call it."""
         if self._threads or self.target <= 0:
             return
+        self._busy = busy
         self._t0 = time.monotonic()
         self.pool.reserving = True
         self._threads = [threading.Thread(target=self._fill, name="host-reserve-fill",
@@ -87,18 +89,14 @@ class HostReserve:
             t.start()
 
     def hold(self) -> None:
-        """No page-locking from now until `free` or `pace`; returns once none is under way."""
-        self._set_mode(HOLD)
+        """No page-locking from now until `resume`; returns once none is under way."""
+        self._set_held(True)
         with self._registering:
             pass
 
-    def free(self) -> None:
-        """Page-lock back to back."""
-        self._set_mode(FREE)
-
-    def pace(self) -> None:
-        """Page-lock at most LOCK_SHARE of the time (the engine serves)."""
-        self._set_mode(PACED)
+    def resume(self) -> None:
+        """Page-lock again (paced while the engine is busy)."""
+        self._set_held(False)
 
     def close(self) -> None:
         """Stop making buffers; returns once both threads have ended (a populate or a
@@ -119,9 +117,9 @@ class HostReserve:
         return {"host_reserve_target": self.target, "host_reserve_ready": self.num_ready,
                 "host_reserve_taken": self.pool.num_reserve_taken}
 
-    def _set_mode(self, mode: str) -> None:
+    def _set_held(self, held: bool) -> None:
         with self._cv:
-            self._mode = mode
+            self._held = held
             self._cv.notify_all()
 
     # ---- the threads ----------------------------------------------------------------
@@ -160,7 +158,7 @@ class HostReserve:
         """Page-lock the populated buffers one at a time, as the mode allows."""
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopped or self._mode != HOLD)
+                self._cv.wait_for(lambda: self._stopped or not self._held)
                 if self._stopped:
                     return
                 filled = self._filled
@@ -173,7 +171,7 @@ class HostReserve:
                     self._cv.wait(0.05)   # for the fill thread's next one
                 continue
             with self._registering:
-                if self._mode == HOLD:    # held since the check above: give it back
+                if self._held:    # held since the check above: give it back
                     self.pool.offer_reserved(buf)
                     continue
                 t = time.monotonic()
@@ -183,8 +181,18 @@ class HostReserve:
             with self._cv:
                 self._locked += 1
                 self.num_ready = self._locked + self.pool.num_unpinned_taken
-                if self._mode == PACED:
-                    self._cv.wait_for(lambda: self._stopped, took * self._pause_per_s)
+            self._pause(took * self._pause_per_s)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait `seconds` while the engine is busy: cut short when it becomes idle (looked
+        at every PAUSE_SLICE_S) or the reserve is closed."""
+        end = time.monotonic() + seconds
+        with self._cv:
+            while not self._stopped and self._busy():
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._cv.wait(min(left, PAUSE_SLICE_S))
 
     def _finish(self) -> None:
         if self._stopped:

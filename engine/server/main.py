@@ -104,11 +104,6 @@ def start_engine(args, config, progress):
         # workers they would otherwise compete with for the cores
         loaders.start_in_background(up_to=LOADERS_DURING_WARM_UP)
     progress.enter(engine_pb2.ENGINE_PHASE_WARMING_UP, "starting")
-    reserve = engine.host_reserve
-    if reserve is not None:
-        # host buffers page-locked back to back while kernels compile in other processes;
-        # Engine.warm_up holds it while graphs are captured
-        reserve.free()
     try:  # before the ready file: no request meets a compile
         compiled = precompile(engine, args.compile_workers, progress)
         if compiled is not None:
@@ -123,10 +118,6 @@ def start_engine(args, config, progress):
                   file=sys.stderr, flush=True)
     if loaders is not None:
         loaders.start_in_background()
-    if reserve is not None:
-        # serving: each registration stalls the step's launches for its duration, so
-        # they take at most a tenth of the time (engine/lora/host_reserve.py)
-        reserve.pace()
     return engine
 
 
