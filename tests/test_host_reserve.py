@@ -16,7 +16,7 @@ from engine.lora.weights import full_copy_bytes
 from loramux_core.model.hf_config import ModelConfig
 from tests.support.tiny import AdapterSpec, make_adapter, make_model
 
-SIZE = 3 << 16   # three granules: a size class of its own
+SIZE = 5 << 16   # five granules: a size class of its own
 
 
 def wait_complete(reserve: HostReserve, timeout_s: float = 60.0) -> None:
@@ -59,7 +59,7 @@ def test_full_copy_bytes_is_what_a_real_full_rank_load_asks_for(tmp_path, dtype)
     assert pool.asked[1] < pool.asked[0]
 
 
-def test_reserve_made_up_to_n_then_taken_by_acquire_exact_size_first():
+def test_reserve_made_up_to_n_then_taken_by_acquire():
     pool = HostBufferPool()
     reserve = HostReserve(pool, SIZE - 100, 3)
     reserve.start()
@@ -67,22 +67,34 @@ def test_reserve_made_up_to_n_then_taken_by_acquire_exact_size_first():
     assert reserve.counters() == {"host_reserve_target": 3, "host_reserve_ready": 3,
                                   "host_reserve_taken": 0}
     assert pool.num_free == 3 and pool.allocated_bytes == 3 * SIZE
-    assert pool.num_allocations == 0
-    small = pool.acquire(1 << 16)            # no buffer of its size: a reserve one
-    assert small.nbytes == SIZE and pool.num_allocations == 0
-    pool.release(small)
-    exact = pool.acquire(1 << 16)  # still none of its own size: the same one back
-    assert exact.nbytes == SIZE
-    own = pool.acquire(2 << 16)
-    pool.release(own)
-    assert pool.acquire(2 << 16) is own      # the exact size is preferred
-    held = [pool.acquire(SIZE) for _ in range(2)]
-    assert all(b.nbytes == SIZE for b in held) and pool.num_allocations == 1  # `own` only
+    smaller = pool.acquire(2 << 16)    # no buffer of its size: a reserve one
+    assert smaller.nbytes == SIZE and pool.num_allocations == 0
+    assert reserve.counters()["host_reserve_taken"] == 1
+    beside = pool.acquire(1 << 16, reserve=False)   # not a host copy: allocated
+    assert beside.nbytes == 1 << 16 and pool.num_allocations == 1
+    pool.release(smaller)
+    again = pool.acquire(2 << 16)      # reused: not taken from the reserve twice
+    assert again is smaller and reserve.counters()["host_reserve_taken"] == 1
+    full = [pool.acquire(SIZE) for _ in range(2)]
+    assert all(b.nbytes == SIZE for b in full) and pool.num_allocations == 1
     assert reserve.counters()["host_reserve_taken"] == 3
-    extra = pool.acquire(SIZE)               # the reserve is spent: allocated as before
-    assert pool.num_allocations == 2 and extra.nbytes == SIZE
+    pool.acquire(SIZE)                 # the reserve is spent: allocated as before
+    assert pool.num_allocations == 2
     reserve.close()
     assert not reserve_threads()
+
+
+def test_a_free_buffer_of_the_exact_size_goes_before_a_reserve_one():
+    pool = HostBufferPool()
+    own = pool.acquire(2 << 16)
+    reserve = HostReserve(pool, SIZE, 3)
+    reserve.start()
+    wait_complete(reserve)
+    pool.release(own)
+    assert pool.acquire(2 << 16) is own
+    assert reserve.counters()["host_reserve_taken"] == 0
+    assert pool.acquire(2 << 16).nbytes == SIZE      # then a reserve one
+    reserve.close()
 
 
 def test_reserve_never_exceeds_its_budget_with_what_loads_allocated():

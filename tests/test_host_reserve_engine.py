@@ -46,3 +46,24 @@ def test_loads_take_the_reserved_buffers_and_match_peft(llama_family, llama_orac
         # goes once the read that displaces it has landed): that read alone allocated;
         # the reads back after eviction reused what the evicted copies freed
         assert pool.num_allocations == 1 and pool.num_reuses >= 3
+
+
+def test_a_buffer_beside_the_host_copy_never_takes_a_reserved_one(tmp_path, llama_family):
+    """An adapter with LoRA on lm_head: its loader process asks for the host copy, then
+    for a buffer of the end factors beside it; only the copy takes a reserved buffer."""
+    from tests.support.tiny import AdapterSpec, make_adapter
+
+    head = make_adapter(tmp_path / "head", llama_family.model_dir,
+                        AdapterSpec(r=8, seed=4, target_modules=("v_proj", "lm_head")))
+    config = EngineConfig(model=str(llama_family.model_dir), device="cpu", dtype="float32",
+                          max_loras=1, max_cpu_loras=2, max_lora_rank=16,
+                          num_kv_blocks=64, adapter_loaders=2, host_reserve_loras=2)
+    with Engine(config) as eng:
+        deadline = time.monotonic() + 120
+        while not eng.host_reserve.complete:
+            assert time.monotonic() < deadline, eng.host_reserve.counters()
+            time.sleep(0.05)
+        eng.add_adapter("head", head)
+        pool = eng.adapter_loaders.buffers
+        assert eng.host_reserve.counters()["host_reserve_taken"] == 1
+        assert pool.num_allocations == 1 and pool.num_free == 1   # the end factors' own

@@ -158,29 +158,34 @@ class HostBufferPool:
     def size_class(nbytes: int) -> int:
         return max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
 
-    def acquire(self, nbytes: int) -> HostBuffer:
-        """A buffer of at least `nbytes` (contents undefined)."""
+    def acquire(self, nbytes: int, reserve: bool = True) -> HostBuffer:
+        """A buffer of at least `nbytes` (contents undefined). `reserve`: an adapter's host
+        copy, which may take a larger buffer of the host reserve; False for a buffer
+        beside it (its end or expert factors: a few MB, which must not hold a full
+        copy's buffer)."""
         size = self.size_class(nbytes)
         with self._lock:
             self._reap()
-            buf = self._take(size)
+            buf = self._take(size, reserve)
             if buf is None:
                 self.num_allocations += 1
                 self.allocated_bytes += size
             self._make_spares(size)
         return buf if buf is not None else self._allocate(size)
 
-    def _take(self, size: int) -> HostBuffer | None:
-        """A free buffer for a request of `size`: of that size, else a reserve buffer
-        (under the lock). A reserve buffer is larger than a smaller adapter needs; the
-        host tier counts adapters, and max_cpu_loras was sized for full copies."""
+    def _take(self, size: int, reserve: bool) -> HostBuffer | None:
+        """A free buffer for a request of `size`: of that size, else, for a host copy
+        (`reserve`), a reserve buffer (under the lock). A reserve buffer is larger than a
+        smaller adapter needs; the host tier counts adapters, and max_cpu_loras was sized
+        for full copies."""
         free = self._free.get(size)
-        if not free and self.reserve_size >= size:
+        fits = reserve and self.reserve_size >= size
+        if not free and fits:
             free = self._free.get(self.reserve_size)
         if free:
             self.num_reuses += 1
             buf = free.pop()
-        elif self.reserve_size >= size and self._unpinned:
+        elif fits and self._unpinned:
             buf = self._unpinned.pop()   # its pages are in: only the lock is left to take
             self.num_unpinned_taken += 1
             self._pin_later(buf)
