@@ -177,3 +177,31 @@ def test_close_ends_both_threads_while_held_and_while_filling():
     big.close()
     assert not reserve_threads() and not big.complete
     assert big.pool.allocated_bytes < 100 * SIZE
+
+
+class RunsOut(HostBufferPool):
+    """A pool whose memory runs out after `left` reserve buffers."""
+
+    def __init__(self, left: int):
+        super().__init__()
+        self.left = left
+
+    def allocate_reserved(self, size: int, budget_bytes: int):
+        if self.left == 0:
+            raise MemoryError("no memory left")
+        self.left -= 1
+        return super().allocate_reserved(size, budget_bytes)
+
+
+def test_memory_running_out_ends_the_reserve_with_what_was_made():
+    lines = []
+    reserve = HostReserve(RunsOut(2), SIZE, 5, log=lines.append)
+    reserve.start()
+    wait_complete(reserve)
+    assert reserve.counters() == {"host_reserve_target": 2, "host_reserve_ready": 2,
+                                  "host_reserve_taken": 0}
+    assert reserve.pool.num_free == 2 and not reserve.pool.reserving
+    assert lines[0].startswith("engine: host reserve: making 5 buffers of 0.3 MB")
+    assert "stopped after 2 buffers: MemoryError('no memory left')" in lines[1]
+    assert lines[2].startswith("engine: host reserve complete: 2 buffers")
+    reserve.close()

@@ -53,10 +53,8 @@ class HostReserve:
         self.pool = pool
         self.size = pool.size_class(nbytes)
         self.target = count          # lowered when the budget ends the fill early
-        # finished: populated, and on CUDA page-locked here or taken by a load before
-        # (the pool locks those)
-        self.num_ready = 0
-        self._locked = 0
+        self._made = 0     # populated and in the pool
+        self._locked = 0   # of them, page-locked here
         self.seconds: float | None = None   # from start to complete, once complete
         self._threads_n = populate_threads
         self._pause_per_s = 1.0 / lock_share - 1.0
@@ -79,6 +77,9 @@ class HostReserve:
             return
         self._busy = busy
         self._t0 = time.monotonic()
+        self._log(f"engine: host reserve: making {self.target} buffers of "
+                  f"{self.size / 1e6:.1f} MB ({self.target * self.size / 1e9:.1f} GB) for "
+                  "adapters' host copies, in the background")
         self.pool.reserving = True
         self._threads = [threading.Thread(target=self._fill, name="host-reserve-fill",
                                           daemon=True)]
@@ -109,6 +110,14 @@ class HostReserve:
         self.pool.reserving = False
 
     @property
+    def num_ready(self) -> int:
+        """Buffers finished: populated, and on CUDA page-locked here or taken by a load
+        before (the pool has those locked)."""
+        if not self.pool.pin:
+            return self._made
+        return self._locked + self.pool.num_unpinned_taken
+
+    @property
     def complete(self) -> bool:
         return self.seconds is not None
 
@@ -124,38 +133,48 @@ class HostReserve:
 
     # ---- the threads ----------------------------------------------------------------
     def _fill(self) -> None:
-        """Allocate and populate, a few buffers at a time, until the budget is reached."""
-        budget = self.target * self.size
-        made = 0
-        with ThreadPoolExecutor(self._threads_n, thread_name_prefix="host-reserve") as ex:
-            pending: deque = deque()
-            while not self._stopped:
-                while len(pending) < 2 * self._threads_n:
-                    buf = self.pool.allocate_reserved(self.size, budget)
-                    if buf is None:
-                        break
-                    pending.append(ex.submit(_populate, buf))
-                if not pending:
-                    break
-                self.pool.offer_reserved(pending.popleft().result())
-                made += 1
-                with self._cv:
-                    if not self.pool.pin:
-                        self.num_ready += 1
-                    self._cv.notify_all()
-            for f in pending:   # stopped: allocated already, so they join the pool
-                self.pool.offer_reserved(f.result())
+        """Allocate and populate, a few buffers at a time, until the budget is reached
+        (or memory runs out: the reserve is then what was made, said on stderr)."""
+        try:
+            self._fill_to(self.target * self.size)
+        except Exception as err:   # noqa: BLE001 (out of memory: loads allocate as before)
+            self._log(f"engine: host reserve stopped after {self._made} buffers: {err!r}")
         with self._cv:
             self._filled = True
             if not self._stopped:   # the budget ended it: what was made is the reserve
-                self.target = made
+                self.target = self._made
             self._cv.notify_all()
         self.pool.reserving = False
         if not self.pool.pin:
             self._finish()
 
+    def _fill_to(self, budget: int) -> None:
+        with ThreadPoolExecutor(self._threads_n, thread_name_prefix="host-reserve") as ex:
+            pending: deque = deque()
+            try:
+                while not self._stopped:
+                    while len(pending) < 2 * self._threads_n:
+                        buf = self.pool.allocate_reserved(self.size, budget)
+                        if buf is None:
+                            break
+                        pending.append(ex.submit(_populate, buf))
+                    if not pending:
+                        return
+                    self._offer(pending.popleft().result())
+            finally:   # allocated already (stopped, or a failure): they join the pool
+                for f in pending:
+                    if f.exception() is None:
+                        self._offer(f.result())
+
+    def _offer(self, buf: HostBuffer) -> None:
+        self.pool.offer_reserved(buf)
+        with self._cv:
+            self._made += 1
+            self._cv.notify_all()
+
     def _pin(self) -> None:
-        """Page-lock the populated buffers one at a time, as the mode allows."""
+        """Page-lock the populated buffers one at a time, unless held; paced while the
+        engine is busy."""
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._stopped or not self._held)
@@ -180,7 +199,6 @@ class HostReserve:
             self.pool.offer_reserved(buf)
             with self._cv:
                 self._locked += 1
-                self.num_ready = self._locked + self.pool.num_unpinned_taken
             self._pause(took * self._pause_per_s)
 
     def _pause(self, seconds: float) -> None:
@@ -197,8 +215,6 @@ class HostReserve:
     def _finish(self) -> None:
         if self._stopped:
             return
-        if self.pool.pin:
-            self.num_ready = self._locked + self.pool.num_unpinned_taken
         self.seconds = time.monotonic() - self._t0
         gb = self.num_ready * self.size / 1e9
         self._log(f"engine: host reserve complete: {self.num_ready} buffers of "
