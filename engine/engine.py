@@ -437,10 +437,10 @@ class Engine:
         """Counters for the control plane and metrics. Per engine: KV blocks (total,
         free), queue lengths, slots used, host copies, pending evictions (retired versions
         still draining), the host reserve's buffers (host_reserve_target, _ready, _taken:
-        engine/lora/host_reserve.py; absent without one). Per adapter version (keyed by id): name, path, rank, content
-        version, state ("slot" ready in a device slot, "host", or "disk"), slot, pinned,
-        unloading, in-flight requests, slot loads and evictions, disk reads, host
-        evictions and cached-token hits."""
+        engine/lora/host_reserve.py; absent without one). Per adapter version (keyed by
+        id): name, path, rank, content version, state ("slot" ready in a device slot,
+        "host", or "disk"), slot, pinned, unloading, in-flight requests, slot loads and
+        evictions, disk reads, host evictions and cached-token hits."""
         return {
             "num_kv_blocks": self.num_kv_blocks, "free_kv_blocks": self.kv.num_free_blocks,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
