@@ -205,3 +205,16 @@ def test_memory_running_out_ends_the_reserve_with_what_was_made():
     assert "stopped after 2 buffers: MemoryError('no memory left')" in lines[1]
     assert lines[2].startswith("engine: host reserve complete: 2 buffers")
     reserve.close()
+
+
+def test_the_reserve_leaves_the_host_its_floor_of_available_memory():
+    """Engines starting together each sized their host tier from the memory available
+    before the others' reserves took it: a reserve stops where the host's is low."""
+    pool, lines = HostBufferPool(), []
+    reserve = HostReserve(pool, SIZE, 5, log=lines.append,
+                          room=lambda: 2 * SIZE - pool.allocated_bytes)
+    reserve.start()
+    wait_complete(reserve)
+    assert reserve.counters()["host_reserve_target"] == 2 and pool.num_free == 2
+    assert any("fell to its floor" in line and "after 2 buffers" in line for line in lines)
+    reserve.close()

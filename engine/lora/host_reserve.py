@@ -43,29 +43,37 @@ POPULATE_THREADS = 4   # populate saturated at 4 threads on an H200 VM (4.69 GB/
 LOCK_SHARE = 0.1       # of wall time under the driver's lock while requests run
 PAUSE_SLICE_S = 0.05   # how often a pause looks whether the engine became idle
 NICENESS = 10          # populate threads run below the engine, as its loader processes do
+# of the host's memory the reserve leaves available: engines that start together each
+# size their host tier from the memory available before the others' reserves take it
+MIN_AVAILABLE_SHARE = 0.2
 
 
 class HostReserve:
     """Up to `count` buffers of `nbytes` (rounded to the pool's size class) made ready in
     `pool` in the background, from `start` until done or `close`; `held`: page-locking
-    waits for `resume` from the start."""
+    waits for `resume` from the start; `room`: the bytes it may still take from the host
+    (None: no limit), looked at before each buffer (default: host_room)."""
 
     def __init__(self, pool: HostBufferPool, nbytes: int, count: int,
                  populate_threads: int = POPULATE_THREADS, lock_share: float = LOCK_SHARE,
-                 held: bool = False, log: Callable[[str], None] | None = None):
+                 held: bool = False, log: Callable[[str], None] | None = None,
+                 room: Callable[[], int | None] | None = None):
         self.pool = pool
         self.size = pool.size_class(nbytes)
         self.target = count          # lowered when the budget ends the fill early
+        self._allocated = 0
         self._made = 0     # populated and in the pool
         self._locked = 0   # of them, page-locked here
         self.seconds: float | None = None   # from start to complete, once complete
         self._threads_n = populate_threads
         self._pause_per_s = 1.0 / lock_share - 1.0
         self._log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self._room = room or host_room
         self._cv = threading.Condition()
         self._held = held
         self._busy: Callable[[], bool] = lambda: True
         self._filled = False
+        self._short = False   # host memory ran low: said once
         self._stopped = False
         self._registering = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -158,7 +166,7 @@ class HostReserve:
             try:
                 while not self._stopped:
                     while len(pending) < 2 * self._threads_n:
-                        buf = self.pool.allocate_reserved(self.size, budget)
+                        buf = self._allocate(budget)
                         if buf is None:
                             break
                         pending.append(ex.submit(_populate, buf))
@@ -169,6 +177,19 @@ class HostReserve:
                 for f in pending:
                     if f.exception() is None:
                         self._offer(f.result())
+
+    def _allocate(self, budget: int) -> HostBuffer | None:
+        room = self._room()
+        if room is not None and room < self.size:
+            if not self._short:
+                self._short = True
+                self._log(f"engine: host reserve: host memory available fell to its floor "
+                          f"({MIN_AVAILABLE_SHARE:.0%} of the host's), after "
+                          f"{self._allocated} buffers")
+            return None
+        buf = self.pool.allocate_reserved(self.size, budget)
+        self._allocated += buf is not None
+        return buf
 
     def _offer(self, buf: HostBuffer) -> None:
         self.pool.offer_reserved(buf)
@@ -224,6 +245,22 @@ class HostReserve:
         self._log(f"engine: host reserve complete: {self.num_ready} buffers of "
                   f"{self.size / 1e6:.1f} MB ({gb:.1f} GB) in {self.seconds:.1f} s, "
                   f"{self.pool.num_reserve_taken} taken by loads meanwhile")
+
+
+def host_room() -> int | None:
+    """Bytes the host can still give a reserve: what /proc/meminfo says is available less
+    MIN_AVAILABLE_SHARE of its total; None where it cannot be read."""
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, value = line.split(":", 1)
+                fields[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemAvailable" not in fields or "MemTotal" not in fields:
+        return None
+    return fields["MemAvailable"] - int(fields["MemTotal"] * MIN_AVAILABLE_SHARE)
 
 
 def _lower_priority() -> None:
