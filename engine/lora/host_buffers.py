@@ -29,7 +29,7 @@ With `shared`, buffers are cut from anonymous shared memory (engine/lora/shared_
 so an adapter loader process can write a host copy straight into one
 (engine/adapters/loader_pool.py); `HostBuffer.shared` says where it lies.
 
-`With a host reserve (engine/lora/host_reserve.py), buffers of the largest host copy's
+With a host reserve (engine/lora/host_reserve.py), buffers of the largest host copy's
 size class are made ahead at start: `acquire` takes one for any request of that size or
 smaller when no free buffer of the exact size is, ready (page-locked) ones first, then
 ones whose pages are in but not yet locked.
