@@ -9,6 +9,13 @@ consecutive tokens of a stream, timed in a process of their own) in a window bef
 loads and during them. Modes run in the order given (`--mode batch,calls`); the first one
 takes fresh host memory for its copies, the later ones reuse what it freed.
 
+The engine's host reserve (docs/ADAPTER_FILES.md) makes host buffers ready after start;
+`--reserve` says what the first mode meets: `wait` (default) times loads once the reserve
+is complete, as its gauges on the gateway's metrics say, and reports how long after
+"serving" that was; `now` times them right after start, while the reserve is still being
+made (its progress at the start and the end of the loads is reported); `off` starts the
+engine without one (`--host-reserve-loras 0`: fresh host memory, as before it existed).
+
 On the GPU the model is Llama-3-8B-shaped with dummy weights (benchmarks/llama8b.py), 84 MB
 adapters; `--tiny` runs a tiny model on the CPU to check that the benchmark works. Only
 `--distinct` adapter files are written; the other directories hard-link them (a thousand
@@ -17,6 +24,7 @@ and every name still gets its own id).
 
     python -m benchmarks.adapters admin --out DIR --tiny
     python -m benchmarks.adapters admin --out DIR --adapters 1000 --concurrency 16
+    python -m benchmarks.adapters admin --out DIR --adapters 1000 --mode calls --reserve now
 """
 from __future__ import annotations
 
@@ -33,6 +41,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dataclasses import dataclass  # noqa: E402
+
+from benchmarks.host_reserve_gauges import (reserve_state, reserve_text,  # noqa: E402
+                                            wait_reserve)
 from benchmarks.llama8b import LLAMA3_8B, write_adapter, write_model_dir  # noqa: E402
 
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -62,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="host copies (default: the engine's own sizing; loads past the host "
                         "tier are registered lazily, as in service)")
+    p.add_argument("--reserve", choices=("wait", "now", "off"), default="wait",
+                   help="wait: time loads once the engine's host reserve is complete; now: "
+                        "right after start; off: an engine without one (module docstring)")
+    p.add_argument("--host-reserve-loras", type=int, default=None,
+                   help="the engine's host reserve (default: its own: max_cpu_loras on CUDA; "
+                        "on the CPU, --tiny, 16)")
     p.add_argument("--window", type=float, default=None, help="seconds of decode before loads")
     p.add_argument("--out", default=None, help="directory for the JSON result")
     return p.parse_args(argv)
@@ -90,10 +108,15 @@ def cluster_config(tmp: Path, model: Path, root: Path, args):
 
     device = ("--device", "cpu", "--dtype", "float32") if args.tiny else ("--dtype", "bfloat16")
     cpu_loras = ("--max-cpu-loras", str(args.max_cpu_loras)) if args.max_cpu_loras else ()
+    reserve = 0 if args.reserve == "off" else args.host_reserve_loras
+    if reserve is None and args.tiny:
+        reserve = 16   # the CPU makes none by default
+    reserve_flag = () if reserve is None else ("--host-reserve-loras", str(reserve))
     return ClusterConfig(
         model=str(model), adapter_roots=(str(root),), workdir=str(tmp / "run"),
+        metrics_port=0,   # the host reserve's gauges
         engine_args=(*device, "--load-format", "dummy", "--max-lora-rank", "16",
-                     "--max-loras", "8", *cpu_loras,
+                     "--max-loras", "8", *cpu_loras, *reserve_flag,
                      "--max-num-seqs", str(max(16, args.streams)), "--max-model-len", "4096"),
         env={"OMP_NUM_THREADS": "2"} if args.tiny else {})
 
@@ -209,24 +232,37 @@ def summary(gaps: list[float]) -> dict:
             "p90_ms": round(gaps[int(0.9 * (len(gaps) - 1))], 3), "tokens": len(gaps)}
 
 
-def run_mode(mode: str, cluster, names: list[str], streams: Streams, args,
+@dataclass(frozen=True)
+class Service:
+    """Where the started service is: its AdapterAdmin address, the gateway's metrics, and
+    when it began to serve (time.monotonic())."""
+    control_address: str
+    metrics_url: str
+    serving_at: float
+
+
+def run_mode(mode: str, service: Service, names: list[str], streams: Streams, args,
              prefix: str) -> dict:
     window = args.window or (3.0 if args.tiny else 5.0)
     t0 = time.monotonic()
     time.sleep(window)
     t1 = time.monotonic()
+    reserve_before = reserve_state(service.metrics_url)
     if mode == "calls":
-        failed = asyncio.run(load_calls(cluster.control_address, names, prefix, args.concurrency))
+        failed = asyncio.run(load_calls(service.control_address, names, prefix, args.concurrency))
     else:
-        failed = load_batches(cluster.control_address, names, prefix, args.batch)
+        failed = load_batches(service.control_address, names, prefix, args.batch)
     t2 = time.monotonic()
+    reserve_after = reserve_state(service.metrics_url)
     before, during = summary(streams.gaps_ms(t0, t1)), summary(streams.gaps_ms(t1, t2))
     ratio = (during["median_ms"] / before["median_ms"]
              if before["median_ms"] and during["median_ms"] else None)
     return {"mode": mode, "adapters": len(names), "seconds": round(t2 - t1, 3),
             "loads_per_s": round(len(names) / (t2 - t1), 1), "failed": failed[:10],
             "decode_before": before, "decode_during": during,
-            "decode_slowdown": None if ratio is None else round(ratio, 3)}
+            "decode_slowdown": None if ratio is None else round(ratio, 3),
+            "loads_after_serving_s": round(t1 - service.serving_at, 1),
+            "reserve_before": reserve_before, "reserve_after": reserve_after}
 
 
 def warm_up(control: str, paths: list[str]) -> None:
@@ -252,15 +288,18 @@ def unload_all(control: str, prefix: str) -> None:
 
 
 def table(rows: list[dict]) -> None:
-    print("\n| mode | host memory | adapters | s | loads/s | decode step before (median/p90 ms) | "
+    print("\n| mode | host memory | reserve ready/target: before, after | loads from "
+          "serving (s) | adapters | s | loads/s | decode step before (median/p90 ms) | "
           "during | slowdown | failed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         b, d = r["decode_before"], r["decode_during"]
-        print(f"| {r['mode']} | {r.get('host_memory')} | {r['adapters']} | {r['seconds']} | "
+        print(f"| {r['mode']} | {r.get('host_memory')} | {reserve_text(r)} | "
+              f"{r['loads_after_serving_s']} | {r['adapters']} | {r['seconds']} | "
               f"{r['loads_per_s']} | "
               f"{b['median_ms']}/{b['p90_ms']} | {d['median_ms']}/{d['p90_ms']} | "
               f"{r['decode_slowdown']} | {len(r['failed'])} |")
+
 
 
 def main(argv=None) -> int:
@@ -273,11 +312,19 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         model, root, names = make_files(tmp, args)
         cluster = Cluster(cluster_config(tmp, model, root, args))
-        rows = []
+        rows, reserve = [], None
         try:
             cluster.start()
-            cluster.wait_ready(timeout_s=900)
+            ready = cluster.wait_ready(timeout_s=900)
             wait_serving(cluster.gateway_address, timeout_s=900)
+            service = Service(cluster.control_address, f"http://127.0.0.1:"
+                              f"{ready['gateway']['metrics_port']}/metrics", time.monotonic())
+            if args.reserve == "wait":
+                reserve = wait_reserve(service.metrics_url, timeout_s=900)
+                reserve["complete_after_serving_s"] = round(
+                    time.monotonic() - service.serving_at, 1)
+                print(f"host reserve complete {reserve['complete_after_serving_s']} s after "
+                      f"serving: {reserve}", flush=True)
             warm_up(cluster.control_address, names[:8])
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             streams = Streams(cluster.gateway_address, args.streams, vocab)
@@ -285,8 +332,9 @@ def main(argv=None) -> int:
                 modes = args.mode
                 for k, mode in enumerate(modes):
                     prefix = f"{mode[0]}{k}-"
-                    rows.append(run_mode(mode, cluster, names, streams, args, prefix))
-                    rows[-1]["host_memory"] = "reused" if k else "fresh"
+                    rows.append(run_mode(mode, service, names, streams, args, prefix))
+                    rows[-1]["host_memory"] = "reused" if k else (
+                        "fresh" if args.reserve == "off" else f"reserve ({args.reserve})")
                     if k + 1 < len(modes):
                         unload_all(cluster.control_address, prefix)
             finally:
@@ -299,6 +347,7 @@ def main(argv=None) -> int:
                 for log in (tmp / "run").glob("*.log"):
                     (logs / log.name).write_bytes(log.read_bytes())
     result = {"tiny": args.tiny, "concurrency": args.concurrency, "batch": args.batch,
+              "reserve": args.reserve, "reserve_waited": reserve,
               "max_cpu_loras": args.max_cpu_loras,
               "streams": args.streams, "distinct_files": args.distinct, "rows": rows}
     if args.out:

@@ -32,6 +32,8 @@ from engine.lora.base_copies import BaseLayers
 from engine.lora.weights import check_lora
 from loramux_core.adapter.plan import PlanCache
 from engine.lora.host_buffers import HostBufferPool, shared_memory_pins
+from engine.lora.host_reserve import HostReserve
+from engine.lora.weights import full_copy_bytes
 from engine.model.dummy import init_dummy_weights
 from engine.model.build import build_model
 from loramux_core.model.hf_config import ModelConfig
@@ -54,6 +56,7 @@ class ModelParts:
     check_adapter: Callable | None = None  # (path, expected version) -> AdapterPlan
                                            # checked without reading the weights
     loaders: LoaderPool | None = None  # the processes read_adapter runs in, if any
+    host_reserve: HostReserve | None = None  # host buffers made ahead (not yet started)
 
     def close_reader(self) -> None:
         """Stop the loader processes (reads fail afterwards)."""
@@ -103,7 +106,18 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
         loaders = adapter_loaders(config, mc, tp, buffers, fallback=read)
         read = loaders.read
     return ModelParts(model, lora_pool, blocks, runner, reserving(read, lora_pool),
-                      adapter_checker(config, mc, plans), loaders)
+                      adapter_checker(config, mc, plans), loaders,
+                      host_reserve(config, mc, tp, buffers))
+
+
+def host_reserve(config: EngineConfig, mc: ModelConfig, tp: TPGroup,
+                 buffers: HostBufferPool) -> HostReserve | None:
+    """config.host_reserve_loras buffers of a full host copy's size (every LoRA group at
+    max_lora_rank) for `buffers`, not started; None for none."""
+    if not config.host_reserve_loras:
+        return None
+    nbytes = full_copy_bytes(mc, config.max_lora_rank, tp.size, config.torch_dtype)
+    return HostReserve(buffers, nbytes, config.host_reserve_loras)
 
 
 def loaders_can_pin(device: torch.device) -> bool:

@@ -89,6 +89,8 @@ class Engine:
         self.model, self.lora_pool, self.runner = parts.model, parts.lora_pool, parts.runner
         self.num_kv_blocks = parts.num_kv_blocks
         self.adapter_loaders = parts.loaders  # loader processes (None: reads in-process)
+        # host buffers made ahead for the first loads (engine/lora/host_reserve.py)
+        self.host_reserve = parts.host_reserve
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.pins = Pins(config.max_loras)  # the one owner of pin state
@@ -113,6 +115,10 @@ class Engine:
             self.max_model_len)
         self.step_seconds = Histogram("step_seconds", STEP_SECONDS)
         self.batch_sizes = Histogram("batch_size", BATCH_SIZES)  # sequences per forward pass
+        if self.host_reserve is not None:   # last: nothing after it can fail the build
+            # page-locking is paced while requests run (the step's launches wait for the
+            # driver's lock it holds), back to back while none does
+            self.host_reserve.start(busy=self.scheduler.has_unfinished)
 
     # ---- adapters ---------------------------------------------------------------
     def add_adapter(self, name: str, path: str | Path, pinned: bool = False,
@@ -379,6 +385,8 @@ class Engine:
                 self.flush()
             except EngineDeadError:  # a rank is gone (TP): the step's outputs with it
                 self._inflight = None
+        if getattr(self, "host_reserve", None) is not None:
+            self.host_reserve.close()
         if getattr(self, "adapters", None) is not None:
             self.adapters.loader.close()
         executor = getattr(self, "executor", None)
@@ -409,9 +417,19 @@ class Engine:
             return None
         assert not self.scheduler.has_unfinished(), "warm up before serving requests"
         c = self.config
-        return warm_up(self.runner, self.num_kv_blocks, c.block_size, c.max_num_seqs,
-                       c.max_num_batched_tokens, self.max_model_len, progress, only=only,
-                       on_shape=on_shape)
+        reserve = self.host_reserve
+        if reserve is not None:
+            # no page-locking meanwhile: compiles and graph captures take the driver's
+            # lock often, and the start would take longer (it is safe: captures are
+            # thread_local, engine/cuda_graph.py)
+            reserve.hold()
+        try:
+            return warm_up(self.runner, self.num_kv_blocks, c.block_size, c.max_num_seqs,
+                           c.max_num_batched_tokens, self.max_model_len, progress,
+                           only=only, on_shape=on_shape)
+        finally:
+            if reserve is not None:
+                reserve.resume()
 
     def describe(self) -> str:
         """The resolved configuration in one line (the server logs it at start-up)."""
@@ -420,10 +438,11 @@ class Engine:
     def stats(self) -> dict:
         """Counters for the control plane and metrics. Per engine: KV blocks (total,
         free), queue lengths, slots used, host copies, pending evictions (retired versions
-        still draining). Per adapter version (keyed by id): name, path, rank, content
-        version, state ("slot" ready in a device slot, "host", or "disk"), slot, pinned,
-        unloading, in-flight requests, slot loads and evictions, disk reads, host
-        evictions and cached-token hits."""
+        still draining), the host reserve's buffers (host_reserve_target, _ready, _taken:
+        engine/lora/host_reserve.py; absent without one). Per adapter version (keyed by
+        id): name, path, rank, content version, state ("slot" ready in a device slot,
+        "host", or "disk"), slot, pinned, unloading, in-flight requests, slot loads and
+        evictions, disk reads, host evictions and cached-token hits."""
         return {
             "num_kv_blocks": self.num_kv_blocks, "free_kv_blocks": self.kv.num_free_blocks,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
@@ -431,6 +450,7 @@ class Engine:
             "pending_evictions": self.registry.num_retiring,
             "base_cached_token_hits": self.adapter_service.base_cache_hits,
             "max_loras": self.config.max_loras,
+            **(self.host_reserve.counters() if self.host_reserve is not None else {}),
             "adapters": self._adapter_stats()}
 
     def _adapter_stats(self) -> dict[int, dict]:

@@ -70,7 +70,7 @@ def default_workers(cpu_count: int) -> int:
 # all, the warm-up compiles what is missing itself; the mark only skips the parallel step.
 UNRELATED = frozenset({"model", "max_cpu_loras", "num_kv_blocks", "gpu_memory_utilization",
                        "cpu_threads", "seed", "load_format", "adapter_roots",
-                       "adapter_loaders"})
+                       "adapter_loaders", "host_reserve_loras"})
 
 
 def fingerprint(config) -> str:

@@ -83,18 +83,34 @@ def resolve_config(config: EngineConfig, mc, facts: MachineFacts) -> EngineConfi
                             adapter_loaders=adapter_loaders(config, facts))
     if not on_gpu:
         loras = c.max_loras or CPU_MAX_LORAS
-        return dataclasses.replace(
+        c = dataclasses.replace(
             c, max_loras=loras, max_cpu_loras=c.max_cpu_loras or CPU_HOST_COPIES_PER_SLOT * loras,
             cpu_threads=c.cpu_threads or cpu_threads(c, facts),
             max_num_seqs=c.max_num_seqs or CPU_MAX_NUM_SEQS,
             max_num_batched_tokens=c.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS)
+        return dataclasses.replace(c, host_reserve_loras=host_reserve(c, mc, facts, False))
     c = dataclasses.replace(
         c, max_num_seqs=c.max_num_seqs or GPU_MAX_NUM_SEQS,
         max_num_batched_tokens=c.max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS)
     # a host-copy limit the user set also bounds the automatic slot count
     loras = c.max_loras or min(gpu_slots(c, mc, facts), c.max_cpu_loras or MAX_AUTO_LORAS)
-    return dataclasses.replace(c, max_loras=loras,
-                               max_cpu_loras=c.max_cpu_loras or host_copies(c, mc, facts, loras))
+    c = dataclasses.replace(c, max_loras=loras,
+                            max_cpu_loras=c.max_cpu_loras or host_copies(c, mc, facts, loras))
+    return dataclasses.replace(c, host_reserve_loras=host_reserve(c, mc, facts, True))
+
+
+def host_reserve(c: EngineConfig, mc, facts: MachineFacts, on_gpu: bool) -> int:
+    """Host buffers made ready at start (engine/lora/host_reserve.py): as set, else
+    max_cpu_loras on a GPU at tp_size 1 and none on the CPU (test machines run many
+    engines at once: tens of GB each would not fit them); never more than max_cpu_loras
+    nor than HOST_MEMORY_SHARE of the host's available memory holds in full copies."""
+    wanted = c.host_reserve_loras
+    if wanted is None:
+        wanted = c.max_cpu_loras if on_gpu and c.tp_size == 1 else 0
+    if wanted == 0:
+        return 0
+    fit = int(facts.host_available_bytes * HOST_MEMORY_SHARE) // adapter_bytes(mc, c)
+    return max(0, min(wanted, c.max_cpu_loras, fit))
 
 
 MAX_AUTO_LOADERS = 16
@@ -229,7 +245,8 @@ def describe(c: EngineConfig, num_kv_blocks: int, max_model_len: int) -> str:
             f"gpu_memory_utilization={c.gpu_memory_utilization} "
             f"prefix_caching={c.enable_prefix_caching} "
             f"cuda_graphs={c.device.startswith('cuda') and not c.enforce_eager} "
-            f"async_scheduling={c.use_async_scheduling} adapter_loaders={c.adapter_loaders}")
+            f"async_scheduling={c.use_async_scheduling} adapter_loaders={c.adapter_loaders} "
+            f"host_reserve_loras={c.host_reserve_loras}")
 
 
 def _elem(c: EngineConfig) -> int:

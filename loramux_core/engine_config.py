@@ -60,6 +60,11 @@ class EngineSettings:
     # into shared memory (engine/adapters/loader_pool.py); 0: reads run on threads of
     # the engine process itself; None = the rank's cores less two, 2 to 16
     adapter_loaders: int | None = None
+    # host buffers for adapters' host copies made ready at start, in the background
+    # (allocated, pages populated, page-locked on CUDA: engine/lora/host_reserve.py), so
+    # that the first max_cpu_loras loads do not pay for fresh host memory; 0: none;
+    # None = auto: max_cpu_loras on CUDA at tp_size 1 (bounded by host memory), 0 else
+    host_reserve_loras: int | None = None
     # adapter features whose device buffers are taken at start (so the warm-up compiles
     # and captures their steps: engine/warmup.py) rather than at the first such adapter's
     # read: any of LORA_EXTRAS; e.g. ("dora",) takes 4 bytes per slot and output row of
@@ -100,6 +105,8 @@ class EngineSettings:
                 raise InvalidRequestError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.adapter_loaders is not None and self.adapter_loaders < 0:
             raise InvalidRequestError(f"adapter_loaders={self.adapter_loaders}: must be >= 0")
+        if self.host_reserve_loras is not None:
+            self._check_host_reserve()
         if self.async_scheduling not in (None, True, False):
             raise InvalidRequestError(
                 f"async_scheduling={self.async_scheduling!r}: must be true, false or None")
@@ -109,3 +116,16 @@ class EngineSettings:
             raise InvalidRequestError(
                 f"max_cpu_loras={self.max_cpu_loras}: must be >= max_loras={self.max_loras} "
                 "(every adapter in a slot may need its host copy)")
+
+    def _check_host_reserve(self) -> None:
+        n = self.host_reserve_loras
+        if n < 0:
+            raise InvalidRequestError(f"host_reserve_loras={n}: must be >= 0")
+        if n and self.tp_size > 1:
+            raise InvalidRequestError(
+                f"host_reserve_loras={n}: a host reserve needs tp_size=1 (tp_size="
+                f"{self.tp_size}); use 0 or leave it auto")
+        if self.max_cpu_loras is not None and n > self.max_cpu_loras:
+            raise InvalidRequestError(
+                f"host_reserve_loras={n}: must be <= max_cpu_loras={self.max_cpu_loras} "
+                "(the host tier holds no more copies than that)")

@@ -231,6 +231,12 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
            "memory, off the engine process, at a lower priority (default: auto: the "
            "rank's cores less two, 2 to 16; 0: on threads of the engine process)",
            env="LORAMUX_ADAPTER_LOADERS"),
+    Option("host_reserve_loras", "--host-reserve-loras", auto_non_negative_int,
+           "host buffers for adapter copies made ready at start, in the background "
+           "(allocated, populated, page-locked on CUDA), so the first loads into the host "
+           "tier find them ready (default: auto: max_cpu_loras on CUDA at tensor-parallel "
+           "size 1, bounded by host memory; 0 on the CPU; 0: none)",
+           env="LORAMUX_HOST_RESERVE_LORAS"),
     Option("tp_allreduce", "--tp-allreduce", choice("auto", "nccl", "symm_mem"),
            "all-reduce under tensor parallelism on GPUs (default: auto: one-shot over "
            "symmetric memory for decode-sized messages where possible, else NCCL)",

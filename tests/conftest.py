@@ -160,6 +160,11 @@ def pytest_runtest_setup(item):
 
 
 CUDA_SUITE_LOADERS = 2   # adapter loader processes per engine under the CUDA suite
+# host buffers made ahead per engine under the CUDA suite: none (the default, max_cpu_loras
+# on CUDA, is sized from the host's memory for one engine a machine)
+CUDA_SUITE_HOST_RESERVE = 0
+if TEST_DEVICE != "cpu":   # also for the engine processes tests start on a GPU host
+    os.environ.setdefault("LORAMUX_HOST_RESERVE_LORAS", str(CUDA_SUITE_HOST_RESERVE))
 
 
 def placed(config, device: str):
@@ -168,10 +173,13 @@ def placed(config, device: str):
     dtype = "float32" if config.dtype == "auto" else config.dtype
     # the default, the rank's cores less two, is for one engine a machine: the CUDA suite
     # runs a dozen test files at once, each engine's loaders importing torch beside them
-    loaders = config.adapter_loaders
+    loaders, reserve = config.adapter_loaders, config.host_reserve_loras
     if device != "cpu" and loaders is None:
         loaders = CUDA_SUITE_LOADERS
-    return dataclasses.replace(config, device=device, dtype=dtype, adapter_loaders=loaders)
+    if device != "cpu" and reserve is None:
+        reserve = CUDA_SUITE_HOST_RESERVE
+    return dataclasses.replace(config, device=device, dtype=dtype, adapter_loaders=loaders,
+                               host_reserve_loras=reserve)
 
 
 def served_engine_args() -> tuple[str, ...]:
@@ -180,7 +188,9 @@ def served_engine_args() -> tuple[str, ...]:
     engine compared with an in-process one. None under the default, where both resolve
     "auto" alike."""
     return () if TEST_DEVICE == "cpu" else ("--device", TEST_DEVICE, "--dtype", "float32",
-                                            "--adapter-loaders", str(CUDA_SUITE_LOADERS))
+                                            "--adapter-loaders", str(CUDA_SUITE_LOADERS),
+                                            "--host-reserve-loras",
+                                            str(CUDA_SUITE_HOST_RESERVE))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,6 +1,7 @@
 """benchmarks/bench_admin_loads.py through its suite on the CPU (--tiny): the real service,
 loads by LoadAdapters batches and then by concurrent LoadAdapter calls, in that order,
-while base-model streams decode in a process of their own. Checks the record, not speed."""
+while base-model streams decode in a process of their own, once the engine's host
+reserve is complete. Checks the record, not speed."""
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ def test_modes_in_the_order_asked_each_with_its_decode_gaps(tmp_path):
     result = json.loads((tmp_path / "admin_loads.json").read_text())
     assert rc == 0, result
     rows = result["rows"]
-    assert [(r["mode"], r["host_memory"]) for r in rows] == [("batch", "fresh"),
+    assert [(r["mode"], r["host_memory"]) for r in rows] == [("batch", "reserve (wait)"),
                                                              ("calls", "reused")]
+    # waited for: the 16 buffers --tiny asks for were ready before the first loads
+    waited = result["reserve_waited"]
+    assert waited["target"] == waited["ready"] == 16 and waited["taken"] == 0
+    assert waited["complete_after_serving_s"] >= 0
+    assert rows[0]["reserve_before"]["ready"] == 16
+    assert rows[0]["reserve_after"]["taken"] == 16   # 30 loads, 16 buffers
     for r in rows:
         assert r["failed"] == [] and r["adapters"] == 30 and r["loads_per_s"] > 0
         # the streams' process sent its token times for both windows

@@ -36,8 +36,11 @@ def cluster(tmp_path_factory):
                         workdir=str(root / "run"), metrics_port=0,
                         # on the CPU: a GPU finishes the load below before a scrape can
                         # catch it saturated (the metrics are the same on either device)
+                        # (and a host reserve for both host copies, off by default on
+                        # the CPU: its gauges)
                         engine_args=("--device", "cpu", "--max-num-seqs", "2",
-                                     "--max-loras", "2", "--max-cpu-loras", "2"),
+                                     "--max-loras", "2", "--max-cpu-loras", "2",
+                                     "--host-reserve-loras", "2"),
                         gateway_args=("--metrics-max-adapters", "2"),
                         control_args=("--metrics-port", "0"),
                         env={"OMP_NUM_THREADS": "1"})
@@ -89,8 +92,12 @@ def test_metrics_follow_load(cluster):
                     and ("loramux:num_requests_waiting", (("replica", "0"),)) in s
                     # the two loads that found room in the host tier (max_cpu_loras 2) read
                     # their files; the third is lazy: read when a request first needs it
-                    and value(s, "loramux:adapter_disk_read_seconds_count", replica="0") >= 2,
+                    and value(s, "loramux:adapter_disk_read_seconds_count", replica="0") >= 2
+                    # both reads took a buffer the host reserve had made ready
+                    and value(s, "loramux:host_reserve_taken", replica="0") == 2,
                     what="the three adapters loaded")
+    assert value(idle, "loramux:host_reserve_target", replica="0") == 2
+    assert value(idle, "loramux:host_reserve_ready", replica="0") == 2
     assert value(idle, "loramux:engine_up", replica="0") == 1
     assert value(idle, "loramux:num_requests_running", replica="0") == 0
     assert value(idle, "loramux:kv_cache_blocks_total", replica="0") > 0

@@ -166,3 +166,29 @@ def test_cpu_threads_follow_usable_cores_and_omp_num_threads():
     assert resolve_config(EngineConfig(model="m", cpu_threads=5), LLAMA3_8B, omp).cpu_threads == 5
     assert resolve_config(EngineConfig(model="m"), LLAMA3_8B, H100).cpu_threads is None
     assert 1 <= MachineFacts.probe("cpu").cpu_count <= (os.cpu_count() or 1)
+
+
+def test_host_reserve_is_the_host_tier_on_cuda_none_on_the_cpu_bounded_by_memory():
+    def reserve(facts, **kw):
+        c = resolve_config(EngineConfig(model="m", **kw), LLAMA3_8B, facts)
+        return c.host_reserve_loras, c.max_cpu_loras
+    n, cpu_loras = reserve(H100)
+    assert n == cpu_loras > 1000                    # the whole host tier, ahead
+    assert reserve(CPU) == (0, 16)                  # CI machines: none unless asked
+    assert reserve(CPU, host_reserve_loras=3) == (3, 16)
+    assert reserve(H100, host_reserve_loras=0)[0] == 0
+    assert reserve(H100, tp_size=2)[0] == 0         # one rank's reserve would not do
+    # a host tier set larger than half the memory holds: the reserve stays within it
+    small = dataclasses.replace(H100, host_available_bytes=8 * GiB)
+    n, cpu_loras = reserve(small, max_cpu_loras=5000)
+    assert cpu_loras == 5000 and n == 4 * GiB // adapter_bytes(LLAMA3_8B, resolve_config(
+        EngineConfig(model="m"), LLAMA3_8B, H100))
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(host_reserve_loras=-1), "must be >= 0"),
+    (dict(host_reserve_loras=9, max_cpu_loras=8), "must be <= max_cpu_loras=8"),
+    (dict(host_reserve_loras=4, tp_size=2), "needs tp_size=1")])
+def test_host_reserve_settings_refused_with_the_reason(kw, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        EngineConfig(model="m", **kw)

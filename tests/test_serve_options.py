@@ -31,6 +31,7 @@ NON_DEFAULT = {
     "enable_prefix_caching": (None, False), "enforce_eager": (None, True),
     "async_scheduling": ("on", True), "cpu_threads": ("1", 1), "seed": ("7", 7), "load_format": ("dummy", "dummy"),
     "tp_allreduce": ("nccl", "nccl"), "adapter_loaders": ("0", 0),
+    "host_reserve_loras": ("2", 2),
     "lora_extras": ("dora,lm_head", ("dora", "lm_head")),
 }
 

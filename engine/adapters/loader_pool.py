@@ -126,7 +126,9 @@ class LoaderPool:
             for fd in fds:
                 os.close(fd)
             if msg.get("op") == "need":
-                handed.append(self.buffers.acquire(int(msg["nbytes"])))
+                # the first buffer of a load is its host copy, later ones lie beside
+                # it (engine/adapters/remote_buffers.py with_extras)
+                handed.append(self.buffers.acquire(int(msg["nbytes"]), reserve=not handed))
                 place = handed[-1].shared
                 send(proc.sock, {"op": "buffer", "offset": place.offset,
                                  "nbytes": handed[-1].nbytes}, [place.fd])

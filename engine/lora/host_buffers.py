@@ -29,19 +29,24 @@ With `shared`, buffers are cut from anonymous shared memory (engine/lora/shared_
 so an adapter loader process can write a host copy straight into one
 (engine/adapters/loader_pool.py); `HostBuffer.shared` says where it lies.
 
+With a host reserve (engine/lora/host_reserve.py), buffers of the largest host copy's
+size class are made ahead at start: `acquire` takes one for any request of that size or
+smaller when no free buffer of the exact size is, ready (page-locked) ones first, then
+ones whose pages are in but not yet locked.
+
 `scratch` holds the buffers adapter files are read into before conversion, never pinned:
 reusing them spares the page faults of fresh memory on every read (most of a read's
 time), and the bytes are only needed until the host copy is built.
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from engine.lora.page_populate import populate
 from engine.lora.shared_memory import SegmentCutter, SharedPlace
 
 _GRANULE = 1 << 16
@@ -59,6 +64,9 @@ class HostBuffer:
         self._registered_ptr = registered_ptr
         self._fences: list = []
         self._lock = threading.Lock()
+        self._pin_lock = threading.Lock()  # one registration, whichever thread asks first
+        self._pin_tried = registered_ptr is not None
+        self.reserved = False  # made by a host reserve and not yet handed out
 
     @property
     def pinned(self) -> bool:
@@ -70,7 +78,15 @@ class HostBuffer:
     def register(self) -> bool:
         """Page-lock the buffer in place (cudaHostRegister); True when it is now pinned.
         Copies that read `pinned` afterwards may be asynchronous. Its pages are faulted in
-        first (populate), outside the driver."""
+        first (populate), outside the driver. Tried once: later calls (another thread's)
+        wait for that one and return its outcome."""
+        with self._pin_lock:
+            if not self._pin_tried:
+                self._pin_tried = True
+                self._register()
+        return self.pinned
+
+    def _register(self) -> None:
         if self._registered_ptr is None:
             ptr = self.data.data_ptr()
             populate(self.data, self.nbytes)
@@ -80,7 +96,11 @@ class HostBuffer:
                 ok = False
             if ok:
                 self._registered_ptr = ptr
-        return self.pinned
+
+    @property
+    def pin_tried(self) -> bool:
+        """Registration was attempted (it may have failed: then it stays pageable)."""
+        return self._pin_tried
 
     def fence(self, event) -> None:
         """A device copy reading this buffer was queued; `event` completes after it."""
@@ -114,6 +134,11 @@ class HostBufferPool:
         self._pinner: ThreadPoolExecutor | None = None
         self._registering: list[Future] = []
         self._free: dict[int, list[HostBuffer]] = {}
+        self._unpinned: list[HostBuffer] = []  # reserve buffers populated, not page-locked
+        self.reserve_size = 0      # size class of a host reserve's buffers (0: none)
+        self.reserving = False     # the reserve still makes buffers
+        self.num_reserve_taken = 0  # reserve buffers handed out for the first time
+        self.num_unpinned_taken = 0  # of them, before the reserve page-locked them
         self._fenced: list[HostBuffer] = []   # released, a device copy may still read it
         self._lock = threading.Lock()
         self.allocated_bytes = 0
@@ -133,27 +158,78 @@ class HostBufferPool:
     def size_class(nbytes: int) -> int:
         return max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
 
-    def acquire(self, nbytes: int) -> HostBuffer:
-        """A buffer of at least `nbytes` (contents undefined)."""
+    def acquire(self, nbytes: int, reserve: bool = True) -> HostBuffer:
+        """A buffer of at least `nbytes` (contents undefined). `reserve`: an adapter's host
+        copy, which may take a larger buffer of the host reserve; False for a buffer
+        beside it (its end or expert factors: a few MB, which must not hold a full
+        copy's buffer)."""
         size = self.size_class(nbytes)
         with self._lock:
             self._reap()
-            free = self._free.get(size)
-            if free:
-                self.num_reuses += 1
-                buf = free.pop()
-            else:
+            buf = self._take(size, reserve)
+            if buf is None:
                 self.num_allocations += 1
                 self.allocated_bytes += size
-                buf = None
             self._make_spares(size)
         return buf if buf is not None else self._allocate(size)
+
+    def _take(self, size: int, reserve: bool) -> HostBuffer | None:
+        """A free buffer for a request of `size`: of that size, else, for a host copy
+        (`reserve`), a reserve buffer (under the lock). A reserve buffer is larger than a
+        smaller adapter needs; the host tier counts adapters, and max_cpu_loras was sized
+        for full copies."""
+        free = self._free.get(size)
+        fits = reserve and self.reserve_size >= size
+        if not free and fits:
+            free = self._free.get(self.reserve_size)
+        if free:
+            self.num_reuses += 1
+            buf = free.pop()
+        elif fits and self._unpinned:
+            buf = self._unpinned.pop()   # its pages are in: only the lock is left to take
+            self.num_unpinned_taken += 1
+            self._pin_later(buf)
+        else:
+            return None
+        if buf.reserved:
+            buf.reserved = False
+            self.num_reserve_taken += 1
+        return buf
+
+    # ---- what a host reserve (engine/lora/host_reserve.py) asks of the pool ----------
+    def allocate_reserved(self, size: int, budget_bytes: int) -> HostBuffer | None:
+        """A new buffer of `size` for the reserve, or None once the pool's buffers (every
+        size, every maker) would exceed `budget_bytes` with it. Not page-locked."""
+        with self._lock:
+            if self.allocated_bytes + size > budget_bytes:
+                return None
+            self.allocated_bytes += size
+        buf = self._new_buffer(size)
+        buf.reserved = True
+        return buf
+
+    def offer_reserved(self, buf: HostBuffer) -> None:
+        """A reserve buffer is populated: free now, or first to be page-locked (self.pin
+        and not tried yet)."""
+        with self._lock:
+            if self.pin and not buf.pin_tried:
+                self._unpinned.append(buf)
+            else:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+
+    def take_unpinned(self) -> HostBuffer | None:
+        """A reserve buffer still to be page-locked (the reserve's pin thread), if any."""
+        with self._lock:
+            return self._unpinned.pop() if self._unpinned else None
 
     def _make_spares(self, size: int) -> None:
         """Start making a spare of `size` unless `spares` are free or one is being made
         (under the lock)."""
         if len(self._free.get(size, ())) >= self.spares or size in self._making:
             return
+        if size <= self.reserve_size and (self.reserving or self._unpinned
+                                          or self._free.get(self.reserve_size)):
+            return   # the reserve has one, or is making it
         if self._maker is None:
             self._maker = ThreadPoolExecutor(1, thread_name_prefix="host-buffers")
         self._making[size] = self._maker.submit(self._make_spare, size)
@@ -215,59 +291,30 @@ class HostBufferPool:
         return self._cutter is not None
 
     def _allocate(self, size: int) -> HostBuffer:
-        if self._cutter is not None:
-            data, place = self._cutter.cut(size)
-            buf = HostBuffer(data, size, None, shared=place)
-        else:
-            buf = HostBuffer(_aligned(size), size, None)
+        buf = self._new_buffer(size)
         if self.pin:  # registered later, off the caller's path (module docstring)
             with self._lock:
-                if self._pinner is None:
-                    self._pinner = ThreadPoolExecutor(1, thread_name_prefix="host-pin")
-                self._registering = [f for f in self._registering if not f.done()]
-                self._registering.append(self._pinner.submit(buf.register))
+                self._pin_later(buf)
         return buf
+
+    def _new_buffer(self, size: int) -> HostBuffer:
+        if self._cutter is not None:
+            data, place = self._cutter.cut(size)
+            return HostBuffer(data, size, None, shared=place)
+        return HostBuffer(_aligned(size), size, None)
+
+    def _pin_later(self, buf: HostBuffer) -> None:
+        """Register `buf` on the pin thread (under the lock)."""
+        if self._pinner is None:
+            self._pinner = ThreadPoolExecutor(1, thread_name_prefix="host-pin")
+        self._registering = [f for f in self._registering if not f.done()]
+        self._registering.append(self._pinner.submit(buf.register))
 
     def wait_registered(self) -> None:
         """Block until every buffer handed out so far went through registration."""
         with self._lock:
             pending, self._registering = self._registering, []
         wait(pending)
-
-
-_MADV_POPULATE_WRITE = 23   # Linux 5.14 and later
-_PAGE = 4096
-
-
-def populate(data: torch.Tensor, nbytes: int) -> bool:
-    """Fault in the pages of the first `nbytes` of `data` (the kernel allocates them), so
-    that page-locking them does not. cudaHostRegister faults in missing pages itself,
-    inside the driver, under a lock every kernel launch and copy of the process also
-    takes: on an H200, fresh 21 MB shared buffers registered while decoding stretched the
-    steps from 1.2 ms to 175 ms; populated first, the steps took 1.9 ms and each
-    registration under 1 ms (benchmarks/results/2026-11-27-h200-loads/NOTES.md). One
-    madvise(MADV_POPULATE_WRITE), which
-    leaves the bytes as they are (a reader may be writing the buffer already) and runs
-    without the interpreter lock; False where the kernel has none (before Linux 5.14),
-    and the driver faults the pages in as before."""
-    if _madvise is None:
-        return False
-    ptr = data.data_ptr()
-    base = ptr - ptr % _PAGE
-    return _madvise(base, nbytes + ptr - base, _MADV_POPULATE_WRITE) == 0
-
-
-def _libc_madvise():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _libc_madvise()
 
 
 def shared_memory_pins() -> bool:

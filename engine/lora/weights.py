@@ -192,7 +192,7 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     ends = _end_weights(plan, dtype)
     experts = _expert_weights(plan, model_cfg, tp, dtype)
     pool = buffers if buffers is not None else HostBufferPool()
-    buf = pool.acquire(max(nbytes, 256))
+    buf = pool.acquire(max(nbytes, 256))   # (full_copy_bytes: the same floor)
     try:
         stacked, groups = {}, {}
         for group, parts in layout.items():
@@ -304,10 +304,27 @@ def _layout(by_group: dict, shapes: dict, num_layers: int, dtype: torch.dtype,
     stacked tensors (module docstring) in one buffer, each 256-byte aligned, for every
     group the adapter wraps in some layer; the (start, end) byte gaps alignment leaves;
     and the bytes used (0 for an adapter on experts or ends only)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
     ranks: dict[str, int] = {}
     for (_, group), slices in by_group.items():
         ranks[group] = max(ranks.get(group, 0), *(mp.rank for mp in slices.values()))
+    return _layout_of_ranks(ranks, shapes, num_layers, dtype, use_dora)
+
+
+def full_copy_bytes(model_cfg, max_lora_rank: int, tp_size: int, dtype: torch.dtype) -> int:
+    """The bytes `weights_from_plan` asks its pool for when an adapter wraps every LoRA
+    group of the model at `max_lora_rank` (no DoRA): the largest host copy of a plain
+    adapter on one rank, what a host reserve makes buffers of
+    (engine/lora/host_reserve.py)."""
+    shapes = lora_group_shapes(model_cfg, tp_size)
+    _, _, nbytes = _layout_of_ranks({g: max_lora_rank for g in shapes}, shapes,
+                                    model_cfg.num_layers, dtype, False)
+    return max(nbytes, 256)
+
+
+def _layout_of_ranks(ranks: dict[str, int], shapes: dict, num_layers: int,
+                     dtype: torch.dtype, use_dora: bool):
+    """_layout for the groups in `ranks`, each of that rank."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
     out, gaps, at = {}, [], 0
     for group in shapes:   # the architecture's groups, in declaration order
         if group not in ranks:

@@ -45,7 +45,10 @@ def engine_counters(stats: dict) -> engine_pb2.EngineCounters:
         kv_blocks_total=count("num_kv_blocks"), kv_blocks_free=count("free_kv_blocks"),
         max_loras=count("max_loras"), slots_used=count("slots_used"),
         host_copies=count("host_copies"), pending_evictions=count("pending_evictions"),
-        base_cached_token_hits=count("base_cached_token_hits"), **adapter_totals(stats))
+        base_cached_token_hits=count("base_cached_token_hits"),
+        host_reserve_target=count("host_reserve_target"),
+        host_reserve_ready=count("host_reserve_ready"),
+        host_reserve_taken=count("host_reserve_taken"), **adapter_totals(stats))
 
 
 _TOTALS = {"loads": "adapter_slot_loads", "evictions": "adapter_slot_evictions",

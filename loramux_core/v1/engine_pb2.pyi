@@ -197,7 +197,7 @@ class HistogramSnapshot(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bounds: _Optional[_Iterable[float]] = ..., bucket_counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
-    __slots__ = ("kv_blocks_total", "kv_blocks_free", "max_loras", "slots_used", "host_copies", "pending_evictions", "base_cached_token_hits", "adapter_slot_loads", "adapter_slot_evictions", "adapter_disk_reads", "adapter_host_evictions")
+    __slots__ = ("kv_blocks_total", "kv_blocks_free", "max_loras", "slots_used", "host_copies", "pending_evictions", "base_cached_token_hits", "adapter_slot_loads", "adapter_slot_evictions", "adapter_disk_reads", "adapter_host_evictions", "host_reserve_target", "host_reserve_ready", "host_reserve_taken")
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,9 @@ class EngineCounters(_message.Message):
     ADAPTER_SLOT_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_DISK_READS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_RESERVE_TARGET_FIELD_NUMBER: _ClassVar[int]
+    HOST_RESERVE_READY_FIELD_NUMBER: _ClassVar[int]
+    HOST_RESERVE_TAKEN_FIELD_NUMBER: _ClassVar[int]
     kv_blocks_total: int
     kv_blocks_free: int
     max_loras: int
@@ -220,7 +223,10 @@ class EngineCounters(_message.Message):
     adapter_slot_evictions: int
     adapter_disk_reads: int
     adapter_host_evictions: int
-    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., max_loras: _Optional[int] = ..., slots_used: _Optional[int] = ..., host_copies: _Optional[int] = ..., pending_evictions: _Optional[int] = ..., base_cached_token_hits: _Optional[int] = ..., adapter_slot_loads: _Optional[int] = ..., adapter_slot_evictions: _Optional[int] = ..., adapter_disk_reads: _Optional[int] = ..., adapter_host_evictions: _Optional[int] = ...) -> None: ...
+    host_reserve_target: int
+    host_reserve_ready: int
+    host_reserve_taken: int
+    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., max_loras: _Optional[int] = ..., slots_used: _Optional[int] = ..., host_copies: _Optional[int] = ..., pending_evictions: _Optional[int] = ..., base_cached_token_hits: _Optional[int] = ..., adapter_slot_loads: _Optional[int] = ..., adapter_slot_evictions: _Optional[int] = ..., adapter_disk_reads: _Optional[int] = ..., adapter_host_evictions: _Optional[int] = ..., host_reserve_target: _Optional[int] = ..., host_reserve_ready: _Optional[int] = ..., host_reserve_taken: _Optional[int] = ...) -> None: ...
 
 class EngineEvent(_message.Message):
     __slots__ = ("adapters", "running_requests", "waiting_requests", "histograms", "counters")

@@ -87,6 +87,7 @@ class EngineCollector:
                   ev.waiting_requests)
         self._kv(out, label, ev.counters)
         self._adapters(out, label, ev)
+        self._host_reserve(out, label, ev.counters)
         for h in ev.histograms:
             if h.name in _HISTOGRAMS:
                 out.histogram(*_HISTOGRAMS[h.name], label["replica"], h)
@@ -98,6 +99,16 @@ class EngineCollector:
         out.gauge("loramux:kv_cache_blocks_used", "KV cache blocks in use", label, used)
         out.gauge("loramux:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
                   label, used / total if total else 0.0)
+
+    def _host_reserve(self, out: _Families, label: dict, counters) -> None:
+        out.gauge("loramux:host_reserve_target", "Host buffers the engine makes ready at "
+                  "start for adapters' host copies (0: no reserve)", label,
+                  counters.host_reserve_target)
+        out.gauge("loramux:host_reserve_ready", "Of them, those made ready so far (equal "
+                  "to the target once the reserve is complete)", label,
+                  counters.host_reserve_ready)
+        out.gauge("loramux:host_reserve_taken", "Reserved host buffers loads have taken",
+                  label, counters.host_reserve_taken)
 
     def _adapters(self, out: _Families, label: dict, ev) -> None:
         counts = {t: 0 for t in _TIERS.values()}
