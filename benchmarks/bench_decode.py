@@ -25,6 +25,11 @@ rule), "tokens", "segments"; rows of a choice other than "rule" are labelled
 GREEDY_PICK (how the greedy decode graph picks its rows' tokens: the torch ops or one
 Triton read of the logits), on the same engine; rows of a setting other than the first
 are labelled "MODE/gp-SETTING" (after any other suffix), and so are the profile files.
+--lora-gemm on,off runs every mode once per setting of engine/lora/batch.py
+FUSED_LORA_GEMM (one adapter for every row: o's and down's shrink as extra output rows
+of their base GEMMs, engine/lora/fused.py), on the same engine; rows of a setting other
+than the first are labelled "MODE/lg-SETTING" (after any other suffix), and so are the
+profile files.
 """
 from __future__ import annotations
 
@@ -162,6 +167,23 @@ def select_greedy_pick(eng, pick: str) -> None:
 
 def pick_label(label: str, pick: str, picks: list[str]) -> str:
     return label if pick == picks[0] else f"{label}/gp-{pick}"
+
+
+LORA_GEMM_MODES = ("on", "off")
+
+
+def select_lora_gemm(eng, setting: str) -> None:
+    """engine/lora/batch.py FUSED_LORA_GEMM on or off; captured graphs are dropped when
+    it changes (a uniform graph captures the GEMMs over the spare rows or not)."""
+    from engine.lora import batch
+    if batch.FUSED_LORA_GEMM != (setting == "on"):
+        batch.FUSED_LORA_GEMM = setting == "on"
+        if eng.runner.graphs is not None:
+            eng.runner.graphs.release()
+
+
+def gemm_label(label: str, setting: str, settings: list[str]) -> str:
+    return label if setting == settings[0] else f"{label}/lg-{setting}"
 
 
 MIXED_MODES = ("distinct", "d64")         # modes whose steps take the mixed LoRA path
@@ -333,6 +355,10 @@ def main() -> None:
                     help="comma list of mixed decode LoRA paths (rule: the engine's; table: "
                          "the table alone, before the rows-per-adapter rule; tokens; "
                          "segments): the modes distinct and d64 run once per path")
+    ap.add_argument("--lora-gemm", default="on",
+                    help="comma list of engine/lora/batch.py FUSED_LORA_GEMM settings (on, "
+                         "off): every mode runs once per setting, in this order, on one "
+                         "engine (built with the spare weight rows either way)")
     ap.add_argument("--greedy-pick", default=None,
                     help="comma list of engine/cuda_graph.py GREEDY_PICK settings (torch, "
                          "triton; default: the engine's): every mode runs once per setting, "
@@ -345,6 +371,9 @@ def main() -> None:
     picks = (args.greedy_pick or GREEDY_PICK).split(",")
     if not set(picks) <= set(GREEDY_PICK_MODES):
         ap.error(f"--greedy-pick: {picks} not all in {GREEDY_PICK_MODES}")
+    gemms = args.lora_gemm.split(",")
+    if not set(gemms) <= set(LORA_GEMM_MODES):
+        ap.error(f"--lora-gemm: {gemms} not all in {LORA_GEMM_MODES}")
     settings = args.norm_shrink.split(",")
     from engine.lora.batch import NORM_SHRINK_MODES
     bad = [s for s in settings for v in norm_shrink_pair(s)
@@ -373,6 +402,9 @@ def main() -> None:
                       async_scheduling={"auto": None, "on": True, "off": False}[
                           args.async_scheduling])
     print(f"async scheduling: {eng.config.use_async_scheduling}", flush=True)
+    fused = eng.runner.fused
+    print(f"spare weight rows for one adapter: "
+          f"{fused.nbytes / 2**20:.1f} MiB" if fused else "no spare weight rows", flush=True)
     timer = HostTimer(eng)
     names = []
     for i in range(max_b):
@@ -386,14 +418,16 @@ def main() -> None:
         print(f"gc: {freeze_heap()} objects frozen", flush=True)
     clock = GcClock()
     cfg = LLAMA3_8B
-    points = [(gp, st, m, p) for gp in picks for st in settings for m in args.modes.split(",")
-              for p in (paths if m in MIXED_MODES else ["rule"])]
-    for pick, setting, mode, path in points:
+    points = [(lg, gp, st, m, p) for lg in gemms for gp in picks for st in settings
+              for m in args.modes.split(",") for p in (paths if m in MIXED_MODES else ["rule"])]
+    for gemm, pick, setting, mode, path in points:
         select_uniform_path(eng, mode)
         select_norm_shrink(eng, setting)
         select_mixed_path(eng, path)
         select_greedy_pick(eng, pick)
-        label = pick_label(mixed_label(mode_label(mode, setting, settings), path), pick, picks)
+        select_lora_gemm(eng, gemm)
+        label = gemm_label(pick_label(mixed_label(mode_label(mode, setting, settings), path),
+                                      pick, picks), gemm, gemms)
         for b in batches:
             adapters = mode_adapters(mode, b, names)
             t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen, clock)
@@ -417,19 +451,24 @@ def main() -> None:
     select_mixed_path(eng, "rule")
     launches = []
     profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
-    for pick, setting in [(gp, st) for gp in picks for st in settings] if not args.eager else []:
+    for gemm, pick, setting in ([(lg, gp, st) for lg in gemms for gp in picks for st in settings]
+                                if not args.eager else []):
+        select_lora_gemm(eng, gemm)
         select_greedy_pick(eng, pick)
         select_norm_shrink(eng, setting)
-        name = pick_label("profile" if setting == settings[0] else f"profile-ns-{setting}",
-                          pick, picks).replace("/", "-") + ".txt"
+        name = gemm_label(pick_label(
+            "profile" if setting == settings[0] else f"profile-ns-{setting}", pick, picks),
+            gemm, gemms).replace("/", "-") + ".txt"
         launches += profile_graphs(
             eng, names, args, gen, args.out / name, profile_batches,
             args.profile_modes.split(","),
-            lambda m, st=setting, gp=pick: pick_label(mode_label(m, st, settings), gp, picks))
+            lambda m, st=setting, gp=pick, lg=gemm: gemm_label(
+                pick_label(mode_label(m, st, settings), gp, picks), lg, gemms))
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
             "async_scheduling": eng.config.use_async_scheduling, "norm_shrink": settings,
-            "mixed_paths": paths, "greedy_pick": picks, "gc_freeze": args.gc_freeze}
+            "mixed_paths": paths, "greedy_pick": picks, "lora_gemm": gemms,
+            "gc_freeze": args.gc_freeze}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                       "launches": launches}, indent=2))
     plot(rows, args.out / "decode_throughput.png")

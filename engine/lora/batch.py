@@ -7,14 +7,19 @@ and which kernels run is kernels/lora/plan.py's choice from the step's hints (`u
 whose output is a group's input (q/k/v, gate/up): the group's shrink then runs in that
 same launch (kernels/lora/norm_shrink.py) and `apply` only expands (one launch less
 per group, and the norm's output is not read back for the shrink). FUSED_SILU_SHRINK does
-the same for down_proj with the MLP's activation (`act`, kernels/lora/silu_shrink.py).
+the same for down_proj with the MLP's activation (`act`, kernels/lora/silu_shrink.py). With FUSED_LORA_GEMM, a
+step whose rows all use the adapter installed in the model's spare weight rows
+(engine/lora/fused.py) gets o's and down's shrink from their base GEMM (`matmul`) and
+`apply` only expands.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 
+from engine.lora.fused import FusedAdapter
 from engine.lora.pool import LoRAExtras, LoRASlotPool
 from kernels import lora as lora_kernels
 from kernels.elementwise import add_rms_norm, rms_norm, silu_mul
@@ -33,6 +38,12 @@ FUSED_NORM_SHRINK = "all"
 NORM_SHRINK_MODES = ("off", "uniform", "mixed", "all")
 # The same for down_proj's shrink inside the SiLU-and-multiply before it (`act`).
 FUSED_SILU_SHRINK = "mixed"
+# One adapter for every row of a step (a uniform decode graph, an eager step on one slot):
+# o's and down's shrink as extra output rows of their base GEMMs, [W; A] (engine/lora/
+# fused.py), where the model has those rows (CUDA, one rank, no FP8, no experts). Read
+# when a step's LoRABatch is made; benchmarks/bench_decode.py --lora-gemm off,on measures
+# both in one run.
+FUSED_LORA_GEMM = True
 
 
 def spread_over_adapters(slot_rows: Iterable[tuple[int, int]], min_rows: int) -> bool:
@@ -49,6 +60,16 @@ def spread_over_adapters(slot_rows: Iterable[tuple[int, int]], min_rows: int) ->
             rows += n
             slots.add(slot)
     return len(slots) * min_rows > rows
+
+
+def fused_gemm(fused: FusedAdapter | None, num_tokens: int,
+               extras: LoRAExtras) -> FusedAdapter | None:
+    """`fused` where a step of `num_tokens` rows that all use its installed adapter takes
+    the fused GEMM (FUSED_LORA_GEMM, the token-sized expand's sizes, no `extras`), else
+    None. The caller installs the step's slot in it first."""
+    if FUSED_LORA_GEMM and fused is not None and fused.fits(num_tokens) and not any(extras):
+        return fused
+    return None
 
 
 def _fuses(setting: str, uniform: bool) -> bool:
@@ -70,11 +91,14 @@ class LoRABatch:
     (indexed by its slot: rows of other slots get factor 1 or nothing) where set; None:
     whatever the pool has buffers for (right for any rows; the runner passes what the
     step's slots need, `LoRASlotPool.extras_of`). Nothing here reads the slots on the
-    host, so a CUDA graph may capture it."""
+    host, so a CUDA graph may capture it.
+    `fused`: every row with an adapter uses the one installed in these spare weight rows
+    (FusedAdapter.install, done by the caller); with FUSED_LORA_GEMM, o's and down's
+    shrinks then ride in their base GEMMs (`matmul`). Not with `extras` (DoRA, ends)."""
 
     def __init__(self, pool: LoRASlotPool, token_slots: torch.Tensor, meta=None,
                  uniform: bool = False, spread: bool = False,
-                 extras: LoRAExtras | None = None):
+                 extras: LoRAExtras | None = None, fused: FusedAdapter | None = None):
         assert token_slots.dim() == 1, token_slots.shape
         self.pool = pool
         self.uniform = uniform
@@ -84,6 +108,10 @@ class LoRABatch:
         self._ahead: dict[tuple[int, str], tuple] = {}   # shrinks run fused, to expand
         self._fuse_norm = _fuses(FUSED_NORM_SHRINK, uniform)   # read once: a step's setting
         self._fuse_silu = _fuses(FUSED_SILU_SHRINK, uniform)
+        self._gemm = fused_gemm(fused, token_slots.shape[0], self.extras)
+        self._rows_ahead: dict[tuple[int, str], torch.Tensor] = {}   # shrinks from a GEMM
+        if self._gemm is not None:   # down's shrink comes from its GEMM, not the SiLU's
+            self._fuse_silu = False
         self.meta = meta if meta is not None else lora_kernels.build_meta(
             token_slots, pool.max_loras, uniform=uniform)
         pool.settle_dora()
@@ -163,11 +191,26 @@ class LoRABatch:
         self._ahead[(layer_idx, group)] = fused[-1]
         return fused[:-1]
 
+    def matmul(self, layer_idx: int, group: str, linear, x: torch.Tensor) -> torch.Tensor:
+        """`linear`'s (group's base layer's) matmul of x, before `apply`. With the fused
+        GEMM, x @ [W; A]ᵀ: the base output is returned (a view of the first columns) and
+        the shrink in the last ones is left for `apply`."""
+        storage = self._gemm.weight(layer_idx, group) if self._gemm is not None else None
+        if storage is None:
+            return linear.matmul(x)
+        out = F.linear(x, storage)
+        n = storage.shape[0] - self.pool.max_lora_rank
+        self._rows_ahead[(layer_idx, group)] = out[:, n:]
+        return out[:, :n]
+
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += LoRA delta of `group` in layer `layer_idx`, in place (x, y: this rank's shards)."""
         a, b, ranks, offsets = self.pool.weights(layer_idx, group)
         shrunk = self._ahead.pop((layer_idx, group), None)
-        if shrunk is not None:             # started inside add_norm or act
+        rows = self._rows_ahead.pop((layer_idx, group), None)
+        if rows is not None:               # from the base GEMM (`matmul`)
+            lora_kernels.expand_rows(y, rows, b, self.token_slots, ranks, self.meta)
+        elif shrunk is not None:           # started inside add_norm or act
             lora_kernels.expand_after(shrunk, b, y)
         else:
             lora_kernels.add_lora(y, x, a, b, self.token_slots, offsets, ranks=ranks,

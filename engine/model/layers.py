@@ -127,16 +127,32 @@ class RowParallelLinear(nn.Module):
     """x [T, in_shard] -> [T, out]; holds columns `in_shard` of the HF weight.
 
     `matmul` gives this rank's partial product; `reduce` sums the partials across ranks
-    and then adds the bias (once, not once per rank)."""
+    and then adds the bias (once, not once per rank).
+
+    `lora_rows` > 0 (not with FP8): the weight is stored with that many zeroed rows
+    below it, `with_lora_rows` [out + lora_rows, in_shard] = [W; A], where one adapter's
+    LoRA A can be copied (engine/lora/fused.py): one GEMM then gives the base output and
+    that adapter's shrink side by side. `weight` stays the first `out` rows (a
+    contiguous view), so loading and every other step are unchanged."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device, in_shard: Shard | None = None, fp8: bool = False):
+                 dtype: torch.dtype, device, in_shard: Shard | None = None, fp8: bool = False,
+                 lora_rows: int = 0):
         super().__init__()
         self.tp, self.dtype = tp, dtype
         self.in_features, self.out_features = in_features, out_features
         self.in_shard = in_shard or sharding.even_shard(in_features, tp.rank, tp.size)
-        self.weight, self.weight_scale = _weight((out_features, self.in_shard.length), dtype,
-                                                 device, fp8)
+        shape = (out_features, self.in_shard.length)
+        self.with_lora_rows = None
+        if lora_rows:
+            assert not fp8, "LoRA rows beside an FP8 weight"
+            self.with_lora_rows = torch.zeros((out_features + lora_rows, shape[1]), dtype=dtype,
+                                              device=device)
+            self.with_lora_rows[:out_features] = float("nan")   # poisoned until loaded
+            self.weight = nn.Parameter(self.with_lora_rows[:out_features], requires_grad=False)
+            self.weight_scale = None
+        else:
+            self.weight, self.weight_scale = _weight(shape, dtype, device, fp8)
         self.bias = _param((out_features,), dtype, device) if bias else None
 
     def load_weight(self, src: WeightSource, name: str) -> None:

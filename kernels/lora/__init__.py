@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
-from kernels.lora.reference import add_embedding_lora_ref, add_lora_ref, scale_rows_ref
+from kernels.lora.reference import (add_embedding_lora_ref, add_lora_ref, lora_expand_ref,
+                                    scale_rows_ref)
 
 try:  # the Triton kernels are optional: absent on machines without Triton
     from kernels.lora import launch as _launch
@@ -97,6 +98,18 @@ def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """y += the LoRA delta from a finished `norm_shrink_ahead` or `silu_shrink_ahead`,
     in place; returns y."""
     return _launch.expand_after(shrunk, b, y)
+
+
+def expand_rows(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+                ranks: torch.Tensor | None = None, meta=None) -> torch.Tensor:
+    """y[t] += s[t] · B[slot(t)]ᵀ per token with a slot, in place: the expand of a
+    one-slice group whose shrink s was made elsewhere (a base GEMM's extra output
+    columns, engine/lora/fused.py). y [T, N] and s [T, R] may be strided views (rows of
+    one [T, N + R] GEMM output); b [L, N, R]; ranks [L] int32 or None; meta: the step's
+    `build_meta`. Returns y."""
+    if _on_triton(y):
+        return _launch.expand_rows(y, s, b, token_slots, ranks, meta)
+    return lora_expand_ref(s.float()[None], b, token_slots, (0, y.shape[1]), y)
 
 
 def _fused_fits(rows: torch.Tensor, a: torch.Tensor, slice_offsets) -> bool:
