@@ -182,6 +182,24 @@ def select_lora_gemm(eng, setting: str) -> None:
             eng.runner.graphs.release()
 
 
+def strided_weight_copies(model) -> str:
+    """Whether the base matmul of gate_up_proj, whose `weight` is a strided view of
+    [W | B] (engine/model/layers.py), copies it first: the device memory a matmul of 64
+    rows takes beyond its output, against the weight's size."""
+    lin = model.layers[0].mlp.gate_up_proj
+    x = torch.randn(64, lin.in_features, dtype=lin.weight.dtype, device=lin.weight.device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y = lin.matmul(x)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - y.nbytes
+    weight = lin.weight.numel() * lin.weight.element_size()
+    return (f"gate_up's strided weight (row stride {lin.weight.stride(0)}) "
+            f"{'COPIED' if extra >= weight else 'not copied'} by its matmul "
+            f"({extra / 2**20:.1f} MiB beyond the output, weight {weight / 2**20:.0f} MiB)")
+
+
 def gemm_label(label: str, setting: str, settings: list[str]) -> str:
     return label if setting == settings[0] else f"{label}/lg-{setting}"
 
@@ -403,8 +421,9 @@ def main() -> None:
                           args.async_scheduling])
     print(f"async scheduling: {eng.config.use_async_scheduling}", flush=True)
     fused = eng.runner.fused
-    print(f"spare weight rows for one adapter: "
-          f"{fused.nbytes / 2**20:.1f} MiB" if fused else "no spare weight rows", flush=True)
+    print(f"spare weight rows and columns for one adapter: {fused.nbytes / 2**20:.1f} MiB; "
+          f"{strided_weight_copies(eng.runner.model)}" if fused else "no spare weight rows",
+          flush=True)
     timer = HostTimer(eng)
     names = []
     for i in range(max_b):

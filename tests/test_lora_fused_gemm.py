@@ -1,5 +1,6 @@
 """One adapter inside the base GEMMs (engine/lora/fused.py, engine/lora/batch.py
-FUSED_LORA_GEMM): o's and down's shrink as extra output rows of their base weights.
+FUSED_LORA_GEMM): o's and down's shrink as extra output rows of their base weights,
+q/k/v's and gate/up's expand as extra input columns beside the norm's output.
 
 The expand that finishes it (kernels.lora.expand_rows) against the torch reference on
 strided views of one GEMM output, random B, ranks below the pool's, base rows; then the
@@ -77,28 +78,31 @@ def _peft_logits(model_dir, adapter_dir, ids: list[int]) -> torch.Tensor:
 
 def _step(model, pool, fused, seqs, slot):
     """One prefill of `seqs` (token lists): the first on `slot`, the others without an
-    adapter (a padded bucket's rows); the logits of every token, and expand_rows' count."""
+    adapter (a padded bucket's rows); the logits of every token, and the LoRA launches
+    by name."""
     ids = torch.tensor([t for s in seqs for t in s], device=DEV)
     slots = torch.tensor([slot] * len(seqs[0]) + [-1] * (ids.shape[0] - len(seqs[0])),
                          dtype=torch.int32, device=DEV)
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(seqs))]
     attn = make_attention_metadata(tables, [0] * len(seqs), [len(s) for s in seqs], BLOCK, DEV)
     kv = model.make_kv_caches(4 * len(seqs), BLOCK)
-    calls = []
-    with pytest.MonkeyPatch.context() as mp, lora_kernel_path():
-        inner = launch.expand_rows
-        mp.setattr(launch, "expand_rows", lambda *a: calls.append(1) or inner(*a))
+    with pytest.MonkeyPatch.context() as mp, lora_kernel_path() as calls:
+        for name in ("expand_rows", "add_norm_shrink_cols"):
+            inner = getattr(launch, name)
+            mp.setattr(launch, name,
+                       lambda *a, n=name, f=inner: calls.update([n]) or f(*a))
         lora = LoRABatch(pool, slots, fused=fused)
         logits = model.compute_logits(model(ids, attn, kv, lora), lora,
                                       torch.arange(ids.shape[0], device=DEV))
-    return logits.cpu(), len(calls)
+    return logits.cpu(), dict(calls)
 
 
 def test_one_adapter_in_the_base_gemm_matches_peft(family, monkeypatch):
-    """Every step's adapter rows and base rows give PEFT's logits on the fused path (two
-    expands from a GEMM per layer), equal to the unfused path's; the spare rows are
-    copied again on a switch of slot and on a new load into the same slot, not for a
-    step on the slot they hold."""
+    """Every step's adapter rows and base rows give PEFT's logits on the fused path (per
+    layer two expands from a GEMM, two norms writing their shrink as columns, no other
+    LoRA launch), equal to the unfused path's; the spare rows and columns are copied
+    again on a switch of slot and on a new load into the same slot, not for a step on
+    the slot they hold."""
     monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", True)
     model_dir, adapters = family
     cfg = ModelConfig.from_dir(model_dir)
@@ -108,7 +112,7 @@ def test_one_adapter_in_the_base_gemm_matches_peft(family, monkeypatch):
     pool.load(0, load_lora(adapters["r4"], cfg, MAX_RANK))
     pool.load(1, load_lora(adapters["r8"], cfg, MAX_RANK))
     fused = FusedAdapter(pool, model.fused_lora_weights())
-    assert len(fused.targets) == 2 * cfg.num_layers
+    assert len(fused.targets) == 4 * cfg.num_layers
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(3, 250, (6,), generator=gen).tolist()
     pad = torch.randint(3, 250, (3,), generator=gen).tolist()
@@ -119,21 +123,23 @@ def test_one_adapter_in_the_base_gemm_matches_peft(family, monkeypatch):
             pool.load(1, load_lora(adapters["other"], cfg, MAX_RANK))
         fused.install(slot)
         installs.append(fused.num_installs)
-        got, expands = _step(model, pool, fused, [prompt, pad], slot)
-        assert expands == 2 * cfg.num_layers, name
+        got, calls = _step(model, pool, fused, [prompt, pad], slot)
+        assert calls == {"expand_rows": 2 * cfg.num_layers,
+                         "add_norm_shrink_cols": 2 * cfg.num_layers}, name
         want = _peft_logits(model_dir, adapters[name], prompt)
         torch.testing.assert_close(got[:6], want, atol=2e-4, rtol=2e-4,
                                    msg=lambda m: f"slot {slot} ({name}): {m}")
         torch.testing.assert_close(got[6:], base, atol=2e-4, rtol=2e-4)
-        plain, none = _step(model, pool, None, [prompt, pad], slot)
-        assert none == 0
+        plain, calls = _step(model, pool, None, [prompt, pad], slot)
+        assert calls["add_lora"] == 4 * cfg.num_layers and "expand_rows" not in calls
         torch.testing.assert_close(got, plain, atol=2e-5, rtol=2e-5)
     assert installs == [1, 2, 2, 3, 4]
 
 
 def test_spare_rows_leave_the_base_weights_as_they_were(family):
-    """`weight` of o_proj and down_proj is the first rows of [W; A], contiguous; the
-    spare rows start zeroed and are not parameters (not loaded, not in the state)."""
+    """`weight` of o_proj and down_proj is the first rows of [W; A], contiguous, that of
+    qkv_proj and gate_up_proj the first columns of [W | B]; the spare rows and columns
+    start zeroed and are not parameters (not loaded, not in the state)."""
     model_dir, _ = family
     cfg = ModelConfig.from_dir(model_dir)
     model = LlamaForCausalLM(cfg, device=DEV, fused_lora_rank=MAX_RANK)
@@ -142,11 +148,20 @@ def test_spare_rows_leave_the_base_weights_as_they_were(family):
     plain.load_weights(model_dir)
     assert set(model.state_dict()) == set(plain.state_dict())
     for (layer, group), storage in model.fused_lora_weights().items():
-        lin = getattr(model.layers[layer].self_attn, "o_proj", None) if group == "o" \
-            else model.layers[layer].mlp.down_proj
-        assert lin.weight.is_contiguous() and lin.weight.data_ptr() == storage.data_ptr()
-        assert storage.shape[0] == lin.out_features + MAX_RANK
-        assert not storage[lin.out_features:].any()
+        attn, mlp = model.layers[layer].self_attn, model.layers[layer].mlp
+        lin = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
+               "down": mlp.down_proj}[group]
+        assert lin.weight.data_ptr() == storage.data_ptr()
+        rows, cols = lin.weight.shape
+        if group in ("o", "down"):
+            assert lin.weight.is_contiguous() and storage.shape == (rows + MAX_RANK, cols)
+            assert not storage[rows:].any()
+        else:       # one block of spare columns per slice; the matmul reads the view as is
+            slices = len(lin.out_widths)
+            assert storage.shape == (rows, cols + slices * MAX_RANK)
+            assert lin.weight.stride() == storage.stride() and storage.stride(1) == 1
+            assert storage.stride(0) % 64 == 0      # 128-byte rows in bf16: aligned for a GEMM
+            assert not storage[:, cols:].any()
     torch.testing.assert_close(model.state_dict(), plain.state_dict(), atol=0, rtol=0)
     assert plain.fused_lora_weights() == {}
 

@@ -10,7 +10,8 @@ per group, and the norm's output is not read back for the shrink). FUSED_SILU_SH
 the same for down_proj with the MLP's activation (`act`, kernels/lora/silu_shrink.py). With FUSED_LORA_GEMM, a
 step whose rows all use the adapter installed in the model's spare weight rows
 (engine/lora/fused.py) gets o's and down's shrink from their base GEMM (`matmul`) and
-`apply` only expands.
+`apply` only expands; q/k/v's and gate/up's finished shrink comes out of the norm before
+them beside its output (`add_norm`), their GEMM adds the delta, and `apply` does nothing.
 """
 from __future__ import annotations
 
@@ -39,10 +40,10 @@ NORM_SHRINK_MODES = ("off", "uniform", "mixed", "all")
 # The same for down_proj's shrink inside the SiLU-and-multiply before it (`act`).
 FUSED_SILU_SHRINK = "mixed"
 # One adapter for every row of a step (a uniform decode graph, an eager step on one slot):
-# o's and down's shrink as extra output rows of their base GEMMs, [W; A] (engine/lora/
-# fused.py), where the model has those rows (CUDA, one rank, no FP8, no experts). Read
-# when a step's LoRABatch is made; benchmarks/bench_decode.py --lora-gemm off,on measures
-# both in one run.
+# o's and down's shrink as extra output rows of their base GEMMs, [W; A], q/k/v's and
+# gate/up's expand as extra input columns, [W | B] (engine/lora/fused.py), where the
+# model has them (CUDA, one rank, no FP8, no experts). Read when a step's LoRABatch is
+# made; benchmarks/bench_decode.py --lora-gemm on,off measures both in one run.
 FUSED_LORA_GEMM = True
 
 
@@ -110,6 +111,8 @@ class LoRABatch:
         self._fuse_silu = _fuses(FUSED_SILU_SHRINK, uniform)
         self._gemm = fused_gemm(fused, token_slots.shape[0], self.extras)
         self._rows_ahead: dict[tuple[int, str], torch.Tensor] = {}   # shrinks from a GEMM
+        self._cols_ahead: dict[tuple[int, str], torch.Tensor] = {}   # [x | s] for a GEMM
+        self._in_gemm: set[tuple[int, str]] = set()   # groups whose GEMM added the delta
         if self._gemm is not None:   # down's shrink comes from its GEMM, not the SiLU's
             self._fuse_silu = False
         self.meta = meta if meta is not None else lora_kernels.build_meta(
@@ -158,7 +161,15 @@ class LoRABatch:
         """(rms_norm(residual + x), residual + x) for the norm whose output is `group`'s
         input (x None: (rms_norm(residual), residual)). With FUSED_NORM_SHRINK, the same
         launch starts the group's shrink of that output and `apply` only expands; the new
-        residual may then be a new tensor rather than `residual` updated in place."""
+        residual may then be a new tensor rather than `residual` updated in place. With
+        the fused GEMM, the norm writes the group's finished shrink beside its output
+        instead, for `matmul`."""
+        if self._gemm is not None and self._gemm.columns(layer_idx, group):
+            a, _, ranks, _ = self.pool.weights(layer_idx, group)
+            both, residual = lora_kernels.add_norm_shrink_cols(x, residual, weight, eps, a,
+                                                           self.token_slots, ranks)
+            self._cols_ahead[(layer_idx, group)] = both
+            return both[:, :residual.shape[1]], residual
         if self._fuse_norm:
             fused = self._fused_shrink(layer_idx, group, lora_kernels.norm_shrink_ahead,
                                        x, residual, weight, eps)
@@ -194,9 +205,16 @@ class LoRABatch:
     def matmul(self, layer_idx: int, group: str, linear, x: torch.Tensor) -> torch.Tensor:
         """`linear`'s (group's base layer's) matmul of x, before `apply`. With the fused
         GEMM, x @ [W; A]ᵀ: the base output is returned (a view of the first columns) and
-        the shrink in the last ones is left for `apply`."""
+        the shrink in the last ones is left for `apply`; or [x | s] @ [W | B]ᵀ from
+        `add_norm`'s buffer: base output and delta at once."""
         storage = self._gemm.weight(layer_idx, group) if self._gemm is not None else None
         if storage is None:
+            return linear.matmul(x)
+        both = self._cols_ahead.pop((layer_idx, group), None)
+        if both is not None:
+            self._in_gemm.add((layer_idx, group))
+            return F.linear(both, storage)
+        if self._gemm.columns(layer_idx, group):   # its norm ran apart: the usual way
             return linear.matmul(x)
         out = F.linear(x, storage)
         n = storage.shape[0] - self.pool.max_lora_rank
@@ -208,7 +226,9 @@ class LoRABatch:
         a, b, ranks, offsets = self.pool.weights(layer_idx, group)
         shrunk = self._ahead.pop((layer_idx, group), None)
         rows = self._rows_ahead.pop((layer_idx, group), None)
-        if rows is not None:               # from the base GEMM (`matmul`)
+        if (layer_idx, group) in self._in_gemm:   # the GEMM added it (`matmul`)
+            self._in_gemm.discard((layer_idx, group))
+        elif rows is not None:             # the shrink from the base GEMM (`matmul`)
             lora_kernels.expand_rows(y, rows, b, self.token_slots, ranks, self.meta)
         elif shrunk is not None:           # started inside add_norm or act
             lora_kernels.expand_after(shrunk, b, y)

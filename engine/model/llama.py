@@ -53,7 +53,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, tp,
-            dtype, device, shards=[q_rows, kv_rows, kv_rows], fp8=fp8)
+            dtype, device, shards=[q_rows, kv_rows, kv_rows], fp8=fp8, lora_cols=lora_rows)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, dtype, device,
                                         in_shard=q_rows, fp8=fp8, lora_rows=lora_rows)
         # checkpoint names of the projections, as the architecture declares them
@@ -68,8 +68,10 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
                 lora) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
-        qkv = self.qkv_proj.matmul(x)
-        if lora is not None:
+        if lora is None:
+            qkv = self.qkv_proj.matmul(x)
+        else:
+            qkv = lora.matmul(self.layer_idx, "qkv", self.qkv_proj, x)
             lora.apply(self.layer_idx, "qkv", x, qkv)
         q, k, v = self.qkv_proj.split(self.qkv_proj.add_bias(qkv))
         if self.q_norm is not None:  # per head: rows of head_dim
@@ -111,7 +113,7 @@ class LlamaMLP(nn.Module):
         self.layer_idx = layer_idx
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp,
-                                                 dtype, device, fp8=fp8)
+                                                 dtype, device, fp8=fp8, lora_cols=lora_rows)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device,
                                            fp8=fp8, lora_rows=lora_rows)
         # checkpoint names of the projections, as the architecture declares them
@@ -123,8 +125,10 @@ class LlamaMLP(nn.Module):
 
     def partial(self, x: torch.Tensor, lora) -> torch.Tensor:
         """This rank's partial output (before the all-reduce and down_proj's bias)."""
-        gate_up = self.gate_up_proj.matmul(x)
-        if lora is not None:
+        if lora is None:
+            gate_up = self.gate_up_proj.matmul(x)
+        else:
+            gate_up = lora.matmul(self.layer_idx, "gate_up", self.gate_up_proj, x)
             lora.apply(self.layer_idx, "gate_up", x, gate_up)
         # [gate | up], equal widths; one launch on CUDA, which may also start down's shrink
         if lora is None:
@@ -203,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
     (kernels/fp8.py); otherwise an FP8 checkpoint is dequantized at load.
 
     `fused_lora_rank` > 0 (one rank, no FP8, no experts): o_proj and down_proj keep that
-    many rows beside their weights for one adapter's LoRA A (`fused_lora_weights`,
+    many rows below their weights for one adapter's LoRA A, qkv_proj and gate_up_proj
+    that many columns per slice beside theirs for its B (`fused_lora_weights`,
     engine/lora/fused.py)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -277,12 +282,19 @@ class LlamaForCausalLM(nn.Module):
                 "down": mlp.down_proj}[group].dense_weight()
 
     def fused_lora_weights(self) -> dict[tuple[int, str], torch.Tensor]:
-        """{(layer, group): [W; A] storage [out + fused_lora_rank, in]} of the groups whose
-        weights keep rows for one adapter's A (o and down); empty without them."""
+        """{(layer, group): storage} of the groups whose weights keep room for one
+        adapter: [W; A] [out + fused_lora_rank, in] (o, down), [W | B] [out, in + S ·
+        fused_lora_rank] (qkv, gate_up); empty without them."""
         if not self.fused_lora_rank:
             return {}
-        return {(i, g): lin.with_lora_rows for i, layer in enumerate(self.layers)
-                for g, lin in (("o", layer.self_attn.o_proj), ("down", layer.mlp.down_proj))}
+        out = {}
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            out.update({(i, "qkv"): attn.qkv_proj.with_lora_cols,
+                        (i, "o"): attn.o_proj.with_lora_rows,
+                        (i, "gate_up"): mlp.gate_up_proj.with_lora_cols,
+                        (i, "down"): mlp.down_proj.with_lora_rows})
+        return out
 
     def load_weights(self, model_dir) -> None:
         """Load this rank's shard of every tensor from the model directory's safetensors;

@@ -103,6 +103,8 @@ def add_rms_norm_shrink_cols_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
 
 MAX_TOKENS = 256           # the decode path (kernels/lora/plan.py TOKEN_PATH_MAX_TOKENS)
 BLOCK_M = 16               # rows per shrink program (tl.dot needs 16)
+ROW_ALIGN = 64             # the output's row stride, in elements: 128-byte rows in bf16,
+                           # an aligned leading dimension for the GEMM that reads it
 
 
 def add_rms_norm_shrink_cols(x: torch.Tensor | None, residual: torch.Tensor,
@@ -110,7 +112,8 @@ def add_rms_norm_shrink_cols(x: torch.Tensor | None, residual: torch.Tensor,
                              token_slots: torch.Tensor, ranks: torch.Tensor | None = None,
                              block_k: int | None = None, num_warps: int = 4
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [T, K + S·R] = [rms_norm(residual + x) | s], residual + x) in one launch.
+    """(out [T, K + S·R] = [rms_norm(residual + x) | s], residual + x) in one launch
+    (out's rows padded to a multiple of ROW_ALIGN elements: a view).
 
     s[t, s·R + r] = rms_norm(residual + x)[t] · A[slot(t), s, r]ᵀ, in out's dtype, zero
     where token_slots[t] < 0. x None: rms_norm(residual) and residual itself. The new
@@ -126,7 +129,9 @@ def add_rms_norm_shrink_cols(x: torch.Tensor | None, residual: torch.Tensor,
     block_r = _block_r(R)
     block_k = block_k or max(32, min(2048 // BLOCK_M, 4096 // block_r,
                                      triton.next_power_of_2(K)))
-    out = torch.empty((T, K + S * R), dtype=residual.dtype, device=residual.device)
+    width = K + S * R
+    out = torch.empty((T, -(-width // ROW_ALIGN) * ROW_ALIGN), dtype=residual.dtype,
+                      device=residual.device)[:, :width]
     res_out = torch.empty_like(residual) if x is not None else residual
     rstd = torch.empty(T, dtype=torch.float32, device=residual.device)  # the norm rows'
     src = x if x is not None else residual
