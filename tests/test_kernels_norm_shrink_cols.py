@@ -96,3 +96,33 @@ def test_gemm_over_the_columns_adds_the_lora_delta(dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
     base = ts < 0
     torch.testing.assert_close(got[base], (normed @ W.T)[base], **TOL[dtype])
+
+
+@pytest.mark.parametrize("T,N,S,R,ranks,case,dtype", [
+    (1, 48, 3, 16, [16, 5], "one", torch.float32),
+    (19, 72, 2, 16, [4, 16, 9], "one_some_base", torch.float32),
+    (33, 300, 1, 8, [8, 2, 5], "mixed", torch.float32),
+    (20, 96, 3, 16, [16, 11], "one_some_base", torch.bfloat16),
+])
+def test_delta_of_the_group_before_is_added_first(T, N, S, R, ranks, case, dtype):
+    """With a delta (the expand of o or down folded into the norm after it): x + d·Bdᵀ
+    per row's slot, rounded as the expand rounds it, then the same norm, shrink and
+    residual as without; rows without an adapter get no delta; a width over the row
+    programs' chunk (300 > 256) takes two chunks."""
+    a, _, ranks_t, ts, x, res, w = _inputs(T, N, S, R, ranks, case, dtype, True, seed=T + 1)
+    _, bd, _ = slot_pool(1, (0, N), ranks, 8, dtype, DEV, R, seed=T + 2)
+    g = torch.Generator().manual_seed(T + 3)
+    d = torch.randn(T, R + 5, generator=g).to(DEV, dtype)[:, :R]     # a strided view
+    for slot, r in enumerate(ranks):       # as a GEMM against zero-padded A leaves it
+        d[ts == slot, r:] = 0
+    out, new_res = add_rms_norm_shrink_cols(x, res, w, EPS, a, ts, ranks_t,
+                                            delta=(d, bd, ranks_t))
+    want, want_res = add_rms_norm_shrink_cols_ref(x, res, w, EPS, a, ts, delta=(d, bd, None))
+    plain, plain_res = add_rms_norm_shrink_cols_ref(x, res, w, EPS, a, ts)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    torch.testing.assert_close(new_res, want_res, **TOL[dtype])
+    base = ts < 0
+    _, alone_res = add_rms_norm_shrink_cols(x, res, w, EPS, a, ts, ranks_t)
+    torch.testing.assert_close(new_res[base], alone_res[base], atol=0, rtol=0)
+    if (~base).any():
+        assert (want_res[~base] - plain_res[~base]).abs().max() > 0.1, "the delta is live"

@@ -99,8 +99,9 @@ def _step(model, pool, fused, seqs, slot):
 
 def test_one_adapter_in_the_base_gemm_matches_peft(family, monkeypatch):
     """Every step's adapter rows and base rows give PEFT's logits on the fused path (per
-    layer two expands from a GEMM, two norms writing their shrink as columns, no other
-    LoRA launch), equal to the unfused path's; the spare rows and columns are copied
+    layer two norms writing their shrink as columns and adding the expand of the group
+    before, one expand of its own for the last layer's down, no other LoRA launch),
+    equal to the unfused path's; the spare rows and columns are copied
     again on a switch of slot and on a new load into the same slot, not for a step on
     the slot they hold."""
     monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", True)
@@ -124,7 +125,7 @@ def test_one_adapter_in_the_base_gemm_matches_peft(family, monkeypatch):
         fused.install(slot)
         installs.append(fused.num_installs)
         got, calls = _step(model, pool, fused, [prompt, pad], slot)
-        assert calls == {"expand_rows": 2 * cfg.num_layers,
+        assert calls == {"expand_rows": 1,           # the last down: no norm of LoRA's after
                          "add_norm_shrink_cols": 2 * cfg.num_layers}, name
         want = _peft_logits(model_dir, adapters[name], prompt)
         torch.testing.assert_close(got[:6], want, atol=2e-4, rtol=2e-4,

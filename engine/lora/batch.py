@@ -11,7 +11,9 @@ the same for down_proj with the MLP's activation (`act`, kernels/lora/silu_shrin
 step whose rows all use the adapter installed in the model's spare weight rows
 (engine/lora/fused.py) gets o's and down's shrink from their base GEMM (`matmul`) and
 `apply` only expands; q/k/v's and gate/up's finished shrink comes out of the norm before
-them beside its output (`add_norm`), their GEMM adds the delta, and `apply` does nothing.
+them beside its output (`add_norm`), their GEMM adds the delta, and `apply` does nothing;
+o's and down's expand is left to that norm after them too (the next one reads their
+output: `add_norm` adds it before the residual), or to `finish` for the last down.
 """
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ NORM_SHRINK_MODES = ("off", "uniform", "mixed", "all")
 FUSED_SILU_SHRINK = "mixed"
 # One adapter for every row of a step (a uniform decode graph, an eager step on one slot):
 # o's and down's shrink as extra output rows of their base GEMMs, [W; A], q/k/v's and
-# gate/up's expand as extra input columns, [W | B] (engine/lora/fused.py), where the
-# model has them (CUDA, one rank, no FP8, no experts). Read when a step's LoRABatch is
-# made; benchmarks/bench_decode.py --lora-gemm on,off measures both in one run.
+# gate/up's expand as extra input columns, [W | B] (engine/lora/fused.py), o's and
+# down's expand inside the norm after them, where the model has them (CUDA, one rank,
+# no FP8, no experts). Read when a step's LoRABatch is made; benchmarks/bench_decode.py
+# --lora-gemm on,off measures both in one run.
 FUSED_LORA_GEMM = True
 
 
@@ -113,6 +116,8 @@ class LoRABatch:
         self._rows_ahead: dict[tuple[int, str], torch.Tensor] = {}   # shrinks from a GEMM
         self._cols_ahead: dict[tuple[int, str], torch.Tensor] = {}   # [x | s] for a GEMM
         self._in_gemm: set[tuple[int, str]] = set()   # groups whose GEMM added the delta
+        self._no_bias: set[tuple[int, str]] = set()   # row groups whose y the norm reads
+        self._pending: dict[tuple[int, str], tuple] = {}   # expands for the norm before a key
         if self._gemm is not None:   # down's shrink comes from its GEMM, not the SiLU's
             self._fuse_silu = False
         self.meta = meta if meta is not None else lora_kernels.build_meta(
@@ -166,8 +171,9 @@ class LoRABatch:
         instead, for `matmul`."""
         if self._gemm is not None and self._gemm.columns(layer_idx, group):
             a, _, ranks, _ = self.pool.weights(layer_idx, group)
-            both, residual = lora_kernels.add_norm_shrink_cols(x, residual, weight, eps, a,
-                                                           self.token_slots, ranks)
+            both, residual = lora_kernels.add_norm_shrink_cols(
+                x, residual, weight, eps, a, self.token_slots, ranks,
+                self._delta_for(layer_idx, group, x))
             self._cols_ahead[(layer_idx, group)] = both
             return both[:, :residual.shape[1]], residual
         if self._fuse_norm:
@@ -219,17 +225,54 @@ class LoRABatch:
         out = F.linear(x, storage)
         n = storage.shape[0] - self.pool.max_lora_rank
         self._rows_ahead[(layer_idx, group)] = out[:, n:]
+        if linear.bias is None:   # the next norm reads this output as is
+            self._no_bias.add((layer_idx, group))
         return out[:, :n]
 
+    def _delta_for(self, layer_idx: int, group: str, x: torch.Tensor | None):
+        """The expand left for the norm before (layer_idx, group), as (d, b, ranks) for
+        kernels.lora.add_norm_shrink_cols, when that norm adds to the output it was left
+        on; otherwise (another tensor: not expected) it is added here first, and None."""
+        pending = self._pending.pop((layer_idx, group), None)
+        if pending is None:
+            return None
+        y, rows, b, ranks = pending
+        if x is None or (x.data_ptr(), x.shape, x.stride()) != (y.data_ptr(), y.shape,
+                                                                y.stride()):
+            lora_kernels.expand_rows(y, rows, b, self.token_slots, ranks, self.meta)
+            return None
+        return rows, b, ranks
+
+    def _norm_after(self, layer_idx: int, group: str) -> tuple[int, str] | None:
+        """The group whose fused norm reads `group`'s output (o: gate_up of the layer,
+        down: q/k/v of the next), where that norm takes the expand; None: none does."""
+        after = (layer_idx, "gate_up") if group == "o" else (layer_idx + 1, "qkv")
+        if (layer_idx, group) in self._no_bias and self._gemm.columns(*after):
+            return after
+        return None
+
+    def finish(self) -> None:
+        """Add the expands no norm took (the last layer's down: the model's final norm
+        is not LoRA's); the model calls it after its last layer."""
+        for y, rows, b, ranks in self._pending.values():
+            lora_kernels.expand_rows(y, rows, b, self.token_slots, ranks, self.meta)
+        self._pending.clear()
+
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += LoRA delta of `group` in layer `layer_idx`, in place (x, y: this rank's shards)."""
+        """y += LoRA delta of `group` in layer `layer_idx`, in place (x, y: this rank's
+        shards). With the fused GEMM, o's and down's delta is added to y by the next
+        `add_norm` that reads y (or by `finish`), not here."""
         a, b, ranks, offsets = self.pool.weights(layer_idx, group)
         shrunk = self._ahead.pop((layer_idx, group), None)
         rows = self._rows_ahead.pop((layer_idx, group), None)
         if (layer_idx, group) in self._in_gemm:   # the GEMM added it (`matmul`)
             self._in_gemm.discard((layer_idx, group))
         elif rows is not None:             # the shrink from the base GEMM (`matmul`)
-            lora_kernels.expand_rows(y, rows, b, self.token_slots, ranks, self.meta)
+            after = self._norm_after(layer_idx, group)
+            if after is not None:          # the norm after adds it (`add_norm`)
+                self._pending[after] = (y, rows, b, ranks)
+            else:
+                lora_kernels.expand_rows(y, rows, b, self.token_slots, ranks, self.meta)
         elif shrunk is not None:           # started inside add_norm or act
             lora_kernels.expand_after(shrunk, b, y)
         else:

@@ -14,7 +14,8 @@ and the add + RMSNorm before them writes its output and the finished shrink side
 
     [x | s] @ [W | B]ᵀ = x·Wᵀ + s·Bᵀ
 
-Neither group has a LoRA launch of its own then. The spare rows and columns hold one
+Neither group has a LoRA launch of its own then, and o's and down's expand is added by
+the norm after them (engine/lora/batch.py `add_norm`): a layer has none. The spare rows and columns hold one
 adapter at a time: `install(slot)` copies the slot's A (o, down) and B (qkv, gate_up) of
 every layer there when they hold anything else, judged by the slot and the pool's
 generation of it (a slot loaded again, with the same or another adapter, is copied

@@ -247,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
             lora.apply_embedding(input_ids, h)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, attn, kv_cache, lora, residual)
+        if lora is not None:   # what LoRA left for a norm after the last layer
+            lora.finish()
         if residual is None:
             return self.norm(h)
         return self.norm.add_forward(h, residual)[0]

@@ -115,16 +115,19 @@ def expand_rows(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, token_slots: 
 
 
 def add_norm_shrink_cols(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, a: torch.Tensor, token_slots: torch.Tensor,
-                     ranks: torch.Tensor | None = None):
+                         eps: float, a: torch.Tensor, token_slots: torch.Tensor,
+                         ranks: torch.Tensor | None = None, delta=None):
     """([rms_norm(residual + x) | s], residual + x): the norm's output and the finished
     LoRA shrink of it (every slice's R columns, in the rows' dtype, zero on rows without
     an adapter) side by side in one [T, K + S·R] buffer, for a GEMM with [W | B]
-    (engine/lora/fused.py); x None: rms_norm(residual), residual. a [L, S, R, K]. On the
-    Triton path (up to TOKEN_PATH_MAX_TOKENS rows) one launch and a new residual tensor."""
+    (engine/lora/fused.py); x None: rms_norm(residual), residual. a [L, S, R, K]. delta:
+    (d [T, R], bd [L, K, R], ranks of bd or None): x[t] += d[t] · bd[slot(t)]ᵀ first, the
+    expand of the group whose output x is (x given). On the Triton path (up to
+    TOKEN_PATH_MAX_TOKENS rows) one launch and a new residual tensor."""
     if _on_triton(residual):
-        return _launch.add_norm_shrink_cols(x, residual, weight, eps, a, token_slots, ranks)
-    return add_rms_norm_shrink_cols_ref(x, residual, weight, eps, a, token_slots)
+        return _launch.add_norm_shrink_cols(x, residual, weight, eps, a, token_slots, ranks,
+                                            delta)
+    return add_rms_norm_shrink_cols_ref(x, residual, weight, eps, a, token_slots, delta)
 
 
 def _fused_fits(rows: torch.Tensor, a: torch.Tensor, slice_offsets) -> bool:

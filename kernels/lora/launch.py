@@ -129,9 +129,10 @@ def expand_rows(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, token_slots: 
                               uniform=True)
 
 
-def add_norm_shrink_cols(x, residual, weight, eps, a, token_slots, ranks: torch.Tensor | None):
+def add_norm_shrink_cols(x, residual, weight, eps, a, token_slots, ranks: torch.Tensor | None,
+                         delta=None):
     """Add + RMSNorm writing its finished shrink as extra columns, one launch
     (kernels/lora/norm_shrink_cols.py): ([out | s], new residual)."""
     T, Kdim = residual.shape
     _check_fused(T, Kdim, a, token_slots, (0,) * (a.shape[1] + 1), None)
-    return add_rms_norm_shrink_cols(x, residual, weight, eps, a, token_slots, ranks)
+    return add_rms_norm_shrink_cols(x, residual, weight, eps, a, token_slots, ranks, delta)
