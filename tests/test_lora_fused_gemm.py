@@ -8,7 +8,8 @@ tiny Llama with the spare rows, its LoRA kernels in Triton's interpreter on the 
 (natively on CUDA), against transformers + PEFT and against the same model without the
 fused path: an adapter switch between steps, a slot loaded again with another adapter
 under the same slot number (the pool's generation), ranks below max_lora_rank, padding
-rows without an adapter."""
+rows without an adapter; and the whole engine's eager steps on that path, adapters taking
+turns in one slot, against PEFT's greedy tokens; the benchmark's switch."""
 from __future__ import annotations
 
 import pytest
@@ -183,3 +184,31 @@ def test_bench_decode_switches_lora_gemm(monkeypatch):
         assert len(released) == n_released, setting
     assert bench.gemm_label("one", "on", ["on", "off"]) == "one"
     assert bench.gemm_label("one/gp-torch", "off", ["on", "off"]) == "one/gp-torch/lg-off"
+
+
+def test_engine_takes_the_gemms_for_adapters_in_turns(llama_family, monkeypatch):
+    """The whole engine on the CPU with the spare rows and columns (the model built as on
+    CUDA) and the LoRA kernels in Triton's interpreter, one slot: rs4, then ap8, then rs4
+    again take turns in slot 0, each for a batch of its own (eager prefill and decode
+    steps, every one on the fused GEMMs: no add_lora); greedy tokens and logprobs equal
+    PEFT's, and the spare room was filled again at each turn."""
+    from engine import assembly
+    from tests.conftest import HFOracle
+    from tests.test_engine_parity import GREEDY, MAX_NEW, assert_matches, make_engine, prompts_of
+    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", True)
+    monkeypatch.setattr(assembly, "build_model",
+                        lambda cfg, dtype, device, tp, fused_lora_rank=0: LlamaForCausalLM(
+                            cfg, dtype, device, tp, fused_lora_rank=fused_lora_rank))
+    oracle = HFOracle(llama_family)
+    with lora_kernel_path() as calls:
+        eng = make_engine(llama_family, max_loras=1)
+        try:
+            assert eng.runner.fused is not None
+            for i, name in enumerate(["rs4", "ap8", "rs4"]):
+                prompts = prompts_of([5, 11], seed=30 + i)
+                outs = eng.generate(prompts, GREEDY, [name, name])
+                assert_matches(outs, oracle.generate_each(prompts, [name, name], MAX_NEW))
+            assert eng.runner.fused.num_installs == 3
+        finally:
+            eng.close()
+    assert calls["add_lora"] == 0 and calls["expand_after"] == 0
