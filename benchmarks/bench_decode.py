@@ -25,9 +25,10 @@ rule), "tokens", "segments"; rows of a choice other than "rule" are labelled
 GREEDY_PICK (how the greedy decode graph picks its rows' tokens: the torch ops or one
 Triton read of the logits), on the same engine; rows of a setting other than the first
 are labelled "MODE/gp-SETTING" (after any other suffix), and so are the profile files.
---lora-gemm on,off runs every mode once per setting of engine/lora/batch.py
-FUSED_LORA_GEMM (one adapter for every row: o's and down's shrink as extra output rows
-of their base GEMMs, engine/lora/fused.py), on the same engine; rows of a setting other
+--lora-gemm off,rows,cols,all runs every mode once per setting of engine/lora/batch.py
+FUSED_LORA_GEMM (one adapter for every row inside the base GEMMs, engine/lora/fused.py:
+o's and down's shrink; and q/k/v's and gate/up's expand; and o's and down's expand in
+the norm after them), on the same engine; rows of a setting other
 than the first are labelled "MODE/lg-SETTING" (after any other suffix), and so are the
 profile files.
 """
@@ -169,15 +170,16 @@ def pick_label(label: str, pick: str, picks: list[str]) -> str:
     return label if pick == picks[0] else f"{label}/gp-{pick}"
 
 
-LORA_GEMM_MODES = ("on", "off")
-
-
 def select_lora_gemm(eng, setting: str) -> None:
-    """engine/lora/batch.py FUSED_LORA_GEMM on or off; captured graphs are dropped when
-    it changes (a uniform graph captures the GEMMs over the spare rows or not)."""
+    """engine/lora/batch.py FUSED_LORA_GEMM = setting ("default": as the engine ships);
+    captured graphs are dropped when it changes (a uniform graph captures the GEMMs over
+    the spare rows and columns or not)."""
     from engine.lora import batch
-    if batch.FUSED_LORA_GEMM != (setting == "on"):
-        batch.FUSED_LORA_GEMM = setting == "on"
+    if "gemm" not in _DEFAULT_PATH:
+        _DEFAULT_PATH["gemm"] = batch.FUSED_LORA_GEMM
+    want = _DEFAULT_PATH["gemm"] if setting == "default" else setting
+    if batch.FUSED_LORA_GEMM != want:
+        batch.FUSED_LORA_GEMM = want
         if eng.runner.graphs is not None:
             eng.runner.graphs.release()
 
@@ -373,10 +375,11 @@ def main() -> None:
                     help="comma list of mixed decode LoRA paths (rule: the engine's; table: "
                          "the table alone, before the rows-per-adapter rule; tokens; "
                          "segments): the modes distinct and d64 run once per path")
-    ap.add_argument("--lora-gemm", default="on",
-                    help="comma list of engine/lora/batch.py FUSED_LORA_GEMM settings (on, "
-                         "off): every mode runs once per setting, in this order, on one "
-                         "engine (built with the spare weight rows either way)")
+    ap.add_argument("--lora-gemm", default="default",
+                    help="comma list of engine/lora/batch.py FUSED_LORA_GEMM settings (off, "
+                         "rows, cols, all; default: the engine's): every mode runs once per "
+                         "setting, in this order, on one engine (built with the spare weight "
+                         "rows and columns unless the engine's setting is off)")
     ap.add_argument("--greedy-pick", default=None,
                     help="comma list of engine/cuda_graph.py GREEDY_PICK settings (torch, "
                          "triton; default: the engine's): every mode runs once per setting, "
@@ -390,8 +393,9 @@ def main() -> None:
     if not set(picks) <= set(GREEDY_PICK_MODES):
         ap.error(f"--greedy-pick: {picks} not all in {GREEDY_PICK_MODES}")
     gemms = args.lora_gemm.split(",")
-    if not set(gemms) <= set(LORA_GEMM_MODES):
-        ap.error(f"--lora-gemm: {gemms} not all in {LORA_GEMM_MODES}")
+    from engine.lora.batch import LORA_GEMM_MODES
+    if not set(gemms) <= set(LORA_GEMM_MODES + ("default",)):
+        ap.error(f"--lora-gemm: {gemms} not all in {LORA_GEMM_MODES + ('default',)}")
     settings = args.norm_shrink.split(",")
     from engine.lora.batch import NORM_SHRINK_MODES
     bad = [s for s in settings for v in norm_shrink_pair(s)

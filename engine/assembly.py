@@ -76,7 +76,8 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     dtype, length = config.torch_dtype, max_model_len(config, mc)
     # spare weight rows for one adapter's A (engine/lora/fused.py), where the switch is on
     model = build_model(mc, dtype, device, tp,
-                        fused_lora_rank=config.max_lora_rank if lora_batch.FUSED_LORA_GEMM else 0)
+                        fused_lora_rank=(config.max_lora_rank
+                                         if lora_batch.FUSED_LORA_GEMM != "off" else 0))
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed + tp.rank)
     else:

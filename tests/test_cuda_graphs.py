@@ -72,8 +72,8 @@ def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle, norm_shri
     assert (fused[0] > 0) == (norm_shrink != "off")
 
 
-@pytest.mark.parametrize("norm_shrink,lora_gemm", [("off", False), ("uniform", False),
-                                                   ("off", True)])
+@pytest.mark.parametrize("norm_shrink,lora_gemm", [("off", "off"), ("uniform", "off"),
+                                                   ("off", "rows"), ("off", "all")])
 def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llama_oracle,
                                                              norm_shrink, lora_gemm,
                                                              monkeypatch):
@@ -95,8 +95,8 @@ def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llam
         assert g.token_ids == toks
     assert any(k[0] == 4 and k[1] and k[3] for k in graphs.runner.graphs.graph_keys)
     assert (fused[0] > 0) == (norm_shrink != "off")
-    assert (graphs.runner.fused is not None) == lora_gemm
-    if lora_gemm:
+    assert (graphs.runner.fused is not None) == (lora_gemm != "off")
+    if lora_gemm != "off":
         assert any(k[0] == 4 for k in graphs.runner.graphs._fused_keys)
         assert graphs.runner.fused.num_installs >= 1
 
@@ -108,7 +108,7 @@ def test_one_slot_taken_in_turns_by_adapters_in_the_base_gemms(llama_family, lla
     stale weights; every batch replays the same uniform graph and gives HF + PEFT's
     tokens."""
     from engine.lora import batch as batch_module
-    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", True)
+    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", "all")
     eng = engine(llama_family, False, ["rs4", "ap8"], max_loras=1)
     for i, name in enumerate(["rs4", "ap8", "rs4"]):
         prompts, adapters = prompts_of([6, 19, 2], seed=10 + i), [name] * 3

@@ -98,14 +98,25 @@ def _step(model, pool, fused, seqs, slot):
     return logits.cpu(), dict(calls)
 
 
-def test_one_adapter_in_the_base_gemm_matches_peft(family, monkeypatch):
-    """Every step's adapter rows and base rows give PEFT's logits on the fused path (per
-    layer two norms writing their shrink as columns and adding the expand of the group
-    before, one expand of its own for the last layer's down, no other LoRA launch),
-    equal to the unfused path's; the spare rows and columns are copied
-    again on a switch of slot and on a new load into the same slot, not for a step on
-    the slot they hold."""
-    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", True)
+# FUSED_LORA_GEMM -> the LoRA launches of a fused step of the tiny Llama (L layers)
+LAUNCHES = {
+    # o's and down's expand of their GEMM's shrink; q/k/v and gate/up as usual (on the
+    # CPU without the norm's fused shrink, which needs CUDA rows)
+    "rows": lambda L: {"expand_rows": 2 * L, "add_lora": 2 * L},
+    # and two norms a layer writing their shrink as columns for the GEMMs after them
+    "cols": lambda L: {"expand_rows": 2 * L, "add_norm_shrink_cols": 2 * L},
+    # those norms also add the expand of the group before: the last down's is left
+    "all": lambda L: {"expand_rows": 1, "add_norm_shrink_cols": 2 * L},
+}
+
+
+@pytest.mark.parametrize("mode", list(LAUNCHES))
+def test_one_adapter_in_the_base_gemm_matches_peft(family, mode, monkeypatch):
+    """Every step's adapter rows and base rows give PEFT's logits on the fused path (the
+    LoRA launches LAUNCHES says, no other), equal to the unfused path's; the spare rows
+    and columns are copied again on a switch of slot and on a new load into the same
+    slot, not for a step on the slot they hold."""
+    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", mode)
     model_dir, adapters = family
     cfg = ModelConfig.from_dir(model_dir)
     model = LlamaForCausalLM(cfg, device=DEV, fused_lora_rank=MAX_RANK)
@@ -126,8 +137,7 @@ def test_one_adapter_in_the_base_gemm_matches_peft(family, monkeypatch):
         fused.install(slot)
         installs.append(fused.num_installs)
         got, calls = _step(model, pool, fused, [prompt, pad], slot)
-        assert calls == {"expand_rows": 1,           # the last down: no norm of LoRA's after
-                         "add_norm_shrink_cols": 2 * cfg.num_layers}, name
+        assert calls == LAUNCHES[mode](cfg.num_layers), name
         want = _peft_logits(model_dir, adapters[name], prompt)
         torch.testing.assert_close(got[:6], want, atol=2e-4, rtol=2e-4,
                                    msg=lambda m: f"slot {slot} ({name}): {m}")
@@ -174,16 +184,19 @@ def test_bench_decode_switches_lora_gemm(monkeypatch):
     import importlib
     from types import SimpleNamespace
     bench = importlib.import_module("benchmarks.bench_decode")
-    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", True)
+    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", "all")
+    monkeypatch.setattr(bench, "_DEFAULT_PATH", {})
     released = []
     eng = SimpleNamespace(runner=SimpleNamespace(
         graphs=SimpleNamespace(release=lambda: released.append(1))))
-    for setting, n_released in (("on", 0), ("off", 1), ("off", 1), ("on", 2)):
+    for setting, want, n_released in (("default", "all", 0), ("off", "off", 1),
+                                      ("off", "off", 1), ("rows", "rows", 2),
+                                      ("default", "all", 3)):
         bench.select_lora_gemm(eng, setting)
-        assert batch_module.FUSED_LORA_GEMM == (setting == "on")
+        assert batch_module.FUSED_LORA_GEMM == want
         assert len(released) == n_released, setting
-    assert bench.gemm_label("one", "on", ["on", "off"]) == "one"
-    assert bench.gemm_label("one/gp-torch", "off", ["on", "off"]) == "one/gp-torch/lg-off"
+    assert bench.gemm_label("one", "all", ["all", "off"]) == "one"
+    assert bench.gemm_label("one/gp-torch", "off", ["all", "off"]) == "one/gp-torch/lg-off"
 
 
 def test_engine_takes_the_gemms_for_adapters_in_turns(llama_family, monkeypatch):
@@ -195,7 +208,7 @@ def test_engine_takes_the_gemms_for_adapters_in_turns(llama_family, monkeypatch)
     from engine import assembly
     from tests.conftest import HFOracle
     from tests.test_engine_parity import GREEDY, MAX_NEW, assert_matches, make_engine, prompts_of
-    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", True)
+    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", "all")
     monkeypatch.setattr(assembly, "build_model",
                         lambda cfg, dtype, device, tp, fused_lora_rank=0: LlamaForCausalLM(
                             cfg, dtype, device, tp, fused_lora_rank=fused_lora_rank))

@@ -7,13 +7,15 @@ and which kernels run is kernels/lora/plan.py's choice from the step's hints (`u
 whose output is a group's input (q/k/v, gate/up): the group's shrink then runs in that
 same launch (kernels/lora/norm_shrink.py) and `apply` only expands (one launch less
 per group, and the norm's output is not read back for the shrink). FUSED_SILU_SHRINK does
-the same for down_proj with the MLP's activation (`act`, kernels/lora/silu_shrink.py). With FUSED_LORA_GEMM, a
-step whose rows all use the adapter installed in the model's spare weight rows
-(engine/lora/fused.py) gets o's and down's shrink from their base GEMM (`matmul`) and
-`apply` only expands; q/k/v's and gate/up's finished shrink comes out of the norm before
-them beside its output (`add_norm`), their GEMM adds the delta, and `apply` does nothing;
-o's and down's expand is left to that norm after them too (the next one reads their
-output: `add_norm` adds it before the residual), or to `finish` for the last down.
+the same for down_proj with the MLP's activation (`act`, kernels/lora/silu_shrink.py).
+
+With FUSED_LORA_GEMM, a step whose rows all use the adapter installed in the model's
+spare weight rows and columns (engine/lora/fused.py) gets o's and down's shrink from
+their base GEMM (`matmul`) and `apply` only expands ("rows"); q/k/v's and gate/up's
+finished shrink comes out of the norm before them beside its output (`add_norm`), their
+GEMM adds the delta, and `apply` does nothing ("cols"); o's and down's expand is left to
+the norm after them too (the next one reads their output: `add_norm` adds it before the
+residual), or to `finish` for the last down ("all").
 """
 from __future__ import annotations
 
@@ -41,13 +43,16 @@ FUSED_NORM_SHRINK = "all"
 NORM_SHRINK_MODES = ("off", "uniform", "mixed", "all")
 # The same for down_proj's shrink inside the SiLU-and-multiply before it (`act`).
 FUSED_SILU_SHRINK = "mixed"
-# One adapter for every row of a step (a uniform decode graph, an eager step on one slot):
-# o's and down's shrink as extra output rows of their base GEMMs, [W; A], q/k/v's and
-# gate/up's expand as extra input columns, [W | B] (engine/lora/fused.py), o's and
-# down's expand inside the norm after them, where the model has them (CUDA, one rank,
-# no FP8, no experts). Read when a step's LoRABatch is made; benchmarks/bench_decode.py
-# --lora-gemm on,off measures both in one run.
-FUSED_LORA_GEMM = True
+# One adapter for every row of a step (a uniform decode graph, an eager step on one slot)
+# inside the base GEMMs, where the model has room for it (CUDA, one rank, no FP8, no
+# experts; engine/lora/fused.py): "off"; "rows": o's and down's shrink as extra output
+# rows of their GEMMs, [W; A]; "cols": also q/k/v's and gate/up's expand as extra input
+# columns, [W | B], their shrink finished in the norm before them; "all": also o's and
+# down's expand inside the norm after them (no LoRA launch of a layer's own). Read when
+# a step's LoRABatch is made; benchmarks/bench_decode.py --lora-gemm off,rows,cols,all
+# measures each in one run. Not yet measured on a GPU.
+FUSED_LORA_GEMM = "all"
+LORA_GEMM_MODES = ("off", "rows", "cols", "all")
 
 
 def spread_over_adapters(slot_rows: Iterable[tuple[int, int]], min_rows: int) -> bool:
@@ -71,7 +76,9 @@ def fused_gemm(fused: FusedAdapter | None, num_tokens: int,
     """`fused` where a step of `num_tokens` rows that all use its installed adapter takes
     the fused GEMM (FUSED_LORA_GEMM, the token-sized expand's sizes, no `extras`), else
     None. The caller installs the step's slot in it first."""
-    if FUSED_LORA_GEMM and fused is not None and fused.fits(num_tokens) and not any(extras):
+    assert FUSED_LORA_GEMM in LORA_GEMM_MODES, FUSED_LORA_GEMM
+    if (FUSED_LORA_GEMM != "off" and fused is not None and fused.fits(num_tokens)
+            and not any(extras)):
         return fused
     return None
 
@@ -113,6 +120,8 @@ class LoRABatch:
         self._fuse_norm = _fuses(FUSED_NORM_SHRINK, uniform)   # read once: a step's setting
         self._fuse_silu = _fuses(FUSED_SILU_SHRINK, uniform)
         self._gemm = fused_gemm(fused, token_slots.shape[0], self.extras)
+        self._cols = FUSED_LORA_GEMM in ("cols", "all")   # read once: a step's setting
+        self._fold = FUSED_LORA_GEMM == "all"
         self._rows_ahead: dict[tuple[int, str], torch.Tensor] = {}   # shrinks from a GEMM
         self._cols_ahead: dict[tuple[int, str], torch.Tensor] = {}   # [x | s] for a GEMM
         self._in_gemm: set[tuple[int, str]] = set()   # groups whose GEMM added the delta
@@ -169,7 +178,7 @@ class LoRABatch:
         residual may then be a new tensor rather than `residual` updated in place. With
         the fused GEMM, the norm writes the group's finished shrink beside its output
         instead, for `matmul`."""
-        if self._gemm is not None and self._gemm.columns(layer_idx, group):
+        if self._takes_cols(layer_idx, group):
             a, _, ranks, _ = self.pool.weights(layer_idx, group)
             both, residual = lora_kernels.add_norm_shrink_cols(
                 x, residual, weight, eps, a, self.token_slots, ranks,
@@ -220,7 +229,7 @@ class LoRABatch:
         if both is not None:
             self._in_gemm.add((layer_idx, group))
             return F.linear(both, storage)
-        if self._gemm.columns(layer_idx, group):   # its norm ran apart: the usual way
+        if self._gemm.columns(layer_idx, group):   # not this step's: the usual way
             return linear.matmul(x)
         out = F.linear(x, storage)
         n = storage.shape[0] - self.pool.max_lora_rank
@@ -247,9 +256,13 @@ class LoRABatch:
         """The group whose fused norm reads `group`'s output (o: gate_up of the layer,
         down: q/k/v of the next), where that norm takes the expand; None: none does."""
         after = (layer_idx, "gate_up") if group == "o" else (layer_idx + 1, "qkv")
-        if (layer_idx, group) in self._no_bias and self._gemm.columns(*after):
+        if self._fold and (layer_idx, group) in self._no_bias and self._takes_cols(*after):
             return after
         return None
+
+    def _takes_cols(self, layer_idx: int, group: str) -> bool:
+        """Whether (layer_idx, group) gets its delta from its GEMM over [x | s] this step."""
+        return self._cols and self._gemm is not None and self._gemm.columns(layer_idx, group)
 
     def finish(self) -> None:
         """Add the expands no norm took (the last layer's down: the model's final norm
