@@ -15,16 +15,17 @@ and the add + RMSNorm before them writes its output and the finished shrink side
     [x | s] @ [W | B]ᵀ = x·Wᵀ + s·Bᵀ
 
 Neither group has a LoRA launch of its own then, and o's and down's expand is added by
-the norm after them (engine/lora/batch.py `add_norm`): a layer has none. The spare rows and columns hold one
+the norm after them (engine/lora/batch.py `add_norm`): a layer has none. (Which of
+these a step does is FUSED_LORA_GEMM's setting.) The spare rows and columns hold one
 adapter at a time: `install(slot)` copies the slot's A (o, down) and B (qkv, gate_up) of
 every layer there when they hold anything else, judged by the slot and the pool's
 generation of it (a slot loaded again, with the same or another adapter, is copied
 again). It runs before the step, on the step's stream, never inside a captured graph: a
 graph captured over them reads whatever they hold at its replay.
 
-Which steps take it is engine/lora/batch.py's choice (FUSED_LORA_GEMM); the model has
-the rows only where it can be used (`fused_lora_rank`, engine/model/build.py): one
-tensor-parallel rank, no FP8, no experts, CUDA.
+Which steps take it is engine/lora/batch.py's choice (`fused_gemm`); the model has the
+spare rows and columns only where they can be used (`fused_lora_rank`,
+engine/model/build.py): one tensor-parallel rank, no FP8, no experts, CUDA.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ COL_GROUPS = ("qkv", "gate_up")
 
 
 class FusedAdapter:
-    """The spare rows of a model's base weights and the adapter they hold."""
+    """The spare rows and columns of a model's base weights and the adapter they hold."""
 
     def __init__(self, pool: LoRASlotPool, targets: dict[tuple[int, str], torch.Tensor]):
         """`targets`: {(layer, group): storage} (the model's `fused_lora_weights`): [W; A]
@@ -71,8 +72,8 @@ class FusedAdapter:
 
     def install(self, slot: int) -> None:
         """Make the spare rows and columns hold `slot`'s adapter as the pool holds it now:
-        A and B of every layer copied (one batched copy), unless they already do. On the current stream,
-        outside any graph capture."""
+        A and B of every layer copied (one batched copy), unless they already do. On the
+        current stream, outside any graph capture."""
         want = (slot, self.pool.generation(slot))
         if self.installed == want:
             return
