@@ -25,6 +25,12 @@ rule), "tokens", "segments"; rows of a choice other than "rule" are labelled
 GREEDY_PICK (how the greedy decode graph picks its rows' tokens: the torch ops or one
 Triton read of the logits), on the same engine; rows of a setting other than the first
 are labelled "MODE/gp-SETTING" (after any other suffix), and so are the profile files.
+--lora-gemm off,rows,cols,all runs every mode once per setting of engine/lora/batch.py
+FUSED_LORA_GEMM (one adapter for every row inside the base GEMMs, engine/lora/fused.py:
+o's and down's shrink; and q/k/v's and gate/up's expand; and o's and down's expand in
+the norm after them), on the same engine; rows of a setting other
+than the first are labelled "MODE/lg-SETTING" (after any other suffix), and so are the
+profile files.
 """
 from __future__ import annotations
 
@@ -162,6 +168,42 @@ def select_greedy_pick(eng, pick: str) -> None:
 
 def pick_label(label: str, pick: str, picks: list[str]) -> str:
     return label if pick == picks[0] else f"{label}/gp-{pick}"
+
+
+def select_lora_gemm(eng, setting: str) -> None:
+    """engine/lora/batch.py FUSED_LORA_GEMM = setting ("default": as the engine ships);
+    captured graphs are dropped when it changes (a uniform graph captures the GEMMs over
+    the spare rows and columns or not)."""
+    from engine.lora import batch
+    if "gemm" not in _DEFAULT_PATH:
+        _DEFAULT_PATH["gemm"] = batch.FUSED_LORA_GEMM
+    want = _DEFAULT_PATH["gemm"] if setting == "default" else setting
+    if batch.FUSED_LORA_GEMM != want:
+        batch.FUSED_LORA_GEMM = want
+        if eng.runner.graphs is not None:
+            eng.runner.graphs.release()
+
+
+def strided_weight_copies(model) -> str:
+    """Whether the base matmul of gate_up_proj, whose `weight` is a strided view of
+    [W | B] (engine/model/layers.py), copies it first: the device memory a matmul of 64
+    rows takes beyond its output, against the weight's size."""
+    lin = model.layers[0].mlp.gate_up_proj
+    x = torch.randn(64, lin.in_features, dtype=lin.weight.dtype, device=lin.weight.device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y = lin.matmul(x)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - y.nbytes
+    weight = lin.weight.numel() * lin.weight.element_size()
+    return (f"gate_up's strided weight (row stride {lin.weight.stride(0)}) "
+            f"{'COPIED' if extra >= weight else 'not copied'} by its matmul "
+            f"({extra / 2**20:.1f} MiB beyond the output, weight {weight / 2**20:.0f} MiB)")
+
+
+def gemm_label(label: str, setting: str, settings: list[str]) -> str:
+    return label if setting == settings[0] else f"{label}/lg-{setting}"
 
 
 MIXED_MODES = ("distinct", "d64")         # modes whose steps take the mixed LoRA path
@@ -333,6 +375,11 @@ def main() -> None:
                     help="comma list of mixed decode LoRA paths (rule: the engine's; table: "
                          "the table alone, before the rows-per-adapter rule; tokens; "
                          "segments): the modes distinct and d64 run once per path")
+    ap.add_argument("--lora-gemm", default="default",
+                    help="comma list of engine/lora/batch.py FUSED_LORA_GEMM settings (off, "
+                         "rows, cols, all; default: the engine's): every mode runs once per "
+                         "setting, in this order, on one engine (built with the spare weight "
+                         "rows and columns unless the engine's setting is off)")
     ap.add_argument("--greedy-pick", default=None,
                     help="comma list of engine/cuda_graph.py GREEDY_PICK settings (torch, "
                          "triton; default: the engine's): every mode runs once per setting, "
@@ -345,6 +392,10 @@ def main() -> None:
     picks = (args.greedy_pick or GREEDY_PICK).split(",")
     if not set(picks) <= set(GREEDY_PICK_MODES):
         ap.error(f"--greedy-pick: {picks} not all in {GREEDY_PICK_MODES}")
+    gemms = args.lora_gemm.split(",")
+    from engine.lora.batch import LORA_GEMM_MODES
+    if not set(gemms) <= set(LORA_GEMM_MODES + ("default",)):
+        ap.error(f"--lora-gemm: {gemms} not all in {LORA_GEMM_MODES + ('default',)}")
     settings = args.norm_shrink.split(",")
     from engine.lora.batch import NORM_SHRINK_MODES
     bad = [s for s in settings for v in norm_shrink_pair(s)
@@ -373,6 +424,10 @@ def main() -> None:
                       async_scheduling={"auto": None, "on": True, "off": False}[
                           args.async_scheduling])
     print(f"async scheduling: {eng.config.use_async_scheduling}", flush=True)
+    fused = eng.runner.fused
+    print(f"spare weight rows and columns for one adapter: {fused.nbytes / 2**20:.1f} MiB; "
+          f"{strided_weight_copies(eng.runner.model)}" if fused else "no spare weight rows",
+          flush=True)
     timer = HostTimer(eng)
     names = []
     for i in range(max_b):
@@ -386,14 +441,16 @@ def main() -> None:
         print(f"gc: {freeze_heap()} objects frozen", flush=True)
     clock = GcClock()
     cfg = LLAMA3_8B
-    points = [(gp, st, m, p) for gp in picks for st in settings for m in args.modes.split(",")
-              for p in (paths if m in MIXED_MODES else ["rule"])]
-    for pick, setting, mode, path in points:
+    points = [(lg, gp, st, m, p) for lg in gemms for gp in picks for st in settings
+              for m in args.modes.split(",") for p in (paths if m in MIXED_MODES else ["rule"])]
+    for gemm, pick, setting, mode, path in points:
         select_uniform_path(eng, mode)
         select_norm_shrink(eng, setting)
         select_mixed_path(eng, path)
         select_greedy_pick(eng, pick)
-        label = pick_label(mixed_label(mode_label(mode, setting, settings), path), pick, picks)
+        select_lora_gemm(eng, gemm)
+        label = gemm_label(pick_label(mixed_label(mode_label(mode, setting, settings), path),
+                                      pick, picks), gemm, gemms)
         for b in batches:
             adapters = mode_adapters(mode, b, names)
             t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen, clock)
@@ -417,19 +474,24 @@ def main() -> None:
     select_mixed_path(eng, "rule")
     launches = []
     profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
-    for pick, setting in [(gp, st) for gp in picks for st in settings] if not args.eager else []:
+    for gemm, pick, setting in ([(lg, gp, st) for lg in gemms for gp in picks for st in settings]
+                                if not args.eager else []):
+        select_lora_gemm(eng, gemm)
         select_greedy_pick(eng, pick)
         select_norm_shrink(eng, setting)
-        name = pick_label("profile" if setting == settings[0] else f"profile-ns-{setting}",
-                          pick, picks).replace("/", "-") + ".txt"
+        name = gemm_label(pick_label(
+            "profile" if setting == settings[0] else f"profile-ns-{setting}", pick, picks),
+            gemm, gemms).replace("/", "-") + ".txt"
         launches += profile_graphs(
             eng, names, args, gen, args.out / name, profile_batches,
             args.profile_modes.split(","),
-            lambda m, st=setting, gp=pick: pick_label(mode_label(m, st, settings), gp, picks))
+            lambda m, st=setting, gp=pick, lg=gemm: gemm_label(
+                pick_label(mode_label(m, st, settings), gp, picks), lg, gemms))
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
             "async_scheduling": eng.config.use_async_scheduling, "norm_shrink": settings,
-            "mixed_paths": paths, "greedy_pick": picks, "gc_freeze": args.gc_freeze}
+            "mixed_paths": paths, "greedy_pick": picks, "lora_gemm": gemms,
+            "gc_freeze": args.gc_freeze}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                       "launches": launches}, indent=2))
     plot(rows, args.out / "decode_throughput.png")

@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRASlotPool, load_lora
+from engine.lora import batch as lora_batch
 from engine.lora.base_copies import BaseLayers
 from engine.lora.weights import check_lora
 from loramux_core.adapter.plan import PlanCache
@@ -76,7 +77,10 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
     `agree_min`: the smallest value over the ranks (every rank's cache holds the same
     blocks); `sampler`: None for the default Sampler."""
     dtype, length = config.torch_dtype, max_model_len(config, mc)
-    model = build_model(mc, dtype, device, tp)
+    # spare weight rows for one adapter's A (engine/lora/fused.py), where the switch is on
+    model = build_model(mc, dtype, device, tp,
+                        fused_lora_rank=(config.max_lora_rank
+                                         if lora_batch.FUSED_LORA_GEMM != "off" else 0))
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed + tp.rank)
     else:

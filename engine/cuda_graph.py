@@ -15,8 +15,10 @@ pool, so loading an adapter never invalidates a graph. Attention is captured wit
 max_seq_len = max_model_len, which fixes its split-KV count per graph (empty splits are
 merged away). Batches without any adapter replay a graph without the LoRA launches;
 batches whose rows all use one adapter replay a "uniform" graph, whose LoRA kernels were
-captured with launch parameters tuned for one adapter (kernels/lora/token.py; any
-mapping would still be computed right). Mixed batches whose rows average fewer rows per
+captured with launch parameters tuned for one adapter (kernels/lora/token.py) and,
+where the model keeps spare weight rows for one adapter, over those rows
+(engine/lora/fused.py: the step's adapter is copied there before the replay when they
+hold another, so such a graph serves only rows on one adapter, as its key says). Mixed batches whose rows average fewer rows per
 adapter than the kernels' rule for the bucket (`min_rows`, kernels.lora.mixed_min_rows)
 replay a "spread" graph, captured on the token kernels where the other one has the
 segment kernels (kernels/lora/plan.py); the bit is counted on the host from the
@@ -45,7 +47,8 @@ from typing import NamedTuple
 import torch
 
 from engine.lora import LoRABatch, LoRASlotPool
-from engine.lora.batch import spread_over_adapters
+from engine.lora.batch import fused_gemm, spread_over_adapters
+from engine.lora.fused import FusedAdapter
 from engine.lora.pool import LoRAExtras
 from engine.scheduler import ScheduledRequest
 from kernels import lora as lora_kernels
@@ -215,8 +218,13 @@ class CudaGraphRunner:
     valid until the next replay)."""
 
     def __init__(self, model, kv_caches, lora_pool: LoRASlotPool, block_size: int,
-                 max_batch: int, max_model_len: int, device: torch.device):
+                 max_batch: int, max_model_len: int, device: torch.device,
+                 fused: FusedAdapter | None = None):
+        """`fused`: the model's spare weight rows for one adapter (engine/lora/fused.py):
+        uniform graphs captured over them, filled with the step's adapter before a replay."""
         self.model, self.kv_caches, self.lora_pool = model, kv_caches, lora_pool
+        self.fused = fused
+        self._fused_keys: set[GraphKey] = set()   # graphs captured over the spare rows
         self.buckets = decode_buckets(max_batch)
         max_blocks = -(-max_model_len // block_size)
         self.staging = DecodeStaging(max_batch, max_blocks, block_size, max_model_len, device)
@@ -233,6 +241,7 @@ class CudaGraphRunner:
         communicator is aborted, and a device synchronize here would never return (CUDA
         destroys a graph still running once it completes)."""
         self._graphs.clear()
+        self._fused_keys.clear()
         self._pool = None
         if wait:
             torch.cuda.synchronize()
@@ -286,6 +295,8 @@ class CudaGraphRunner:
         if key not in self._graphs:
             self._graphs[key] = self._capture(key)
         graph, out = self._graphs[key]
+        if key in self._fused_keys:   # its adapter into the spare rows, outside the graph
+            self.fused.install(scheduled[0].slot)
         holes = self.staging.fill(scheduled, key.bucket)
         self.staging.upload()
         if holes:
@@ -295,10 +306,15 @@ class CudaGraphRunner:
         self.num_replays += 1
         return out[:, :len(scheduled)] if key.greedy else out[:len(scheduled)]
 
+    def _fused_for(self, key: GraphKey) -> FusedAdapter | None:
+        """The spare rows a graph of `key` is captured over: uniform keys, where the
+        step takes the fused GEMM (engine/lora/batch.py fused_gemm)."""
+        return fused_gemm(self.fused, key.bucket, key.extras) if key.uniform else None
+
     def _forward(self, key: GraphKey) -> torch.Tensor:
         ids, attn, token_slots = self.staging.views(key.bucket)
         lora = (LoRABatch(self.lora_pool, token_slots, uniform=key.uniform, spread=key.spread,
-                          extras=key.extras)
+                          extras=key.extras, fused=self._fused_for(key))
                 if key.lora else None)
         hidden = self.model.forward(ids, attn, self.kv_caches, lora)
         if not key.greedy:
@@ -325,4 +341,6 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(key)
         torch.cuda.synchronize()
+        if self._fused_for(key) is not None:
+            self._fused_keys.add(key)
         return graph, out

@@ -34,7 +34,8 @@ import torch
 
 from engine.cuda_graph import CudaGraphRunner, is_decode_step
 from engine.lora import LoRABatch, LoRASlotPool
-from engine.lora.batch import spread_over_adapters
+from engine.lora.batch import fused_gemm, spread_over_adapters
+from engine.lora.fused import FusedAdapter
 from engine.lora.pool import LoRAExtras
 from engine.model.batch import make_attention_metadata
 from engine.parallel import TPGroup
@@ -59,6 +60,7 @@ class ModelInputs:
     lora_spread: bool = False      # few rows per adapter (LoRABatch's `spread`; the host's)
     lora_extras: LoRAExtras = LoRAExtras()  # DoRA, lm_head, embed_tokens rows (the host's)
     holes: tuple[list[int], list[int]] = ([], [])  # placeholder: flat index, row in prev
+    lora_slot: int = -1            # the one slot of every token, else -1 (the host's)
 
 
 class ModelRunner:
@@ -79,9 +81,13 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.graphs = None
         self.num_launches = 0
+        # the model's spare weight rows for one adapter (engine/lora/fused.py), if any
+        targets = model.fused_lora_weights()
+        self.fused = FusedAdapter(lora_pool, targets) if targets else None
         if graph_max_batch > 0 and self.device.type == "cuda":
             self.graphs = CudaGraphRunner(model, kv_caches, lora_pool, block_size,
-                                          graph_max_batch, max_model_len, self.device)
+                                          graph_max_batch, max_model_len, self.device,
+                                          fused=self.fused)
 
     def release_graphs(self, wait: bool = True) -> None:
         """Destroy the captured decode graphs (CUDA), e.g. before the engine closes;
@@ -121,13 +127,15 @@ class ModelRunner:
             spread = spread_over_adapters(((s.slot, s.num_new_tokens) for s in out.scheduled),
                                           lora_kernels.mixed_min_rows(self.device, len(ids)))
             extras = self.lora_pool.extras_of(s.slot for s in out.scheduled)
+        one = {s.slot for s in out.scheduled}
         return ModelInputs(
             input_ids=to_dev(torch.tensor(ids, dtype=torch.int64)),
             attn=attn,
             token_slots=to_dev(torch.tensor(slots, dtype=torch.int32)),
             logits_indices=to_dev(torch.tensor(last, dtype=torch.int64)),
             sample_requests=samplers,
-            has_lora=has_lora, lora_spread=spread, lora_extras=extras, holes=holes)
+            has_lora=has_lora, lora_spread=spread, lora_extras=extras, holes=holes,
+            lora_slot=one.pop() if has_lora and len(one) == 1 else -1)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor -> device; on CUDA through pinned memory without blocking (the
@@ -161,8 +169,13 @@ class ModelRunner:
         return self._sample(logits, inputs.sample_requests)
 
     def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, LoRABatch | None]:
+        fused = None
+        if inputs.lora_slot >= 0:   # one adapter for every token: it may ride in the GEMMs
+            fused = fused_gemm(self.fused, inputs.token_slots.shape[0], inputs.lora_extras)
+            if fused is not None:
+                fused.install(inputs.lora_slot)
         lora = (LoRABatch(self.lora_pool, inputs.token_slots, spread=inputs.lora_spread,
-                          extras=inputs.lora_extras)
+                          extras=inputs.lora_extras, fused=fused)
                 if inputs.has_lora else None)
         return self.model.forward(inputs.input_ids, inputs.attn, self.kv_caches, lora), lora
 

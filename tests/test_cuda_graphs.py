@@ -2,7 +2,8 @@
 eager engine's tokens and logprobs (and HF + PEFT's tokens) for mixed adapter/base
 batches, and an adapter loaded into a slot after capture is served by the same graphs;
 DoRA and LoRA on lm_head / embed_tokens in the graphs keyed by them; the greedy
-graphs' Triton pick (GREEDY_PICK "triton") against their torch pick."""
+graphs' Triton pick (GREEDY_PICK "triton") against their torch pick; one adapter inside
+the base GEMMs (FUSED_LORA_GEMM) across adapters taking turns in one slot."""
 import pytest
 import torch
 
@@ -21,9 +22,10 @@ def prompts_of(lengths, seed):
     return [torch.randint(3, 384, (n,), generator=gen).tolist() for n in lengths]
 
 
-def engine(family, eager, adapters):
+def engine(family, eager, adapters, max_loras=3):
     eng = Engine(EngineConfig(model=str(family.model_dir), device="cuda", dtype="float32",
-                              max_loras=3, max_lora_rank=64, max_num_seqs=8, block_size=8,
+                              max_loras=max_loras, max_lora_rank=64, max_num_seqs=8,
+                              block_size=8,
                               num_kv_blocks=128, max_model_len=256, enforce_eager=eager))
     for name in adapters:
         eng.add_adapter(name, family.adapters[name])
@@ -70,14 +72,19 @@ def test_graph_replay_matches_eager_and_hf(llama_family, llama_oracle, norm_shri
     assert (fused[0] > 0) == (norm_shrink != "off")
 
 
-@pytest.mark.parametrize("norm_shrink", ["off", "uniform"])
+@pytest.mark.parametrize("norm_shrink,lora_gemm", [("off", "off"), ("uniform", "off"),
+                                                   ("off", "rows"), ("off", "all")])
 def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llama_oracle,
-                                                             norm_shrink, monkeypatch):
+                                                             norm_shrink, lora_gemm,
+                                                             monkeypatch):
     """Every row on one adapter: the uniform graph (two LoRA launches per group with the
     launch parameters tuned for one adapter; with `norm_shrink` "uniform" the q/k/v and
-    gate/up shrinks inside the norms before them, down's inside the activation), with a
-    padding row (no adapter) in its bucket: 3 rows -> bucket 4.
-    The eager engine's steps are not uniform: they take the plain path."""
+    gate/up shrinks inside the norms before them, down's inside the activation; with
+    `lora_gemm`, engine/lora/batch.py FUSED_LORA_GEMM, the LoRA inside the base GEMMs, in
+    the eager engine's one-adapter steps too), with a padding row (no adapter) in its
+    bucket: 3 rows -> bucket 4."""
+    from engine.lora import batch as batch_module
+    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", lora_gemm)
     fused = count_fused(monkeypatch, norm_shrink)
     names = ["rs4", "ap8"]
     graphs, eager = engine(llama_family, False, names), engine(llama_family, True, names)
@@ -88,6 +95,29 @@ def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llam
         assert g.token_ids == toks
     assert any(k[0] == 4 and k[1] and k[3] for k in graphs.runner.graphs.graph_keys)
     assert (fused[0] > 0) == (norm_shrink != "off")
+    assert (graphs.runner.fused is not None) == (lora_gemm != "off")
+    if lora_gemm != "off":
+        assert any(k[0] == 4 for k in graphs.runner.graphs._fused_keys)
+        assert graphs.runner.fused.num_installs >= 1
+
+
+def test_one_slot_taken_in_turns_by_adapters_in_the_base_gemms(llama_family, llama_oracle,
+                                                                monkeypatch):
+    """FUSED_LORA_GEMM with one slot: adapters take turns in slot 0 (each batch's evicts
+    the one before), so only the pool's generation tells the spare rows that they hold
+    stale weights; every batch replays the same uniform graph and gives HF + PEFT's
+    tokens."""
+    from engine.lora import batch as batch_module
+    monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", "all")
+    eng = engine(llama_family, False, ["rs4", "ap8"], max_loras=1)
+    for i, name in enumerate(["rs4", "ap8", "rs4"]):
+        prompts, adapters = prompts_of([6, 19, 2], seed=10 + i), [name] * 3
+        got = eng.generate(prompts, GREEDY, adapters)
+        for g, (toks, _) in zip(got, llama_oracle.generate(prompts, adapters, MAX_NEW)):
+            assert g.token_ids == toks, name
+    assert eng.runner.fused.num_installs >= 3
+    assert [k for k in eng.runner.graphs.graph_keys if k[3]] == \
+        sorted(eng.runner.graphs._fused_keys)
 
 
 def test_adapter_loaded_after_capture(llama_family, llama_oracle):

@@ -64,6 +64,13 @@ class MergedDeltaLora:
         self.calls.append((layer_idx, f"act before {group}"))
         return silu_mul_ref(gate_up)
 
+    def finish(self):
+        """Nothing is left for after the last layer here."""
+
+    def matmul(self, layer_idx, group, linear, x):
+        """The group's base matmul, as the model would run it alone."""
+        return linear.matmul(x)
+
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         self.calls.append((layer_idx, group))
         assert x.shape[1] == self.shapes[group].in_features

@@ -29,7 +29,8 @@ value or zero, so nothing of a previous occupant can leak into the next; the poo
 remembers, per slot and group, how many rank columns may be nonzero and zeroes only
 those the new adapter does not cover. The pool does not know which adapter is in which
 slot; the engine's residency manager does, and it never loads or clears a slot a running
-batch may read.
+batch may read. It counts, per slot, the loads and clears (`generation`), so a copy of a
+slot's weights made elsewhere (engine/lora/fused.py) can tell that it is stale.
 """
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ class LoRASlotPool:
         self._key_index = {key: i for i, key in enumerate(keys)}
         # per slot: rank columns of each group that may be nonzero in some layer (0 = none)
         self._dirty = [dict.fromkeys(self.groups, 0) for _ in range(max_loras)]
+        self._generation = [0] * max_loras   # per slot: loads and clears so far
         self._stack_a, self._stack_b = {}, {}  # group -> [L, max_loras, ...] (docstring)
         for group in self.groups:
             shape = self.shapes[group]
@@ -123,6 +125,11 @@ class LoRASlotPool:
         key = (layer, group)
         return self._a[key], self._b[key], self._ranks[key], self._offsets[group]
 
+    def generation(self, slot: int) -> int:
+        """A number that changes whenever `slot` is loaded, cleared or marked dirty: equal
+        numbers at two times mean the slot's weights did not change between them."""
+        return self._generation[slot]
+
     @property
     def nbytes(self) -> int:
         return (sum(t.nbytes for d in (self._stack_a, self._stack_b) for t in d.values())
@@ -148,6 +155,7 @@ class LoRASlotPool:
             raise AdapterError("use_dora=true: DoRA needs the base weights' rows, and on "
                                "row-parallel groups at tensor-parallel size > 1 the ranks' "
                                "all-reduce", feature="use_dora", file=weights.source)
+        self._generation[slot] += 1
         with _on_stream(stream):
             non_blocking = self.device.type == "cuda" and weights.pinned
             if weights.stacked:
@@ -199,6 +207,7 @@ class LoRASlotPool:
     def clear(self, slot: int, stream: torch.cuda.Stream | None = None) -> None:
         """Zero `slot` everywhere (its tokens would then add nothing)."""
         self._check_slot(slot)
+        self._generation[slot] += 1
         with _on_stream(stream):
             for group in self.groups:
                 self._zero_columns(slot, group, 0)
@@ -211,6 +220,7 @@ class LoRASlotPool:
         """The slot's contents are unknown (written from outside): the next load or clear
         zeroes every column it does not write."""
         self._check_slot(slot)
+        self._generation[slot] += 1
         self._dirty[slot] = dict.fromkeys(self.groups, self.max_lora_rank)
 
     def dora_scale(self, layer: int, group: str) -> torch.Tensor | None:

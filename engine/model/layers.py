@@ -59,6 +59,12 @@ def _load_fp8(src: WeightSource, name: str, weight, scale, rows: slice, shard, c
     scale.data[rows] = s.reshape(-1).to(scale.device)
 
 
+# Row length (elements) the storage of a weight with spare LoRA columns is padded to:
+# 128-byte rows in bf16, so the base matmul's strided `weight` view keeps an aligned
+# leading dimension (GEMM libraries pick their fastest kernels for those).
+_ROW_ALIGN = 64
+
+
 def _matmul(x: torch.Tensor, weight, scale) -> torch.Tensor:
     return F.linear(x, weight) if scale is None else fp8_linear(x, weight, scale)
 
@@ -73,11 +79,18 @@ class ColumnParallelLinear(nn.Module):
     """x [T, in] -> [T, sum(per-rank widths)]; output i is rows `shards[i]` of HF tensor i.
 
     `output_sizes` are the full (unsharded) widths; `shards` defaults to an even cut of
-    each by (tp.rank, tp.size) and is given explicitly for replicated KV heads."""
+    each by (tp.rank, tp.size) and is given explicitly for replicated KV heads.
+
+    `lora_cols` > 0 (not with FP8): the weight is stored with S·lora_cols zeroed columns
+    beside it (S = slices), `with_lora_cols` [N, in + S·lora_cols] = [W | B], where one
+    adapter's LoRA B can be copied block-diagonally (slice i's rows in columns
+    in + i·lora_cols.., engine/lora/fused.py): [x | s] @ [W | B]ᵀ is then the base output
+    plus that adapter's delta. `weight` stays the first `in` columns (a strided view), so
+    loading and every other step are unchanged."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
                  dtype: torch.dtype, device, shards: list[Shard] | None = None,
-                 fp8: bool = False):
+                 fp8: bool = False, lora_cols: int = 0):
         super().__init__()
         self.in_features, self.dtype = in_features, dtype
         self.output_sizes = list(output_sizes)
@@ -85,7 +98,19 @@ class ColumnParallelLinear(nn.Module):
         widths = [s.length for s in self.shards]
         self.offsets = [sum(widths[:i]) for i in range(len(widths))]
         self.out_widths = tuple(widths)
-        self.weight, self.weight_scale = _weight((sum(widths), in_features), dtype, device, fp8)
+        self.with_lora_cols = None
+        if lora_cols:
+            assert not fp8, "LoRA columns beside an FP8 weight"
+            width = in_features + len(widths) * lora_cols
+            storage = torch.zeros((sum(widths), -(-width // _ROW_ALIGN) * _ROW_ALIGN),
+                                  dtype=dtype, device=device)
+            storage[:, :in_features] = float("nan")   # poisoned until loaded
+            self.with_lora_cols = storage[:, :width]
+            self.weight = nn.Parameter(storage[:, :in_features], requires_grad=False)
+            self.weight_scale = None
+        else:
+            self.weight, self.weight_scale = _weight((sum(widths), in_features), dtype, device,
+                                                     fp8)
         self.bias = _param((sum(widths),), dtype, device) if bias else None
 
     def load_weight(self, src: WeightSource, idx: int, name: str) -> None:
@@ -127,16 +152,32 @@ class RowParallelLinear(nn.Module):
     """x [T, in_shard] -> [T, out]; holds columns `in_shard` of the HF weight.
 
     `matmul` gives this rank's partial product; `reduce` sums the partials across ranks
-    and then adds the bias (once, not once per rank)."""
+    and then adds the bias (once, not once per rank).
+
+    `lora_rows` > 0 (not with FP8): the weight is stored with that many zeroed rows
+    below it, `with_lora_rows` [out + lora_rows, in_shard] = [W; A], where one adapter's
+    LoRA A can be copied (engine/lora/fused.py): one GEMM then gives the base output and
+    that adapter's shrink side by side. `weight` stays the first `out` rows (a
+    contiguous view), so loading and every other step are unchanged."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device, in_shard: Shard | None = None, fp8: bool = False):
+                 dtype: torch.dtype, device, in_shard: Shard | None = None, fp8: bool = False,
+                 lora_rows: int = 0):
         super().__init__()
         self.tp, self.dtype = tp, dtype
         self.in_features, self.out_features = in_features, out_features
         self.in_shard = in_shard or sharding.even_shard(in_features, tp.rank, tp.size)
-        self.weight, self.weight_scale = _weight((out_features, self.in_shard.length), dtype,
-                                                 device, fp8)
+        shape = (out_features, self.in_shard.length)
+        self.with_lora_rows = None
+        if lora_rows:
+            assert not fp8, "LoRA rows beside an FP8 weight"
+            self.with_lora_rows = torch.zeros((out_features + lora_rows, shape[1]), dtype=dtype,
+                                              device=device)
+            self.with_lora_rows[:out_features] = float("nan")   # poisoned until loaded
+            self.weight = nn.Parameter(self.with_lora_rows[:out_features], requires_grad=False)
+            self.weight_scale = None
+        else:
+            self.weight, self.weight_scale = _weight(shape, dtype, device, fp8)
         self.bias = _param((out_features,), dtype, device) if bias else None
 
     def load_weight(self, src: WeightSource, name: str) -> None:

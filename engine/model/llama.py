@@ -41,7 +41,7 @@ Loader = Callable[[WeightSource, str], None]
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 rotary: RotaryEmbedding, fp8: bool = False):
+                 rotary: RotaryEmbedding, fp8: bool = False, lora_rows: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = cfg.head_dim
@@ -53,9 +53,9 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, tp,
-            dtype, device, shards=[q_rows, kv_rows, kv_rows], fp8=fp8)
+            dtype, device, shards=[q_rows, kv_rows, kv_rows], fp8=fp8, lora_cols=lora_rows)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, dtype, device,
-                                        in_shard=q_rows, fp8=fp8)
+                                        in_shard=q_rows, fp8=fp8, lora_rows=lora_rows)
         # checkpoint names of the projections, as the architecture declares them
         self._names = {g: [t.module for t in lora_targets.group_targets(cfg, g)]
                        for g in ("qkv", "o")}
@@ -68,8 +68,10 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
                 lora) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
-        qkv = self.qkv_proj.matmul(x)
-        if lora is not None:
+        if lora is None:
+            qkv = self.qkv_proj.matmul(x)
+        else:
+            qkv = lora.matmul(self.layer_idx, "qkv", self.qkv_proj, x)
             lora.apply(self.layer_idx, "qkv", x, qkv)
         q, k, v = self.qkv_proj.split(self.qkv_proj.add_bias(qkv))
         if self.q_norm is not None:  # per head: rows of head_dim
@@ -82,9 +84,10 @@ class LlamaAttention(nn.Module):
             v.reshape(T, self.num_kv_heads, D), k_cache, v_cache, attn.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, attn, self.scale,
                             window=self.sliding_window).reshape(T, self.num_heads * D)
-        y = self.o_proj.matmul(o)
-        if lora is not None:
-            lora.apply(self.layer_idx, "o", o, y)
+        if lora is None:
+            return self.o_proj.reduce(self.o_proj.matmul(o))
+        y = lora.matmul(self.layer_idx, "o", self.o_proj, o)
+        lora.apply(self.layer_idx, "o", o, y)
         return self.o_proj.reduce(y)
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
@@ -105,14 +108,14 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 fp8: bool = False):
+                 fp8: bool = False, lora_rows: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp,
-                                                 dtype, device, fp8=fp8)
+                                                 dtype, device, fp8=fp8, lora_cols=lora_rows)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device,
-                                           fp8=fp8)
+                                           fp8=fp8, lora_rows=lora_rows)
         # checkpoint names of the projections, as the architecture declares them
         self._names = {g: [t.module for t in lora_targets.group_targets(cfg, g)]
                        for g in ("gate_up", "down")}
@@ -122,14 +125,17 @@ class LlamaMLP(nn.Module):
 
     def partial(self, x: torch.Tensor, lora) -> torch.Tensor:
         """This rank's partial output (before the all-reduce and down_proj's bias)."""
-        gate_up = self.gate_up_proj.matmul(x)
-        if lora is not None:
+        if lora is None:
+            gate_up = self.gate_up_proj.matmul(x)
+        else:
+            gate_up = lora.matmul(self.layer_idx, "gate_up", self.gate_up_proj, x)
             lora.apply(self.layer_idx, "gate_up", x, gate_up)
         # [gate | up], equal widths; one launch on CUDA, which may also start down's shrink
-        h = silu_mul(gate_up) if lora is None else lora.act(self.layer_idx, "down", gate_up)
-        y = self.down_proj.matmul(h)
-        if lora is not None:
-            lora.apply(self.layer_idx, "down", h, y)
+        if lora is None:
+            return self.down_proj.matmul(silu_mul(gate_up))
+        h = lora.act(self.layer_idx, "down", gate_up)
+        y = lora.matmul(self.layer_idx, "down", self.down_proj, h)
+        lora.apply(self.layer_idx, "down", h, y)
         return y
 
     def loaders(self, prefix: str) -> dict[str, Loader]:
@@ -142,10 +148,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 rotary: RotaryEmbedding, fp8: bool = False):
+                 rotary: RotaryEmbedding, fp8: bool = False, lora_rows: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype, device, rotary, fp8)
-        self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device, fp8)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype, device, rotary, fp8,
+                                        lora_rows)
+        self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device, fp8, lora_rows)
         if cfg.moe is not None:  # the dense MLP serves as the shared expert, if any
             self.mlp = SparseMoeBlock(cfg, layer_idx, tp, dtype, device,
                                       self.mlp if cfg.moe.shared_expert else None)
@@ -197,18 +204,27 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits(hidden [n, hidden]) -> [n, vocab] float32`.
 
     `fp8`: the attention and MLP projections keep FP8 weights and multiply in FP8
-    (kernels/fp8.py); otherwise an FP8 checkpoint is dequantized at load."""
+    (kernels/fp8.py); otherwise an FP8 checkpoint is dequantized at load.
+
+    `fused_lora_rank` > 0 (one rank, no FP8, no experts): o_proj and down_proj keep that
+    many rows below their weights for one adapter's LoRA A, qkv_proj and gate_up_proj
+    that many columns per slice beside theirs for its B (`fused_lora_weights`,
+    engine/lora/fused.py)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", tp: TPGroup = TPGroup.single(),
-                 fp8: bool = False):
+                 fp8: bool = False, fused_lora_rank: int = 0):
         super().__init__()
         sharding.check_divisible(cfg, tp.size)
+        assert not fused_lora_rank or (tp.size == 1 and not fp8 and cfg.moe is None), \
+            "fused LoRA rows at TP > 1, with FP8 or experts"
+        self.fused_lora_rank = fused_lora_rank
         self.cfg, self.tp, self.dtype, self.device = cfg, tp, dtype, torch.device(device)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling, self.device)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype, device, rotary, fp8)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, dtype, device, rotary, fp8,
+                                                      fused_lora_rank)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
@@ -231,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
             lora.apply_embedding(input_ids, h)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, attn, kv_cache, lora, residual)
+        if lora is not None:   # what LoRA left for a norm after the last layer
+            lora.finish()
         if residual is None:
             return self.norm(h)
         return self.norm.add_forward(h, residual)[0]
@@ -264,6 +282,21 @@ class LlamaForCausalLM(nn.Module):
         mlp = getattr(mlp, "shared_expert", mlp)   # a mixture of experts' dense MLP
         return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
                 "down": mlp.down_proj}[group].dense_weight()
+
+    def fused_lora_weights(self) -> dict[tuple[int, str], torch.Tensor]:
+        """{(layer, group): storage} of the groups whose weights keep room for one
+        adapter: [W; A] [out + fused_lora_rank, in] (o, down), [W | B] [out, in + S ·
+        fused_lora_rank] (qkv, gate_up); empty without them."""
+        if not self.fused_lora_rank:
+            return {}
+        out = {}
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            out.update({(i, "qkv"): attn.qkv_proj.with_lora_cols,
+                        (i, "o"): attn.o_proj.with_lora_rows,
+                        (i, "gate_up"): mlp.gate_up_proj.with_lora_cols,
+                        (i, "down"): mlp.down_proj.with_lora_rows})
+        return out
 
     def load_weights(self, model_dir) -> None:
         """Load this rank's shard of every tensor from the model directory's safetensors;

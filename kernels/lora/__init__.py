@@ -12,6 +12,7 @@ reads the environment or loops over requests or adapters.
     mixed.py        decode, several adapters: segment tiles (programs: mixed_kernels.py)
     segment.py      prefill: a grouped GEMM over a tile list
     norm_shrink.py  add + RMSNorm + shrink in one launch, and the expand that finishes it
+    norm_shrink_cols.py  add + RMSNorm writing its finished shrink as extra columns
     silu_shrink.py  SiLU-and-multiply + shrink in one launch
     slot_rows.py    DoRA's row factors and embed_tokens LoRA
     tiles.py        @triton.jit pieces the programs share
@@ -22,7 +23,9 @@ from __future__ import annotations
 import torch
 
 from kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
-from kernels.lora.reference import add_embedding_lora_ref, add_lora_ref, scale_rows_ref
+from kernels.lora.reference import (add_embedding_lora_ref, add_lora_ref,
+                                    add_rms_norm_shrink_cols_ref, lora_expand_ref,
+                                    scale_rows_ref)
 
 try:  # the Triton kernels are optional: absent on machines without Triton
     from kernels.lora import launch as _launch
@@ -97,6 +100,34 @@ def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """y += the LoRA delta from a finished `norm_shrink_ahead` or `silu_shrink_ahead`,
     in place; returns y."""
     return _launch.expand_after(shrunk, b, y)
+
+
+def expand_rows(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+                ranks: torch.Tensor | None = None, meta=None) -> torch.Tensor:
+    """y[t] += s[t] · B[slot(t)]ᵀ per token with a slot, in place: the expand of a
+    one-slice group whose shrink s was made elsewhere (a base GEMM's extra output
+    columns, engine/lora/fused.py). y [T, N] and s [T, R] may be strided views (rows of
+    one [T, N + R] GEMM output); b [L, N, R]; ranks [L] int32 or None; meta: the step's
+    `build_meta`. Returns y."""
+    if _on_triton(y):
+        return _launch.expand_rows(y, s, b, token_slots, ranks, meta)
+    return lora_expand_ref(s.float()[None], b, token_slots, (0, y.shape[1]), y)
+
+
+def add_norm_shrink_cols(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float, a: torch.Tensor, token_slots: torch.Tensor,
+                         ranks: torch.Tensor | None = None, delta=None):
+    """([rms_norm(residual + x) | s], residual + x): the norm's output and the finished
+    LoRA shrink of it (every slice's R columns, in the rows' dtype, zero on rows without
+    an adapter) side by side in one [T, K + S·R] buffer, for a GEMM with [W | B]
+    (engine/lora/fused.py); x None: rms_norm(residual), residual. a [L, S, R, K]. delta:
+    (d [T, R], bd [L, K, R], ranks of bd or None): x[t] += d[t] · bd[slot(t)]ᵀ first, the
+    expand of the group whose output x is (x given). On the Triton path (up to
+    TOKEN_PATH_MAX_TOKENS rows) one launch and a new residual tensor."""
+    if _on_triton(residual):
+        return _launch.add_norm_shrink_cols(x, residual, weight, eps, a, token_slots, ranks,
+                                            delta)
+    return add_rms_norm_shrink_cols_ref(x, residual, weight, eps, a, token_slots, delta)
 
 
 def _fused_fits(rows: torch.Tensor, a: torch.Tensor, slice_offsets) -> bool:

@@ -14,11 +14,13 @@ from kernels.lora import mixed, plan
 from kernels.lora.meta import MAX_SLICES, LoRAMeta, build_meta, check_call
 from kernels.lora.norm_shrink import add_rms_norm_shrink, expand_fused_shrunk
 from kernels.lora.norm_shrink import fits as fused_shrink_fits
+from kernels.lora.norm_shrink_cols import add_rms_norm_shrink_cols
 from kernels.lora.segment import add_lora_seg
 from kernels.lora.silu_shrink import silu_mul_shrink
 from kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
 
-__all__ = ["LoRAMeta", "add_lora", "build_meta", "expand_after", "fused_shrink_fits",
+__all__ = ["LoRAMeta", "add_lora", "build_meta", "expand_after", "expand_rows",
+           "fused_shrink_fits", "add_norm_shrink_cols",
            "mixed_min_rows", "norm_shrink_ahead", "silu_shrink_ahead"]
 
 
@@ -109,3 +111,28 @@ def expand_after(shrunk, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     in stream order), in place."""
     fused, meta = shrunk
     return expand_fused_shrunk(fused, b, y, meta)
+
+
+def expand_rows(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+                ranks: torch.Tensor | None, meta: LoRAMeta | None) -> torch.Tensor:
+    """y [T, N] += s[t] · B[slot(t)]ᵀ, in place, with the token-sized expand (one slice,
+    s as its only split-K partial: the kernel reads it through its strides, whatever its
+    dtype); `kernels.lora.expand_rows`."""
+    T, N = y.shape
+    L, Nb, R = b.shape
+    if s.shape != (T, R) or Nb != N or token_slots.shape != (T,):
+        raise ValueError(f"expand_rows: y {tuple(y.shape)}, s {tuple(s.shape)}, b "
+                         f"{tuple(b.shape)}, token_slots {tuple(token_slots.shape)} do not fit")
+    if meta is None:
+        meta = build_meta(token_slots, L)
+    return lora_expand_tokens(s[None, None], b, y, meta, _offsets((0, N)), 1, ranks,
+                              uniform=True)
+
+
+def add_norm_shrink_cols(x, residual, weight, eps, a, token_slots, ranks: torch.Tensor | None,
+                         delta=None):
+    """Add + RMSNorm writing its finished shrink as extra columns, one launch
+    (kernels/lora/norm_shrink_cols.py): ([out | s], new residual)."""
+    T, Kdim = residual.shape
+    _check_fused(T, Kdim, a, token_slots, (0,) * (a.shape[1] + 1), None)
+    return add_rms_norm_shrink_cols(x, residual, weight, eps, a, token_slots, ranks, delta)

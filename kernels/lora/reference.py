@@ -64,6 +64,22 @@ def add_rms_norm_shrink_ref(x: torch.Tensor | None, residual: torch.Tensor,
     return out, residual, lora_shrink_ref(out, a, token_slots)
 
 
+def add_rms_norm_shrink_cols_ref(x: torch.Tensor | None, residual: torch.Tensor,
+                                 weight: torch.Tensor, eps: float, a: torch.Tensor,
+                                 token_slots: torch.Tensor, delta=None):
+    """([rms_norm(residual + x) | s] [T, K + S·R], residual + x): s the LoRA shrink of
+    the normed rows, slice after slice, in the rows' dtype, zero where token_slots[t] < 0;
+    x None: nothing added to residual. delta (d [T, R], bd [L, K, R], ranks): x + the
+    expand of d first, as lora_expand_ref adds it. The oracle of
+    kernels/lora/norm_shrink_cols.py."""
+    if delta is not None:
+        x = lora_expand_ref(delta[0].float()[None], delta[1], token_slots, (0, x.shape[1]),
+                            x.clone())
+    out, residual, h = add_rms_norm_shrink_ref(x, residual, weight, eps, a, token_slots)
+    s = h.permute(1, 0, 2).reshape(out.shape[0], -1)        # [T, S·R], slice by slice
+    return torch.cat([out, s.to(out.dtype)], dim=1), residual
+
+
 def silu_mul_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor):
     """(silu(gate) * up of x = [gate | up], h [1, T, R] float32: the LoRA shrink of it,
     zero where token_slots[t] < 0). The oracle of kernels/lora/silu_shrink.py."""
