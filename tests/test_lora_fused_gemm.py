@@ -102,7 +102,9 @@ def _step(model, pool, fused, seqs, slot):
 LAUNCHES = {
     # o's and down's expand of their GEMM's shrink; q/k/v and gate/up as usual (on the
     # CPU without the norm's fused shrink, which needs CUDA rows)
-    "rows": lambda L: {"expand_rows": 2 * L, "add_lora": 2 * L},
+    # (on CUDA the norms start q/k/v's and gate/up's shrink: their expand finishes it)
+    "rows": lambda L: {"expand_rows": 2 * L,
+                       "expand_after" if DEV == "cuda" else "add_lora": 2 * L},
     # and two norms a layer writing their shrink as columns for the GEMMs after them
     "cols": lambda L: {"expand_rows": 2 * L, "add_norm_shrink_cols": 2 * L},
     # those norms also add the expand of the group before: the last down's is left

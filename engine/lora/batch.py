@@ -50,8 +50,13 @@ FUSED_SILU_SHRINK = "mixed"
 # columns, [W | B], their shrink finished in the norm before them; "all": also o's and
 # down's expand inside the norm after them (no LoRA launch of a layer's own). Read when
 # a step's LoRABatch is made; benchmarks/bench_decode.py --lora-gemm off,rows,cols,all
-# measures each in one run. Not yet measured on a GPU.
-FUSED_LORA_GEMM = "all"
+# measures each in one run. On an H200 (Llama-3-8B shape, rank 16, one adapter for all
+# rows; benchmarks/results/2026-11-28-h200-round5/decode-lora-gemm-d91142e.log), ms per
+# step at B = 1 / 64 / 256: off 5.76 / 6.70 / 11.18, rows 5.45 / 6.31 / 10.72, cols
+# 8.72 / 9.38 / 13.29, all 7.88 / 8.62 / 14.25 (base 4.81 / 5.52 / 9.37): the norm that
+# writes its finished shrink as columns (kernels/lora/norm_shrink_cols.py, no split-K:
+# 12 shrink programs at 64 rows) costs more than the launches it saves, so "rows".
+FUSED_LORA_GEMM = "rows"
 LORA_GEMM_MODES = ("off", "rows", "cols", "all")
 
 
