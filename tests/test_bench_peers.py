@@ -103,6 +103,12 @@ def test_sglang_segments_follow_its_chunked_backend():
     assert (info.num_segments, info.max_len, info.lora_ranks.tolist()) == (4, 2, [4, 4, 4])
 
 
+# the --tiny case runs the kernels in Triton's interpreter, which a GPU host's tests do
+# not use (tests/conftest.py): there the real case is the check (`kernels peers`)
+interpreted = pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="the CPU's interpreted --tiny case")
+
+
 def _run(tmp_path, peers_dir, *extra) -> tuple[dict, str]:
     out = tmp_path / "out"
     rc = suite.main("kernels", kernels.CASES, ["peers", "--tiny", "--out", str(out),
@@ -111,6 +117,7 @@ def _run(tmp_path, peers_dir, *extra) -> tuple[dict, str]:
     return json.loads((out / "peers.json").read_text()), out
 
 
+@interpreted
 def test_stand_in_peers_are_checked_then_timed(fake_peers, tmp_path, capsys):
     _, dest = fake_peers(wrong=True)
     result, _ = _run(tmp_path, dest, "--groups", "qkv")
@@ -128,6 +135,7 @@ def test_stand_in_peers_are_checked_then_timed(fake_peers, tmp_path, capsys):
     assert "| qkv | 8 | 272 | 3 | tiles |" in out and "| disagrees with the reference |" in out
 
 
+@interpreted
 def test_without_peers_ours_runs_and_each_peer_has_a_skip_line(tmp_path, capsys):
     result, _ = _run(tmp_path, tmp_path / "none", "--groups", "o")
     assert all(r["results"]["ours"]["us"] > 0 and set(r["results"]) == {"ours"}
@@ -155,6 +163,7 @@ def _fetched() -> bool:
         return False
 
 
+@interpreted
 @pytest.mark.skipif(not _fetched(), reason="the real peers are not fetched into "
                     "benchmarks/.peers (python -m benchmarks.peer_sources fetch)")
 def test_the_real_peers_run_in_the_interpreter_and_agree(tmp_path):

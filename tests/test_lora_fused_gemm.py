@@ -145,7 +145,10 @@ def test_one_adapter_in_the_base_gemm_matches_peft(family, mode, monkeypatch):
                                    msg=lambda m: f"slot {slot} ({name}): {m}")
         torch.testing.assert_close(got[6:], base, atol=2e-4, rtol=2e-4)
         plain, calls = _step(model, pool, None, [prompt, pad], slot)
-        assert calls["add_lora"] == 4 * cfg.num_layers and "expand_rows" not in calls
+        # every group the usual way (on CUDA the norms and the SiLU may start a shrink,
+        # which their expand finishes)
+        assert (calls.get("add_lora", 0) + calls.get("expand_after", 0) == 4 * cfg.num_layers
+                and "expand_rows" not in calls), calls
         torch.testing.assert_close(got, plain, atol=2e-5, rtol=2e-5)
     assert installs == [1, 2, 2, 3, 4]
 

@@ -151,8 +151,8 @@ def test_partial_adapters_load_over_poisoned_host_buffers(family, tmp_path, monk
 
     acquire = HostBufferPool.acquire
 
-    def poisoned(self, nbytes):
-        buf = acquire(self, nbytes)
+    def poisoned(self, nbytes, **kwargs):
+        buf = acquire(self, nbytes, **kwargs)
         buf.data.fill_(0xFF)   # NaN in float32, bfloat16 and float16
         return buf
     monkeypatch.setattr(HostBufferPool, "acquire", poisoned)
