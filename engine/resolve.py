@@ -272,14 +272,24 @@ def _omp_threads() -> int | None:
         return None
 
 
-def _host_available_bytes() -> int:
+def meminfo() -> dict[str, int]:
+    """The host's /proc/meminfo in bytes by field ("MemAvailable", "MemTotal", ...);
+    empty where it cannot be read."""
+    fields = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+                name, value = line.split(":", 1)
+                fields[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return fields
+
+
+def _host_available_bytes() -> int:
+    available = meminfo().get("MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.lora.host_buffers import HostBuffer, HostBufferPool
 from engine.lora.page_populate import populate
+from engine.resolve import meminfo
 
 POPULATE_THREADS = 4   # populate saturated at 4 threads on an H200 VM (4.69 GB/s; 14: 4.75)
 LOCK_SHARE = 0.1       # of wall time under the driver's lock while requests run
@@ -250,14 +251,7 @@ class HostReserve:
 def host_room() -> int | None:
     """Bytes the host can still give a reserve: what /proc/meminfo says is available less
     MIN_AVAILABLE_SHARE of its total; None where it cannot be read."""
-    fields = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, value = line.split(":", 1)
-                fields[name] = int(value.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = meminfo()
     if "MemAvailable" not in fields or "MemTotal" not in fields:
         return None
     return fields["MemAvailable"] - int(fields["MemTotal"] * MIN_AVAILABLE_SHARE)
