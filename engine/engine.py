@@ -55,7 +55,7 @@ from engine.sampling import RequestSeeds, SamplingState
 from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
 from engine.startup import StartupProgress
-from engine.warmup import WarmupReport, warm_up
+from engine.warmup import WarmupPlan, WarmupReport
 from loramux_core.errors import AdapterUnavailableError, EngineDeadError, InvalidRequestError
 from loramux_core.sampling import SamplingParams
 from loramux_core.tokenizer import Tokenizer
@@ -410,10 +410,11 @@ class Engine:
         """Compile every kernel variant and capture every CUDA graph the limits can reach
         (engine/warmup.py), before any request, telling `progress` how far it is; None
         where there is nothing to compile (the CPU runs torch references; `force`: run
-        it there all the same) or where it is not supported yet (tensor parallelism:
-        every rank would have to run the same warm-up steps). `only`, `on_shape`: as
-        engine.warmup.warm_up's (the eager shapes a parallel compile found covering)."""
-        if (self.device.type != "cuda" and not force) or self.executor.tp.size > 1:
+        it there all the same). `only`, `on_shape`: as
+        engine.warmup.warm_up's (the eager shapes a parallel compile found covering).
+        Under tensor parallelism every rank runs it in step (Executor.warm_up); a failure
+        there is EngineDeadError."""
+        if self.device.type != "cuda" and not force:
             return None
         assert not self.scheduler.has_unfinished(), "warm up before serving requests"
         c = self.config
@@ -424,9 +425,10 @@ class Engine:
             # thread_local, engine/cuda_graph.py)
             reserve.hold()
         try:
-            return warm_up(self.runner, self.num_kv_blocks, c.block_size, c.max_num_seqs,
-                           c.max_num_batched_tokens, self.max_model_len, progress,
-                           only=only, on_shape=on_shape)
+            plan = WarmupPlan(self.num_kv_blocks, c.block_size, c.max_num_seqs,
+                              c.max_num_batched_tokens, self.max_model_len,
+                              None if only is None else tuple(only))
+            return self.executor.warm_up(self.runner, plan, progress, on_shape)
         finally:
             if reserve is not None:
                 reserve.resume()

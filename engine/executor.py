@@ -27,7 +27,8 @@ class Executor(Protocol):
     tokens this step's placeholder inputs take, and may be given only when
     `must_read_before_next(prev)` is False. `result` waits for a launched step's tokens.
     `adapter_mirror(registry)`: the residency observer that repeats slot loads and host
-    drops on the other ranks, or None. `close` stops the other ranks. `dead`: a rank is
+    drops on the other ranks, or None. `warm_up(runner, plan, progress, on_shape)`: run
+    the start-up warm-up (engine/warmup.py WarmupPlan) on every rank, before any step. `close` stops the other ranks. `dead`: a rank is
     gone or a collective failed, so work queued on this device may wait forever for a
     peer (close() must not wait for the device then)."""
 
@@ -44,6 +45,8 @@ class Executor(Protocol):
     def must_read_before_next(self, pending: PendingSample) -> bool: ...
 
     def adapter_mirror(self, registry): ...
+
+    def warm_up(self, runner: ModelRunner, plan, progress=None, on_shape=None): ...
 
     def close(self) -> None: ...
 
@@ -70,6 +73,9 @@ class LocalExecutor:
 
     def adapter_mirror(self, registry) -> None:
         return None
+
+    def warm_up(self, runner: ModelRunner, plan, progress=None, on_shape=None):
+        return plan.run(runner, progress, on_shape)
 
     def close(self) -> None:
         pass

@@ -149,8 +149,10 @@ def list_variants(run, found=None) -> list[tuple[str, str, str]]:
 def precompile(engine, workers: int | None, progress=None,
                timeout_s: float = 900.0) -> PrecompileReport | None:
     """List the variants `engine`'s warm-up launches and compile them in `workers`
-    processes (None: default_workers); None where there is nothing to do (the CPU;
-    tensor parallelism, whose warm-up does not run yet)."""
+    processes (None: default_workers); None where there is nothing to do (the CPU) or
+    not done yet (tensor parallelism: its dry run would need every rank in step; each
+    rank's warm-up compiles its shard's variants then, loads them from the disk cache
+    once they are there)."""
     from engine.resolve import MachineFacts
 
     if engine.device.type != "cuda" or engine.config.tp_size > 1:

@@ -52,6 +52,8 @@ work dir (and the container image at a volume), so a restart loads instead of co
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -260,6 +262,37 @@ def warm_up(runner, num_kv_blocks: int, block_size: int, max_num_seqs: int,
     end = time.perf_counter()
     return WarmupReport(end - start, captured, len(shapes), len(layers), eager_done - start,
                         end - eager_done, count.done())
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """One engine's warm-up, as every rank of a tensor-parallel group runs it: the same
+    eager shapes and graph keys in the same order, so that their collectives pair up
+    (rank 0 sends it to the workers as JSON: engine/distributed/plan.py OP_WARMUP)."""
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    only: tuple[EagerShape, ...] | None = None   # as warm_up's
+
+    def run(self, runner, progress: StartupProgress | None = None,
+            on_shape=None) -> WarmupReport:
+        return warm_up(runner, self.num_kv_blocks, self.block_size, self.max_num_seqs,
+                       self.max_num_batched_tokens, self.max_model_len, progress,
+                       only=self.only, on_shape=on_shape)
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "only"}
+        only = None if self.only is None else [dataclasses.astuple(s) for s in self.only]
+        return json.dumps({**fields, "only": only})
+
+    @classmethod
+    def from_json(cls, text: str) -> "WarmupPlan":
+        fields = json.loads(text)
+        only = fields.pop("only")
+        return cls(**fields, only=None if only is None else tuple(
+            EagerShape(*s) for s in only))
 
 
 def mixed_min_rows(device, num_tokens: int) -> int:

@@ -30,8 +30,8 @@ from engine.distributed import fast_allreduce
 from engine.distributed import group as pg
 from engine.distributed.adapters import AdapterMirror
 from engine.distributed.channel import PlanChannel
-from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, encode_add_adapter,
-                                     encode_step)
+from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, OP_WARMUP,
+                                     encode_add_adapter, encode_step, encode_text)
 from engine.distributed.tracker import PlanTracker
 from engine.distributed.watchdog import WorkerWatchdog
 from engine.distributed.worker import worker_main
@@ -130,6 +130,27 @@ class TPExecutor:
         """Rank 0's residency observer: queues every slot load and host drop for the
         workers' next step plan."""
         return AdapterMirror(self, registry)
+
+    def warm_up(self, runner, plan, progress=None, on_shape=None):
+        """The start-up warm-up on every rank: the workers are sent `plan` and run it as
+        rank 0 does (the same eager steps and graph captures in the same order: their
+        collectives pair up), then every rank says how many eager steps it ran. Any
+        failure, here or on a worker, is EngineDeadError: a rank that stopped part-way
+        would leave the others waiting in a collective."""
+        def run():
+            self._channel.send(OP_WARMUP, encode_text(plan.to_json()))
+            report = plan.run(runner, progress, on_shape)
+            if pg.agree_min(self._control, report.eager_steps) != report.eager_steps:
+                raise RuntimeError("a worker ran fewer warm-up steps than rank 0")
+            return report
+        try:
+            return self._guard(run)
+        except EngineDeadError:
+            raise
+        except BaseException as exc:
+            self._failed = True
+            _stop_procs(self._procs, self._watchdog)
+            raise EngineDeadError(f"the warm-up failed on rank 0: {exc!r}") from exc
 
     def _launch(self, out, runner, prev):
         adds, self._adds = self._adds, []

@@ -26,6 +26,10 @@ pass on every rank alike.
 
     ADD_ADAPTER payload: adapter id, utf-8 bytes of the adapter directory (one per int)
 
+    WARMUP payload: utf-8 bytes (one per int) of the warm-up's JSON (engine/warmup.py
+      WarmupPlan): every rank runs the same eager shapes and captures the same graphs in
+      the same order, then all agree on the eager steps run (the control group)
+
 Slot ops name adapter versions by id (engine/distributed/adapters.py says what each does);
 slot is -1 for the ops that concern a host copy only.
 
@@ -40,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-OP_STEP, OP_ADD_ADAPTER, OP_SHUTDOWN = 1, 2, 3
+OP_STEP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_WARMUP = 1, 2, 3, 4
 SLOT_LOAD, HOST_DROP, RETIRE = 0, 1, 2   # slot op kinds (engine/distributed/adapters.py)
 _SAMPLES, _RESET = 1, 2   # per-sequence flags
 _GREEDY = 1               # step flags
@@ -107,3 +111,11 @@ def decode_add_adapter(payload: torch.Tensor) -> tuple[int, str, str]:
     v = payload.tolist()
     version, path = bytes(v[1:]).decode("utf-8").split("\0", 1)
     return v[0], path, version
+
+
+def encode_text(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+
+
+def decode_text(payload: torch.Tensor) -> str:
+    return bytes(payload.tolist()).decode("utf-8")

@@ -22,8 +22,9 @@ from engine.distributed import group as pg
 from engine.distributed.channel import PlanChannel
 from engine.distributed.mirror import RequestMirror
 from engine.distributed.adapters import ShardCache
-from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, RETIRE,
-                                     SLOT_LOAD, decode_add_adapter, decode_step)
+from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP,
+                                     OP_WARMUP, RETIRE, SLOT_LOAD, decode_add_adapter,
+                                     decode_step, decode_text)
 from engine.distributed.watchdog import exit_with_parent
 from loramux_core.model.hf_config import ModelConfig
 from engine.sampling.sampler import SamplerOutput
@@ -101,8 +102,18 @@ class Worker:
                 self.adapters.add(*decode_add_adapter(payload))
             elif op == OP_STEP:
                 self._step(payload)
+            elif op == OP_WARMUP:
+                self._warm_up(payload)
             else:
                 raise RuntimeError(f"rank {self.tp.rank}: unknown plan op {op}")
+
+    def _warm_up(self, payload: torch.Tensor) -> None:
+        """Rank 0's warm-up, step for step (TPExecutor.warm_up); a failure ends this
+        process, which rank 0's watchdog turns into EngineDeadError."""
+        from engine.warmup import WarmupPlan
+
+        report = WarmupPlan.from_json(decode_text(payload)).run(self.runner)
+        pg.agree_min(self.control, report.eager_steps)
 
     def _step(self, payload: torch.Tensor) -> None:
         plan = decode_step(payload)

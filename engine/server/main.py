@@ -88,7 +88,7 @@ def start_engine(args, config, progress):
     `progress`; None (said on stderr) when the configuration is refused."""
     from engine.engine import Engine
     from engine.precompile import precompile
-    from loramux_core.errors import LoramuxError
+    from loramux_core.errors import EngineDeadError, LoramuxError
     from loramux_core.v1 import engine_pb2
 
     progress.enter(engine_pb2.ENGINE_PHASE_LOADING, "loading weights, sizing the KV cache")
@@ -110,6 +110,11 @@ def start_engine(args, config, progress):
             print(f"engine {compiled}", file=sys.stderr, flush=True)
         report = engine.warm_up(progress=progress, force=args.debug_warm_up,
                                 only=None if compiled is None else compiled.shapes)
+    except EngineDeadError as err:  # a tensor-parallel rank stopped part-way: the others
+        # may wait in a collective forever, so this engine cannot serve (exit: restarted)
+        print(f"error: engine warm-up failed: {err}", file=sys.stderr, flush=True)
+        engine.close()
+        raise SystemExit(1) from err
     except Exception as err:  # serving still works: kernels then compile on first use
         print(f"engine warm-up failed, serving without it: {err!r}", file=sys.stderr,
               flush=True)

@@ -1,0 +1,58 @@
+"""The start-up warm-up under tensor parallelism (two gloo ranks on the CPU, the warm-up
+forced there): every rank runs the same eager steps in step (their all-reduces pair up,
+and rank 0 checks that each worker ran as many), and the engine then serves token for
+token as one rank does; a worker whose warm-up fails makes the engine dead instead of
+leaving rank 0 in a collective; a warm-up plan survives its trip to the workers."""
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine, EngineConfig
+from engine.distributed.plan import decode_text, encode_text
+from engine.warmup import EagerShape, WarmupPlan
+from tests.test_tp_engine import CFG, GREEDY, MIXED, PROMPTS, assert_same, run_all
+
+
+def test_a_warm_up_plan_round_trips():
+    shapes = (EagerShape(5, 2, 40, True), EagerShape(1, 1, 0, False, True))
+    for plan in (WarmupPlan(20, 4, 8, 16, 64), WarmupPlan(20, 4, 8, 16, 64, only=shapes)):
+        assert WarmupPlan.from_json(decode_text(encode_text(plan.to_json()))) == plan
+
+
+def test_every_rank_warms_up_and_serves_as_one_rank_does(llama_family):
+    reqs = [(f"mixed-{i}", p, a) for i, (p, a) in enumerate(zip(PROMPTS, MIXED))]
+    outputs, reports = {}, {}
+    for tp in (1, 2):
+        with Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=tp, **CFG)) as eng:
+            for name, path in llama_family.adapters.items():
+                eng.add_adapter(name, path)
+            reports[tp] = eng.warm_up(force=True)
+            outputs[tp] = run_all(eng, reqs)["outputs"]
+            assert not eng.executor.dead
+    assert reports[2].eager_steps == reports[1].eager_steps > 20
+    assert_same(outputs[1], outputs[2])
+    assert all(len(t) == GREEDY.max_tokens for t, _ in outputs[2].values())
+
+
+@pytest.mark.engine_device("cpu")
+def test_a_worker_that_fails_its_warm_up_is_engine_dead(llama_family):
+    """A worker whose warm-up fails (here: a plan it cannot read) ends; rank 0, waiting
+    in the warm-up's first all-reduce, is told as EngineDeadError, and no rank hangs."""
+    from engine.distributed.executor import TPExecutor
+    from loramux_core.errors import EngineDeadError
+
+    with Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2, **CFG)) as eng:
+        assert isinstance(eng.executor, TPExecutor)
+        plan = WarmupPlan(eng.num_kv_blocks, 4, 8, 16, eng.max_model_len,
+                          only=(EagerShape(1, 1, 0, False),))
+
+        class Unreadable:   # the workers are sent broken JSON, rank 0 runs `plan`
+            def to_json(self):
+                return "{"
+
+            def run(self, *args):
+                return plan.run(*args)
+
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            eng.executor.warm_up(eng.runner, Unreadable())
+        assert eng.executor.dead
