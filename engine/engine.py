@@ -47,6 +47,7 @@ from engine.distributed.executor import make_executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from loramux_core.model.hf_config import ModelConfig
 from engine.output_processor import OutputProcessor
+from engine.parallel import without_peers
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.pending import PendingSample
 from engine.request import Request
@@ -406,14 +407,15 @@ class Engine:
         self.close()
 
     def warm_up(self, progress: StartupProgress | None = None, force: bool = False,
-                only=None, on_shape=None) -> WarmupReport | None:
+                only=None, on_shape=None, this_rank: bool = False) -> WarmupReport | None:
         """Compile every kernel variant and capture every CUDA graph the limits can reach
         (engine/warmup.py), before any request, telling `progress` how far it is; None
         where there is nothing to compile (the CPU runs torch references; `force`: run
         it there all the same). `only`, `on_shape`: as
         engine.warmup.warm_up's (the eager shapes a parallel compile found covering).
         Under tensor parallelism every rank runs it in step (Executor.warm_up); a failure
-        there is EngineDeadError."""
+        there is EngineDeadError. `this_rank`: rank 0 alone, its collectives skipped
+        (engine/parallel.py without_peers): a dry run, whose outputs mean nothing."""
         if self.device.type != "cuda" and not force:
             return None
         assert not self.scheduler.has_unfinished(), "warm up before serving requests"
@@ -428,6 +430,9 @@ class Engine:
             plan = WarmupPlan(self.num_kv_blocks, c.block_size, c.max_num_seqs,
                               c.max_num_batched_tokens, self.max_model_len,
                               None if only is None else tuple(only))
+            if this_rank:
+                with without_peers():
+                    return plan.run(self.runner, progress, on_shape)
             return self.executor.warm_up(self.runner, plan, progress, on_shape)
         finally:
             if reserve is not None:

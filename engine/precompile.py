@@ -149,13 +149,12 @@ def list_variants(run, found=None) -> list[tuple[str, str, str]]:
 def precompile(engine, workers: int | None, progress=None,
                timeout_s: float = 900.0) -> PrecompileReport | None:
     """List the variants `engine`'s warm-up launches and compile them in `workers`
-    processes (None: default_workers); None where there is nothing to do (the CPU) or
-    not done yet (tensor parallelism: its dry run would need every rank in step; each
-    rank's warm-up compiles its shard's variants then, loads them from the disk cache
-    once they are there)."""
+    processes (None: default_workers); None where there is nothing to do (the CPU).
+    Under tensor parallelism rank 0 lists alone (its collectives skipped: every rank's
+    shard has its shapes, so its variants), and every rank's warm-up then loads them."""
     from engine.resolve import MachineFacts
 
-    if engine.device.type != "cuda" or engine.config.tp_size > 1:
+    if engine.device.type != "cuda":
         return None
     count = default_workers(MachineFacts.probe("cpu").cpu_count) if workers is None else workers
     if count <= 0:
@@ -178,7 +177,8 @@ def precompile(engine, workers: int | None, progress=None,
     with tempfile.TemporaryDirectory(prefix="loramux-precompile-") as tmp:
         workers = _Workers(count, Path(tmp))
         try:
-            variants = list_variants(lambda: engine.warm_up(on_shape=covering.at), found=found)
+            variants = list_variants(lambda: engine.warm_up(on_shape=covering.at,
+                                                            this_rank=True), found=found)
         finally:
             listed = time.perf_counter() - start
             failed = workers.finish(progress, time.monotonic() + timeout_s)

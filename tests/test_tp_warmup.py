@@ -1,13 +1,17 @@
 """The start-up warm-up under tensor parallelism (two gloo ranks on the CPU, the warm-up
 forced there): every rank runs the same eager steps in step (their all-reduces pair up,
 and rank 0 checks that each worker ran as many), and the engine then serves token for
-token as one rank does; a worker whose warm-up fails makes the engine dead instead of
+token as one rank does, also after a dry run on rank 0 alone (the parallel compile's
+listing: its collectives skipped, engine/parallel.py without_peers, the workers idle); a worker whose warm-up fails makes the engine dead instead of
 leaving rank 0 in a collective; a warm-up plan survives its trip to the workers."""
 from __future__ import annotations
 
 import pytest
 
+import torch
+
 from engine import Engine, EngineConfig
+from engine.parallel import TPGroup, without_peers
 from engine.distributed.plan import decode_text, encode_text
 from engine.warmup import EagerShape, WarmupPlan
 from tests.test_tp_engine import CFG, GREEDY, MIXED, PROMPTS, assert_same, run_all
@@ -19,6 +23,22 @@ def test_a_warm_up_plan_round_trips():
         assert WarmupPlan.from_json(decode_text(encode_text(plan.to_json()))) == plan
 
 
+def test_without_peers_a_group_skips_its_collectives():
+    tp = TPGroup(0, 2, group=None)
+    t = torch.randn(3, 4)
+    with pytest.raises((RuntimeError, ValueError)):   # no process group: it would talk
+        tp.all_reduce(t.clone())
+    with without_peers():
+        with without_peers():   # nests
+            pass
+        kept = t.clone()
+        assert tp.all_reduce(kept) is kept and torch.equal(kept, t)
+        assert tp.broadcast(kept) is kept and torch.equal(kept, t)
+        assert torch.equal(tp.all_gather(t, dim=-1), torch.cat([t, t], dim=-1))
+    with pytest.raises((RuntimeError, ValueError)):
+        tp.broadcast(t.clone())
+
+
 def test_every_rank_warms_up_and_serves_as_one_rank_does(llama_family):
     reqs = [(f"mixed-{i}", p, a) for i, (p, a) in enumerate(zip(PROMPTS, MIXED))]
     outputs, reports = {}, {}
@@ -26,10 +46,12 @@ def test_every_rank_warms_up_and_serves_as_one_rank_does(llama_family):
         with Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=tp, **CFG)) as eng:
             for name, path in llama_family.adapters.items():
                 eng.add_adapter(name, path)
+            if tp == 2:   # the parallel compile's dry run: rank 0 alone, workers idle
+                alone = eng.warm_up(force=True, this_rank=True)
             reports[tp] = eng.warm_up(force=True)
             outputs[tp] = run_all(eng, reqs)["outputs"]
             assert not eng.executor.dead
-    assert reports[2].eager_steps == reports[1].eager_steps > 20
+    assert reports[2].eager_steps == reports[1].eager_steps == alone.eager_steps > 20
     assert_same(outputs[1], outputs[2])
     assert all(len(t) == GREEDY.max_tokens for t, _ in outputs[2].values())
 
