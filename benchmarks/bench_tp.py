@@ -288,8 +288,10 @@ def _tag(args) -> str:
 
 def table(args) -> dict:
     """The round's table from every decode_*.json under --out (and allreduce.json): tok/s
-    per (batch, mode) for TP=1 and each TP=2 all-reduce x async setting, the best TP=2
-    over TP=1, then the profiles' collectives and kernel time by kind."""
+    per (batch, mode) for TP=1 and each TP=N all-reduce x async setting, the best TP=N
+    over TP=1 for each N, then the profiles' collectives and kernel time by kind; and the
+    curve of the best tok/s over the TP sizes (tp_curve.png beside --results, or under
+    --out)."""
     rows, allreduce = [], None
     for path in sorted(args.out.rglob("*.json")):
         data = json.loads(path.read_text())
@@ -297,22 +299,29 @@ def table(args) -> dict:
             rows += data
         elif path.name == "allreduce.json":
             allreduce = data
-    cols = sorted({_col(r) for r in rows if r["tp"] > 1})
+    cols = sorted({(r["tp"], _col(r)) for r in rows if r["tp"] > 1})
+    sizes = sorted({tp for tp, _ in cols})
     points = sorted({(r["batch"], r["mode"]) for r in rows},
                     key=lambda p: (p[0], ("base", "one", "distinct").index(p[1])
                                    if p[1] in ("base", "one", "distinct") else 9))
-    best: dict[tuple[int, str, str], dict] = {}
+    best: dict[tuple[int, str, tuple], dict] = {}
     for r in rows:   # the last row of a (point, column) wins (a re-run overrides)
-        best[(r["batch"], r["mode"], "tp1" if r["tp"] == 1 else _col(r))] = r
-    lines = ["| batch | mode | TP=1 tok/s | " + " | ".join(f"TP=2 {c}" for c in cols)
-             + " | best TP=2 / TP=1 |", "|---|---|---|" + "---|" * len(cols) + "---|"]
+        best[(r["batch"], r["mode"], (1, "") if r["tp"] == 1 else (r["tp"], _col(r)))] = r
+    lines = ["| batch | mode | TP=1 tok/s | " + " | ".join(f"TP={tp} {c}" for tp, c in cols)
+             + "".join(f" | best TP={tp} / TP=1" for tp in sizes) + " |",
+             "|---|---|---|" + "---|" * (len(cols) + len(sizes))]
+    curve: dict[tuple[int, str], dict[int, float]] = {}
     for b, mode in points:
-        one = best.get((b, mode, "tp1"))
+        one = best.get((b, mode, (1, "")))
         cells = [best.get((b, mode, c)) for c in cols]
-        tok = [c["tokens_per_s"] for c in cells if c]
-        ratio = (f"{max(tok) / one['tokens_per_s']:.2f}x" if one and tok else "-")
+        tops = {tp: max((c["tokens_per_s"] for c, (t, _) in zip(cells, cols) if c and t == tp),
+                        default=None) for tp in sizes}
+        ratios = [f"{tops[tp] / one['tokens_per_s']:.2f}x" if one and tops[tp] else "-"
+                  for tp in sizes]
         lines.append(f"| {b} | {mode} | {_cell(one)} | " + " | ".join(_cell(c) for c in cells)
-                     + f" | {ratio} |")
+                     + "".join(f" | {x}" for x in ratios) + " |")
+        curve[(b, mode)] = {tp: tok for tp, tok in ([(1, one["tokens_per_s"] if one else None)]
+                                                   + list(tops.items())) if tok}
     for r in rows:
         if "profile" in r:
             p = r["profile"]
@@ -324,10 +333,51 @@ def table(args) -> dict:
                      f"({allreduce.get('setup')})")
     text = "\n".join(lines)
     print(text, flush=True)
-    result = {"rows": rows, "allreduce": allreduce, "table": text}
+    result = {"rows": rows, "allreduce": allreduce, "table": text,
+              "curve": [{"batch": b, "mode": m, "tokens_per_s": {str(k): v for k, v in c.items()}}
+                        for (b, m), c in curve.items()]}
     if args.results:
         args.results.write_text(json.dumps(result, indent=1))
+    png = (args.results.parent if args.results else args.out) / "tp_curve.png"
+    if plot_curve(curve, png):
+        print(f"curve: {png}", flush=True)
     return result
+
+
+def plot_curve(curve: dict[tuple[int, str], dict[int, float]], path: Path) -> bool:
+    """Best tok/s at each TP size per (batch, mode), and the speed-up over TP=1 against
+    the ideal (TP=N: N times); False without matplotlib or with one TP size only."""
+    lines = {k: sorted(v.items()) for k, v in curve.items() if len(v) > 1}
+    if not lines:
+        return False
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (tok_ax, up_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    sizes = sorted({tp for pts in lines.values() for tp, _ in pts})
+    for (b, mode), pts in lines.items():
+        tps, toks = zip(*pts)
+        tok_ax.plot(tps, toks, marker="o", label=f"B={b} {mode}")
+        if pts[0][0] == 1:
+            up_ax.plot(tps, [t / toks[0] for t in toks], marker="o", label=f"B={b} {mode}")
+    up_ax.plot(sizes, sizes, linestyle="--", color="grey", label="ideal")
+    for ax, label in ((tok_ax, "decode tokens/s (best setting)"),
+                      (up_ax, "speed-up over TP=1")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("tensor-parallel size")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    tok_ax.set_yscale("log")
+    up_ax.legend(fontsize=8)
+    fig.suptitle("Decode at TP=1/2/4, Llama-3-8B shape, bf16, rank-16 adapters")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def _col(r: dict) -> str:

@@ -9,22 +9,28 @@
 #      when its start-up self-tests against NCCL pass on both ranks, else NCCL): at batch
 #      64 every mode with async scheduling on, then off, then a profile of 5 steps (base
 #      and 64 distinct adapters: collectives counted per step); then batches 1 and 256;
+#   2b. on a machine of 4 GPUs or more: decode TP=4, batches 256 and 64, async on
+#      (TP4_S, default 100 s);
 #   3. the same over NCCL, when phase 2 ran the one-shot (batch 64 first);
 #   4. the all-reduce microbench (one-shot against NCCL: checks, us per all-reduce);
-#   5. REPLICAS=1: the replicas case (1 replica on 1 GPU vs 2 on 2) if 240 s are left; an
+#   5. REPLICAS=1: the replicas case (1 replica on 1 GPU vs 2 on 2; on 4 GPUs also 4x1,
+#      2x2 and 1x4: LAYOUTS) if 240 s are left; an
 #      engine warm-up per layout takes minutes on a fresh machine, so it wants a call of
 #      its own: REPLICAS=only TOTAL_S=540.
 # Parity is left to the CPU tests (tests/test_tp_*.py: TP=2 equals TP=1 token for token in
 # float32, async and sync). DEVICE=cpu dry-runs the decode phases on gloo (tiny model).
-# Logs under $OUT (at most 7 files): summary.txt (the table, last), tp1.log, tp2_auto.log
-# (with the profile), tp2_nccl.log, allreduce.log, results.json, replicas.log.
+# Logs under $OUT (at most 9 files): summary.txt (the table, last), tp1.log, tp2_auto.log
+# (with the profile), tp2_nccl.log, tp4_auto.log, allreduce.log, results.json,
+# tp_curve.png (best tok/s over the TP sizes), replicas.log.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}   # shared by every phase
 OUT=${OUT:-/tmp/loramux-tp}; mkdir -p "$OUT"
 JSON=${JSON:-$(mktemp -d /tmp/loramux-tp-json.XXXX)}; mkdir -p "$JSON"
 TOTAL_S=${TOTAL_S:-285}; REPLICAS=${REPLICAS:-0}
-TP1_S=${TP1_S:-90}; TP2_S=${TP2_S:-120}; AR_S=${AR_S:-45}
+TP1_S=${TP1_S:-90}; TP2_S=${TP2_S:-120}; AR_S=${AR_S:-45}; TP4_S=${TP4_S:-100}
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+if [ "${NGPU:-0}" -ge 4 ]; then LAYOUTS=${LAYOUTS:-1x1,2x1,4x1,2x2,1x4}; else LAYOUTS=${LAYOUTS:-1x1,2x1}; fi
 STEPS=${STEPS:-20}; REPEATS=${REPEATS:-3}   # 3 timed runs of 20 back-to-back steps a point
 DEVICE=${DEVICE:-cuda}
 B="python3 -m benchmarks.parallel"
@@ -62,6 +68,14 @@ if [ "$REPLICAS" != only ]; then
   tp2 auto "$t"
   grep -h -A24 "^profile tp=2 ar=auto base b=64:" "$OUT/tp2_auto.log" | head -26
 
+  if [ "${NGPU:-0}" -ge 4 ] && [ "$(left)" -ge 60 ]; then
+    t=$(limit "$TP4_S")
+    stamp "2b. decode TP=4, all-reduce auto (limit ${t}s)"
+    timeout -k 10 "$t" $DEC --tp 4 --allreduce auto --batches 256,64 --async-scheduling on \
+      --out "$JSON/tp4_auto" > "$OUT/tp4_auto.log" 2>&1
+    stamp "decode TP=4 rc=$?"
+  fi
+
   if grep -q "in use=one-shot" "$OUT/tp2_auto.log"; then
     t=$(left); t=$((t - AR_S > 40 ? t - AR_S : t))
     stamp "3. decode TP=2, NCCL (limit $(limit "$t")s)"
@@ -87,10 +101,10 @@ if [ "$REPLICAS" = 1 ] || [ "$REPLICAS" = only ]; then
     stamp "5. replicas skipped: $(left)s left (an engine warm-up per layout needs more)"
   else
     t=$(limit "$(left)")
-    stamp "5. replicas 1x1 vs 2x1 (limit ${t}s)"
+    stamp "5. replicas $LAYOUTS (limit ${t}s)"
     # SIGINT: the benchmark stops its services on the way out
     timeout -s INT -k 30 "$t" $B replicas --out "$JSON/replicas" \
-      --layouts 1x1,2x1 --adapters 16 --requests-per-gpu 96 --concurrency-per-gpu 48 \
+      --layouts "$LAYOUTS" --adapters 16 --requests-per-gpu 96 --concurrency-per-gpu 48 \
       --input-len 128-512 --output-len 64-128 --point-s 45 --drain-s 20 > "$OUT/replicas.log" 2>&1
     stamp "replicas rc=$?"
   fi

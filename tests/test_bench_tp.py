@@ -74,3 +74,33 @@ def test_decode_phase_on_gloo_times_async_on_and_off_and_counts_collectives(tmp_
     assert "TP=2 nccl/gloo async off | TP=2 nccl/gloo async on |" in table.stdout
     assert "collectives/step {'all_gather': 1.0, 'all_reduce': 5.0}" in table.stdout
     assert len(json.loads((tmp_path / "all.json").read_text())["rows"]) == 4
+
+
+def test_the_table_and_curve_cover_every_tp_size(tmp_path):
+    """Rows of TP=1, 2 and 4 (as the two- and four-GPU rounds write them): a column per
+    setting, the best TP=N over TP=1 for each N, and the curve drawn."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_tp import table
+
+    def row(tp, batch, mode, tok, allreduce="auto", used="nccl", async_on=True):
+        return {"tp": tp, "allreduce": allreduce, "in_use": used, "async": async_on,
+                "mode": mode, "batch": batch, "tokens_per_s": tok, "step_ms": batch / tok * 1e3}
+    rows = [row(1, 64, "base", 1000.0), row(2, 64, "base", 1500.0),
+            row(2, 64, "base", 1600.0, used="one-shot (symm_mem)"),
+            row(4, 64, "base", 2500.0, used="one-shot (symm_mem)"),
+            row(1, 256, "distinct", 2000.0),
+            row(4, 256, "distinct", 3000.0, used="one-shot (symm_mem)")]
+    (tmp_path / "decode_x.json").write_text(json.dumps(rows))
+    result = table(SimpleNamespace(out=tmp_path, results=tmp_path / "all.json"))
+    lines = result["table"].splitlines()
+    assert lines[0] == ("| batch | mode | TP=1 tok/s | TP=2 1shot async on | "
+                        "TP=2 nccl/gloo async on | TP=4 1shot async on | best TP=2 / TP=1 | "
+                        "best TP=4 / TP=1 |")
+    assert lines[2].endswith("| 1.60x | 2.50x |") and lines[2].startswith("| 64 | base | 1,000")
+    assert lines[3].endswith("| - | 1.50x |")   # no TP=2 point at batch 256
+    curve = {(c["batch"], c["mode"]): c["tokens_per_s"] for c in result["curve"]}
+    assert curve == {(64, "base"): {"1": 1000.0, "2": 1600.0, "4": 2500.0},
+                     (256, "distinct"): {"1": 2000.0, "4": 3000.0}}
+    png = tmp_path / "tp_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
