@@ -427,9 +427,9 @@ class Engine:
             # thread_local, engine/cuda_graph.py)
             reserve.hold()
         try:
-            plan = WarmupPlan(self.num_kv_blocks, c.block_size, c.max_num_seqs,
-                              c.max_num_batched_tokens, self.max_model_len,
-                              None if only is None else tuple(only))
+            plan = WarmupPlan.of(self.runner, self.num_kv_blocks, c.block_size,
+                                 c.max_num_seqs, c.max_num_batched_tokens,
+                                 self.max_model_len, only)
             if this_rank:
                 with without_peers():
                     return plan.run(self.runner, progress, on_shape)

@@ -28,9 +28,10 @@ class Executor(Protocol):
     `must_read_before_next(prev)` is False. `result` waits for a launched step's tokens.
     `adapter_mirror(registry)`: the residency observer that repeats slot loads and host
     drops on the other ranks, or None. `warm_up(runner, plan, progress, on_shape)`: run
-    the start-up warm-up (engine/warmup.py WarmupPlan) on every rank, before any step. `close` stops the other ranks. `dead`: a rank is
-    gone or a collective failed, so work queued on this device may wait forever for a
-    peer (close() must not wait for the device then)."""
+    the start-up warm-up rank 0 resolved (engine/warmup.py WarmupPlan) on every rank,
+    before any step. `close` stops the other ranks. `dead`: a rank is gone or a
+    collective failed, so work queued on this device may wait forever for a peer
+    (close() must not wait for the device then)."""
 
     tp: TPGroup
     dead: bool

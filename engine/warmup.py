@@ -234,65 +234,74 @@ def warm_up(runner, num_kv_blocks: int, block_size: int, max_num_seqs: int,
     share of the work done: an eager step counts 1, a capture of the whole model one per
     layer). `only`: the eager shapes to run (`chosen_shapes`; None: all); `on_shape`:
     told each eager shape before it runs, then None (`CoveringShapes.at`)."""
-    start = time.perf_counter()
-    graphs, pool = runner.graphs, runner.lora_pool
-    count = KernelCount.start()
-    layers = representative_layers(runner)
-    with pool.extras_marked(0) as extras:   # the eager steps' adapter rows use slot 0
-        shapes = chosen_shapes(eager_shapes(
-            max_num_batched_tokens, max_num_seqs, max_model_len, graphs is not None,
-            lambda t: mixed_min_rows(runner.device, t), head=extras.head), only)
-        keys = graph_keys(graphs.buckets[-1], graphs.min_rows, extras) if graphs else []
-        report = _Progress(progress, len(shapes), len(keys), len(runner.kv_caches))
-        with only_layers(runner, layers):
-            for shape in shapes:
-                if on_shape is not None:
-                    on_shape(shape)
-                _eager_step(runner, shape, num_kv_blocks, block_size)
-                report.eager_step()
-            if on_shape is not None:
-                on_shape(None)
-    eager_done = time.perf_counter()
-    captured = 0
-    for key in keys:   # one at a time: progress between captures
-        captured += graphs.capture_all([key])
-        report.captured()
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-    end = time.perf_counter()
-    return WarmupReport(end - start, captured, len(shapes), len(layers), eager_done - start,
-                        end - eager_done, count.done())
+    return WarmupPlan.of(runner, num_kv_blocks, block_size, max_num_seqs,
+                         max_num_batched_tokens, max_model_len, only).run(
+                             runner, progress, on_shape)
 
 
 @dataclass(frozen=True)
 class WarmupPlan:
-    """One engine's warm-up, as every rank of a tensor-parallel group runs it: the same
-    eager shapes and graph keys in the same order, so that their collectives pair up
-    (rank 0 sends it to the workers as JSON: engine/distributed/plan.py OP_WARMUP)."""
+    """One engine's warm-up, resolved: the layers its eager steps run over, the eager
+    shapes and the graph keys, in order. Under tensor parallelism rank 0 resolves it and
+    sends it to the workers as JSON (engine/distributed/plan.py OP_WARMUP), and every
+    rank runs exactly this list: their collectives pair up whatever a worker would have
+    resolved by itself."""
     num_kv_blocks: int
     block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    only: tuple[EagerShape, ...] | None = None   # as warm_up's
+    layers: tuple[int, ...]
+    shapes: tuple[EagerShape, ...]
+    keys: tuple[GraphKey, ...] = ()
+
+    @classmethod
+    def of(cls, runner, num_kv_blocks: int, block_size: int, max_num_seqs: int,
+           max_num_batched_tokens: int, max_model_len: int, only=None) -> "WarmupPlan":
+        """The warm-up `warm_up` runs (its arguments)."""
+        graphs = runner.graphs
+        extras = runner.lora_pool.extras_allocated   # what the eager steps mark slot 0 with
+        shapes = chosen_shapes(eager_shapes(
+            max_num_batched_tokens, max_num_seqs, max_model_len, graphs is not None,
+            lambda t: mixed_min_rows(runner.device, t), head=extras.head), only)
+        keys = graph_keys(graphs.buckets[-1], graphs.min_rows, extras) if graphs else []
+        return cls(num_kv_blocks, block_size, tuple(representative_layers(runner)),
+                   tuple(shapes), tuple(keys))
 
     def run(self, runner, progress: StartupProgress | None = None,
             on_shape=None) -> WarmupReport:
-        return warm_up(runner, self.num_kv_blocks, self.block_size, self.max_num_seqs,
-                       self.max_num_batched_tokens, self.max_model_len, progress,
-                       only=self.only, on_shape=on_shape)
+        start = time.perf_counter()
+        count = KernelCount.start()
+        report = _Progress(progress, len(self.shapes), len(self.keys), len(runner.kv_caches))
+        # the eager steps' adapter rows use slot 0, marked as holding every extra
+        with runner.lora_pool.extras_marked(0), only_layers(runner, list(self.layers)):
+            for shape in self.shapes:
+                if on_shape is not None:
+                    on_shape(shape)
+                _eager_step(runner, shape, self.num_kv_blocks, self.block_size)
+                report.eager_step()
+            if on_shape is not None:
+                on_shape(None)
+        eager_done = time.perf_counter()
+        captured = 0
+        for key in self.keys:   # one at a time: progress between captures
+            captured += runner.graphs.capture_all([key])
+            report.captured()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        end = time.perf_counter()
+        return WarmupReport(end - start, captured, len(self.shapes), len(self.layers),
+                            eager_done - start, end - eager_done, count.done())
 
     def to_json(self) -> str:
-        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "only"}
-        only = None if self.only is None else [dataclasses.astuple(s) for s in self.only]
-        return json.dumps({**fields, "only": only})
+        return json.dumps({"num_kv_blocks": self.num_kv_blocks,
+                           "block_size": self.block_size, "layers": list(self.layers),
+                           "shapes": [dataclasses.astuple(s) for s in self.shapes],
+                           "keys": [list(k) for k in self.keys]})
 
     @classmethod
     def from_json(cls, text: str) -> "WarmupPlan":
-        fields = json.loads(text)
-        only = fields.pop("only")
-        return cls(**fields, only=None if only is None else tuple(
-            EagerShape(*s) for s in only))
+        f = json.loads(text)
+        return cls(f["num_kv_blocks"], f["block_size"], tuple(f["layers"]),
+                   tuple(EagerShape(*s) for s in f["shapes"]),
+                   tuple(GraphKey(*k) for k in f["keys"]))
 
 
 def mixed_min_rows(device, num_tokens: int) -> int:

@@ -13,14 +13,17 @@ import torch
 from engine import Engine, EngineConfig
 from engine.parallel import TPGroup, without_peers
 from engine.distributed.plan import decode_text, encode_text
+from engine.cuda_graph import GraphKey
 from engine.warmup import EagerShape, WarmupPlan
 from tests.test_tp_engine import CFG, GREEDY, MIXED, PROMPTS, assert_same, run_all
 
 
 def test_a_warm_up_plan_round_trips():
     shapes = (EagerShape(5, 2, 40, True), EagerShape(1, 1, 0, False, True))
-    for plan in (WarmupPlan(20, 4, 8, 16, 64), WarmupPlan(20, 4, 8, 16, 64, only=shapes)):
-        assert WarmupPlan.from_json(decode_text(encode_text(plan.to_json()))) == plan
+    keys = (GraphKey(8, False, True), GraphKey(16, True, False, True, False, True, False, True))
+    for plan in (WarmupPlan(20, 4, (0, 1), shapes), WarmupPlan(20, 4, (0, 3, 5), shapes, keys)):
+        back = WarmupPlan.from_json(decode_text(encode_text(plan.to_json())))
+        assert back == plan and all(type(k) is GraphKey for k in back.keys)
 
 
 def test_without_peers_a_group_skips_its_collectives():
@@ -65,8 +68,8 @@ def test_a_worker_that_fails_its_warm_up_is_engine_dead(llama_family):
 
     with Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2, **CFG)) as eng:
         assert isinstance(eng.executor, TPExecutor)
-        plan = WarmupPlan(eng.num_kv_blocks, 4, 8, 16, eng.max_model_len,
-                          only=(EagerShape(1, 1, 0, False),))
+        plan = WarmupPlan.of(eng.runner, eng.num_kv_blocks, 4, 8, 16, eng.max_model_len,
+                             only=(EagerShape(1, 1, 0, False),))
 
         class Unreadable:   # the workers are sent broken JSON, rank 0 runs `plan`
             def to_json(self):

@@ -26,9 +26,9 @@ pass on every rank alike.
 
     ADD_ADAPTER payload: adapter id, utf-8 bytes of the adapter directory (one per int)
 
-    WARMUP payload: utf-8 bytes (one per int) of the warm-up's JSON (engine/warmup.py
-      WarmupPlan): every rank runs the same eager shapes and captures the same graphs in
-      the same order, then all agree on the eager steps run (the control group)
+    WARMUP payload: utf-8 bytes (one per int) of the warm-up rank 0 resolved, as JSON
+      (engine/warmup.py WarmupPlan: layers, eager shapes, graph keys): every rank runs
+      exactly that list in order, then all agree on the eager steps run (control group)
 
 Slot ops name adapter versions by id (engine/distributed/adapters.py says what each does);
 slot is -1 for the ops that concern a host copy only.
