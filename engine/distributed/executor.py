@@ -147,9 +147,11 @@ class TPExecutor:
             return self._guard(run)
         except EngineDeadError:
             raise
-        except BaseException as exc:
+        except BaseException as exc:   # the workers may be inside a collective
             self._failed = True
             _stop_procs(self._procs, self._watchdog)
+            if not isinstance(exc, Exception):
+                raise   # an interrupt stays one
             raise EngineDeadError(f"the warm-up failed on rank 0: {exc!r}") from exc
 
     def _launch(self, out, runner, prev):
