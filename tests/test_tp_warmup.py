@@ -3,7 +3,7 @@ forced there): every rank runs the same eager steps in step (their all-reduces p
 and rank 0 checks that each worker ran as many), and the engine then serves token for
 token as one rank does, also after a dry run on rank 0 alone (the parallel compile's
 listing: its collectives skipped, engine/parallel.py without_peers, the workers idle); a worker whose warm-up fails makes the engine dead instead of
-leaving rank 0 in a collective; a warm-up plan survives its trip to the workers."""
+leaving rank 0 in a collective, and a rank 0 whose warm-up fails stops the workers; a warm-up plan survives its trip to the workers."""
 from __future__ import annotations
 
 import pytest
@@ -81,3 +81,27 @@ def test_a_worker_that_fails_its_warm_up_is_engine_dead(llama_family):
         with pytest.raises(EngineDeadError, match="rank 1"):
             eng.executor.warm_up(eng.runner, Unreadable())
         assert eng.executor.dead
+
+
+@pytest.mark.engine_device("cpu")
+def test_a_rank_0_that_fails_its_warm_up_stops_the_workers(llama_family):
+    """Rank 0's warm-up raising while the worker is in its first eager step's all-reduce:
+    EngineDeadError naming rank 0's error, and the worker is stopped, not left waiting."""
+    from engine.distributed.executor import TPExecutor
+    from loramux_core.errors import EngineDeadError
+
+    with Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2, **CFG)) as eng:
+        assert isinstance(eng.executor, TPExecutor)
+        plan = WarmupPlan.of(eng.runner, eng.num_kv_blocks, 4, 8, 16, eng.max_model_len)
+
+        class Failing:   # the workers are sent `plan`, rank 0 fails before its first step
+            def to_json(self):
+                return plan.to_json()
+
+            def run(self, *args):
+                raise ValueError("no kernel for this shape")
+
+        with pytest.raises(EngineDeadError, match="failed on rank 0.*no kernel"):
+            eng.executor.warm_up(eng.runner, Failing())
+        assert eng.executor.dead
+        assert not any(p.is_alive() for p in eng.executor._procs)
