@@ -47,7 +47,6 @@ from engine.distributed.executor import make_executor
 from engine.kv.kv_cache_manager import KVCacheManager
 from loramux_core.model.hf_config import ModelConfig
 from engine.output_processor import OutputProcessor
-from engine.parallel import without_peers
 from engine.outputs import FinishReason, RequestOutput, StepOutput
 from engine.pending import PendingSample
 from engine.request import Request
@@ -415,7 +414,7 @@ class Engine:
         engine.warmup.warm_up's (the eager shapes a parallel compile found covering).
         Under tensor parallelism every rank runs it in step (Executor.warm_up); a failure
         there is EngineDeadError. `this_rank`: rank 0 alone, its collectives skipped
-        (engine/parallel.py without_peers): a dry run, whose outputs mean nothing."""
+        (TPGroup.without_peers): a dry run, whose outputs mean nothing."""
         if self.device.type != "cuda" and not force:
             return None
         assert not self.scheduler.has_unfinished(), "warm up before serving requests"
@@ -431,7 +430,7 @@ class Engine:
                                  c.max_num_seqs, c.max_num_batched_tokens,
                                  self.max_model_len, only)
             if this_rank:
-                with without_peers():
+                with self.executor.tp.without_peers():
                     return plan.run(self.runner, progress, on_shape)
             return self.executor.warm_up(self.runner, plan, progress, on_shape)
         finally:

@@ -4,32 +4,26 @@ Every model layer takes a TPGroup and shards its weights by (rank, size); the tw
 collectives the Megatron layout needs (and the broadcast of rank 0's sampled tokens,
 engine/runner.py) are here so that every communication in the model
 is a visible call. At size 1 both are no-ops, so the single-device path pays nothing.
-`without_peers()` makes them no-ops on this rank for a while: a dry run whose outputs
-nobody reads (the parallel compile's listing of the variants a warm-up launches,
+`TPGroup.without_peers()` makes them no-ops on this rank for a while: a dry run whose
+outputs nobody reads (the parallel compile's listing of the variants a warm-up launches,
 engine/precompile.py) runs on rank 0 alone, its shard's shapes being every rank's.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-_alone = [0]   # > 0: inside without_peers()
 
+class _Peers:
+    """Whether a group's collectives reach the other ranks now: shared by every copy of
+    one TPGroup (dataclasses.replace keeps it), so every layer built with it follows."""
 
-@contextmanager
-def without_peers() -> Iterator[None]:
-    """While entered, every TPGroup of this process skips the other ranks: all_reduce and
-    broadcast leave `t` as it is, all_gather repeats it (the same shapes, no values worth
-    reading). Only for work whose results are thrown away, while no other rank waits."""
-    _alone[0] += 1
-    try:
-        yield
-    finally:
-        _alone[0] -= 1
+    def __init__(self):
+        self.skipped = 0   # > 0: inside TPGroup.without_peers()
 
 
 @dataclass(frozen=True)
@@ -43,6 +37,7 @@ class TPGroup:
     size: int = 1
     group: Any = None
     reducer: Any = None
+    peers: _Peers = field(default_factory=_Peers, compare=False, repr=False)
 
     def __post_init__(self):
         assert self.size >= 1 and 0 <= self.rank < self.size, (self.rank, self.size)
@@ -56,9 +51,25 @@ class TPGroup:
     def is_first(self) -> bool:
         return self.rank == 0
 
+    @contextmanager
+    def without_peers(self) -> Iterator[None]:
+        """While entered, this group (every layer built with it) skips the other ranks:
+        all_reduce and broadcast leave `t` as it is, all_gather repeats it (the same
+        shapes, no values worth reading). Only for work whose results are thrown away,
+        while no other rank waits on this one."""
+        self.peers.skipped += 1
+        try:
+            yield
+        finally:
+            self.peers.skipped -= 1
+
+    @property
+    def _talks(self) -> bool:
+        return self.size > 1 and not self.peers.skipped
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns `t`."""
-        if self.size > 1 and not _alone[0]:
+        if self._talks:
             if self.reducer is not None and self.reducer.fits(t):
                 return self.reducer.all_reduce(t)
             torch.distributed.all_reduce(t, group=self.group)
@@ -66,7 +77,7 @@ class TPGroup:
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere), in place."""
-        if self.size > 1 and not _alone[0]:
+        if self._talks:
             if self.group is None:   # the default group (NCCL)
                 torch.distributed.broadcast(t, 0)
             else:   # a free-standing group (gloo on the CPU): no global rank to translate
@@ -77,7 +88,7 @@ class TPGroup:
         """Concatenate every rank's `t` (same shape on all ranks) along `dim`, in rank order."""
         if self.size == 1:
             return t
-        if _alone[0]:
+        if self.peers.skipped:
             return torch.cat([t] * self.size, dim=dim)
         parts = [torch.empty_like(t) for _ in range(self.size)]
         torch.distributed.all_gather(parts, t.contiguous(), group=self.group)

@@ -2,8 +2,10 @@
 forced there): every rank runs the same eager steps in step (their all-reduces pair up,
 and rank 0 checks that each worker ran as many), and the engine then serves token for
 token as one rank does, also after a dry run on rank 0 alone (the parallel compile's
-listing: its collectives skipped, engine/parallel.py without_peers, the workers idle); a worker whose warm-up fails makes the engine dead instead of
-leaving rank 0 in a collective, and a rank 0 whose warm-up fails stops the workers; a warm-up plan survives its trip to the workers."""
+listing: its collectives skipped, TPGroup.without_peers, the workers idle). A worker
+whose warm-up fails makes the engine dead instead of leaving rank 0 in a collective, and
+a rank 0 whose warm-up fails stops the workers. A warm-up plan survives its trip to the
+workers."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.parallel import TPGroup, without_peers
+from engine.parallel import TPGroup
 from engine.distributed.plan import decode_text, encode_text
 from engine.cuda_graph import GraphKey
 from engine.warmup import EagerShape, WarmupPlan
@@ -31,9 +33,12 @@ def test_without_peers_a_group_skips_its_collectives():
     t = torch.randn(3, 4)
     with pytest.raises((RuntimeError, ValueError)):   # no process group: it would talk
         tp.all_reduce(t.clone())
-    with without_peers():
-        with without_peers():   # nests
+    other = TPGroup(1, 2, group=None)
+    with tp.without_peers():
+        with tp.without_peers():   # nests
             pass
+        with pytest.raises((RuntimeError, ValueError)):   # another group still talks
+            other.all_reduce(t.clone())
         kept = t.clone()
         assert tp.all_reduce(kept) is kept and torch.equal(kept, t)
         assert tp.broadcast(kept) is kept and torch.equal(kept, t)
