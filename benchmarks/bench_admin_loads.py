@@ -301,7 +301,6 @@ def table(rows: list[dict]) -> None:
               f"{r['decode_slowdown']} | {len(r['failed'])} |")
 
 
-
 def main(argv=None) -> int:
     from services.launcher import Cluster, wait_serving
 

@@ -410,8 +410,8 @@ class Engine:
         """Compile every kernel variant and capture every CUDA graph the limits can reach
         (engine/warmup.py), before any request, telling `progress` how far it is; None
         where there is nothing to compile (the CPU runs torch references; `force`: run
-        it there all the same). `only`, `on_shape`: as
-        engine.warmup.warm_up's (the eager shapes a parallel compile found covering).
+        it there all the same). `only`, `on_shape`: as engine.warmup.warm_up's (the
+        eager shapes a parallel compile found covering).
         Under tensor parallelism every rank runs it in step (Executor.warm_up); a failure
         there is EngineDeadError. `this_rank`: rank 0 alone, its collectives skipped
         (TPGroup.without_peers): a dry run, whose outputs mean nothing."""

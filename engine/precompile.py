@@ -16,8 +16,9 @@ A finished precompile marks the cache with a fingerprint of the engine's resolve
 configuration, the source of engine/ and kernels/, torch, triton and the GPU, and keeps
 in the mark the eager shapes that first launched some variant in the dry run
 (engine/warmup.py CoveringShapes); a start that finds the mark goes straight to the
-warm-up, which then runs only those shapes (the one after a dry run too). Nothing depends on the workers for
-correctness: a variant they missed or failed is compiled by the warm-up itself."""
+warm-up, which then runs only those shapes (the one after a dry run too). Nothing
+depends on the workers for correctness: a variant they missed or failed is compiled by
+the warm-up itself."""
 from __future__ import annotations
 
 import argparse

@@ -122,12 +122,13 @@ class ModelRunner:
         attn.query_start_loc, attn.seq_lens = to_dev(attn.query_start_loc), to_dev(attn.seq_lens)
         attn.block_tables = to_dev(attn.block_tables)
         has_lora = any(s.slot >= 0 for s in out.scheduled)
-        spread, extras = False, LoRAExtras()
+        spread, extras, lora_slot = False, LoRAExtras(), -1
         if has_lora:
             spread = spread_over_adapters(((s.slot, s.num_new_tokens) for s in out.scheduled),
                                           lora_kernels.mixed_min_rows(self.device, len(ids)))
             extras = self.lora_pool.extras_of(s.slot for s in out.scheduled)
-        one = {s.slot for s in out.scheduled}
+            used = {s.slot for s in out.scheduled}
+            lora_slot = used.pop() if len(used) == 1 else -1
         return ModelInputs(
             input_ids=to_dev(torch.tensor(ids, dtype=torch.int64)),
             attn=attn,
@@ -135,7 +136,7 @@ class ModelRunner:
             logits_indices=to_dev(torch.tensor(last, dtype=torch.int64)),
             sample_requests=samplers,
             has_lora=has_lora, lora_spread=spread, lora_extras=extras, holes=holes,
-            lora_slot=one.pop() if has_lora and len(one) == 1 else -1)
+            lora_slot=lora_slot)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor -> device; on CUDA through pinned memory without blocking (the

@@ -28,6 +28,7 @@ from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_
 from engine.distributed.watchdog import exit_with_parent
 from loramux_core.model.hf_config import ModelConfig
 from engine.sampling.sampler import SamplerOutput
+from engine.warmup import WarmupPlan
 from loramux_core import open_audit
 from loramux_core.gc_heap import freeze_heap
 
@@ -110,8 +111,6 @@ class Worker:
     def _warm_up(self, payload: torch.Tensor) -> None:
         """Rank 0's warm-up, step for step (TPExecutor.warm_up); a failure ends this
         process, which rank 0's watchdog turns into EngineDeadError."""
-        from engine.warmup import WarmupPlan
-
         report = WarmupPlan.from_json(decode_text(payload)).run(self.runner)
         pg.agree_min(self.control, report.eager_steps)
 

@@ -41,7 +41,7 @@ Loader = Callable[[WeightSource, str], None]
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 rotary: RotaryEmbedding, fp8: bool = False, lora_rows: int = 0):
+                 rotary: RotaryEmbedding, fp8: bool = False, fused_rank: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = cfg.head_dim
@@ -53,9 +53,9 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, tp,
-            dtype, device, shards=[q_rows, kv_rows, kv_rows], fp8=fp8, lora_cols=lora_rows)
+            dtype, device, shards=[q_rows, kv_rows, kv_rows], fp8=fp8, lora_cols=fused_rank)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, dtype, device,
-                                        in_shard=q_rows, fp8=fp8, lora_rows=lora_rows)
+                                        in_shard=q_rows, fp8=fp8, lora_rows=fused_rank)
         # checkpoint names of the projections, as the architecture declares them
         self._names = {g: [t.module for t in lora_targets.group_targets(cfg, g)]
                        for g in ("qkv", "o")}
@@ -108,14 +108,14 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 fp8: bool = False, lora_rows: int = 0):
+                 fp8: bool = False, fused_rank: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp,
-                                                 dtype, device, fp8=fp8, lora_cols=lora_rows)
+                                                 dtype, device, fp8=fp8, lora_cols=fused_rank)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype, device,
-                                           fp8=fp8, lora_rows=lora_rows)
+                                           fp8=fp8, lora_rows=fused_rank)
         # checkpoint names of the projections, as the architecture declares them
         self._names = {g: [t.module for t in lora_targets.group_targets(cfg, g)]
                        for g in ("gate_up", "down")}
@@ -148,11 +148,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, dtype, device,
-                 rotary: RotaryEmbedding, fp8: bool = False, lora_rows: int = 0):
+                 rotary: RotaryEmbedding, fp8: bool = False, fused_rank: int = 0):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, tp, dtype, device, rotary, fp8,
-                                        lora_rows)
-        self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device, fp8, lora_rows)
+                                        fused_rank)
+        self.mlp = LlamaMLP(cfg, layer_idx, tp, dtype, device, fp8, fused_rank)
         if cfg.moe is not None:  # the dense MLP serves as the shared expert, if any
             self.mlp = SparseMoeBlock(cfg, layer_idx, tp, dtype, device,
                                       self.mlp if cfg.moe.shared_expert else None)
