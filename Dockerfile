@@ -7,16 +7,23 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-WORKDIR /app
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 
-COPY pyproject.toml README.md ./
+# The same pins as the test suite (constraints.txt, from scripts/lock.sh); a CUDA build of
+# torch brings the Triton it was built with, so only the CPU image takes the pinned one.
+# The sources are installed, then removed: the image runs the installed loramux_* packages.
+WORKDIR /src
+COPY pyproject.toml README.md constraints.txt ./
 COPY engine engine
 COPY kernels kernels
 COPY loramux_core loramux_core
 COPY services services
 COPY clients/python clients/python
-RUN pip install --no-cache-dir . ./clients/python
+RUN if [ "${TORCH_INDEX##*/}" = cpu ]; then cp constraints.txt /tmp/pins.txt; \
+    else grep -v '^triton==' constraints.txt > /tmp/pins.txt; fi \
+    && pip install --no-cache-dir -c /tmp/pins.txt . ./clients/python \
+    && cd / && rm -rf /src /tmp/pins.txt
+WORKDIR /app
 
 # Non-root; the registry and the model cache live on volumes.
 # Compiled Triton kernels go to /triton-cache (compose mounts a volume there), so the

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import TeeLog  # noqa: E402
 from benchmarks.llama8b import write_adapter, write_model_dir  # noqa: E402
 
@@ -45,17 +45,17 @@ BURST = 16
 def adapter_side(model_dir: Path, root: Path, device: str, capacity: int):
     """An AdapterService over the engine's own registry, host tier and reader for
     `model_dir` (its config only: no model is built; adds never touch a slot)."""
-    from engine.adapters.host_cache import HostCache
-    from engine.adapters.loader import DiskLoader
-    from engine.adapters.pins import Pins
-    from engine.adapters.registry import AdapterRegistry
-    from engine.adapters.residency import AdapterResidency
-    from engine.adapters.service import AdapterService
-    from engine.adapters.slots import SlotTable
-    from engine.assembly import adapter_reader
-    from engine.config import EngineConfig
-    from engine.lora.host_buffers import HostBufferPool
-    from engine.parallel import TPGroup
+    from loramux_engine.adapters.host_cache import HostCache
+    from loramux_engine.adapters.loader import DiskLoader
+    from loramux_engine.adapters.pins import Pins
+    from loramux_engine.adapters.registry import AdapterRegistry
+    from loramux_engine.adapters.residency import AdapterResidency
+    from loramux_engine.adapters.service import AdapterService
+    from loramux_engine.adapters.slots import SlotTable
+    from loramux_engine.assembly import adapter_reader
+    from loramux_engine.config import EngineConfig
+    from loramux_engine.lora.host_buffers import HostBufferPool
+    from loramux_engine.parallel import TPGroup
     from loramux_core.adapter.plan import PlanCache
     from loramux_core.model.hf_config import ModelConfig
 
@@ -112,7 +112,7 @@ def service_files(tmp: Path, kind: str, n: int, distinct: int = 4):
     from benchmarks.serving.files import link_adapters
 
     if kind == "tiny":
-        from services.demo_model import DEMO_ADAPTERS, ensure_demo
+        from loramux_services.demo_model import DEMO_ADAPTERS, ensure_demo
 
         model = ensure_demo(tmp / "demo")
         weights, rank = [model / "adapters" / d for d in DEMO_ADAPTERS][:distinct], 16
@@ -127,7 +127,7 @@ def service_files(tmp: Path, kind: str, n: int, distinct: int = 4):
 def bench_service(tmp: Path, args, log) -> dict:
     from loramux import AdminClient
 
-    from services.launcher import Cluster, ClusterConfig
+    from loramux_services.launcher import Cluster, ClusterConfig
 
     model, root, names, rank = service_files(tmp, args.service, args.adapters)
     cfg = ClusterConfig(model=str(model), adapter_roots=(str(root),), workdir=str(tmp / "run"),

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import TeeLog  # noqa: E402
 from benchmarks.llama8b import adapter_bytes, write_adapter, write_model_dir  # noqa: E402
 from benchmarks.swap_steps import (SwapIn, copies_after_all_compute,  # noqa: E402
@@ -85,7 +85,7 @@ def timed(fn, reps: int = 5) -> float:
 
 
 def make_engine(model_dir: Path, args):
-    from engine import Engine, EngineConfig
+    from loramux_engine import Engine, EngineConfig
 
     cfg = EngineConfig(model=str(model_dir), device=args.device, dtype="bfloat16",
                        max_loras=args.slots,
@@ -115,13 +115,13 @@ def bench_breakdown(model_dir: Path, path: Path, device: torch.device, log) -> d
     then end to end; and the control plane's own validation (services/control)."""
     from loramux_core.file_digest import HASH_THREADS, file_digest
     from loramux_core.safe_files import AdapterRoots
-    from engine.lora import load_lora
-    from engine.lora.host_buffers import HostBufferPool
+    from loramux_engine.lora import load_lora
+    from loramux_engine.lora.host_buffers import HostBufferPool
     from loramux_core.adapter.plan import WEIGHTS_NAME, plan_adapter
     from loramux_core.adapter.safetensors_buffer import parse_header
-    from engine.lora.weights import _all_within_bounds, weights_from_plan
+    from loramux_engine.lora.weights import _all_within_bounds, weights_from_plan
     from loramux_core.model.hf_config import ModelConfig
-    from services.control.main import make_validator
+    from loramux_services.control.main import make_validator
 
     mc = ModelConfig.from_dir(model_dir)
     pool = HostBufferPool(pin=device.type == "cuda")
@@ -182,10 +182,10 @@ def bench_control_plane(tmp: Path, device: torch.device, log, burst: int = BURST
 
     from loramux.aio import AsyncAdminClient
 
-    from engine.lora import load_lora
-    from engine.lora.host_buffers import HostBufferPool
+    from loramux_engine.lora import load_lora
+    from loramux_engine.lora.host_buffers import HostBufferPool
     from loramux_core.model.hf_config import ModelConfig
-    from services.launcher import Cluster, ClusterConfig
+    from loramux_services.launcher import Cluster, ClusterConfig
 
     rank = 256
     model = wide_model_dir(tmp / "wide")
@@ -229,8 +229,8 @@ def bench_control_plane(tmp: Path, device: torch.device, log, burst: int = BURST
 
 
 def bench_read(model_dir: Path, paths: list[Path], device: torch.device, log) -> list[float]:
-    from engine.lora import load_lora
-    from engine.lora.host_buffers import HostBufferPool
+    from loramux_engine.lora import load_lora
+    from loramux_engine.lora.host_buffers import HostBufferPool
     from loramux_core.model.hf_config import ModelConfig
 
     mc = ModelConfig.from_dir(model_dir)
@@ -333,7 +333,7 @@ def bench_steps(engine, ids: list[int], paths: list[Path], args, device: torch.d
     (benchmarks/swap_steps.py: `time_interleaved`), so that the slow drift of the step
     time (every context grows a token per step) weighs on each alike. Optionally the
     device timeline of a few steps of each swap mode."""
-    from engine import SamplingParams
+    from loramux_engine import SamplingParams
 
     used = ids[:args.slots - 1]
     chunk = min(10, args.steps)

@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 
 from dataclasses import dataclass  # noqa: E402
 
@@ -104,7 +104,7 @@ def make_files(tmp: Path, args) -> tuple[Path, Path, list[str]]:
 
 
 def cluster_config(tmp: Path, model: Path, root: Path, args):
-    from services.launcher import ClusterConfig
+    from loramux_services.launcher import ClusterConfig
 
     device = ("--device", "cpu", "--dtype", "float32") if args.tiny else ("--dtype", "bfloat16")
     cpu_loras = ("--max-cpu-loras", str(args.max_cpu_loras)) if args.max_cpu_loras else ()
@@ -302,7 +302,7 @@ def table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    from services.launcher import Cluster, wait_serving
+    from loramux_services.launcher import Cluster, wait_serving
 
     args = parse_args(argv)
     args.adapters = args.adapters or (120 if args.tiny else 1000)

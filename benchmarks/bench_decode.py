@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import device_events  # noqa: E402
 from benchmarks.gc_clock import GcClock  # noqa: E402
 from benchmarks.llama8b import (LLAMA3_8B, adapter_bytes, kv_bytes, weight_bytes,  # noqa: E402
@@ -75,7 +75,7 @@ def copy_bandwidth(gib: int = 4) -> float:
 
 def make_engine(model_dir: Path, max_loras: int, max_batch: int, enforce_eager: bool,
                 prompt_len: int, steps: int, async_scheduling: bool | None = None):
-    from engine import Engine, EngineConfig
+    from loramux_engine import Engine, EngineConfig
 
     per_seq = -(-(prompt_len + steps + 32) // 16)
     cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16",
@@ -141,7 +141,7 @@ def select_norm_shrink(eng, setting: str) -> None:
     """engine/lora/batch.py FUSED_NORM_SHRINK and FUSED_SILU_SHRINK as `setting` says
     (norm_shrink_pair; "default": as the engine ships); captured graphs are dropped when
     either changes."""
-    from engine.lora import batch
+    from loramux_engine.lora import batch
     if "norm" not in _DEFAULT_PATH:
         _DEFAULT_PATH["norm"] = (batch.FUSED_NORM_SHRINK, batch.FUSED_SILU_SHRINK)
     want = tuple(default if value == "default" else value
@@ -159,7 +159,7 @@ def mode_label(mode: str, setting: str, settings: list[str]) -> str:
 def select_greedy_pick(eng, pick: str) -> None:
     """engine/cuda_graph.py GREEDY_PICK = pick; captured graphs are dropped when it
     changes (the pick is captured into the greedy graphs)."""
-    from engine import cuda_graph
+    from loramux_engine import cuda_graph
     if cuda_graph.GREEDY_PICK != pick:
         cuda_graph.GREEDY_PICK = pick
         if eng.runner.graphs is not None:
@@ -174,7 +174,7 @@ def select_lora_gemm(eng, setting: str) -> None:
     """engine/lora/batch.py FUSED_LORA_GEMM = setting ("default": as the engine ships);
     captured graphs are dropped when it changes (a uniform graph captures the GEMMs over
     the spare rows and columns or not)."""
-    from engine.lora import batch
+    from loramux_engine.lora import batch
     if "gemm" not in _DEFAULT_PATH:
         _DEFAULT_PATH["gemm"] = batch.FUSED_LORA_GEMM
     want = _DEFAULT_PATH["gemm"] if setting == "default" else setting
@@ -213,7 +213,7 @@ MIXED_PATHS = {"rule": None, "table": "table", "tokens": "tokens", "segments": "
 def select_mixed_path(eng, path: str) -> None:
     """kernels/lora/plan.py FORCED = MIXED_PATHS[path]; captured graphs are dropped
     when it changes."""
-    from kernels.lora import plan
+    from loramux_kernels.lora import plan
     if plan.FORCED != MIXED_PATHS[path]:
         plan.FORCED = MIXED_PATHS[path]
         if eng.runner.graphs is not None:
@@ -227,7 +227,7 @@ def mixed_label(label: str, path: str) -> str:
 def decode_graph(eng, adapters: list[str | None]):
     """The captured greedy decode graph that rows on `adapters` replay (None: none yet),
     looked up by the rows' own slots (the key's DoRA / lm_head bits depend on them)."""
-    from engine.scheduler import ScheduledRequest
+    from loramux_engine.scheduler import ScheduledRequest
     slot = {a: eng.slots.slot_of(eng.registry.resolve(a)) for a in set(adapters) if a}
     sched = [ScheduledRequest(None, 0, 1, (), slot[a] if a else -1, True) for a in adapters]
     return eng.runner.graphs.graph_for(eng.runner.graphs.key_for(sched, greedy=True))
@@ -262,7 +262,7 @@ def time_decode(eng, timer: HostTimer, batch: int, adapters: list[str | None],
     the median host seconds per step in schedule/fill/update, the graph's GPU time, and
     the garbage collections inside the timed steps (seconds in all, the longest one, and
     how many were full ones)."""
-    from engine import SamplingParams
+    from loramux_engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
     for i in range(batch):
@@ -388,16 +388,16 @@ def main() -> None:
     paths = args.mixed_paths.split(",")
     if not set(paths) <= set(MIXED_PATHS):
         ap.error(f"--mixed-paths: {paths} not all in {tuple(MIXED_PATHS)}")
-    from engine.cuda_graph import GREEDY_PICK, GREEDY_PICK_MODES
+    from loramux_engine.cuda_graph import GREEDY_PICK, GREEDY_PICK_MODES
     picks = (args.greedy_pick or GREEDY_PICK).split(",")
     if not set(picks) <= set(GREEDY_PICK_MODES):
         ap.error(f"--greedy-pick: {picks} not all in {GREEDY_PICK_MODES}")
     gemms = args.lora_gemm.split(",")
-    from engine.lora.batch import LORA_GEMM_MODES
+    from loramux_engine.lora.batch import LORA_GEMM_MODES
     if not set(gemms) <= set(LORA_GEMM_MODES + ("default",)):
         ap.error(f"--lora-gemm: {gemms} not all in {LORA_GEMM_MODES + ('default',)}")
     settings = args.norm_shrink.split(",")
-    from engine.lora.batch import NORM_SHRINK_MODES
+    from loramux_engine.lora.batch import NORM_SHRINK_MODES
     bad = [s for s in settings for v in norm_shrink_pair(s)
            if v not in NORM_SHRINK_MODES + ("default",)]
     if bad:
@@ -522,7 +522,7 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[i
         select_uniform_path(eng, mode)
         adapters = (mode_adapters("d64", b, names) if mode == "distinct"
                     else mode_adapters(mode, b, names))
-        from engine import SamplingParams
+        from loramux_engine import SamplingParams
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         for i in range(b):
             prompt = torch.randint(10, 100000, (args.prompt_len,), generator=gen).tolist()

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "clients" / "python")]
+sys.path.append(str(REPO))  # last: hides nothing installed
 
 from benchmarks.serving.files import prepare  # noqa: E402
 
@@ -70,10 +70,10 @@ def defaults(a) -> None:
 
 
 def start_serve(a, files, workdir: Path) -> tuple[subprocess.Popen, dict]:
-    from services.launcher import free_port
+    from loramux_services.launcher import free_port
 
     ports = {k: free_port() for k in ("gateway", "control", "http", "metrics")}
-    cmd = [sys.executable, "-m", "services.serve", "--model", str(files.model),
+    cmd = [sys.executable, "-m", "loramux_services.serve", "--model", str(files.model),
            "--adapter-root", str(files.adapter_root), "--replicas", str(a.replicas),
            "--workdir", str(workdir), "--gateway-port", str(ports["gateway"]),
            "--control-port", str(ports["control"]), "--http-port", str(ports["http"]),
@@ -82,10 +82,8 @@ def start_serve(a, files, workdir: Path) -> tuple[subprocess.Popen, dict]:
         cmd += ["--device", "cpu"]
     if files.dummy_weights and "--load-format" not in a.serve_args:
         cmd += ["--load-format", "dummy"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), str(REPO / "clients" / "python"), os.environ.get("PYTHONPATH")) if p)}
     log = open(workdir.parent / "serve.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=REPO)
     return proc, {k: f"127.0.0.1:{v}" for k, v in ports.items()}
 
 
@@ -141,7 +139,7 @@ async def closed_loop(gateway: str, requests, streams: int, until, on_token,
 def run(a, out: Path) -> dict:
     from loramux.client import AdminClient
 
-    from services.launcher import wait_serving
+    from loramux_services.launcher import wait_serving
 
     work = Path(tempfile.mkdtemp(prefix="bench-failover-"))
     files = prepare(work, tiny=a.tiny, num_adapters=a.adapters, distinct=min(4, a.adapters),

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.lora.host_buffers import HostBuffer, populate  # noqa: E402
-from engine.lora.shared_memory import SegmentCutter  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
+from loramux_engine.lora.host_buffers import HostBuffer, populate  # noqa: E402
+from loramux_engine.lora.shared_memory import SegmentCutter  # noqa: E402
 
 
 class Probe:

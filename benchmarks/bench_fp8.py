@@ -29,16 +29,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import count_launches, time_do_bench, write_csv  # noqa: E402
 from benchmarks.llama8b import write_model_dir  # noqa: E402
-from engine.model.batch import make_attention_metadata  # noqa: E402
-from engine.model.dummy import init_dummy_weights  # noqa: E402
+from loramux_engine.model.batch import make_attention_metadata  # noqa: E402
+from loramux_engine.model.dummy import init_dummy_weights  # noqa: E402
 from loramux_core.model.hf_config import ModelConfig  # noqa: E402
-from engine.model.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from engine.model.llama import LlamaForCausalLM  # noqa: E402
-from kernels.fp8 import FP8_MAX, fp8_linear, quantize_rows  # noqa: E402
-from kernels.fp8_triton import quantize_rows as quantize_rows_kernel  # noqa: E402
+from loramux_engine.model.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from loramux_engine.model.llama import LlamaForCausalLM  # noqa: E402
+from loramux_kernels.fp8 import FP8_MAX, fp8_linear, quantize_rows  # noqa: E402
+from loramux_kernels.fp8_triton import quantize_rows as quantize_rows_kernel  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 BLOCK = 16

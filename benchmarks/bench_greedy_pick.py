@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import (copy_bandwidth, count_launches, floor_seconds,  # noqa: E402
                                rotating_sets, time_graph, write_csv)
 
@@ -46,8 +46,8 @@ def check(got: torch.Tensor, want: torch.Tensor, name: str) -> float:
 
 
 def run(B: int, dtype: torch.dtype, chunks: list[int], bw: float) -> dict:
-    from kernels.greedy_pick_ref import greedy_pick_ref
-    from kernels.greedy_pick_triton import greedy_pick
+    from loramux_kernels.greedy_pick_ref import greedy_pick_ref
+    from loramux_kernels.greedy_pick_triton import greedy_pick
     first = make_logits(B, VOCAB, dtype, seed=B)
     want = greedy_pick_ref(first)
     sets = [first] + [make_logits(B, VOCAB, dtype, seed=B + i)
@@ -66,7 +66,7 @@ def run(B: int, dtype: torch.dtype, chunks: list[int], bw: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.greedy_pick_triton import CHUNK
+    from loramux_kernels.greedy_pick_triton import CHUNK
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--batches", default="1,16,64,256")

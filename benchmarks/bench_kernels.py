@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import (count_launches, copy_bandwidth, floor_seconds,  # noqa: E402
                                rotating_sets, time_graph)
 
@@ -94,7 +94,7 @@ def uniform_path(path: str):
 @contextlib.contextmanager
 def mixed_path(path: str):
     """A mixed decode batch takes `path` inside the block (else: the table's choice)."""
-    from kernels.lora import plan
+    from loramux_kernels.lora import plan
     old = plan.FORCED
     if path in MIXED_PATHS:
         plan.FORCED = {"segments": plan.MIXED}.get(path, path)
@@ -156,7 +156,7 @@ def cases(quick: bool, targets: bool = False, uniform: bool = False,
 
 def make_set(case: Case, seed: int):
     """One buffer set: random bf16 activations, output and an L-slot pool of rank r."""
-    from kernels.lora.launch import build_meta
+    from loramux_kernels.lora.launch import build_meta
     _, K, N = next(g for g in layer_groups() if g[0] == case.group)
     g = torch.Generator(device="cuda").manual_seed(seed)
     L, S, r, T = case.adapters, len(N), case.rank, case.tokens
@@ -175,8 +175,8 @@ def make_set(case: Case, seed: int):
 def check(s, uniform: bool = False, path: str = "-") -> None:
     """add_lora on all tokens equals the reference on sampled rows (tokens are
     independent)."""
-    from kernels.lora.launch import add_lora
-    from kernels.lora.reference import add_lora_ref
+    from loramux_kernels.lora.launch import add_lora
+    from loramux_kernels.lora.reference import add_lora_ref
     T = s["x"].shape[0]
     rows = torch.unique(torch.cat([torch.arange(min(T, 64)), torch.randperm(T)[:64]])).cuda()
     got = add_lora(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"],
@@ -197,7 +197,7 @@ def run_case(case: Case, bw: float, gemm: bool = False) -> Result:
 
 def _lora_call(s, path: str, side, matmul=None):
     """One group's LoRA on buffer set s (after `matmul`, if given, as the engine does)."""
-    from kernels.lora.launch import add_lora
+    from loramux_kernels.lora.launch import add_lora
     uniform = s["a"].shape[0] == 1
 
     def run():
@@ -269,7 +269,7 @@ def _run_case(case: Case, bw: float) -> Result:
 
 def segment_kernels(path: str, K: int, split_k: int | None = None):
     """(shrink(set) -> h, expand(set, h)) of one prefill path with add_lora's parameters."""
-    from kernels.lora.segment import config_for, seg_expand, seg_shrink
+    from loramux_kernels.lora.segment import config_for, seg_expand, seg_shrink
     cfg = config_for(torch.device("cuda"), K)
     return (lambda s: seg_shrink(s["x"], s["a"], s["meta"], s["ranks"], split_k=split_k),
             lambda s, h: seg_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"],
@@ -302,7 +302,7 @@ def split_k_lines(quick: bool, bw: float) -> list[str]:
 def _token_kernels(S: int, uniform: bool):
     """(shrink(set), expand(set, h)) of the token kernels (the two-launch one-adapter path
     with `uniform`), to time alone."""
-    from kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
+    from loramux_kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
 
     def shrink(s):
         return lora_shrink_tokens(s["x"], s["a"], s["meta"], s["ranks"], uniform=uniform)
@@ -317,8 +317,8 @@ def _two_kernels(s, M: int, L: int):
     """(shrink(set), expand(set, h)) of the two-kernel path add_lora takes for this case,
     to time alone: the prefill kernels above the decode path, the mixed decode kernels
     where their table sends the shape; (None, None) otherwise."""
-    from kernels.lora import mixed
-    from kernels.lora import plan as planner
+    from loramux_kernels.lora import mixed
+    from loramux_kernels.lora import plan as planner
     offsets = s["offsets"]
     widest = max(hi - lo for lo, hi in zip(offsets, offsets[1:]))
     path = planner.choose(s["x"].device, M, L == 1, False, len(offsets) - 1, s["x"].shape[1],
@@ -341,7 +341,7 @@ def _two_kernels(s, M: int, L: int):
 def expand_lines(quick: bool, bw: float) -> list[str]:
     """The tile-list expand alone at T=8192 over 64 adapters for block sizes around the
     table's (each new (BM, BN, N_LOOP) compiles once), per group."""
-    from kernels.lora.segment import seg_expand, seg_shrink
+    from loramux_kernels.lora.segment import seg_expand, seg_shrink
     out = []
     for g, K, N in layer_groups():
         if quick and g not in ("qkv", "gate_up"):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.bench_admin_loads import TINY  # noqa: E402
 from benchmarks.llama8b import LLAMA3_8B, write_adapter, write_model_dir  # noqa: E402
 
@@ -50,8 +50,8 @@ def timed(fn, repeat: int) -> tuple[dict, object]:
 
 
 def in_process(model: Path, root: Path, name: str, repeat: int) -> dict:
-    from engine.lora.host_buffers import HostBufferPool
-    from engine.lora.weights import _all_within_bounds, weights_from_plan
+    from loramux_engine.lora.host_buffers import HostBufferPool
+    from loramux_engine.lora.weights import _all_within_bounds, weights_from_plan
     from loramux_core.adapter.plan import WEIGHTS_NAME, plan_adapter
     from loramux_core.file_digest import file_digest, file_digest_v1
     from loramux_core.model.hf_config import ModelConfig
@@ -98,8 +98,8 @@ def child_cpu_s(pid: int) -> float:
 
 def through_loader(model: Path, root: Path, names: list[str], keep: bool) -> dict:
     """Loads of `names` through one loader process: median wall, child CPU, engine CPU."""
-    from engine.adapters.loader_pool import LoaderPool, LoaderSpec
-    from engine.lora.host_buffers import HostBufferPool
+    from loramux_engine.adapters.loader_pool import LoaderPool, LoaderSpec
+    from loramux_engine.lora.host_buffers import HostBufferPool
     from loramux_core.model.hf_config import ModelConfig
     from loramux_core.model.lora_targets import lora_group_shapes
 

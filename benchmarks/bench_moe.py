@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import copy_bandwidth, count_launches, time_do_bench, write_csv  # noqa: E402
-from kernels import moe, moe_triton  # noqa: E402
-from kernels.moe_ref import route_ref  # noqa: E402
+from loramux_kernels import moe, moe_triton  # noqa: E402
+from loramux_kernels.moe_ref import route_ref  # noqa: E402
 
 QWEN15_MOE = dict(
     architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=151936,

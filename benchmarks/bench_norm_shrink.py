@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import count_launches, rotating_sets, time_graph, write_csv  # noqa: E402
 
 HIDDEN, KV, INTER, RANK, EPS = 4096, 1024, 14336, 16, 1e-5
@@ -35,7 +35,7 @@ MAX_ADAPTERS = 64
 def make_set(group: str, T: int, mapping: str, seed: int) -> dict:
     """Random bf16 activations (down: [gate | up]), residual, norm weight, output and an
     adapter pool."""
-    from kernels.lora.launch import build_meta
+    from loramux_kernels.lora.launch import build_meta
     N, K = GROUPS[group], K_IN[group]
     L = 1 if mapping == "one" else min(T, MAX_ADAPTERS)
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -55,8 +55,8 @@ def make_set(group: str, T: int, mapping: str, seed: int) -> dict:
 def separate(s: dict, res: torch.Tensor, y: torch.Tensor):
     """The engine's path with the switch off: add + RMSNorm (down: SiLU-and-multiply),
     then shrink and expand."""
-    from kernels.elementwise_triton import add_rms_norm, silu_mul
-    from kernels.lora.launch import add_lora
+    from loramux_kernels.elementwise_triton import add_rms_norm, silu_mul
+    from loramux_kernels.lora.launch import add_lora
     out = silu_mul(s["x"]) if s["a"].shape[-1] == INTER else \
         add_rms_norm(s["x"], res, s["w"], EPS)[0]
     add_lora(y, out, s["a"], s["b"], s["ts"], s["offsets"], s["ranks"], s["meta"],
@@ -67,8 +67,8 @@ def separate(s: dict, res: torch.Tensor, y: torch.Tensor):
 def fused(s: dict, res: torch.Tensor, y: torch.Tensor, **launch):
     """With the switch on: the norm (down: SiLU) and the shrink in one launch, then the
     expand."""
-    from kernels.lora.norm_shrink import add_rms_norm_shrink, expand_fused_shrunk
-    from kernels.lora.silu_shrink import silu_mul_shrink
+    from loramux_kernels.lora.norm_shrink import add_rms_norm_shrink, expand_fused_shrunk
+    from loramux_kernels.lora.silu_shrink import silu_mul_shrink
     if s["a"].shape[-1] == INTER:
         out, shrunk = silu_mul_shrink(s["x"], s["a"], s["ts"], s["offsets"], s["ranks"],
                                       uniform=s["uniform"], **launch)

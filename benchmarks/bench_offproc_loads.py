@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import TeeLog  # noqa: E402
 from benchmarks.llama8b import LLAMA3_8B, write_adapter, write_model_dir  # noqa: E402
 from benchmarks.serving.counters import cpu_seconds  # noqa: E402
@@ -74,7 +74,7 @@ def make_files(tmp: Path, width: str, layers: int, rank: int, loads: int,
 
 
 def build_engine(args, model: Path, root: Path, loaders: int):
-    from engine import Engine, EngineConfig
+    from loramux_engine import Engine, EngineConfig
 
     cpu = args.device == "cpu"
     return Engine(EngineConfig(
@@ -87,7 +87,7 @@ def build_engine(args, model: Path, root: Path, loaders: int):
 
 
 def start_decoding(eng, args) -> None:
-    from engine import SamplingParams
+    from loramux_engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i in range(args.batch):
@@ -148,7 +148,7 @@ def measure(args, model: Path, root: Path, names: list[str], path: str) -> dict:
     """The first of `names` read to warm up, then the next LOADS idle, the LOADS after
     while decoding. `path`: the adapter_loaders value; with a "u" after it, host buffers
     are page-locked unpopulated, as before 2026-11-27 (the driver faults their pages in)."""
-    from engine.lora import host_buffers
+    from loramux_engine.lora import host_buffers
 
     loaders, unpopulated = int(path.rstrip("u")), path.endswith("u")
     populate = host_buffers.populate

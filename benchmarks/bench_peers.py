@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.bench_kernels import (expand_floor_bytes, layer_groups,  # noqa: E402
                                       shrink_floor_bytes, token_slots_for)
 from benchmarks.peer_report import cell, medians, summarize, summary_lines, table  # noqa: E402
@@ -80,7 +80,7 @@ def dtype_for(device: torch.device) -> torch.dtype:
 
 def make_set(case: Case, seed: int, device: torch.device) -> dict:
     """Random activations and output, an L-slot pool of random A and B (never zero)."""
-    from kernels.lora.launch import build_meta
+    from loramux_kernels.lora.launch import build_meta
     g = torch.Generator(device=device).manual_seed(seed)
     dt = dtype_for(device)
     L, S, r, T, K = case.adapters, len(case.N), case.rank, case.tokens, case.K
@@ -101,7 +101,7 @@ def make_set(case: Case, seed: int, device: torch.device) -> dict:
 def agrees(make_call, s: dict, rows: int = 64) -> tuple[bool, float]:
     """(close, largest error): the call on a copy of s against the torch reference on up
     to 2·rows sampled rows (every row on the CPU); tokens are independent."""
-    from kernels.lora.reference import add_lora_ref
+    from loramux_kernels.lora.reference import add_lora_ref
     got = dict(s, y=s["y"].clone())
     make_call(got)()
     T = s["x"].shape[0]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.llama8b import (LLAMA3_8B, module_shapes, write_adapter,  # noqa: E402
                                 write_model_dir)
 
@@ -92,7 +92,7 @@ def matmul_flops(device: str, n: int = 8192, reps: int = 5) -> float:
 
 
 def make_engine(model_dir: Path, device: str, prompts: int, max_len: int):
-    from engine import Engine, EngineConfig
+    from loramux_engine import Engine, EngineConfig
 
     per_seq = -(-(max_len + 16) // 16)
     cfg = EngineConfig(model=str(model_dir), device=device,
@@ -119,7 +119,7 @@ def prefill_path(path: str):
 
 def run_round(eng, lengths: list[int], adapters: list, vocab: int, tag: str, seed: int) -> float:
     """Seconds from queueing every prompt to the last one finished."""
-    from engine import SamplingParams
+    from loramux_engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     gen = torch.Generator().manual_seed(seed)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "clients" / "python")]
+sys.path.append(str(REPO))  # last: hides nothing installed
 
 from benchmarks.serving.drivers import Limits, run_service  # noqa: E402
 from benchmarks.serving.files import prepare  # noqa: E402
@@ -104,8 +103,8 @@ def routed(metrics_url: str) -> dict[str, float]:
 
 
 def cluster_for(args, files, replicas: int, tp: int, work: Path):
-    from services.launcher import Cluster
-    from services.serve_args import Plan, cluster_config, parse_args
+    from loramux_services.launcher import Cluster
+    from loramux_services.serve_args import Plan, cluster_config, parse_args
 
     serve_dir = tempfile.mkdtemp(prefix=f"serve-{replicas}x{tp}-", dir=work)
     flags = ["--model", str(files.model), "--adapter-root", str(files.adapter_root),
@@ -116,13 +115,11 @@ def cluster_for(args, files, replicas: int, tp: int, work: Path):
         flags += ["--load-format", "dummy"]
     cfg = cluster_config(parse_args(flags), Plan(str(files.model), (str(files.adapter_root),),
                                                  serve_dir, False))
-    cfg.env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (*sys.path[:2], os.environ.get("PYTHONPATH")) if p)
     return Cluster(cfg), serve_dir
 
 
 def run_layout(args, files, replicas: int, tp: int, work: Path) -> dict:
-    from services.launcher import wait_serving
+    from loramux_services.launcher import wait_serving
 
     gpus = replicas * tp
     cluster, serve_dir = cluster_for(args, files, replicas, tp, work)

@@ -1,5 +1,5 @@
 """Start time of an engine server, on a fresh machine and with the Triton compile cache of
-an earlier start: `python -m engine.server` of a Llama-3-8B-shaped model (random weights,
+an earlier start: `python -m loramux_engine.server` of a Llama-3-8B-shaped model (random weights,
 load_format=dummy) started twice in one call, the first time with an empty
 TRITON_CACHE_DIR, the second with the cache the first one left.
 
@@ -30,11 +30,11 @@ from pathlib import Path
 import zmq
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+sys.path += [str(REPO), str(REPO / "benchmarks")]  # last: hides nothing installed
 
 from llama8b import write_model_dir  # noqa: E402
 from loramux_core.v1 import engine_pb2  # noqa: E402
-from services.launcher import free_port  # noqa: E402
+from loramux_services.launcher import free_port  # noqa: E402
 
 PHASES = {engine_pb2.ENGINE_PHASE_LOADING: "loading",
           engine_pb2.ENGINE_PHASE_WARMING_UP: "warming_up",
@@ -57,7 +57,7 @@ def start_once(model: Path, work: Path, cache: Path, extra: list[str],
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.server", "--model", str(model), "--input", inp,
+            [sys.executable, "-m", "loramux_engine.server", "--model", str(model), "--input", inp,
              "--output", out, "--insecure-zmq", "--load-format", "dummy",
              "--ready-file", str(ready), *extra],
             env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT)

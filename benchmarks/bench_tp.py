@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.llama8b import write_adapter, write_model_dir  # noqa: E402
 
 RANK = 16
@@ -62,7 +62,7 @@ def progress(msg: str) -> None:
 
 
 def parity(args) -> dict:
-    from engine import Engine, EngineConfig, SamplingParams
+    from loramux_engine import Engine, EngineConfig, SamplingParams
     from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
     work = Path(tempfile.mkdtemp(prefix="loramux-tp-"))
@@ -130,7 +130,7 @@ ASYNC = {"auto": None, "on": True, "off": False}
 
 def decode(args) -> list[dict]:
     from benchmarks.tp_probe import StepProbe, profile_steps
-    from engine import Engine, EngineConfig
+    from loramux_engine import Engine, EngineConfig
 
     work = Path(tempfile.mkdtemp(prefix="loramux-tp-"))
     model_dir, files, dtype = _decode_files(work, args.device)
@@ -186,7 +186,7 @@ class _Batches:
     """Puts `b` requests of a mode in the engine, prefilled, for the time of a `with`."""
 
     def __init__(self, eng, names: list[str], new_tokens: int):
-        from engine import SamplingParams
+        from loramux_engine import SamplingParams
         from loramux_core.model.hf_config import ModelConfig
 
         self.eng, self.names = eng, names

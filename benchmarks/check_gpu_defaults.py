@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks import llama8b  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: this check needs a CUDA GPU", file=sys.stderr)
         return 2
 
-    from engine import Engine, EngineConfig, SamplingParams
+    from loramux_engine import Engine, EngineConfig, SamplingParams
 
     root = Path(tempfile.mkdtemp(prefix="check-gpu-defaults-"))
     model = llama8b.write_model_dir(root / "model")

@@ -29,8 +29,8 @@ _SGLANG_MIN_CHUNK = 16
 def ours_hints(slots: torch.Tensor, device) -> tuple[bool, bool]:
     """(uniform, spread) as the engine gives them to add_lora for this step (one request
     per adapter run: the hints depend only on rows and distinct adapters)."""
-    from engine.lora.batch import spread_over_adapters
-    from kernels.lora.launch import mixed_min_rows
+    from loramux_engine.lora.batch import spread_over_adapters
+    from loramux_kernels.lora.launch import mixed_min_rows
     T = slots.shape[0]
     ids, counts = torch.unique(slots.cpu(), return_counts=True)
     uniform = ids.numel() == 1
@@ -41,7 +41,7 @@ def ours_hints(slots: torch.Tensor, device) -> tuple[bool, bool]:
 
 def ours_path(s: dict) -> str:
     """The path kernels/lora/plan.py chooses for this set (tokens, mixed or tiles)."""
-    from kernels.lora import plan
+    from loramux_kernels.lora import plan
     uniform, spread = ours_hints(s["slots"], s["x"].device)
     o = s["offsets"]
     widest = max(hi - lo for lo, hi in zip(o, o[1:]))
@@ -50,8 +50,8 @@ def ours_path(s: dict) -> str:
 
 
 def ours_call(s: dict) -> Callable[[], None]:
-    """kernels.lora.launch.add_lora on the planner's path, with the engine's hints."""
-    from kernels.lora.launch import add_lora
+    """loramux_kernels.lora.launch.add_lora on the planner's path, with the engine's hints."""
+    from loramux_kernels.lora.launch import add_lora
     uniform, spread = ours_hints(s["slots"], s["x"].device)
 
     def run():

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 if "TRITON_INTERPRET" not in os.environ:  # no GPU needed: kernels run interpreted
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.bench_kernels import (BF16, Case, expand_floor_bytes, layer_groups,  # noqa: E402
                                       make_set, rotating_sets, shrink_floor_bytes)
 from benchmarks.common import copy_bandwidth, floor_seconds, time_graph, write_csv  # noqa: E402
@@ -36,8 +36,8 @@ def candidates(K: int, n_tiles: int) -> list[tuple[int, int]]:
 
 
 def run_pair(s, split_k: int | None, n_chunks: int | None):
-    from kernels.lora.token import lora_expand_tokens, lora_shrink_tokens
-    from kernels.lora.token import _offsets
+    from loramux_kernels.lora.token import lora_expand_tokens, lora_shrink_tokens
+    from loramux_kernels.lora.token import _offsets
     offs = _offsets(s["offsets"])
     S = len(s["offsets"]) - 1
 
@@ -49,7 +49,7 @@ def run_pair(s, split_k: int | None, n_chunks: int | None):
 
 
 def check(s, split_k: int, n_chunks: int) -> None:
-    from kernels.lora.reference import add_lora_ref
+    from loramux_kernels.lora.reference import add_lora_ref
     y0 = s["y"].clone()
     got = run_pair(dict(s, y=y0), split_k, n_chunks)()
     want = add_lora_ref(s["y"].clone(), s["x"], s["a"], s["b"], s["ts"], s["offsets"])
@@ -57,7 +57,7 @@ def check(s, split_k: int, n_chunks: int) -> None:
 
 
 def sweep_point(group: str, T: int, L: int, bw: float) -> list[dict]:
-    from kernels.lora.token import _block_r, _tile, default_n_chunks, default_split_k
+    from loramux_kernels.lora.token import _block_r, _tile, default_n_chunks, default_split_k
     _, K, N = next(g for g in layer_groups() if g[0] == group)
     r, S = 16, len(N)
     case = Case(group, r, T, L, "contiguous")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.bench_kernels import (BF16, _token_kernels, expand_floor_bytes,  # noqa: E402
                                       layer_groups, shrink_floor_bytes)
 from benchmarks.common import (copy_bandwidth, floor_seconds, rotating_sets,  # noqa: E402
@@ -61,7 +61,7 @@ class Setup:
 def make_set(setup: Setup, group: str, T: int, slots: int, seed: int):
     """Random x, y and a `slots`-slot rank-16 pool; T tokens round robin over the first
     ADAPTERS slots (shuffled), a few rows without an adapter."""
-    from kernels.lora.launch import build_meta
+    from loramux_kernels.lora.launch import build_meta
     _, K, N = next(g for g in setup.groups if g[0] == group)
     g = torch.Generator(device=setup.device).manual_seed(seed)
     kw = dict(device=setup.device, generator=g)
@@ -83,7 +83,7 @@ def tokens_pair(s):
 
 
 def segments_pair(s, params):
-    from kernels.lora.mixed import add_lora_mixed
+    from loramux_kernels.lora.mixed import add_lora_mixed
     return lambda: add_lora_mixed(s["y"], s["x"], s["a"], s["b"], s["meta"], s["offsets"],
                                   s["ranks"], params)
 
@@ -104,7 +104,7 @@ class Point:
                                    + expand_floor_bytes(T, N, RANK, L), bw, 2)
         self.rows: list[dict] = []
         self.times: dict = {}
-        from kernels.lora.reference import add_lora_ref
+        from loramux_kernels.lora.reference import add_lora_ref
         s = self.sets[0]
         self.y0 = s["y"].clone()      # (timing adds into the sets' y over and over)
         self.want = add_lora_ref(self.y0.clone(), s["x"], s["a"], s["b"], s["ts"],
@@ -156,7 +156,7 @@ def _near(values: list[int], v: int) -> list[int]:
 
 def sweep_point(pt: Point):
     """(tokens us, automatic us, best us, best params) after coordinate descent."""
-    from kernels.lora.mixed import _plan
+    from loramux_kernels.lora.mixed import _plan
     t_tok = pt.time("tokens", None)
     s0 = pt.sets[0]
     plan = _plan(s0["x"].device, pt.T, s0["a"].shape[0], s0["offsets"], RANK, pt.K, None)
@@ -195,7 +195,7 @@ def table_rows(gpu: str, results) -> list[str]:
 def sweep(out: Path, budget: float, slots: int, bw: float, gpu: str,
           setup: Setup = Setup()) -> list[str]:
     """Every point within `budget` seconds; writes the CSV and the rows; returns them."""
-    from kernels.lora.plan import shape_class
+    from loramux_kernels.lora.plan import shape_class
     start = time.time()
     points = [(T, g) for T in setup.tokens for g, _, _ in setup.groups]
     results, rows = [], []
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("sweep_lora_mixed needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kernels.lora.plan import gpu_key
+    from loramux_kernels.lora.plan import gpu_key
     start = time.time()
     bw = copy_bandwidth(gib=1.0)
     name = torch.cuda.get_device_name()

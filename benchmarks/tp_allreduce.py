@@ -30,7 +30,7 @@ REL_TOL = 1e-2   # two bf16 addends: both sides round the same float sum, so 0 i
 
 
 def run(out: Path, size: int = 2, timeout_s: float = 120.0) -> dict:
-    from engine.distributed import group as pg
+    from loramux_engine.distributed import group as pg
 
     store = pg.open_store()
     ctx = mp.get_context("spawn")
@@ -58,9 +58,9 @@ def _log(rank: int, msg: str) -> None:
 
 
 def _rank(rank: int, size: int, port: int, out: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from engine.distributed import group as pg
-    from engine.distributed.fast_allreduce import OneShotAllReduce
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
+    from loramux_engine.distributed import group as pg
+    from loramux_engine.distributed.fast_allreduce import OneShotAllReduce
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

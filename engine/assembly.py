@@ -16,33 +16,33 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.adapters.host_cache import HostCache
-from engine.adapters.loader import DiskLoader
-from engine.adapters.loader_pool import LoaderPool, LoaderSpec
-from engine.adapters.pins import Pins
-from engine.adapters.registry import AdapterRegistry
-from engine.adapters.residency import AdapterResidency
-from engine.adapters.service import AdapterService
-from engine.adapters.slots import SlotTable
-from engine.config import EngineConfig
-from engine.executor import Executor
-from engine.kv.kv_cache_manager import KVCacheManager
-from engine.lora import LoRASlotPool, load_lora
-from engine.lora import batch as lora_batch
-from engine.lora.base_copies import BaseLayers
-from engine.lora.weights import check_lora
+from loramux_engine.adapters.host_cache import HostCache
+from loramux_engine.adapters.loader import DiskLoader
+from loramux_engine.adapters.loader_pool import LoaderPool, LoaderSpec
+from loramux_engine.adapters.pins import Pins
+from loramux_engine.adapters.registry import AdapterRegistry
+from loramux_engine.adapters.residency import AdapterResidency
+from loramux_engine.adapters.service import AdapterService
+from loramux_engine.adapters.slots import SlotTable
+from loramux_engine.config import EngineConfig
+from loramux_engine.executor import Executor
+from loramux_engine.kv.kv_cache_manager import KVCacheManager
+from loramux_engine.lora import LoRASlotPool, load_lora
+from loramux_engine.lora import batch as lora_batch
+from loramux_engine.lora.base_copies import BaseLayers
+from loramux_engine.lora.weights import check_lora
 from loramux_core.adapter.plan import PlanCache
-from engine.lora.host_buffers import HostBufferPool, shared_memory_pins
-from engine.lora.host_reserve import HostReserve
-from engine.lora.weights import full_copy_bytes
-from engine.model.dummy import init_dummy_weights
-from engine.model.build import build_model
+from loramux_engine.lora.host_buffers import HostBufferPool, shared_memory_pins
+from loramux_engine.lora.host_reserve import HostReserve
+from loramux_engine.lora.weights import full_copy_bytes
+from loramux_engine.model.dummy import init_dummy_weights
+from loramux_engine.model.build import build_model
 from loramux_core.model.hf_config import ModelConfig
 from loramux_core.model.lora_targets import lora_group_shapes
-from engine.parallel import TPGroup
-from engine.resolve import kv_blocks
-from engine.runner import ModelRunner
-from engine.sampling import Sampler
+from loramux_engine.parallel import TPGroup
+from loramux_engine.resolve import kv_blocks
+from loramux_engine.runner import ModelRunner
+from loramux_engine.sampling import Sampler
 from loramux_core.safe_files import AdapterRoots
 
 

@@ -19,7 +19,7 @@ captured with launch parameters tuned for one adapter (kernels/lora/token.py) an
 where the model keeps spare weight rows for one adapter, over those rows
 (engine/lora/fused.py: the step's adapter is copied there before the replay when they
 hold another, so such a graph serves only rows on one adapter, as its key says). Mixed
-batches whose rows average fewer rows per adapter than the kernels' rule for the bucket (`min_rows`, kernels.lora.mixed_min_rows)
+batches whose rows average fewer rows per adapter than the kernels' rule for the bucket (`min_rows`, loramux_kernels.lora.mixed_min_rows)
 replay a "spread" graph, captured on the token kernels where the other one has the
 segment kernels (kernels/lora/plan.py); the bit is counted on the host from the
 rows' slots. Graphs are captured at start-up (`capture_all`, engine/warmup.py), or else
@@ -46,14 +46,14 @@ from typing import NamedTuple
 
 import torch
 
-from engine.lora import LoRABatch, LoRASlotPool
-from engine.lora.batch import fused_gemm, spread_over_adapters
-from engine.lora.fused import FusedAdapter
-from engine.lora.pool import LoRAExtras
-from engine.scheduler import ScheduledRequest
-from kernels import lora as lora_kernels
-from kernels.attention_metadata import AttentionMetadata
-from kernels.greedy_pick import greedy_pick
+from loramux_engine.lora import LoRABatch, LoRASlotPool
+from loramux_engine.lora.batch import fused_gemm, spread_over_adapters
+from loramux_engine.lora.fused import FusedAdapter
+from loramux_engine.lora.pool import LoRAExtras
+from loramux_engine.scheduler import ScheduledRequest
+from loramux_kernels import lora as lora_kernels
+from loramux_kernels.attention_metadata import AttentionMetadata
+from loramux_kernels.greedy_pick import greedy_pick
 
 # How a greedy graph picks its rows' tokens: "torch" (the reference's four passes over
 # the logits: float32 copy, argmax, log_softmax, gather) or "triton" (one read of them,
@@ -104,7 +104,7 @@ def graph_key(buckets: tuple[int, ...], scheduled: list[ScheduledRequest], greed
               min_rows: Mapping[int, int], extras: LoRAExtras = LoRAExtras()) -> GraphKey:
     """The key of the graph a decode step of `scheduled` replays. `min_rows[bucket]`: the
     rows per adapter a mixed batch of that bucket needs to go without the spread hint
-    (kernels.lora.mixed_min_rows; 0: the hint changes nothing there). `extras`: what the
+    (loramux_kernels.lora.mixed_min_rows; 0: the hint changes nothing there). `extras`: what the
     rows' slots need beyond the groups' LoRA (LoRASlotPool.extras_of)."""
     bucket = bucket_for(buckets, len(scheduled))
     slots = {s.slot for s in scheduled}

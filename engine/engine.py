@@ -36,26 +36,26 @@ from pathlib import Path
 
 import torch
 
-from engine.adapters.pins import Pins
-from engine.adapters.service import ReadAdapter
-from engine.adapters.slots import SlotTable
-from engine.admission import (AdmissionLimits, check_generated, check_length, check_request,
+from loramux_engine.adapters.pins import Pins
+from loramux_engine.adapters.service import ReadAdapter
+from loramux_engine.adapters.slots import SlotTable
+from loramux_engine.admission import (AdmissionLimits, check_generated, check_length, check_request,
                               prompt_token_ids, sequence_ids)
-from engine.assembly import build_adapter_parts, build_model_parts, max_model_len
-from engine.config import EngineConfig
-from engine.distributed.executor import make_executor
-from engine.kv.kv_cache_manager import KVCacheManager
+from loramux_engine.assembly import build_adapter_parts, build_model_parts, max_model_len
+from loramux_engine.config import EngineConfig
+from loramux_engine.distributed.executor import make_executor
+from loramux_engine.kv.kv_cache_manager import KVCacheManager
 from loramux_core.model.hf_config import ModelConfig
-from engine.output_processor import OutputProcessor
-from engine.outputs import FinishReason, RequestOutput, StepOutput
-from engine.pending import PendingSample
-from engine.request import Request
-from engine.resolve import MachineFacts, describe, resolve_config
-from engine.sampling import RequestSeeds, SamplingState
-from engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
-from engine.startup import StartupProgress
-from engine.warmup import WarmupPlan, WarmupReport
+from loramux_engine.output_processor import OutputProcessor
+from loramux_engine.outputs import FinishReason, RequestOutput, StepOutput
+from loramux_engine.pending import PendingSample
+from loramux_engine.request import Request
+from loramux_engine.resolve import MachineFacts, describe, resolve_config
+from loramux_engine.sampling import RequestSeeds, SamplingState
+from loramux_engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
+from loramux_engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
+from loramux_engine.startup import StartupProgress
+from loramux_engine.warmup import WarmupPlan, WarmupReport
 from loramux_core.errors import AdapterUnavailableError, EngineDeadError, InvalidRequestError
 from loramux_core.sampling import SamplingParams
 from loramux_core.tokenizer import Tokenizer
@@ -410,7 +410,7 @@ class Engine:
         """Compile every kernel variant and capture every CUDA graph the limits can reach
         (engine/warmup.py), before any request, telling `progress` how far it is; None
         where there is nothing to compile (the CPU runs torch references; `force`: run
-        it there all the same). `only`, `on_shape`: as engine.warmup.warm_up's (the
+        it there all the same). `only`, `on_shape`: as loramux_engine.warmup.warm_up's (the
         eager shapes a parallel compile found covering).
         Under tensor parallelism every rank runs it in step (Executor.warm_up); a failure
         there is EngineDeadError. `this_rank`: rank 0 alone, its collectives skipped

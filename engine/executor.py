@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.parallel import TPGroup
-from engine.pending import PendingSample
-from engine.runner import ModelRunner
-from engine.scheduler import Sampled, SchedulerOutput
+from loramux_engine.parallel import TPGroup
+from loramux_engine.pending import PendingSample
+from loramux_engine.runner import ModelRunner
+from loramux_engine.scheduler import Sampled, SchedulerOutput
 
 
 class Executor(Protocol):

@@ -1,6 +1,6 @@
 """Package exports imported on first use.
 
-`engine` and `engine.lora` re-export their torch-heavy classes (Engine, LoRASlotPool, ...)
+`engine` and `loramux_engine.lora` re-export their torch-heavy classes (Engine, LoRASlotPool, ...)
 for callers' convenience; imported eagerly, those would load torch into every process that
 imports one of the torch-free modules beside them (engine/lora/host_buffers.py's
 callers, a test reading one module); the parts the control plane and the gateway read (the

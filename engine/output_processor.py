@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import FinishReason, RequestOutput, StepOutput
-from engine.request import Request
-from engine.scheduler import Sampled
+from loramux_engine.detokenizer import IncrementalDetokenizer
+from loramux_engine.outputs import FinishReason, RequestOutput, StepOutput
+from loramux_engine.request import Request
+from loramux_engine.scheduler import Sampled
 
 
 @dataclass

@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from engine.request import Request
-from engine.sampling import SampledTensors
-from engine.scheduler import Sampled
+from loramux_engine.request import Request
+from loramux_engine.sampling import SampledTensors
+from loramux_engine.scheduler import Sampled
 
 Decode = Callable[..., dict[str, Sampled]]
 

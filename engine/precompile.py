@@ -5,7 +5,7 @@ one after the other: on a fresh machine each launch of a new variant compiles it
 one process, on one core (an H200 host has 16). So first a dry run of the same warm-up
 lists the variants without compiling or launching any (Triton's jit_cache_hook sees
 each variant's specialization and says "skip"), and N worker processes
-(`python -m engine.precompile -`, no model, one CUDA context each), started before it,
+(`python -m loramux_engine.precompile -`, no model, one CUDA context each), started before it,
 compile each variant (JITFunction.preload) into the shared Triton cache
 ($TRITON_CACHE_DIR) as soon as the dry run finds it, dealt out in turn: the workers'
 start and most of their compiling happen while the listing still runs. Then the real
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 MAX_WORKERS = 8
-_PACKAGES = ("engine", "kernels")
+_PACKAGES = ("loramux_engine", "loramux_kernels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +88,9 @@ def fingerprint(config) -> str:
         h.update(model_config.read_bytes())
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     h.update(f"{torch.__version__} {triton.__version__} {gpu}".encode())
-    root = Path(__file__).resolve().parents[1]
     for package in _PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
+        folder = Path(importlib.import_module(package).__file__).parent
+        for path in sorted(folder.rglob("*.py")):
             h.update(path.read_bytes())
     return h.hexdigest()[:32]
 
@@ -153,7 +153,7 @@ def precompile(engine, workers: int | None, progress=None,
     processes (None: default_workers); None where there is nothing to do (the CPU).
     Under tensor parallelism rank 0 lists alone (its collectives skipped: every rank's
     shard has its shapes, so its variants), and every rank's warm-up then loads them."""
-    from engine.resolve import MachineFacts
+    from loramux_engine.resolve import MachineFacts
 
     if engine.device.type != "cuda":
         return None
@@ -161,11 +161,11 @@ def precompile(engine, workers: int | None, progress=None,
     if count <= 0:
         return PrecompileReport(0, 0, 0.0, skipped="no workers")
     start = time.perf_counter()
-    marker = cache_dir() / f"loramux-precompiled-{fingerprint(engine.config)}"
+    marker = cache_dir() / f"loramux-precompiled-{fingerprint(loramux_engine.config)}"
     if marker.exists():
         return PrecompileReport(0, 0, 0.0, skipped="the compile cache is warm",
                                 shapes=read_mark(marker))
-    from engine.warmup import CoveringShapes   # here: the workers never import the model
+    from loramux_engine.warmup import CoveringShapes   # here: the workers never import the model
 
     if progress is not None:
         progress.advance(f"listing kernel variants, compiling them in {count} processes", 0.0)
@@ -197,7 +197,7 @@ def precompile(engine, workers: int | None, progress=None,
 def read_mark(marker: Path) -> tuple | None:
     """The covering eager shapes a cache mark keeps; None where it keeps none (a mark of
     an older version, or unreadable: the warm-up then runs every shape)."""
-    from engine.warmup import EagerShape
+    from loramux_engine.warmup import EagerShape
 
     try:
         return tuple(EagerShape(*row) for row in json.loads(marker.read_text())["shapes"])
@@ -217,9 +217,9 @@ class _Workers:
         for i in range(count):
             out, err = open(tmp / f"out-{i}", "w+"), open(tmp / f"err-{i}", "w+")
             self._logs.append((out, err))
-            proc = subprocess.Popen([sys.executable, "-m", "engine.precompile", "-"],
+            proc = subprocess.Popen([sys.executable, "-m", "loramux_engine.precompile", "-"],
                                     stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                    env=_worker_env(), text=True)
+                                    text=True)
             q: queue.Queue = queue.Queue()
             thread = threading.Thread(target=self._feed, args=(proc, q), daemon=True,
                                       name=f"precompile-feed-{i}")
@@ -278,13 +278,6 @@ class _Workers:
         return failed
 
 
-def _worker_env() -> dict:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _jit_function(module: str, name: str):
     """The JITFunction `name` of `module`, unwrapped from autotuners and heuristics."""
     obj = importlib.import_module(module)
@@ -314,7 +307,7 @@ def compile_share(variants) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.precompile",
+    p = argparse.ArgumentParser(prog="python -m loramux_engine.precompile",
                                 description="One compile worker of an engine's start.")
     p.add_argument("input", choices=["-"],
                    help="- : [module, function, specialization data] as JSON, one a line "

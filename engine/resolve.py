@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
+from loramux_engine.config import EngineConfig
+from loramux_engine.kv.sizing import bytes_per_block, max_useful_blocks, num_kv_blocks
 from loramux_core.model.archs import architecture
 from loramux_core.model.lora_targets import expert_shard_shape, lora_group_shapes
 from loramux_core.errors import InvalidRequestError

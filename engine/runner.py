@@ -16,7 +16,7 @@ host and replaced on the device by a gather from `prev.tokens` at the request's 
 (`Request.sample_row`, set at N's launch), before the forward pass or graph replay.
 
 Two ways to pick a step's tokens. The Sampler (engine/sampling/) serves every request.
-The greedy pick (`kernels.greedy_pick`: each row's argmax and its logprob, the
+The greedy pick (`loramux_kernels.greedy_pick`: each row's argmax and its logprob, the
 Sampler's own ops for such rows) serves a step whose every sampling row is plain greedy,
 where it pays: inside the greedy CUDA graph on a pure decode step, and, under tensor
 parallelism, on eager steps too. Every rank computes the same all-gathered logits, so
@@ -32,20 +32,20 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graph import CudaGraphRunner, is_decode_step
-from engine.lora import LoRABatch, LoRASlotPool
-from engine.lora.batch import fused_gemm, spread_over_adapters
-from engine.lora.fused import FusedAdapter
-from engine.lora.pool import LoRAExtras
-from engine.model.batch import make_attention_metadata
-from engine.parallel import TPGroup
-from engine.pending import PendingSample
-from engine.request import Request
-from engine.sampling import Sampler
-from engine.scheduler import Sampled, ScheduledRequest, SchedulerOutput
-from kernels import lora as lora_kernels
-from kernels.attention_metadata import AttentionMetadata
-from kernels.greedy_pick import greedy_pick
+from loramux_engine.cuda_graph import CudaGraphRunner, is_decode_step
+from loramux_engine.lora import LoRABatch, LoRASlotPool
+from loramux_engine.lora.batch import fused_gemm, spread_over_adapters
+from loramux_engine.lora.fused import FusedAdapter
+from loramux_engine.lora.pool import LoRAExtras
+from loramux_engine.model.batch import make_attention_metadata
+from loramux_engine.parallel import TPGroup
+from loramux_engine.pending import PendingSample
+from loramux_engine.request import Request
+from loramux_engine.sampling import Sampler
+from loramux_engine.scheduler import Sampled, ScheduledRequest, SchedulerOutput
+from loramux_kernels import lora as lora_kernels
+from loramux_kernels.attention_metadata import AttentionMetadata
+from loramux_kernels.greedy_pick import greedy_pick
 
 
 @dataclass

@@ -76,10 +76,10 @@ from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from engine.adapters.slots import SlotTable
-from engine.kv.kv_cache_manager import KVCacheManager
-from engine.outputs import FinishReason
-from engine.request import Request, RequestStatus
+from loramux_engine.adapters.slots import SlotTable
+from loramux_engine.kv.kv_cache_manager import KVCacheManager
+from loramux_engine.outputs import FinishReason
+from loramux_engine.request import Request, RequestStatus
 
 
 _arrival = attrgetter("arrival")

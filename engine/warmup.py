@@ -24,7 +24,7 @@ What a step can look like is bounded by the config:
   token count up to 64, then every power of two and its neighbours and every multiple of
   16 next to them up to the limit, as decode-only, one-prefill and mixed steps, with
   short and long contexts; and where the LoRA kernels of T tokens depend on the rows per
-  adapter (kernels.lora.mixed_min_rows), a step of T tokens with one adapter row among
+  adapter (loramux_kernels.lora.mixed_min_rows), a step of T tokens with one adapter row among
   base rows (the `spread` LoRA path). Eager steps with adapters run slot 0 marked as
   holding every extra the pool has buffers for (LoRASlotPool.extras_marked: host-side
   sets only, restored after), so the extras' kernels (DoRA's row factors, embed_tokens
@@ -61,13 +61,13 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.cuda_graph import GraphKey, decode_buckets
-from engine.kernel_count import KernelCount
-from engine.lora.pool import LoRAExtras
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.startup import StartupProgress
-from engine.warmup_layers import only_layers, representative_layers
-from kernels import lora as lora_kernels
+from loramux_engine.cuda_graph import GraphKey, decode_buckets
+from loramux_engine.kernel_count import KernelCount
+from loramux_engine.lora.pool import LoRAExtras
+from loramux_engine.scheduler import ScheduledRequest, SchedulerOutput
+from loramux_engine.startup import StartupProgress
+from loramux_engine.warmup_layers import only_layers, representative_layers
+from loramux_kernels import lora as lora_kernels
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,15 @@ from types import ModuleType
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.attention_ref import paged_attention_ref, store_kv_ref
+from loramux_kernels.attention_metadata import AttentionMetadata
+from loramux_kernels.attention_ref import paged_attention_ref, store_kv_ref
 
 
 @functools.lru_cache(maxsize=1)
 def _triton_module() -> ModuleType | None:
-    """kernels.attention_triton if it imports and has both entry points, else None."""
+    """loramux_kernels.attention_triton if it imports and has both entry points, else None."""
     try:
-        mod = importlib.import_module("kernels.attention_triton")
+        mod = importlib.import_module("loramux_kernels.attention_triton")
     except ImportError:
         return None
     if not (hasattr(mod, "store_kv") and hasattr(mod, "paged_attention")):

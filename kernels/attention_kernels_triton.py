@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.dot_triton import dot_f32
+from loramux_kernels.dot_triton import dot_f32
 
 
 

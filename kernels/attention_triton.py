@@ -1,6 +1,6 @@
 """Paged attention on the GPU for a mixed batch of prefill chunks and decodes.
 
-Same semantics as `kernels.attention_ref`: each new token attends, through its sequence's
+Same semantics as `loramux_kernels.attention_ref`: each new token attends, through its sequence's
 block table, to context positions 0..positions[t] (its own K/V already stored), or with a
 sliding window W to positions[t] - W + 1..positions[t] only, reading no key block wholly
 before that window (a variant compiled apart: WINDOW in the kernel). One kernel
@@ -18,8 +18,8 @@ import math
 import torch
 import triton
 
-from kernels import attention_kernels_triton as K
-from kernels.attention_metadata import AttentionMetadata
+from loramux_kernels import attention_kernels_triton as K
+from loramux_kernels.attention_metadata import AttentionMetadata
 
 _TARGET_PROGRAMS = 264          # about two programs per SM on an H100 (132 SMs)
 _MAX_SPLITS = 64

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_ref import store_kv_ref
-from kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref, rotary_ref, silu_mul_ref
+from loramux_kernels.attention_ref import store_kv_ref
+from loramux_kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref, rotary_ref, silu_mul_ref
 
 try:
-    from kernels import elementwise_triton as _triton
+    from loramux_kernels import elementwise_triton as _triton
 except ImportError:  # no Triton on this machine
     _triton = None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels import elementwise_kernels_triton as K
+from loramux_kernels import elementwise_kernels_triton as K
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ import functools
 import torch
 
 try:  # the Triton module is optional: absent on machines without Triton
-    from kernels import fp8_triton as _triton
+    from loramux_kernels import fp8_triton as _triton
 except ImportError:
     _triton = None
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.greedy_pick_ref import greedy_pick_ref
+from loramux_kernels.greedy_pick_ref import greedy_pick_ref
 
 try:
-    from kernels import greedy_pick_triton as _triton
+    from loramux_kernels import greedy_pick_triton as _triton
 except ImportError:  # no Triton on this machine
     _triton = None
 

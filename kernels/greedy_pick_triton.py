@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels import greedy_pick_kernels_triton as K
+from loramux_kernels import greedy_pick_kernels_triton as K
 
 CHUNK = 4096          # vocabulary values per program
 

@@ -16,11 +16,11 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.elementwise import silu_mul
-from kernels.moe_ref import grouped_gemm_ref, pair_groups, route_ref
+from loramux_kernels.elementwise import silu_mul
+from loramux_kernels.moe_ref import grouped_gemm_ref, pair_groups, route_ref
 
 try:  # the Triton module is optional: absent on machines without Triton
-    from kernels import moe_triton as _triton
+    from loramux_kernels import moe_triton as _triton
 except ImportError:
     _triton = None
 
@@ -57,7 +57,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def _run(impl, x, w13, w2, topk_weights, topk_ids, lora):
-    """The stages of `fused_moe` on `impl` (kernels.moe_triton; None: the reference)."""
+    """The stages of `fused_moe` on `impl` (loramux_kernels.moe_triton; None: the reference)."""
     T, k = topk_ids.shape
     E = w13.shape[0]
     experts = topk_ids.reshape(-1)

@@ -1,5 +1,5 @@
 """Mixture-of-experts grouped GEMM on the GPU (same semantics as
-`kernels.moe_ref.grouped_gemm_ref`): one launch multiplies every routed (token, expert)
+`loramux_kernels.moe_ref.grouped_gemm_ref`): one launch multiplies every routed (token, expert)
 pair by its expert's weight.
 
 The pairs are first laid out by group (`align`), each group's run padded to a multiple
@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot_triton import dot_f32
-from kernels.moe_ref import pair_groups
+from loramux_kernels.dot_triton import dot_f32
+from loramux_kernels.moe_ref import pair_groups
 
 
 

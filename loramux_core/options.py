@@ -1,6 +1,6 @@
 """Command-line options, one table per part, each row naming the config field it sets.
 
-The engine server (`python -m engine.server`) and `loramux serve` build their flags from
+The engine server (`python -m loramux_engine.server`) and `loramux serve` build their flags from
 ENGINE_OPTIONS, so a flag cannot drift from EngineConfig (tests/test_serve_options.py
 checks that every field but `model` has a row). A flag not given is None in the parsed
 namespace: the environment variable of its row is the second way, the config's own

@@ -40,7 +40,7 @@ def wait_output(output_address: str, predicate, timeout_s: float = 5.0,
                 ) -> engine_pb2.EngineOutput | None:
     """The first EngineOutput on `output_address` with predicate(msg) true, or None after
     `timeout_s`. If `last` is given, every message seen is appended to it. `keys`: the
-    run's CURVE keys (services.launcher.Cluster.zmq_keys); an engine that refuses the
+    run's CURVE keys (loramux_services.launcher.Cluster.zmq_keys); an engine that refuses the
     handshake (keys missing or not the run's) raises ZmqKeyError at once."""
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)

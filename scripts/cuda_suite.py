@@ -19,6 +19,7 @@ where the `cryptography` package is missing (pytest exits 5 for a file skipped w
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import signal
@@ -34,6 +35,15 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_TESTS = 5
 SUMMARY = re.compile(r"^=* ?(\d+ (?:passed|failed|error|skipped|deselected).*?|no tests ran)"
                      r" in [\d.]+s", re.M)
+
+
+def _names() -> str:
+    """"" where loramux is installed; else the PYTHONPATH that imports the checkout by its
+    own names (scripts/checkout_path.sh)."""
+    if importlib.util.find_spec("loramux_engine") and importlib.util.find_spec("loramux"):
+        return ""
+    return subprocess.run(["bash", str(ROOT / "scripts/checkout_path.sh")], check=True,
+                          capture_output=True, text=True).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, LORAMUX_TEST_DEVICE=a.device, PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
                TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR", "/tmp/loramux-triton"),
-               PYTHONPATH=os.pathsep.join(filter(None, [
-                   str(ROOT), str(ROOT / "clients" / "python"), os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [_names(), os.environ.get("PYTHONPATH")])))
     queue, running, done, interrupted = deque(files), {}, {}, set()
     start = time.monotonic()
     deadline = start + a.limit
@@ -72,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             f = queue.popleft()
             log = open(logs / (Path(f).stem + ".txt"), "w")
             proc = subprocess.Popen(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
-                 "addopts=", "-rfE", "--tb=short", f], cwd=ROOT, env=env, stdout=log,
+                [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
+                 "addopts=--import-mode=append", "-rfE", "--tb=short", f], cwd=ROOT, env=env, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True)
             running[f] = (proc, now, log)
         if now >= deadline and running:

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
 bash scripts/gen_protos.sh --check
-python -m pytest -q "$@"
+# -P: the working directory is not put first on sys.path (see pyproject's addopts)
+python -P -m pytest -q "$@"

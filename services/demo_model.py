@@ -157,7 +157,7 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m services.demo_model DIR`: make the demo model under DIR/demo (once)."""
+    """`python -m loramux_services.demo_model DIR`: make the demo model under DIR/demo (once)."""
     import sys
 
     argv = sys.argv[1:] if argv is None else argv

@@ -20,7 +20,7 @@ import time
 def _load_demo_adapters(cluster, token: str | None, tls) -> None:
     from loramux.client import AdminClient
 
-    from services.demo_model import DEMO_ADAPTERS
+    from loramux_services.demo_model import DEMO_ADAPTERS
 
     with AdminClient(cluster.control_address, token=token, tls=tls) as admin:
         for name in DEMO_ADAPTERS:
@@ -59,7 +59,7 @@ def _drain(cluster, grace_s: float, serving: bool) -> None:
 def _started(cluster, workdir: str, tls) -> str | None:
     """None once every service is ready and the gateway is SERVING, else why not (the
     failing service's last error line)."""
-    from services.launcher import wait_serving
+    from loramux_services.launcher import wait_serving
 
     try:
         ready = cluster.wait_ready(timeout_s=600)
@@ -77,7 +77,7 @@ def _started(cluster, workdir: str, tls) -> str | None:
 
 def _supervise(cluster, policy, stop: _StopSignals) -> int:
     """Keep every process alive until a stop signal (0) or a crash loop (1)."""
-    from services.supervisor import CrashLoop, Supervisor
+    from loramux_services.supervisor import CrashLoop, Supervisor
 
     supervisor = Supervisor(cluster, policy)
     while not stop.requested.is_set():
@@ -91,10 +91,10 @@ def _supervise(cluster, policy, stop: _StopSignals) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.launcher import Cluster
-    from services.port_check import fixed_ports, port_problem
-    from services.start_progress import StartProgress
-    from services.serve_args import (client_tls, cluster_config, files, parse_args,
+    from loramux_services.launcher import Cluster
+    from loramux_services.port_check import fixed_ports, port_problem
+    from loramux_services.start_progress import StartProgress
+    from loramux_services.serve_args import (client_tls, cluster_config, files, parse_args,
                                      restart_policy)
 
     args = parse_args(argv)

@@ -13,9 +13,9 @@ from pathlib import Path
 from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options, config_error_message,
                                   given, non_negative_float, positive_float, positive_int,
                                   to_argv)
-from services.config_file import ConfigFileError, defaults_from_file
-from services.gateway.main import GATEWAY_OPTIONS
-from services.supervisor import RestartPolicy
+from loramux_services.config_file import ConfigFileError, defaults_from_file
+from loramux_services.gateway.main import GATEWAY_OPTIONS
+from loramux_services.supervisor import RestartPolicy
 
 DESCRIPTION = ("Run control plane, engine (or --replicas engine replicas) and gateway on "
                "this machine.")
@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _check_devices(parser, args) -> None:
     import os
 
-    from services.launcher import device_sets
+    from loramux_services.launcher import device_sets
 
     if args.replicas > 1 and args.engine.get("device", "auto") != "cpu":
         try:
@@ -184,7 +184,7 @@ class Plan:
 
 def files(args) -> Plan:
     """Model, adapter roots and work dir (the demo model is made here, once)."""
-    from services.demo_model import default_cache_dir, ensure_demo
+    from loramux_services.demo_model import default_cache_dir, ensure_demo
 
     demo = args.model is None
     roots = list(args.adapter_root or [])
@@ -205,7 +205,7 @@ def restart_policy(args) -> RestartPolicy:
 
 
 def cluster_config(args, plan: Plan):
-    from services.launcher import ClusterConfig
+    from loramux_services.launcher import ClusterConfig
 
     engine = dict(args.engine)
     tp = engine.pop("tp_size", 1)
@@ -213,7 +213,7 @@ def cluster_config(args, plan: Plan):
     heartbeat = {k: args.gateway[k] for k in ("heartbeat_timeout",) if k in args.gateway}
     gateway = dict(args.gateway)
     if plan.demo:
-        from services.demo_model import SERVED_NAME
+        from loramux_services.demo_model import SERVED_NAME
         gateway.setdefault("served_model_name", SERVED_NAME)
     return ClusterConfig(
         model=plan.model, adapter_roots=plan.adapter_roots, workdir=plan.workdir,

@@ -60,7 +60,7 @@ class _Life:
 
 
 class Supervisor:
-    """Watches every process of `cluster` (a services.launcher.Cluster) once it serves."""
+    """Watches every process of `cluster` (a loramux_services.launcher.Cluster) once it serves."""
 
     def __init__(self, cluster, policy: RestartPolicy = RestartPolicy(), *,
                  say: Callable[[str], None] | None = None,

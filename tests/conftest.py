@@ -199,7 +199,7 @@ def engine_test_device(request):
     if TEST_DEVICE == "cpu":
         yield TEST_DEVICE
         return
-    from engine import Engine
+    from loramux_engine import Engine
 
     original = Engine.__init__
 

@@ -18,11 +18,11 @@ import time
 import pytest
 import torch
 
-from engine.adapters.loader_pool import LoaderPool, LoaderSpec
-from engine.adapters.loader_wire import describe, rebuild
-from engine.lora import load_lora
-from engine.lora.host_buffers import HostBufferPool
-from engine.parallel import TPGroup
+from loramux_engine.adapters.loader_pool import LoaderPool, LoaderSpec
+from loramux_engine.adapters.loader_wire import describe, rebuild
+from loramux_engine.lora import load_lora
+from loramux_engine.lora.host_buffers import HostBufferPool
+from loramux_engine.parallel import TPGroup
 from loramux_core.errors import AdapterError
 from loramux_core.model.hf_config import ModelConfig
 from loramux_core.model.lora_targets import lora_group_shapes

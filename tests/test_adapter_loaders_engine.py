@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
-from engine.lora import load_lora
+from loramux_engine import Engine, EngineConfig, SamplingParams
+from loramux_engine.lora import load_lora
 from loramux_core.model.hf_config import ModelConfig
 from tests.test_engine_parity import (ADAPTERS, GREEDY, LENGTHS, MAX_NEW, assert_matches,
                                       make_engine, prompts_of)
@@ -81,7 +81,7 @@ def test_shared_memory_comes_back_when_host_copies_go(llama_family, tmp_path, mo
     loads and evictions of
     many adapters hold at most the host tier's buffers (plus spares); the children keep
     no mapping between reads; closing the engine gives every segment back."""
-    import engine.lora.shared_memory as shm
+    import loramux_engine.lora.shared_memory as shm
     monkeypatch.setattr(shm, "SEGMENT_BUFFERS", 1)
     gc.collect()  # the segments of engines before this one
     base = shared_fds()
@@ -114,7 +114,7 @@ def test_shared_memory_comes_back_when_host_copies_go(llama_family, tmp_path, mo
 
 _KILLED = """
 import json, sys, threading
-from engine import Engine, EngineConfig
+from loramux_engine import Engine, EngineConfig
 eng = Engine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", max_loras=2,
                           max_lora_rank=64, num_kv_blocks=64, adapter_loaders=2))
 reads = [threading.Thread(target=eng.adapter_loaders.read, args=(p, None))

@@ -6,7 +6,7 @@ request run alone."""
 import pytest
 import torch
 
-from engine.adapters.copier import InlineCopier, StreamCopier
+from loramux_engine.adapters.copier import InlineCopier, StreamCopier
 from tests.support import fake_cuda
 from tests.support.copies import PoisonedCopier
 from tests.test_engine_parity import prompts_of

@@ -8,7 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from engine.server.adapter_commands import MIN_READER_THREADS, AdapterCommands
+from loramux_engine.server.adapter_commands import MIN_READER_THREADS, AdapterCommands
 from loramux_core.v1 import engine_pb2
 
 LOADERS = MIN_READER_THREADS + 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
+from loramux_engine import Engine, EngineConfig, SamplingParams
 from loramux_core.v1 import engine_pb2
 from tests.support.served import ServedEngine
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model

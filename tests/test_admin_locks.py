@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.control.locks import AdminLocks
+from loramux_services.control.locks import AdminLocks
 
 
 async def _hold(locks: AdminLocks, name: str | None, log: list, tag: str,

@@ -11,9 +11,9 @@ import grpc
 import pytest
 from loramux_core.v1 import engine_pb2
 
-from services.control.manager import AdapterManager, AdminError
-from services.control.paths import AdapterRoots
-from services.control.registry import Registry
+from loramux_services.control.manager import AdapterManager, AdminError
+from loramux_services.control.paths import AdapterRoots
+from loramux_services.control.registry import Registry
 
 _K = engine_pb2.AdapterCommandKind
 

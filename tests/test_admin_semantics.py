@@ -9,7 +9,7 @@ import pytest
 from loramux import AdminClient, LoramuxError
 from loramux.v1 import adapter_admin_pb2 as pb
 
-from services.launcher import Cluster, ClusterConfig
+from loramux_services.launcher import Cluster, ClusterConfig
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,11 +13,11 @@ from loramux import AdminClient, LoramuxError
 from loramux.v1 import adapter_admin_pb2 as pb
 from safetensors.torch import load_file, save_file
 
-from engine.lora import load_lora, validate_lora
-from engine.lora.base_copies import BaseLayers
+from loramux_engine.lora import load_lora, validate_lora
+from loramux_engine.lora.base_copies import BaseLayers
 from loramux_core.errors import AdapterError
 from loramux_core.model.hf_config import ModelConfig
-from services.launcher import Cluster, ClusterConfig
+from loramux_services.launcher import Cluster, ClusterConfig
 from tests.conftest import HFOracle, TinyFamily
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 from tests.test_engine_parity import GREEDY, MAX_NEW, assert_matches, make_engine, prompts_of

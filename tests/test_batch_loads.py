@@ -23,7 +23,7 @@ from loramux import AdminClient, GenerateClient
 from loramux.v1 import adapter_admin_pb2 as pb
 
 from loramux_core.file_digest import FINGERPRINT_PREFIX
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.tiny import (AdapterSpec, TinySpec, make_adapter, make_model, read_json,
                                 write_json)
 from tests.test_concurrent_loads import engine_ids

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # last: hides nothing installed
 from benchmarks.serving.workload import (Record, make_workload, parse_lengths,  # noqa: E402
                                          parse_popularity, percentile, summarize)
 
@@ -124,7 +124,7 @@ def test_limits_bound_a_point(tmp_path):
     """No request is sent after send_s; what still runs drain_s later is cancelled: its
     tokens count towards throughput, its latency does not."""
     from benchmarks.serving.drivers import Limits, run_offline
-    from engine import Engine, EngineConfig
+    from loramux_engine import Engine, EngineConfig
     from tests.support.tiny import TinySpec, make_model
 
     # 3,000 tokens a request: no request can finish in the 0.8 s (400 did, on an idle CPU)
@@ -157,7 +157,7 @@ def test_limits_bound_a_service_point(tmp_path):
     """The same bounds on the service path: streams still running at the limit are
     cancelled (the gateway aborts them) and the service serves on."""
     from benchmarks.serving.drivers import Limits, run_service
-    from services.launcher import Cluster, ClusterConfig, wait_serving
+    from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
     from tests.support.tiny import TinySpec, make_model
 
     model = make_model(tmp_path / "model", TinySpec())

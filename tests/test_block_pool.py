@@ -1,8 +1,8 @@
 """Block pool: reference counts, free list order, eviction of cached free blocks."""
 import pytest
 
-from engine.kv.block_pool import BlockPool
-from engine.kv.prefix_cache import hash_block
+from loramux_engine.kv.block_pool import BlockPool
+from loramux_engine.kv.prefix_cache import hash_block
 
 
 def test_allocate_and_free_restores_count():

@@ -16,10 +16,10 @@ from tokenizers import processors
 
 from loramux_core.tokenizer import Tokenizer
 from loramux_core.v1 import engine_pb2
-from services.common.chat_template import ChatTemplate, ChatTemplateError
-from services.gateway.errors import Rejected
-from services.gateway.prompts import PromptBuilder
-from services.gateway.validation import encode_text
+from loramux_services.common.chat_template import ChatTemplate, ChatTemplateError
+from loramux_services.gateway.errors import Rejected
+from loramux_services.gateway.prompts import PromptBuilder
+from loramux_services.gateway.validation import encode_text
 from tests.support.tiny import TinySpec, make_model
 
 # The shapes of real templates: BOS written by the template, a system prompt folded into

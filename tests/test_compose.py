@@ -16,7 +16,7 @@ import pytest
 import yaml
 from loramux import AdminClient, GenerateClient
 
-from services.launcher import free_port
+from loramux_services.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 _VAR = re.compile(r"\$\{([A-Z0-9_]+)(:-([^}]*)|:\?([^}]*))?\}")

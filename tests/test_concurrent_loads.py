@@ -17,7 +17,7 @@ from loramux import LoramuxError
 from loramux.aio import AsyncAdminClient
 from loramux.v1 import adapter_admin_pb2 as pb
 
-from services.launcher import Cluster, ClusterConfig
+from loramux_services.launcher import Cluster, ClusterConfig
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,7 +87,7 @@ def test_versions_come_from_the_engine_read_and_survive_a_replay(cluster, loaded
     """A LoadAdapter of a new name does not read and hash the files in the control plane
     (the engine does, once): the version it records is the digest of the files, and an
     engine that restarts gets the loads replayed with it and accepts them."""
-    from engine.lora import validate_lora
+    from loramux_engine.lora import validate_lora
     from loramux_core.model.hf_config import ModelConfig
 
     cfg = ModelConfig.from_dir(cluster.cfg.model)

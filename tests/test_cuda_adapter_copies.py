@@ -8,9 +8,9 @@ import gc
 import pytest
 import torch
 
-from engine.adapters.copier import StreamCopier
-from engine.lora import LoRASlotPool, load_lora
-from engine.lora.host_buffers import HostBufferPool, shared_memory_pins
+from loramux_engine.adapters.copier import StreamCopier
+from loramux_engine.lora import LoRASlotPool, load_lora
+from loramux_engine.lora.host_buffers import HostBufferPool, shared_memory_pins
 from loramux_core.model.hf_config import ModelConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

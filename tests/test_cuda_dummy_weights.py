@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from loramux_engine import Engine, EngineConfig, SamplingParams
 from loramux_core.errors import InvalidRequestError
 
 

@@ -4,10 +4,10 @@ their host mirror left alone until a queued upload has read it (a device that de
 import pytest
 import torch
 
-from engine.cuda_graph import DecodeStaging, bucket_for, decode_buckets, is_decode_step
-from engine.model.batch import make_attention_metadata
-from engine.request import Request
-from engine.scheduler import ScheduledRequest
+from loramux_engine.cuda_graph import DecodeStaging, bucket_for, decode_buckets, is_decode_step
+from loramux_engine.model.batch import make_attention_metadata
+from loramux_engine.request import Request
+from loramux_engine.scheduler import ScheduledRequest
 from loramux_core.sampling import SamplingParams
 
 
@@ -76,7 +76,7 @@ def test_staging_runs_the_model_like_eager(llama_family):
     """The model on the staging buffers (CPU, padded bucket) gives the eager hidden
     states for the real rows: padding rows neither write KV nor disturb real ones."""
     from loramux_core.model.hf_config import ModelConfig
-    from engine.model.llama import LlamaForCausalLM
+    from loramux_engine.model.llama import LlamaForCausalLM
 
     cfg = ModelConfig.from_dir(llama_family.model_dir)
     model = LlamaForCausalLM(cfg)
@@ -109,8 +109,8 @@ def test_staging_runs_the_model_like_eager(llama_family):
 
 def test_greedy_pick_equals_the_sampler_on_greedy_rows():
     """The in-graph pick (argmax + raw logprob) gives the Sampler's token and logprob."""
-    from kernels.greedy_pick import greedy_pick
-    from engine.sampling import Sampler, SamplingState
+    from loramux_kernels.greedy_pick import greedy_pick
+    from loramux_engine.sampling import Sampler, SamplingState
     from loramux_core.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(3)
@@ -190,7 +190,7 @@ def test_capture_waits_for_the_replay_in_flight_to_read_its_inputs(monkeypatch):
     bucket), and its capture pads the mirror for the capture's own inputs. The queued
     upload must have read the mirror before: else the step in flight runs on padding
     (token 0 at position 0, no KV write, no adapter) in the rows the capture padded."""
-    from engine.cuda_graph import CudaGraphRunner
+    from loramux_engine.cuda_graph import CudaGraphRunner
     from tests.support import fake_cuda
 
     cuda = fake_cuda.install(monkeypatch)

@@ -7,7 +7,7 @@ the base GEMMs (FUSED_LORA_GEMM) across adapters taking turns in one slot."""
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from loramux_engine import Engine, EngineConfig, SamplingParams
 from tests.support.kernel_path import count_fused_shrinks
 from tests.test_kernel_path_extras import engine_family  # noqa: F401 (fixture)
 
@@ -34,9 +34,9 @@ def engine(family, eager, adapters, max_loras=3):
 
 def count_fused(monkeypatch, setting: str) -> list[int]:
     """FUSED_NORM_SHRINK and FUSED_SILU_SHRINK = setting; the launches of the fused
-    norm + shrink and SiLU + shrink (kernels.lora's non-None results), counted."""
-    from engine.lora import batch as batch_module
-    from kernels import lora as lora_kernels
+    norm + shrink and SiLU + shrink (loramux_kernels.lora's non-None results), counted."""
+    from loramux_engine.lora import batch as batch_module
+    from loramux_kernels import lora as lora_kernels
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", setting)
     monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", setting)
     return count_fused_shrinks(monkeypatch, lora_kernels)
@@ -83,7 +83,7 @@ def test_one_adapter_batch_uniform_graph_matches_eager_and_hf(llama_family, llam
     `lora_gemm`, engine/lora/batch.py FUSED_LORA_GEMM, the LoRA inside the base GEMMs, in
     the eager engine's one-adapter steps too), with a padding row (no adapter) in its
     bucket: 3 rows -> bucket 4."""
-    from engine.lora import batch as batch_module
+    from loramux_engine.lora import batch as batch_module
     monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", lora_gemm)
     fused = count_fused(monkeypatch, norm_shrink)
     names = ["rs4", "ap8"]
@@ -107,7 +107,7 @@ def test_one_slot_taken_in_turns_by_adapters_in_the_base_gemms(llama_family, lla
     the one before), so only the pool's generation tells the spare rows that they hold
     stale weights; every batch replays the same uniform graph and gives HF + PEFT's
     tokens."""
-    from engine.lora import batch as batch_module
+    from loramux_engine.lora import batch as batch_module
     monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", "all")
     eng = engine(llama_family, False, ["rs4", "ap8"], max_loras=1)
     for i, name in enumerate(["rs4", "ap8", "rs4"]):
@@ -146,8 +146,8 @@ def test_triton_greedy_pick_in_the_graph_matches_torch_pick(llama_family, llama_
     (kernels/greedy_pick_triton.py, launched in their captures) and give the tokens and
     logprobs the torch pick gives in the same graphs (same logits: bf16 too); float32:
     the eager engine's and HF + PEFT's tokens too."""
-    from engine import cuda_graph
-    from kernels import greedy_pick_triton
+    from loramux_engine import cuda_graph
+    from loramux_kernels import greedy_pick_triton
     picks = []
     real = greedy_pick_triton.greedy_pick
     monkeypatch.setattr(greedy_pick_triton, "greedy_pick",

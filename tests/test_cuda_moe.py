@@ -6,10 +6,10 @@ dequantized model."""
 import pytest
 import torch
 
-from engine import Engine, EngineConfig
-from engine.model.batch import make_attention_metadata
+from loramux_engine import Engine, EngineConfig
+from loramux_engine.model.batch import make_attention_metadata
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
+from loramux_engine.model.llama import LlamaForCausalLM
 from tests.conftest import TinyFamily
 from tests.support.fp8 import make_fp8_pair
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model

@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from services.launcher import free_port
+from loramux_services.launcher import free_port
 from tests.test_openai_api import _health
 
 pytestmark = pytest.mark.timeout(300)

@@ -108,5 +108,5 @@ def test_engine_addresses_name_every_statefulset_pod(docs):
     pods = [f"loramux-engine-{i}.{engine['serviceName']}" for i in range(engine["replicas"])]
     assert config["LORAMUX_ENGINE_INPUT"].split(",") == [f"tcp://{p}:5555" for p in pods]
     assert config["LORAMUX_ENGINE_OUTPUT"].split(",") == [f"tcp://{p}:5556" for p in pods]
-    from services.common.replicas import addresses
+    from loramux_services.common.replicas import addresses
     assert len(addresses(config["LORAMUX_ENGINE_INPUT"], config["LORAMUX_ENGINE_OUTPUT"])) == 2

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from loramux_engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "héllo wörld, ça va? naïve café.",

@@ -8,10 +8,10 @@ kernel path (CUDA's): tests/test_kernel_path_extras.py, tests/test_cuda_graphs.p
 import pytest
 import torch
 
-from engine.lora import LoRASlotPool, load_lora
+from loramux_engine.lora import LoRASlotPool, load_lora
 from loramux_core.adapter.plan import plan_adapter
-from engine.lora.weights import weights_from_plan
-from engine.parallel import TPGroup
+from loramux_engine.lora.weights import weights_from_plan
+from loramux_engine.parallel import TPGroup
 from loramux_core.errors import AdapterError
 from tests.conftest import ADAPTER_SPECS, HFOracle, TinyFamily
 from tests.support.tiny import AdapterSpec, make_adapter, read_json
@@ -102,7 +102,7 @@ def test_factors_in_row_chunks(monkeypatch):
     ranks' partial sums of squares alike."""
     from types import SimpleNamespace
 
-    from engine.lora import dora
+    from loramux_engine.lora import dora
     g = torch.Generator().manual_seed(4)
     widths, K, R = (7, 5), 6, 3
     N = sum(widths)
@@ -133,7 +133,7 @@ def test_settle_is_ordered_after_the_loads_stream(monkeypatch):
     made, through an event the settling stream waited on."""
     from types import SimpleNamespace
 
-    from engine.lora import dora
+    from loramux_engine.lora import dora
     from tests.support import fake_cuda
     cuda = fake_cuda.install(monkeypatch)
     made = []   # (stream, position) of each partial norm computed
@@ -172,8 +172,8 @@ def test_no_device_memory_for_the_extras_refuses_the_adapter(family, monkeypatch
     that needs them, when it is read: a device without room refuses that adapter there
     (AdapterError naming the memory), and the engine serves on, plain adapters and base
     requests alike, and the same DoRA adapter once there is room."""
-    from engine.lora.dora import DoraFactors
-    from engine.lora.end_slots import EndSlots
+    from loramux_engine.lora.dora import DoraFactors
+    from loramux_engine.lora.end_slots import EndSlots
     from tests.test_end_lora_parity import SPECS as END_SPECS
 
     def no_room(*args, **kwargs):

@@ -18,8 +18,8 @@ from loramux import AdminClient, GenerateClient, LoramuxError
 from loramux.aio import AsyncGenerateClient
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 
-from engine import Engine, EngineConfig, SamplingParams
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from loramux_engine import Engine, EngineConfig, SamplingParams
+from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.conftest import served_engine_args
 from tests.support.streams import finish
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
@@ -276,7 +276,7 @@ def test_registered_not_loaded_is_failed_precondition(admin, gen):
 
 def test_admission_limit(cluster, files):
     cmd = cluster.command("gateway")
-    listen = f"127.0.0.1:{__import__('services.launcher', fromlist=['free_port']).free_port()}"
+    listen = f"127.0.0.1:{__import__('loramux_services.launcher', fromlist=['free_port']).free_port()}"
     cmd[cmd.index("--listen") + 1] = listen
     cmd[cmd.index("--ready-file") + 1] = str(files["root"] / "gw2.ready")
     proc = subprocess.Popen(cmd + ["--max-inflight", "2"], stderr=subprocess.DEVNULL)

@@ -6,8 +6,8 @@ idle every block free or cached and every adapter reference dropped; and proof t
 really overlap (step N+1 is launched before step N's update)."""
 import pytest
 
-from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.scheduler import Scheduler
+from loramux_engine import Engine, EngineConfig, FinishReason, SamplingParams
+from loramux_engine.scheduler import Scheduler
 from loramux_core.errors import InvalidRequestError
 from tests.test_engine_parity import (ADAPTERS, GREEDY, LENGTHS, MAX_NEW, assert_matches,
                                       make_engine, prompts_of)

@@ -2,7 +2,7 @@
 the real engine on the tiny Llama, outputs checked against the HF + PEFT oracle."""
 import pytest
 
-from engine import Engine, EngineConfig, FinishReason, SamplingParams
+from loramux_engine import Engine, EngineConfig, FinishReason, SamplingParams
 from tests.test_engine_parity import prompts_of
 
 BS = 8

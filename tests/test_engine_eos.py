@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from loramux_engine import Engine, EngineConfig, SamplingParams
 from tests.support.tiny import load_hf_model
 
 PROMPT = [5, 17, 40, 99, 3, 61]

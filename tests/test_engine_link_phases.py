@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from loramux_core.v1 import engine_pb2
-from services.control.engine_link import EngineLink, EngineUnavailable
+from loramux_services.control.engine_link import EngineLink, EngineUnavailable
 
 
 def _heartbeat(seq: int, phase: int) -> bytes:

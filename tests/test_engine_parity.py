@@ -5,7 +5,7 @@ the prefill chunk, on Llama (GQA) and Qwen2 (qkv bias); and batch invariance."""
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, FinishReason, SamplingParams
+from loramux_engine import Engine, EngineConfig, FinishReason, SamplingParams
 
 MAX_NEW = 8
 CHUNK = 32  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
@@ -99,9 +99,9 @@ def test_mixed_batch_with_norm_shrink_fused(llama_family, llama_oracle, monkeypa
     (kernels/lora/norm_shrink.py), down's inside the SiLU-and-multiply
     (kernels/lora/silu_shrink.py), under the Triton interpreter here, the expands after
     the matmuls; tokens equal the reference's and the engine's with the switches off."""
-    from engine.lora import batch as batch_module
-    from kernels import lora as lora_kernels
-    from kernels.lora import launch
+    from loramux_engine.lora import batch as batch_module
+    from loramux_kernels import lora as lora_kernels
+    from loramux_kernels.lora import launch
     lengths, adapters = [3, 9, 1, 14, 6], ["rs4", None, "ap8", "attn32", "rs4"]
     prompts = prompts_of(lengths, seed=5)
     off = make_engine(llama_family).generate(prompts, GREEDY, adapters)

@@ -3,7 +3,7 @@ finish reasons (stop strings, stop token ids, max_tokens), streaming deltas, see
 sampling, and adapter versions (reload gives a new id, deferred removal)."""
 import pytest
 
-from engine import (AdapterError, AdapterNotFoundError, AdapterUnavailableError,
+from loramux_engine import (AdapterError, AdapterNotFoundError, AdapterUnavailableError,
                     CapacityError, Engine, EngineConfig, FinishReason, InvalidRequestError,
                     PromptTooLongError, SamplingParams)
 from tests.support.tiny import AdapterSpec, make_adapter

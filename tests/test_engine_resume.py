@@ -6,7 +6,7 @@ token, counts the original prompt, and a seeded sampled request continues with t
 tokens. A bad resume is refused and disturbs nothing."""
 import pytest
 
-from engine import FinishReason, InvalidRequestError, SamplingParams
+from loramux_engine import FinishReason, InvalidRequestError, SamplingParams
 from tests.test_engine_parity import prompts_of
 from tests.test_engine_requests import eng  # noqa: F401 - the same small engine, a fixture
 

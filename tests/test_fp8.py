@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loramux_core.errors import ModelLoadError
-from engine import Engine, EngineConfig
-from engine.model.batch import make_attention_metadata
+from loramux_engine import Engine, EngineConfig
+from loramux_engine.model.batch import make_attention_metadata
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from kernels.fp8 import FP8_MAX, dequant_linear_ref, fp8_linear, quantize_rows
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_kernels.fp8 import FP8_MAX, dequant_linear_ref, fp8_linear, quantize_rows
 from tests.conftest import TEST_DEVICE, TinyFamily
 from tests.support.fp8 import make_fp8_pair, quantize
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
@@ -157,7 +157,7 @@ def test_malformed_checkpoints_refused(pair, tmp_path, edit, words):
 def test_dummy_weights_fill_fp8_layers(pair):
     """load_format="dummy" (GPU benchmarks of full-size FP8 shapes): FP8 matrices drawn
     N(0, 1) with row scales 1/sqrt(in), the same law as the dense dummy weights."""
-    from engine.model.dummy import init_dummy_weights
+    from loramux_engine.model.dummy import init_dummy_weights
 
     cfg = ModelConfig.from_dir(pair[0].model_dir)
     model = LlamaForCausalLM(cfg, fp8=True)
@@ -173,7 +173,7 @@ def test_dummy_weights_fill_fp8_layers(pair):
 def test_memory_sizing_counts_fp8_bytes(pair):
     """engine/resolve.py's weight estimate equals the FP8-GEMM model's parameters (one byte
     per projection weight, a float32 scale per row; biases left out as for every model)."""
-    from engine.resolve import weight_bytes
+    from loramux_engine.resolve import weight_bytes
 
     cfg = ModelConfig.from_dir(pair[0].model_dir)
     model = LlamaForCausalLM(cfg, fp8=True)
@@ -183,14 +183,14 @@ def test_memory_sizing_counts_fp8_bytes(pair):
 
 def test_quantize_kernel_runs_as_this_machine_needs():
     from tests.support.triton_mode import check_kernel_mode
-    check_kernel_mode(pytest.importorskip("kernels.fp8_triton"))
+    check_kernel_mode(pytest.importorskip("loramux_kernels.fp8_triton"))
 
 
 @pytest.mark.parametrize("M,K", [(1, 64), (5, 300), (3, 2500)])
 def test_quantize_kernel_matches_quantize_rows(M, K):
     """The one-launch activation quantization (kernels/fp8_triton.py) against the torch
     ops of quantize_rows: the same scales, the same FP8 values (a zero row included)."""
-    fp8_triton = pytest.importorskip("kernels.fp8_triton")
+    fp8_triton = pytest.importorskip("loramux_kernels.fp8_triton")
     gen = torch.Generator().manual_seed(K)
     x = (torch.randn(M, K, generator=gen) * 3).bfloat16()
     if M > 1:

@@ -14,8 +14,8 @@ import zmq.asyncio
 from loramux.v1 import generate_pb2
 
 from loramux_core.v1 import engine_pb2
-from services.gateway.engine_client import EngineClient
-from services.gateway.errors import Rejected
+from loramux_services.gateway.engine_client import EngineClient
+from loramux_services.gateway.errors import Rejected
 
 HEARTBEAT_TIMEOUT_S = 0.3
 FAILOVER_WAIT_S = 0.5

@@ -10,10 +10,10 @@ import grpc
 import pytest
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 
-from services.control.registry import AdapterRecord
-from services.control.table_publisher import TablePublisher
-from services.gateway.adapter_table import AdapterTable
-from services.gateway.errors import Rejected
+from loramux_services.control.registry import AdapterRecord
+from loramux_services.control.table_publisher import TablePublisher
+from loramux_services.gateway.adapter_table import AdapterTable
+from loramux_services.gateway.errors import Rejected
 
 
 def record(name: str, state: int) -> AdapterRecord:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import gc
 
-from engine import Engine, EngineConfig, SamplingParams
-from engine.telemetry import GcPauses
+from loramux_engine import Engine, EngineConfig, SamplingParams
+from loramux_engine.telemetry import GcPauses
 from loramux_core.gc_heap import freeze_heap
-from services.launcher import Cluster
-from services.serve_args import cluster_config, files, parse_args
+from loramux_services.launcher import Cluster
+from loramux_services.serve_args import cluster_config, files, parse_args
 from tests.support.served import ServedEngine
 from tests.support.tiny import TinySpec, make_model
 

@@ -19,8 +19,8 @@ from loramux import AdminClient, LoramuxError
 from loramux.aio import AsyncGenerateClient
 from loramux.v1 import generate_pb2
 
-from engine import Engine, EngineConfig, SamplingParams
-from services.launcher import free_port, wait_serving
+from loramux_engine import Engine, EngineConfig, SamplingParams
+from loramux_services.launcher import free_port, wait_serving
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def test_sigterm_drains_in_flight_streams(files):
 def test_sigterm_on_the_engine_alone_drains(files, tmp_path):
     """As compose stops one container: the engine refuses new requests and finishes the
     running ones before it exits."""
-    from services.launcher import Cluster, ClusterConfig
+    from loramux_services.launcher import Cluster, ClusterConfig
 
     # every step at least 30 ms: the streams run for 4.8 s or more however fast the machine,
     # so the refusal of a call made after the signal still comes while they run (160 steps

@@ -12,7 +12,7 @@ import time
 import zmq
 
 from loramux_core.v1 import engine_pb2
-from services.common.engine_connection import EngineConnection
+from loramux_services.common.engine_connection import EngineConnection
 
 TIMEOUT = 0.5
 

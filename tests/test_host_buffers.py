@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.lora import load_lora
-from engine.lora.host_buffers import HostBufferPool, populate
+from loramux_engine.lora import load_lora
+from loramux_engine.lora.host_buffers import HostBufferPool, populate
 from loramux_core.model.hf_config import ModelConfig
-from engine.parallel import TPGroup
+from loramux_engine.parallel import TPGroup
 from loramux_core.errors import AdapterError
 from tests.support.tiny import AdapterSpec, make_adapter, make_model
 

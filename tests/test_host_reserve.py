@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from engine.lora import load_lora
-from engine.lora.host_buffers import HostBufferPool
-from engine.lora.host_reserve import HostReserve
-from engine.lora.weights import full_copy_bytes
+from loramux_engine.lora import load_lora
+from loramux_engine.lora.host_buffers import HostBufferPool
+from loramux_engine.lora.host_reserve import HostReserve
+from loramux_engine.lora.weights import full_copy_bytes
 from loramux_core.model.hf_config import ModelConfig
 from tests.support.tiny import AdapterSpec, make_adapter, make_model
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from engine import Engine, EngineConfig
-from engine.server.events import engine_counters
+from loramux_engine import Engine, EngineConfig
+from loramux_engine.server.events import engine_counters
 from tests.test_engine_parity import (ADAPTERS, CHUNK, GREEDY, LENGTHS, MAX_NEW,
                                       assert_matches, prompts_of)
 

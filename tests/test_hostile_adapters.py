@@ -18,7 +18,7 @@ from loramux import AdminClient, GenerateClient, LoramuxError
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
 from loramux_core.open_audit import ENV as AUDIT_ENV
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.adapter_fuzz import CANARY, CONFIG, WEIGHTS, path_attacks, write_corpus
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
@@ -340,7 +340,7 @@ _READ_ALL = """
 import sys
 from loramux_core.safe_files import AdapterRoots
 from loramux_core.errors import AdapterError
-from engine.lora import load_lora
+from loramux_engine.lora import load_lora
 from loramux_core.model.hf_config import ModelConfig
 model, root, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
 mc, roots = ModelConfig.from_dir(model), AdapterRoots([root])

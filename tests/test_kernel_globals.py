@@ -16,11 +16,11 @@ from triton.runtime.jit import JITFunction
 
 KERNELS = (JITFunction, InterpretedFunction)  # compiled, or under TRITON_INTERPRET=1
 
-import kernels
+import loramux_kernels
 
 
 def _modules():
-    for info in pkgutil.walk_packages(kernels.__path__, "kernels."):
+    for info in pkgutil.walk_packages(loramux_kernels.__path__, "loramux_kernels."):
         yield importlib.import_module(info.name)
 
 
@@ -49,9 +49,9 @@ JIT = dict(_jit_functions())
 
 
 def test_the_kernels_are_found():
-    assert {"kernels.lora.token.lora_shrink_tok_kernel",
-            "kernels.lora.token.lora_expand_tok_kernel"} <= set(JIT)
-    assert any(name.startswith("kernels.attention") for name in JIT)
+    assert {"loramux_kernels.lora.token.lora_shrink_tok_kernel",
+            "loramux_kernels.lora.token.lora_expand_tok_kernel"} <= set(JIT)
+    assert any(name.startswith("loramux_kernels.attention") for name in JIT)
 
 
 @pytest.mark.parametrize("name", sorted(JIT))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lora import LoRABatch, LoRASlotPool, load_lora
-from engine.lora.pool import LoRAExtras
-from engine.model.batch import make_attention_metadata
-from engine.model.llama import LlamaForCausalLM
+from loramux_engine.lora import LoRABatch, LoRASlotPool, load_lora
+from loramux_engine.lora.pool import LoRAExtras
+from loramux_engine.model.batch import make_attention_metadata
+from loramux_engine.model.llama import LlamaForCausalLM
 from loramux_core.model.hf_config import ModelConfig
 from tests.conftest import TEST_DEVICE, HFOracle, TinyFamily
 from tests.support.kernel_path import lora_kernel_path
@@ -178,11 +178,11 @@ def test_graph_forward_matches_the_eager_step(family, greedy, pick, monkeypatch)
     after it (`head_lora`), equal the eager step's on the same cache. `pick`:
     engine/cuda_graph.py GREEDY_PICK; "triton" takes the kernel (on the CPU: the
     interpreter, the dispatch's CUDA check stood in for)."""
-    from engine import cuda_graph
-    from engine.cuda_graph import CudaGraphRunner
-    from kernels import greedy_pick_triton
-    from kernels import greedy_pick as pick_dispatch
-    from kernels.greedy_pick import greedy_pick
+    from loramux_engine import cuda_graph
+    from loramux_engine.cuda_graph import CudaGraphRunner
+    from loramux_kernels import greedy_pick_triton
+    from loramux_kernels import greedy_pick as pick_dispatch
+    from loramux_kernels.greedy_pick import greedy_pick
     from tests.test_cuda_graph_logic import _sched
     monkeypatch.setattr(cuda_graph, "GREEDY_PICK", pick)
     monkeypatch.setattr(pick_dispatch, "_gpu", lambda x: True)
@@ -238,7 +238,7 @@ def test_two_ranks_match_peft(family):
     groups (whole rows on a rank) and on row-parallel ones (o, down: the ranks' partial
     row norms summed by the all-reduce the first LoRA step settles), lm_head and
     embed_tokens LoRA (replicated on both ranks); every rank's logits equal PEFT's."""
-    from engine.parallel import TPGroup
+    from loramux_engine.parallel import TPGroup
     from tests.support.ranks import two_ranks
     model_dir, adapters = family
     cfg = ModelConfig.from_dir(model_dir)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention_kernels_triton
-from kernels.attention_ref import paged_attention_ref, store_kv_ref
-from kernels.attention_triton import paged_attention, store_kv
-from kernels.attention_metadata import AttentionMetadata
+from loramux_kernels import attention_kernels_triton
+from loramux_kernels.attention_ref import paged_attention_ref, store_kv_ref
+from loramux_kernels.attention_triton import paged_attention, store_kv
+from loramux_kernels.attention_metadata import AttentionMetadata
 from tests.support.triton_mode import check_kernel_mode
 
 CUDA = torch.cuda.is_available()

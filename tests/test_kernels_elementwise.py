@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import elementwise_kernels_triton
-from kernels import elementwise_triton as T
-from kernels.attention_ref import store_kv_ref
-from kernels.elementwise_ref import (add_rms_norm_ref, rms_norm_ref, rotary_ref,
+from loramux_kernels import elementwise_kernels_triton
+from loramux_kernels import elementwise_triton as T
+from loramux_kernels.attention_ref import store_kv_ref
+from loramux_kernels.elementwise_ref import (add_rms_norm_ref, rms_norm_ref, rotary_ref,
                                      silu_mul_ref)
 from tests.support.triton_mode import check_kernel_mode
 

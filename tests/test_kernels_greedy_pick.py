@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import greedy_pick as dispatch
-from kernels import greedy_pick_kernels_triton
-from kernels import greedy_pick_triton as T
-from kernels.greedy_pick_ref import greedy_pick_ref
+from loramux_kernels import greedy_pick as dispatch
+from loramux_kernels import greedy_pick_kernels_triton
+from loramux_kernels import greedy_pick_triton as T
+from loramux_kernels.greedy_pick_ref import greedy_pick_ref
 from tests.support.triton_mode import check_kernel_mode
 
 # the rows of only -inf compute nan on purpose (as torch does): numpy warns in the
@@ -116,7 +116,7 @@ def test_one_compiled_variant_for_every_batch_size():
 
 
 def test_dispatch_takes_the_kernel_only_when_asked_and_on_a_gpu(monkeypatch):
-    """kernels.greedy_pick: the reference unless `kernel` and the logits are on CUDA
+    """loramux_kernels.greedy_pick: the reference unless `kernel` and the logits are on CUDA
     with Triton (CUDA stood in for by patching the check: the kernel then runs in the
     interpreter here)."""
     calls = []
@@ -138,7 +138,7 @@ def test_bench_decode_switches_greedy_pick(monkeypatch):
     import importlib
     from types import SimpleNamespace
 
-    from engine import cuda_graph
+    from loramux_engine import cuda_graph
     bench = importlib.import_module("benchmarks.bench_decode")
     monkeypatch.setattr(cuda_graph, "GREEDY_PICK", "torch")
     released = []

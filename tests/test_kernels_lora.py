@@ -14,13 +14,13 @@ import importlib
 import pytest
 import torch
 
-from kernels.lora import launch, mixed, mixed_kernels, plan, segment, token
-from kernels.lora.launch import add_lora, build_meta
-from kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
-from kernels.lora.reference import add_lora_ref, lora_expand_ref, lora_shrink_ref
-from kernels.lora.segment import (add_lora_seg, build_tiles, fit_block, seg_expand, seg_shrink,
+from loramux_kernels.lora import launch, mixed, mixed_kernels, plan, segment, token
+from loramux_kernels.lora.launch import add_lora, build_meta
+from loramux_kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
+from loramux_kernels.lora.reference import add_lora_ref, lora_expand_ref, lora_shrink_ref
+from loramux_kernels.lora.segment import (add_lora_seg, build_tiles, fit_block, seg_expand, seg_shrink,
                                   tiles_bound)
-from kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
+from loramux_kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
 from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode
 
@@ -182,7 +182,7 @@ def test_token_path_uniform_and_mixed_groups(dtype, case, uniform):
 def test_launch_parameters_stay_in_range(uniform):
     """Every token count, slice count and width (Llama-3-8B, its TP=2 shards, the tests'):
     split-K chunks of at least 128 (or one split), at most one expand program per tile."""
-    from kernels.lora.token import default_n_chunks, default_split_k
+    from loramux_kernels.lora.token import default_n_chunks, default_split_k
     for T in range(1, 257):
         for S, Kdim in ((3, 4096), (1, 2048), (2, 4096), (1, 14336), (1, 7168), (2, K_IN)):
             split = default_split_k(T, S, Kdim, uniform)

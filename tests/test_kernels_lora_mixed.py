@@ -12,13 +12,13 @@ import importlib
 import pytest
 import torch
 
-from engine.lora.batch import spread_over_adapters
-from kernels.lora import launch, mixed, mixed_kernels, plan
-from kernels.lora.launch import add_lora, build_meta
-from kernels.lora.mixed import PARAMS, SEGMENTS, MixedParams, add_lora_mixed
-from kernels.lora.plan import (DEFAULT, MIXED, TABLE, TOKEN_PATH_MAX_TOKENS, TOKENS, gpu_key,
+from loramux_engine.lora.batch import spread_over_adapters
+from loramux_kernels.lora import launch, mixed, mixed_kernels, plan
+from loramux_kernels.lora.launch import add_lora, build_meta
+from loramux_kernels.lora.mixed import PARAMS, SEGMENTS, MixedParams, add_lora_mixed
+from loramux_kernels.lora.plan import (DEFAULT, MIXED, TABLE, TOKEN_PATH_MAX_TOKENS, TOKENS, gpu_key,
                                min_rows, shape_class)
-from kernels.lora.reference import add_lora_ref, lora_shrink_ref
+from loramux_kernels.lora.reference import add_lora_ref, lora_shrink_ref
 from tests.support.triton_mode import check_kernel_mode
 from tests.test_kernels_lora import DEV, SLICES, TOL, _inputs, _pool
 
@@ -369,7 +369,7 @@ def test_bench_decode_times_before_and_after_the_rule(monkeypatch):
     it times for 256 distinct adapters is the spread one, for 64 adapters round robin not."""
     from types import SimpleNamespace
 
-    from engine.cuda_graph import decode_buckets, graph_key
+    from loramux_engine.cuda_graph import decode_buckets, graph_key
     bench = importlib.import_module("benchmarks.bench_decode")
     monkeypatch.setattr(plan, "FORCED", None)
     released = []

@@ -5,10 +5,10 @@ the grouped GEMM alone, and the whole routed MLP with expert LoRA over a mixed b
 import pytest
 import torch
 
-from kernels import moe, moe_ref
+from loramux_kernels import moe, moe_ref
 from tests.support.triton_mode import check_kernel_mode
 
-moe_triton = pytest.importorskip("kernels.moe_triton")
+moe_triton = pytest.importorskip("loramux_kernels.moe_triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import lora as lora_kernels
-from kernels.lora import norm_shrink, silu_shrink
-from kernels.lora.launch import build_meta
-from kernels.lora.norm_shrink import add_rms_norm_shrink, expand_fused_shrunk, fits
-from kernels.lora.reference import add_lora_ref, add_rms_norm_shrink_ref, silu_mul_shrink_ref
-from kernels.lora.silu_shrink import silu_mul_shrink
+from loramux_kernels import lora as lora_kernels
+from loramux_kernels.lora import norm_shrink, silu_shrink
+from loramux_kernels.lora.launch import build_meta
+from loramux_kernels.lora.norm_shrink import add_rms_norm_shrink, expand_fused_shrunk, fits
+from loramux_kernels.lora.reference import add_lora_ref, add_rms_norm_shrink_ref, silu_mul_shrink_ref
+from loramux_kernels.lora.silu_shrink import silu_mul_shrink
 from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode
 
@@ -144,7 +144,7 @@ def test_bench_decode_switches_norm_shrink(monkeypatch):
     import importlib
     from types import SimpleNamespace
 
-    from engine.lora import batch as batch_module
+    from loramux_engine.lora import batch as batch_module
     bench = importlib.import_module("benchmarks.bench_decode")
     monkeypatch.setattr(bench, "_DEFAULT_PATH", {})
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", "off")
@@ -208,7 +208,7 @@ def test_silu_shrink_bfloat16(case):
 def test_each_setting_fuses_its_steps(setting, uniform_step, mixed_step, monkeypatch):
     """FUSED_NORM_SHRINK / FUSED_SILU_SHRINK: "uniform" fuses the steps whose rows share one
     adapter, "mixed" the others, "all" both, "off" none; a LoRABatch reads them once."""
-    from engine.lora import batch as batch_module
+    from loramux_engine.lora import batch as batch_module
     assert set(batch_module.NORM_SHRINK_MODES) == {"off", "uniform", "mixed", "all"}
     assert batch_module.FUSED_NORM_SHRINK in batch_module.NORM_SHRINK_MODES
     assert batch_module.FUSED_SILU_SHRINK in batch_module.NORM_SHRINK_MODES

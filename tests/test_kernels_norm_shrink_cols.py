@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora import norm_shrink_cols
-from kernels.lora.norm_shrink_cols import add_rms_norm_shrink_cols
-from kernels.lora.reference import add_lora_ref, add_rms_norm_shrink_cols_ref
+from loramux_kernels.lora import norm_shrink_cols
+from loramux_kernels.lora.norm_shrink_cols import add_rms_norm_shrink_cols
+from loramux_kernels.lora.reference import add_lora_ref, add_rms_norm_shrink_cols_ref
 from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode
 

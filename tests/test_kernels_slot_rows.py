@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import lora as lora_kernels
-from kernels.lora import slot_rows
-from kernels.lora.launch import add_lora, build_meta
-from kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
-from kernels.lora.reference import add_embedding_lora_ref, add_lora_ref, scale_rows_ref
-from kernels.lora.slot_rows import add_embedding_lora, scale_rows
+from loramux_kernels import lora as lora_kernels
+from loramux_kernels.lora import slot_rows
+from loramux_kernels.lora.launch import add_lora, build_meta
+from loramux_kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
+from loramux_kernels.lora.reference import add_embedding_lora_ref, add_lora_ref, scale_rows_ref
+from loramux_kernels.lora.slot_rows import add_embedding_lora, scale_rows
 from tests.support.triton_mode import check_kernel_mode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,7 +103,7 @@ def test_head_shaped_add_lora_matches_reference(T):
 
 
 def test_dispatch_takes_the_reference_off_cuda():
-    """kernels.lora's choice (CPU tensors: the references) gives the same values."""
+    """loramux_kernels.lora's choice (CPU tensors: the references) gives the same values."""
     ts = _slots(6, seed=9).cpu()
     y, scale = torch.randn(6, 8), torch.rand(L + 1, 8) + 0.5
     scale[-1] = 1

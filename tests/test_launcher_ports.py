@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 from loramux import AdminClient, GenerateClient
 
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.conftest import served_engine_args
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 

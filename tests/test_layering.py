@@ -34,11 +34,12 @@ ENGINE_CROSSINGS: dict[tuple[str, str], str] = {}
 # layer (a folder) -> import roots it must not use; the SDK's root is `loramux`, its
 # public protos `loramux.v1` are the one part of it others may import.
 FORBIDDEN = {
-    "kernels": ("engine", "services", "loramux", "loramux_core"),
-    "loramux_core": ("engine", "services", "kernels", "loramux"),
-    "clients/python/loramux": ("engine", "services", "kernels", "loramux_core"),
-    "engine": ("services", "loramux"),
-    "services": ("engine", "kernels"),
+    "kernels": ("loramux_engine", "loramux_services", "loramux", "loramux_core"),
+    "loramux_core": ("loramux_engine", "loramux_services", "loramux_kernels", "loramux"),
+    "clients/python/loramux": ("loramux_engine", "loramux_services", "loramux_kernels",
+                               "loramux_core"),
+    "engine": ("loramux_services", "loramux"),
+    "services": ("loramux_engine", "loramux_kernels"),
 }
 # The public protos, generated into the SDK (scripts/gen_protos.sh): the one part of the
 # SDK that the engine and the contract may import.
@@ -102,10 +103,10 @@ def test_every_listed_crossing_still_exists():
 def test_the_check_sees_a_forbidden_import(tmp_path):
     """The layering check can fail: one planted import of each kind is reported."""
     planted = {
-        "kernels/k.py": "from engine.model.batch import AttentionMetadata\n",
-        "engine/e.py": "def f():\n    from services.serve import main\n",
-        "services/s.py": "from engine.server.curve import ZmqKeys\n",
-        "services/control/main.py": "def f():\n    import engine.lora.weights\n",  # lazy, unlisted
+        "kernels/k.py": "from loramux_engine.model.batch import AttentionMetadata\n",
+        "engine/e.py": "def f():\n    from loramux_services.serve import main\n",
+        "services/s.py": "from loramux_engine.server.curve import ZmqKeys\n",
+        "services/control/main.py": "def f():\n    import loramux_engine.lora.weights\n",  # lazy, unlisted
         "clients/python/loramux/c.py": "from loramux_core.v1 import engine_pb2\n",
         "loramux_core/x.py": "from loramux import client\n",
         "engine/p.py": "from loramux.v1 import engine_pb2, generate_pb2\n",
@@ -127,11 +128,17 @@ def test_the_sdk_ships_only_the_public_protos():
 
 # ---- what importing a process's code loads -------------------------------------------------
 
+# import name -> the folder it lives in (pyproject's package-dir)
+FOLDERS = {"loramux_engine": "engine", "loramux_kernels": "kernels",
+           "loramux_services": "services"}
+
+
 def _packages(*names: str) -> list[str]:
-    """Every module of the given packages (services.gateway -> services.gateway.servicer, ...)."""
+    """Every module of the given packages (loramux_services.gateway -> loramux_services.gateway.servicer, ...)."""
     found = []
     for name in names:
-        base = ROOT / name.replace(".", "/")
+        top, _, rest = name.partition(".")
+        base = ROOT / FOLDERS.get(top, top) / rest.replace(".", "/")
         found += [".".join((name, *p.relative_to(base).with_suffix("").parts))
                   .removesuffix(".__init__") for p in sorted(base.rglob("*.py"))
                   if p.name != "__main__.py"]
@@ -139,15 +146,15 @@ def _packages(*names: str) -> list[str]:
 
 
 PROCESSES = {
-    "gateway": _packages("services.gateway", "services.common"),
-    "control plane": _packages("services.control", "services.common"),
+    "gateway": _packages("loramux_services.gateway", "loramux_services.common"),
+    "control plane": _packages("loramux_services.control", "loramux_services.common"),
     "SDK": ["loramux", "loramux.client", "loramux.aio", "loramux.tls", "loramux.v1.generate_pb2",
             "loramux.v1.generate_pb2_grpc", "loramux.v1.adapter_admin_pb2",
             "loramux.v1.adapter_admin_pb2_grpc"],
     "CLI": ["loramux.cli"],
     "contract": _packages("loramux_core"),
 }
-HEAVY = ("torch", "triton", "engine")
+HEAVY = ("torch", "triton", "loramux_engine")
 
 _PROBE = """
 import importlib, json, sys
@@ -177,10 +184,10 @@ def test_the_import_probe_sees_torch():
     """The probe can fail: importing the engine itself is reported."""
     env = {"PYTHONPATH": f"{ROOT}:{SDK}", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=set(HEAVY)),
-                          "engine.engine"], cwd=ROOT, env=env, capture_output=True,
+                          "loramux_engine.engine"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert {"torch", "engine"} <= set(json.loads(out.stdout))
+    assert {"torch", "loramux_engine"} <= set(json.loads(out.stdout))
 
 
 def _maps_torch(pid: int) -> bool:
@@ -196,7 +203,7 @@ def test_running_services_map_no_torch(tmp_path):
     library mapped; the engine, the check's witness, has."""
     from loramux.client import AdminClient, GenerateClient
 
-    from services.launcher import Cluster, ClusterConfig, wait_serving
+    from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
     from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
     model = make_model(tmp_path / "model", TinySpec())
@@ -231,7 +238,7 @@ def _module_name(path: Path, root: Path) -> str:
 
 def _target(module: str, known: set[str]) -> str | None:
     """The module of ours that importing `module` runs: itself, or the nearest package
-    above it that we have (`engine.lora.LoRASlotPool` -> engine.lora); None if not ours."""
+    above it that we have (`loramux_engine.lora.LoRASlotPool` -> loramux_engine.lora); None if not ours."""
     while module and module not in known:
         module = module.rpartition(".")[0]
     return module or None

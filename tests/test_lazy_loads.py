@@ -14,7 +14,7 @@ import time
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine import Engine, EngineConfig, SamplingParams
+from loramux_engine import Engine, EngineConfig, SamplingParams
 from loramux_core.v1 import engine_pb2
 from tests.support.served import ServedEngine
 
@@ -218,7 +218,7 @@ def test_loading_a_lazily_loaded_name_again_changes_nothing(tmp_path):
     same id, not a reload)."""
     from loramux import AdminClient
 
-    from services.launcher import Cluster, ClusterConfig
+    from loramux_services.launcher import Cluster, ClusterConfig
     from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
     model = make_model(tmp_path / "model", TinySpec())

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from engine.adapters.host_cache import PIN, HostCache
+from loramux_engine.adapters.host_cache import PIN, HostCache
 from loramux_core.errors import CapacityError
 from tests.support.tiny import AdapterSpec, make_adapter
 from tests.test_engine_parity import prompts_of

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.adapters.slots import SlotTable
+from loramux_engine import Engine, EngineConfig, FinishReason, SamplingParams
+from loramux_engine.adapters.slots import SlotTable
 from loramux_core.errors import AdapterNotFoundError, InvalidRequestError
 from tests.test_engine_parity import prompts_of
 

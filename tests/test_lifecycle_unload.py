@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from engine.adapters.slots import SlotTable
-from engine.kv.kv_cache_manager import KVCacheManager
-from engine.scheduler import Scheduler, SchedulerConfig
+from loramux_engine.adapters.slots import SlotTable
+from loramux_engine.kv.kv_cache_manager import KVCacheManager
+from loramux_engine.scheduler import Scheduler, SchedulerConfig
 from loramux_core.errors import AdapterUnavailableError
 from tests.test_engine_parity import prompts_of
 from tests.test_lifecycle_tiers import checked, greedy, make_engine, run_to_end

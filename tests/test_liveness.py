@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loramux import GenerateClient, LoramuxError
 from loramux.v1 import generate_pb2
 
-from engine import Engine, EngineConfig
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from loramux_engine import Engine, EngineConfig
+from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.served import ServedEngine
 from tests.support.tiny import TinySpec, make_model
 
@@ -222,5 +222,5 @@ def _health(address: str) -> int:
 
 
 def _greedy(n: int):
-    from engine import SamplingParams
+    from loramux_engine import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

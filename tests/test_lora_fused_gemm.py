@@ -2,7 +2,7 @@
 FUSED_LORA_GEMM): o's and down's shrink as extra output rows of their base weights,
 q/k/v's and gate/up's expand as extra input columns beside the norm's output.
 
-The expand that finishes it (kernels.lora.expand_rows) against the torch reference on
+The expand that finishes it (loramux_kernels.lora.expand_rows) against the torch reference on
 strided views of one GEMM output, random B, ranks below the pool's, base rows; then the
 tiny Llama with the spare rows, its LoRA kernels in Triton's interpreter on the CPU
 (natively on CUDA), against transformers + PEFT and against the same model without the
@@ -15,14 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lora import LoRABatch, LoRASlotPool, load_lora
-from engine.lora import batch as batch_module
-from engine.lora.fused import FusedAdapter
-from engine.model.batch import make_attention_metadata
-from engine.model.llama import LlamaForCausalLM
-from kernels.lora import launch
-from kernels.lora.launch import build_meta
-from kernels.lora.reference import lora_expand_ref
+from loramux_engine.lora import LoRABatch, LoRASlotPool, load_lora
+from loramux_engine.lora import batch as batch_module
+from loramux_engine.lora.fused import FusedAdapter
+from loramux_engine.model.batch import make_attention_metadata
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_kernels.lora import launch
+from loramux_kernels.lora.launch import build_meta
+from loramux_kernels.lora.reference import lora_expand_ref
 from loramux_core.model.hf_config import ModelConfig
 from tests.support.kernel_path import lora_kernel_path
 from tests.support.lora_pool import slot_pool
@@ -51,7 +51,7 @@ def test_expand_rows_matches_reference(T, dtype):
         out = torch.randn(T, N + R, generator=g).to(DEV, dtype)
         before, want = out.clone(), out.clone()
         lora_expand_ref(want[:, N:].float()[None], b, ts, (0, N), want[:, :N])
-        from kernels import lora as lora_kernels
+        from loramux_kernels import lora as lora_kernels
         lora_kernels.expand_rows(out[:, :N], out[:, N:], b, ts, ranks, build_meta(ts, 3))
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(out, want, **tol)
@@ -210,7 +210,7 @@ def test_engine_takes_the_gemms_for_adapters_in_turns(llama_family, monkeypatch)
     again take turns in slot 0, each for a batch of its own (eager prefill and decode
     steps, every one on the fused GEMMs: no add_lora); greedy tokens and logprobs equal
     PEFT's, and the spare room was filled again at each turn."""
-    from engine import assembly
+    from loramux_engine import assembly
     from tests.conftest import HFOracle
     from tests.test_engine_parity import GREEDY, MAX_NEW, assert_matches, make_engine, prompts_of
     monkeypatch.setattr(batch_module, "FUSED_LORA_GEMM", "all")

@@ -10,11 +10,11 @@ import pytest
 import torch
 from peft import PeftModel
 
-from engine.lora import LoRABatch, LoRASlotPool, load_lora
+from loramux_engine.lora import LoRABatch, LoRASlotPool, load_lora
 from loramux_core.model.hf_config import ModelConfig
 from loramux_core.model.archs.llama import DECODER_TARGETS
 from loramux_core.model.lora_targets import full_shape, lora_group_shapes, lora_shard
-from engine.parallel import TPGroup
+from loramux_engine.parallel import TPGroup
 from tests.support.kernel_path import count_fused_shrinks
 from tests.support.tiny import (AdapterSpec, load_hf_model, make_adapter, make_model, read_json,
                                 write_json)
@@ -149,7 +149,7 @@ TRITON_DEVICES = [pytest.param("cpu", marks=_INTERPRETED), DEVICES[1]]
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixed_batch_matches_peft(setup, device):
-    """On CUDA: pool on the device, pinned host copies, the Triton kernel via kernels.lora."""
+    """On CUDA: pool on the device, pinned host copies, the Triton kernel via loramux_kernels.lora."""
     cfg, dirs, peft_models = setup
     names = list(dirs)
     pool = _loaded_pool(cfg, dirs, names, device)
@@ -171,8 +171,8 @@ def test_one_adapter_batch_matches_peft(setup, device, monkeypatch):
     uniform: the token kernels' two launches per group with the launch parameters tuned
     for one adapter; natively on CUDA and under the Triton interpreter on the CPU (in
     place of the CPU's reference)."""
-    from kernels import lora as lora_kernels
-    from kernels.lora import launch
+    from loramux_kernels import lora as lora_kernels
+    from loramux_kernels.lora import launch
     if device == "cpu":
         monkeypatch.setattr(lora_kernels, "add_lora", launch.add_lora)
     cfg, dirs, peft_models = setup
@@ -202,8 +202,8 @@ def test_prefill_batch_matches_peft(setup, device, monkeypatch):
     and a few of other adapters, base-model rows between them, shuffled. The tile-list
     prefill kernels (kernels/lora/segment.py), natively on CUDA and under the Triton
     interpreter on the CPU (in place of the CPU's reference)."""
-    from kernels import lora as lora_kernels
-    from kernels.lora import launch
+    from loramux_kernels import lora as lora_kernels
+    from loramux_kernels.lora import launch
     if device == "cpu":
         monkeypatch.setattr(lora_kernels, "add_lora", launch.add_lora)
     cfg, dirs, peft_models = setup
@@ -295,11 +295,11 @@ def test_tensor_parallel_shards_sum_to_full_delta(setup, tp_size):
 
 
 def _count_fused(monkeypatch, device: str) -> list[int]:
-    """The fused launches of kernels.lora.norm_shrink_ahead and silu_shrink_ahead counted;
+    """The fused launches of loramux_kernels.lora.norm_shrink_ahead and silu_shrink_ahead counted;
     on the CPU their Triton forms (interpreted) in place of the dispatcher's None, so the
     fused paths really run there too."""
-    from kernels import lora as lora_kernels
-    from kernels.lora import launch
+    from loramux_kernels import lora as lora_kernels
+    from loramux_kernels.lora import launch
     return count_fused_shrinks(monkeypatch, launch if device == "cpu" else lora_kernels)
 
 
@@ -312,8 +312,8 @@ def test_norm_shrink_then_expand_matches_peft(setup, device, mode, case, monkeyp
     before down too (kernels/lora/silu_shrink.py); `apply` only expands. The norm's and
     activation's outputs equal the references', the deltas PEFT's on those rows; base
     rows get nothing."""
-    from engine.lora import batch as batch_module
-    from kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
+    from loramux_engine.lora import batch as batch_module
+    from loramux_kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
     monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", mode)
     monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", mode)
     calls = _count_fused(monkeypatch, device)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.lora import LoRASlotPool, load_lora, validate_lora
+from loramux_engine.lora import LoRASlotPool, load_lora, validate_lora
 from loramux_core.adapter.config import _MATH_CHANGING_FLAGS
 from loramux_core.model.hf_config import ModelConfig
 from loramux_core.errors import AdapterError

@@ -13,7 +13,7 @@ from loramux import AdminClient, GenerateClient, LoramuxError
 from loramux.aio import AsyncGenerateClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 pytestmark = pytest.mark.timeout(300)

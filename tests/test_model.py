@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.model.batch import make_attention_metadata
+from loramux_engine.model.batch import make_attention_metadata
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.model.rotary import inverse_frequencies
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_engine.model.rotary import inverse_frequencies
 from tests.support.tiny import TinySpec, load_hf_model, make_model
 
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.parallel import TPGroup
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_engine.parallel import TPGroup
 from loramux_core.errors import ModelLoadError
 from tests.support.tiny import TinySpec, make_model
 

@@ -15,11 +15,11 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from loramux_core.model import lora_targets
-from engine.model.batch import make_attention_metadata
+from loramux_engine.model.batch import make_attention_metadata
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.parallel import TPGroup
-from kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_engine.parallel import TPGroup
+from loramux_kernels.elementwise_ref import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
 from tests.support.tiny import TinySpec, load_hf_model, make_model
 
 RANK_R = 4

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from engine.lora import LoRASlotPool, load_lora
+from loramux_engine.lora import LoRASlotPool, load_lora
 from loramux_core.model import archs, lora_targets
 from loramux_core.model.archs.base import Architecture
 from loramux_core.model.archs.llama import ARCH as LLAMA
@@ -74,8 +74,8 @@ def test_the_model_loads_its_projections_under_the_declared_names(arch, tmp_path
     import torch
     from safetensors import safe_open
 
-    from engine.model.build import build_model
-    from engine.parallel import TPGroup
+    from loramux_engine.model.build import build_model
+    from loramux_engine.parallel import TPGroup
     from tests.support.tiny import TinySpec, make_model
 
     model_dir = make_model(tmp_path / arch, TinySpec(arch=arch, seed=3))

@@ -8,9 +8,9 @@ LoRA and of DoRA)."""
 import pytest
 import torch
 
-from engine.model.batch import make_attention_metadata
+from loramux_engine.model.batch import make_attention_metadata
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
+from loramux_engine.model.llama import LlamaForCausalLM
 from tests.conftest import HFOracle, TinyFamily
 from tests.support.tiny import AdapterSpec, TinySpec, load_hf_model, make_adapter, make_model
 from tests.test_engine_parity import GREEDY, MAX_NEW, assert_matches, make_engine, prompts_of
@@ -131,8 +131,8 @@ def test_memory_sizing_counts_the_experts(family):
     the estimate leaves out biases, as for every family)."""
     from safetensors import safe_open
 
-    from engine import EngineConfig
-    from engine.resolve import weight_bytes
+    from loramux_engine import EngineConfig
+    from loramux_engine.resolve import weight_bytes
 
     with safe_open(str(family.model_dir / "model.safetensors"), "pt") as f:
         total = sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys()
@@ -147,7 +147,7 @@ def test_partial_adapters_load_over_poisoned_host_buffers(family, tmp_path, monk
     before use, and adapters that fill only part of the host layout (attention only,
     expert down_proj only, ranks below the largest) still load and match PEFT. Only the
     bytes an adapter writes may be checked for finite values."""
-    from engine.lora.host_buffers import HostBufferPool
+    from loramux_engine.lora.host_buffers import HostBufferPool
 
     acquire = HostBufferPool.acquire
 

@@ -31,7 +31,7 @@ def adapter(base, tmp_path):
 
 
 def test_good_adapter_loads(base, adapter):
-    from engine.lora import load_lora
+    from loramux_engine.lora import load_lora
     weights = load_lora(adapter, base[0], MAX_RANK)
     assert set(weights.experts) == {(0, "gate_up_proj"), (0, "down_proj")}
     a, b = weights.experts[(0, "gate_up_proj")]

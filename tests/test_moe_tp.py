@@ -6,7 +6,7 @@ LoRA and DoRA (on column-parallel modules, whose rows are whole on a rank, and o
 row-parallel ones, whose row norms are summed across the ranks)."""
 import pytest
 
-from engine import Engine, EngineConfig
+from loramux_engine import Engine, EngineConfig
 from tests.conftest import TinyFamily
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 from tests.test_engine_parity import GREEDY, assert_matches, prompts_of

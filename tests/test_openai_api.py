@@ -23,8 +23,8 @@ import pytest
 from loramux import AdminClient, GenerateClient, LoramuxError
 
 from loramux_core.tokenizer import Tokenizer
-from services.common.chat_template import ChatTemplate
-from services.launcher import free_port, wait_serving
+from loramux_services.common.chat_template import ChatTemplate
+from loramux_services.launcher import free_port, wait_serving
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 TOKEN = "http-s3cret"
@@ -483,8 +483,8 @@ def test_overload_retry_info_and_sdk_retries(server, admin):
 def test_overload_and_unavailability_map_to_429_and_503():
     """The mapping a dead or draining engine takes (UNAVAILABLE), next to the admission
     limit's (RESOURCE_EXHAUSTED, seen end to end above)."""
-    from services.gateway.errors import Rejected
-    from services.gateway.http_api import ApiError, error_response
+    from loramux_services.gateway.errors import Rejected
+    from loramux_services.gateway.http_api import ApiError, error_response
 
     for code, status, kind in ((grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
                                (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.output_processor import OutputProcessor, token_stop
-from engine.outputs import FinishReason
-from engine.request import Request
-from engine.scheduler import Sampled
+from loramux_engine.output_processor import OutputProcessor, token_stop
+from loramux_engine.outputs import FinishReason
+from loramux_engine.request import Request
+from loramux_engine.scheduler import Sampled
 from loramux_core.sampling import SamplingParams
 
 EOS = 2

@@ -74,7 +74,7 @@ def _distributions(imports: set[str]) -> set[str]:
 
 @pytest.mark.parametrize("package,roots,own", [
     ("pyproject.toml", ["engine", "kernels", "loramux_core", "services"],
-     {"engine", "kernels", "loramux_core", "services"}),
+     {"loramux_engine", "loramux_kernels", "loramux_core", "loramux_services"}),
     ("clients/python/pyproject.toml", ["clients/python/loramux"], {"loramux"}),
 ])
 def test_runtime_imports_are_declared_and_declarations_used(package, roots, own):
@@ -116,28 +116,12 @@ def test_every_requirement_has_a_floor():
 
 
 @pytest.mark.parametrize("package", ["pyproject.toml", "clients/python/pyproject.toml"])
-def test_build_prints_no_deprecation_warning(package, tmp_path):
-    """Metadata is written the way setuptools keeps supporting (an SPDX `license` string
-    instead of the table deprecated in setuptools 77): building a wheel of the package's
-    pyproject.toml (with its readme, no modules: the warnings come from the metadata)
-    prints no deprecation warning, and the build backend's floor is one that reads it."""
-    import subprocess
-
+def test_metadata_is_written_the_way_setuptools_keeps_supporting(package):
+    """An SPDX `license` string instead of the table deprecated in setuptools 77, and a
+    build backend floor that reads it (tests/test_wheels.py builds both wheels and checks
+    that the build prints no deprecation warning)."""
     source = REPO / package
-    project = _project(source)
-    assert isinstance(project["license"], str), "license as an SPDX string"
+    assert isinstance(_project(source)["license"], str), "license as an SPDX string"
     with open(source, "rb") as f:
         requires = tomllib.load(f)["build-system"]["requires"]
     assert _floor(next(r for r in requires if r.startswith("setuptools"))) >= (77,)
-    tree = tmp_path / "src"
-    tree.mkdir()
-    (tree / "pyproject.toml").write_bytes(source.read_bytes())
-    if "readme" in project:
-        (tree / project["readme"]).write_text("readme\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "-v", "-w", str(tmp_path / "wheel"), str(tree)],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    output = (proc.stdout + proc.stderr).replace(str(tmp_path), "TMP")  # the test's name
-    assert "deprecat" not in output.lower(), output[-3000:]

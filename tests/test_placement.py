@@ -12,10 +12,10 @@ import pytest
 from loramux.v1 import adapter_admin_pb2 as pb
 
 from loramux_core.v1 import engine_pb2
-from services.control.engine_link import EngineUnavailable
-from services.control.manager import AdapterManager, AdminError
-from services.control.paths import AdapterRoots
-from services.control.registry import AdapterRecord, Registry
+from loramux_services.control.engine_link import EngineUnavailable
+from loramux_services.control.manager import AdapterManager, AdminError
+from loramux_services.control.paths import AdapterRoots
+from loramux_services.control.registry import AdapterRecord, Registry
 
 _K = engine_pb2.AdapterCommandKind
 LOAD, UNLOAD, PIN = (_K.ADAPTER_COMMAND_KIND_LOAD, _K.ADAPTER_COMMAND_KIND_UNLOAD,

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.precompile import (_Workers, default_workers, fingerprint, list_variants, precompile,
+from loramux_engine.config import EngineConfig
+from loramux_engine.precompile import (_Workers, default_workers, fingerprint, list_variants, precompile,
                                read_mark)
 from triton import knobs
 
@@ -43,7 +43,7 @@ def test_workers_compile_what_they_are_fed_and_count_what_they_could_not(tmp_pat
     what it could not compile (here every one: no GPU, or no such kernel) and exits
     cleanly when its input ends; the total is every variant sent."""
     workers = _Workers(2, tmp_path)
-    bad = [("kernels.elementwise_kernels_triton", "no_such_kernel", "{}"),
+    bad = [("loramux_kernels.elementwise_kernels_triton", "no_such_kernel", "{}"),
            ("no.such.module", "k", "{}"), ("no.such.module", "k2", "{}")]
     for variant in bad:
         workers.send(variant)
@@ -77,7 +77,7 @@ def test_the_cache_mark_follows_what_picks_variants(llama_family):
 
 @pytest.mark.engine_device("cpu")  # the device it names, whatever the suite's
 def test_the_cpu_has_nothing_to_precompile(llama_family):
-    from engine.engine import Engine
+    from loramux_engine.engine import Engine
 
     eng = Engine(EngineConfig(model=str(llama_family.model_dir), device="cpu", max_loras=2,
                               num_kv_blocks=16, max_num_batched_tokens=16))
@@ -86,7 +86,7 @@ def test_the_cpu_has_nothing_to_precompile(llama_family):
 
 
 def test_the_cache_mark_keeps_the_covering_shapes(tmp_path):
-    from engine.warmup import EagerShape
+    from loramux_engine.warmup import EagerShape
 
     shapes = (EagerShape(1, 1, 0, True), EagerShape(66, 17, 233, True, spread=False))
     mark = tmp_path / "mark"

@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.kv.kv_cache_manager import KVCacheManager
-from engine.kv.prefix_cache import hash_block, hash_blocks
+from loramux_engine.kv.kv_cache_manager import KVCacheManager
+from loramux_engine.kv.prefix_cache import hash_block, hash_blocks
 
 BS = 4
 

@@ -9,7 +9,7 @@ import asyncio
 import zmq
 
 from loramux_core.v1 import engine_pb2
-from services.common.engine_connection import EngineConnection
+from loramux_services.common.engine_connection import EngineConnection
 
 FLOOD = 100_000
 

@@ -13,10 +13,10 @@ import shutil
 import pytest
 from loramux import AdminClient
 
-from engine import Engine, EngineConfig
+from loramux_engine import Engine, EngineConfig
 from loramux_core.v1 import engine_pb2
-from services.control.registry import Registry
-from services.launcher import Cluster
+from loramux_services.control.registry import Registry
+from loramux_services.launcher import Cluster
 from tests.support import digests
 from tests.support.replay import replayed, start_engine_and_control
 from tests.support.served import ServedEngine

@@ -10,9 +10,9 @@ import pytest
 from loramux import AdminClient
 from loramux.v1 import adapter_admin_pb2 as pb
 
-from services.control.binding import binding_for, model_fingerprint, prepare
-from services.control.registry import AdapterRecord, Registry
-from services.launcher import Cluster
+from loramux_services.control.binding import binding_for, model_fingerprint, prepare
+from loramux_services.control.registry import AdapterRecord, Registry
+from loramux_services.launcher import Cluster
 from tests.support.replay import replayed, start_engine_and_control
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 

@@ -25,8 +25,8 @@ from loramux.aio import AsyncGenerateClient
 from loramux.v1 import adapter_admin_pb2 as admin_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import Engine, EngineConfig, SamplingParams
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from loramux_engine import Engine, EngineConfig, SamplingParams
+from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.streams import finish
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 

@@ -8,16 +8,16 @@ import os
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.kv.sizing import blocks_for_memory
-from engine.lora import LoRASlotPool
+from loramux_engine.config import EngineConfig
+from loramux_engine.engine import Engine
+from loramux_engine.kv.sizing import blocks_for_memory
+from loramux_engine.lora import LoRASlotPool
 from loramux_core.model.hf_config import ModelConfig, parse_config
-from engine.model.llama import LlamaForCausalLM
-from engine.parallel import TPGroup
-from engine.resolve import (MAX_AUTO_LORAS, MachineFacts, adapter_bytes, resolve_config,
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_engine.parallel import TPGroup
+from loramux_engine.resolve import (MAX_AUTO_LORAS, MachineFacts, adapter_bytes, resolve_config,
                             runtime_reserve_bytes, usable_gpu_bytes, weight_bytes)
-from engine.server.main import build_parser, engine_config
+from loramux_engine.server.main import build_parser, engine_config
 from loramux_core.errors import InvalidRequestError
 
 GiB = 1 << 30

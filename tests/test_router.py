@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from loramux.v1 import adapter_admin_pb2 as pb
 
-from services.common.replicas import addresses
-from services.gateway.router import Choice, ReplicaView, choose
-from services.launcher import device_sets
+from loramux_services.common.replicas import addresses
+from loramux_services.gateway.router import Choice, ReplicaView, choose
+from loramux_services.launcher import device_sets
 
 SLOT, HOST, DISK = pb.RESIDENCY_DEVICE, pb.RESIDENCY_HOST, pb.RESIDENCY_DISK
 
@@ -93,7 +93,7 @@ def test_device_sets_and_addresses():
 
 
 def test_serve_replicas_flag(monkeypatch, capsys):
-    from services.serve_args import cluster_config, files, parse_args
+    from loramux_services.serve_args import cluster_config, files, parse_args
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(SystemExit):  # two TP groups of two need four devices

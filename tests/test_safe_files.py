@@ -207,7 +207,7 @@ def test_header_of_a_real_file_matches_safetensors(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from engine.lora.tensor_view import tensor
+    from loramux_engine.lora.tensor_view import tensor
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7, 2).to(torch.bfloat16),
                "c": torch.randn(4).double()}
     save_file(tensors, tmp_path / "w.safetensors", metadata={"format": "pt"})

@@ -11,8 +11,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from engine.sampling import RequestSeeds, Sampler, SamplingState
-from engine.sampling.processors import apply_min_p, apply_top_k_top_p
+from loramux_engine.sampling import RequestSeeds, Sampler, SamplingState
+from loramux_engine.sampling.processors import apply_min_p, apply_top_k_top_p
 from loramux_core.sampling import SamplingParams
 
 VOCAB = 97
@@ -321,7 +321,7 @@ def _noise_reference(key: int, column: int) -> float:
 
 
 def test_counter_noise_matches_its_reference_and_is_gumbel():
-    from engine.sampling.noise import gumbel_noise
+    from loramux_engine.sampling.noise import gumbel_noise
 
     gen = torch.Generator().manual_seed(6)
     keys = [0, 2**63 - 1, 2**63, 2**64 - 1] + torch.randint(0, 2**62, (4,), generator=gen).tolist()

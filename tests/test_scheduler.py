@@ -2,12 +2,12 @@
 deferral, chunked-prefill budget, preemption order and resume, abort, slot eviction."""
 import pytest
 
-from engine.adapters.slots import SlotTable
-from engine.kv.kv_cache_manager import KVCacheManager
-from engine.output_processor import token_stop
-from engine.outputs import FinishReason
-from engine.request import Request, RequestStatus
-from engine.scheduler import Sampled, Scheduler, SchedulerConfig
+from loramux_engine.adapters.slots import SlotTable
+from loramux_engine.kv.kv_cache_manager import KVCacheManager
+from loramux_engine.output_processor import token_stop
+from loramux_engine.outputs import FinishReason
+from loramux_engine.request import Request, RequestStatus
+from loramux_engine.scheduler import Sampled, Scheduler, SchedulerConfig
 from loramux_core.sampling import SamplingParams
 
 BS = 4

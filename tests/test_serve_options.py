@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.server import main as engine_main
+from loramux_engine.config import EngineConfig
+from loramux_engine.server import main as engine_main
 from loramux_core.options import ENGINE_OPTIONS
-from services.gateway import main as gateway_main
-from services.launcher import Cluster
-from services.serve_args import Plan, cluster_config, files, parse_args
+from loramux_services.gateway import main as gateway_main
+from loramux_services.launcher import Cluster
+from loramux_services.serve_args import Plan, cluster_config, files, parse_args
 from tests.support.tiny import TinySpec, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def test_bad_values_are_one_line_naming_the_flag(tmp_path, capsys):
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and flag in err, (argv, err)
-    from services.control import main as control_main
+    from loramux_services.control import main as control_main
     for parser, argv, flag in [
         (engine_main.build_parser(), ["--block-size", "0"], "--block-size"),
         (engine_main.build_parser(), ["--shutdown-grace", "-1"], "--shutdown-grace"),
@@ -198,7 +198,7 @@ def test_serve_help_through_the_sdk_command():
 
 def test_engine_server_bad_environment_is_one_line(model):
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.server", "--model", model, "--input", "tcp://127.0.0.1:1",
+        [sys.executable, "-m", "loramux_engine.server", "--model", model, "--input", "tcp://127.0.0.1:1",
          "--output", "tcp://127.0.0.1:2", "--insecure-zmq"], cwd=ROOT, capture_output=True,
         text=True, timeout=120, env={**os.environ, "LORAMUX_MAX_LORAS": "lots"})
     _one_line_error(proc, "LORAMUX_MAX_LORAS", "--max-loras")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from services.launcher import free_port
+from loramux_services.launcher import free_port
 from tests.support.serve_process import ENV, ROOT
 from tests.support.tiny import TinySpec, make_model
 
@@ -79,7 +79,7 @@ def _links() -> list[str]:
 
 
 def test_control_plane_names_its_taken_listen_port(model, taken, tmp_path):
-    proc = _run("-m", "services.control", "--model", model, "--adapter-root", model,
+    proc = _run("-m", "loramux_services.control", "--model", model, "--adapter-root", model,
                 "--db", str(tmp_path / "r.sqlite"), "--table-address",
                 f"tcp://127.0.0.1:{free_port()}", "--listen", f"127.0.0.1:{taken}", *_links())
     assert proc.returncode == 2
@@ -93,7 +93,7 @@ def test_gateway_names_its_taken_port(flag, model, taken):
     ports = {"--listen": f"127.0.0.1:{free_port()}", "--http-port": str(free_port()),
              "--metrics-port": str(free_port())}
     ports[flag] = f"127.0.0.1:{taken}" if flag == "--listen" else str(taken)
-    proc = _run("-m", "services.gateway", "--model", model, "--table-address",
+    proc = _run("-m", "loramux_services.gateway", "--model", model, "--table-address",
                 f"tcp://127.0.0.1:{free_port()}", *_links(),
                 *[a for f, v in ports.items() for a in (f, v)])
     assert proc.returncode == 2

@@ -18,7 +18,7 @@ import pytest
 from loramux import AdminClient, GenerateClient, LoramuxError
 from loramux.aio import AsyncGenerateClient
 
-from services.launcher import wait_serving
+from loramux_services.launcher import wait_serving
 from tests.support.serve_process import ServeProcess
 from tests.support.streams import finish
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model

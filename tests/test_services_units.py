@@ -19,8 +19,8 @@ from loramux.v1 import generate_pb2
 from loramux_core.errors import (AdapterNotFoundError, AdapterUnavailableError, CapacityError,
                                  EngineDeadError, PromptTooLongError, error_code)
 from loramux_core.sampling import sampling_from_proto
-from services.control.paths import AdapterRoots, PathRefused, check_name
-from services.control.registry import AdapterRecord, Registry
+from loramux_services.control.paths import AdapterRoots, PathRefused, check_name
+from loramux_services.control.registry import AdapterRecord, Registry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def test_registry_deferred_writes_are_committed_by_flush(tmp_path):
 def test_group_commit_answers_only_after_the_commit_and_shares_it(tmp_path):
     """Calls that defer their writes return only when those are on disk; calls finishing
     together share one commit; outside `deferring` writes go to disk at once."""
-    from services.control.group_commit import GroupCommit
+    from loramux_services.control.group_commit import GroupCommit
 
     db = str(tmp_path / "r.sqlite")
     reg, flushes = Registry(db), []
@@ -137,7 +137,7 @@ def test_sampling_conversion_and_error_codes():
 
 def test_engine_event_counters_are_typed():
     """Every counter of an Engine.stats() snapshot reaches its EngineCounters field."""
-    from engine.server.events import engine_event
+    from loramux_engine.server.events import engine_event
 
     stats = {"num_kv_blocks": 900, "free_kv_blocks": 850, "running": 3, "waiting": 2,
              "slots_used": 2, "host_copies": 5, "pending_evictions": 1,
@@ -158,7 +158,7 @@ def test_engine_event_counters_are_typed():
 def test_gateway_rejections_one_code_per_condition_and_bounded():
     import grpc
 
-    from services.gateway.errors import Rejected
+    from loramux_services.gateway.errors import Rejected
     # the gateway sends only names its table has LOADED: an engine lacking one is a known
     # name in the wrong state, as a REGISTERED name is (adapter_table.py)
     assert Rejected.from_wire(5, "adapter 'a' is not loaded").code == \
@@ -236,8 +236,8 @@ def test_demo_model_matches_transformers_and_peft(tmp_path):
     import torch
     from peft import PeftModel
 
-    from engine import Engine, EngineConfig, SamplingParams
-    from services.demo_model import DEMO_ADAPTERS, DemoSpec, ensure_demo
+    from loramux_engine import Engine, EngineConfig, SamplingParams
+    from loramux_services.demo_model import DEMO_ADAPTERS, DemoSpec, ensure_demo
     from tests.support.tiny import load_hf_model
 
     demo = ensure_demo(tmp_path, DemoSpec(hidden_size=64, intermediate_size=128))

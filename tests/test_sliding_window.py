@@ -29,7 +29,7 @@ def family(tmp_path_factory):
 def test_engine_matches_hf_on_the_attention_kernels(family, monkeypatch):
     if torch.cuda.is_available() and TEST_DEVICE == "cpu":   # compiled kernels, CPU tensors
         pytest.skip("with CUDA the kernel path needs the engine there: LORAMUX_TEST_DEVICE=cuda")
-    from kernels import attention_triton
+    from loramux_kernels import attention_triton
     windows = []
     kernel = attention_triton.paged_attention
 

@@ -9,9 +9,9 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from engine.adapters.copier import StreamCopier
-from engine.lora import LoRASlotPool, load_lora
-from engine.lora.host_buffers import HostBufferPool
+from loramux_engine.adapters.copier import StreamCopier
+from loramux_engine.lora import LoRASlotPool, load_lora
+from loramux_engine.lora.host_buffers import HostBufferPool
 from loramux_core.model.hf_config import ModelConfig
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 

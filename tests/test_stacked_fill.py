@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.lora import stacked_fill
-from engine.lora.host_buffers import HostBufferPool
-from engine.lora.weights import weights_from_plan
-from engine.parallel import TPGroup
+from loramux_engine.lora import stacked_fill
+from loramux_engine.lora.host_buffers import HostBufferPool
+from loramux_engine.lora.weights import weights_from_plan
+from loramux_engine.parallel import TPGroup
 from loramux_core.adapter.plan import plan_adapter
 from loramux_core.model.hf_config import ModelConfig
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
@@ -60,7 +60,7 @@ def count_fast(monkeypatch) -> list:
         ranks = real(*args)
         taken.append(ranks is not None)
         return ranks
-    monkeypatch.setattr("engine.lora.weights.fill_stacked", spy)
+    monkeypatch.setattr("loramux_engine.lora.weights.fill_stacked", spy)
     return taken
 
 

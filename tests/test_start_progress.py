@@ -3,7 +3,7 @@
 only once it is whole, from where each log ended when the wait began."""
 import io
 
-from services.start_progress import StartProgress
+from loramux_services.start_progress import StartProgress
 
 
 def test_progress_lines_of_each_engine_log_are_echoed_once(tmp_path):

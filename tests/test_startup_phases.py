@@ -1,4 +1,4 @@
-"""An engine server is seen while it starts: a real `python -m engine.server` process
+"""An engine server is seen while it starts: a real `python -m loramux_engine.server` process
 binds its sockets and heartbeats before it loads the weights, with its phase (LOADING,
 WARMING_UP, then SERVING), what it does, how far it is and an estimate of what is left;
 its ready file appears only once a heartbeat has said SERVING. A request and an adapter
@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from loramux_core.v1 import engine_pb2
-from services.launcher import free_port
+from loramux_services.launcher import free_port
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def start_engine(tmp_path: Path, model: Path, adapters: Path):
     ready = tmp_path / "ready.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
         "PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "engine.server", "--model", str(model), "--input", inp,
+    cmd = [sys.executable, "-m", "loramux_engine.server", "--model", str(model), "--input", inp,
            "--output", out, "--insecure-zmq", "--device", "cpu", "--adapter-root",
            str(adapters), "--heartbeat-interval", "0.02", "--debug-warm-up",
            "--max-num-batched-tokens", "16", "--max-num-seqs", "3", "--max-model-len", "40",

@@ -2,7 +2,7 @@
 each phase took, and the stderr line that shows them every few seconds or 10%."""
 import io
 
-from engine.startup import ProgressLine, StartupProgress, progress_text
+from loramux_engine.startup import ProgressLine, StartupProgress, progress_text
 from loramux_core.v1 import engine_pb2
 
 LOADING, WARMING, SERVING = (engine_pb2.ENGINE_PHASE_LOADING,

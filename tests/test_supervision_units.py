@@ -13,9 +13,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from loramux_core.v1 import engine_pb2
-from services.control.metrics import ControlMetrics
-from services.control.replica_states import ReplicaStates
-from services.supervisor import CrashLoop, RestartPolicy, Supervisor
+from loramux_services.control.metrics import ControlMetrics
+from loramux_services.control.replica_states import ReplicaStates
+from loramux_services.supervisor import CrashLoop, RestartPolicy, Supervisor
 
 
 class _Processes:
@@ -164,7 +164,7 @@ def test_replica_states_from_heartbeats_and_their_absence():
 
 
 def test_the_gateway_sends_adapter_requests_to_replayed_engines_only():
-    from services.gateway.adapter_table import AdapterTable
+    from loramux_services.gateway.adapter_table import AdapterTable
 
     table = AdapterTable("tcp://127.0.0.1:1")
     try:

@@ -13,14 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.output_processor import OutputProcessor
-from engine.request import Request
-from engine.scheduler import Sampled
+from loramux_engine.detokenizer import IncrementalDetokenizer
+from loramux_engine.output_processor import OutputProcessor
+from loramux_engine.request import Request
+from loramux_engine.scheduler import Sampled
 from loramux.client import Completion
 from loramux_core.sampling import SamplingParams
 from loramux_core.tokenizer import Tokenizer
-from services.gateway.openai_responses import Choice
+from loramux_services.gateway.openai_responses import Choice
 
 TEXT = "héllo wörld, ça va? 🙂🚀 the quick brown fox jumps over the lazy dog. " * 60
 

@@ -23,9 +23,9 @@ import pytest
 from loramux import TLS, AdminClient, GenerateClient, LoramuxError
 from loramux.aio import AsyncAdminClient, AsyncGenerateClient
 
-from engine import Engine, EngineConfig, SamplingParams
-from services.common import tls as server_tls
-from services.launcher import Cluster, ClusterConfig, free_port, wait_serving
+from loramux_engine import Engine, EngineConfig, SamplingParams
+from loramux_services.common import tls as server_tls
+from loramux_services.launcher import Cluster, ClusterConfig, free_port, wait_serving
 
 pytest.importorskip("cryptography", reason="the test certificates (tests/support/certs.py) "
                     "need the test extra's cryptography package")
@@ -161,11 +161,11 @@ def test_cli_and_health_check_over_tls(cluster, pki):
     out = _run("loramux.cli", "generate", "--gateway", cluster.gateway_address,
                "--tls-ca", pki["ca"], "hello")  # no client certificate
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr, out.stderr
-    assert _run("services.common.healthcheck", cluster.gateway_address, *client).returncode == 0
+    assert _run("loramux_services.common.healthcheck", cluster.gateway_address, *client).returncode == 0
     env = {"LORAMUX_TLS_CA": pki["ca"]}  # the container way: the CA from the environment
-    assert _run("services.common.healthcheck", cluster.control_address,
+    assert _run("loramux_services.common.healthcheck", cluster.control_address,
                 env_extra=env).returncode == 0
-    assert _run("services.common.healthcheck", cluster.control_address).returncode == 1
+    assert _run("loramux_services.common.healthcheck", cluster.control_address).returncode == 1
 
 
 # ---- a bearer token never crosses a network in plaintext ------------------------------
@@ -189,8 +189,8 @@ def test_token_transport_rule(pki):
 
 
 @pytest.mark.parametrize("module,extra", [
-    ("services.control", ["--db", "unused.sqlite", "--adapter-root", "."]),
-    ("services.gateway", ["--http-port", "1"]),
+    ("loramux_services.control", ["--db", "unused.sqlite", "--adapter-root", "."]),
+    ("loramux_services.gateway", ["--http-port", "1"]),
 ])
 def test_token_on_open_port_without_tls_refused_at_start(module, extra, tmp_path, pki):
     common = ["--model", str(tmp_path), "--engine-input", "tcp://127.0.0.1:1",

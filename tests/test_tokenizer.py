@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -123,9 +124,10 @@ def test_corrupt_files_are_refused(tmp_path):
 def test_tokenizer_and_detokenizer_import_without_torch(tmp_path):
     # The gateway uses both without torch: importing them must not pull torch in.
     code = ("import sys, importlib.util, types\n"
-            "pkg = types.ModuleType('engine'); pkg.__path__ = ['engine']\n"
-            "sys.modules['engine'] = pkg\n"
-            "import loramux_core.tokenizer, engine.detokenizer\n"
+            "pkg = types.ModuleType('loramux_engine')\n"
+            f"pkg.__path__ = [{str(Path(__file__).parents[1] / 'engine')!r}]\n"
+            "sys.modules['loramux_engine'] = pkg\n"
+            "import loramux_core.tokenizer, loramux_engine.detokenizer\n"
             "print(json.dumps('torch' in sys.modules))")
     out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True,
                          text=True, check=True)

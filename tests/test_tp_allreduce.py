@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig
-from engine.distributed import fast_allreduce as fa
-from engine.distributed import group as pg
-from engine.parallel import TPGroup
+from loramux_engine import EngineConfig
+from loramux_engine.distributed import fast_allreduce as fa
+from loramux_engine.distributed import group as pg
+from loramux_engine.parallel import TPGroup
 from loramux_core.errors import InvalidRequestError
 from tests.support.ranks import two_ranks
 
@@ -114,7 +114,7 @@ def test_a_second_cuda_tp_engine_is_refused_before_any_worker_starts(monkeypatch
     the CPU (free-standing gloo groups) is not concerned."""
     import multiprocessing
 
-    from engine.distributed.executor import TPExecutor
+    from loramux_engine.distributed.executor import TPExecutor
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     pg.check_free(torch.device("cpu"))
     before = {p.pid for p in multiprocessing.active_children()}

@@ -17,18 +17,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
-from engine.distributed.mirror import RequestMirror
-from engine.distributed.plan import decode_step, encode_step
-from engine.distributed.tracker import PlanTracker
-from engine.distributed.worker import NoSampling
-from engine.lora import LoRASlotPool
+from loramux_engine import Engine, EngineConfig, SamplingParams
+from loramux_engine.distributed.mirror import RequestMirror
+from loramux_engine.distributed.plan import decode_step, encode_step
+from loramux_engine.distributed.tracker import PlanTracker
+from loramux_engine.distributed.worker import NoSampling
+from loramux_engine.lora import LoRASlotPool
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.request import Request
-from engine.runner import ModelRunner
-from engine.sampling import SamplingState
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_engine.request import Request
+from loramux_engine.runner import ModelRunner
+from loramux_engine.sampling import SamplingState
+from loramux_engine.scheduler import ScheduledRequest, SchedulerOutput
 from tests.test_engine_async import assert_idle, assert_same, drive, mixed_requests
 from tests.test_tp_engine import CFG, MIXED, PROMPTS, lifecycle
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.distributed.channel import FIRST, PlanChannel
+from loramux_engine.distributed.channel import FIRST, PlanChannel
 from tests.support.ranks import two_ranks
 
 SIZES = [5, 0, FIRST - 3, FIRST - 2, 3 * FIRST + 7, 1, 600]

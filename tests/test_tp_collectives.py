@@ -11,12 +11,12 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from engine.distributed import group as pg
-from engine.lora import LoRABatch, LoRASlotPool, load_lora
-from engine.model.batch import make_attention_metadata
+from loramux_engine.distributed import group as pg
+from loramux_engine.lora import LoRABatch, LoRASlotPool, load_lora
+from loramux_engine.model.batch import make_attention_metadata
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.parallel import TPGroup
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_engine.parallel import TPGroup
 
 
 @dataclass(frozen=True)

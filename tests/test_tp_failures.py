@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SamplingParams
-from engine.distributed import fast_allreduce
+from loramux_engine import Engine, EngineConfig, SamplingParams
+from loramux_engine.distributed import fast_allreduce
 from loramux_core.errors import InvalidRequestError
 from tests.conftest import TEST_DEVICE, placed
 from tests.support.ranks import kill_rank_and_expect_dead
@@ -116,7 +116,7 @@ def test_close_joins_workers_and_engines_do_not_collide(llama_family, caplog):
             pids = a.executor.pids + b.executor.pids
             outs = [e.generate(prompt, greedy) for e in (a, b)]
     else:
-        with caplog.at_level(logging.WARNING, logger="engine.distributed.fast_allreduce"):
+        with caplog.at_level(logging.WARNING, logger="loramux_engine.distributed.fast_allreduce"):
             with Engine(cfg) as a:
                 children = {p.pid for p in multiprocessing.active_children()}
                 with pytest.raises(InvalidRequestError, match="already running in this process"):
@@ -140,7 +140,7 @@ def test_close_joins_workers_and_engines_do_not_collide(llama_family, caplog):
 def test_workers_exit_when_rank0_dies(llama_family, tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from engine import Engine, EngineConfig
+        from loramux_engine import Engine, EngineConfig
         if __name__ == "__main__":
             e = Engine(EngineConfig(model={str(llama_family.model_dir)!r}, tp_size=2,
                                     device="cpu", num_kv_blocks=64))

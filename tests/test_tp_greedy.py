@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import pytest
 
-from engine.distributed.mirror import RequestMirror
-from engine.distributed.plan import decode_step, encode_step
-from engine.distributed.tracker import PlanTracker
-from engine.distributed.worker import NoSampling
-from engine.lora import LoRASlotPool
+from loramux_engine.distributed.mirror import RequestMirror
+from loramux_engine.distributed.plan import decode_step, encode_step
+from loramux_engine.distributed.tracker import PlanTracker
+from loramux_engine.distributed.worker import NoSampling
+from loramux_engine.lora import LoRASlotPool
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.request import Request
-from engine.runner import ModelRunner
-from engine.sampling import SamplingState
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_engine.request import Request
+from loramux_engine.runner import ModelRunner
+from loramux_engine.sampling import SamplingState
+from loramux_engine.scheduler import ScheduledRequest, SchedulerOutput
 from loramux_core.sampling import SamplingParams
 
 BS = 4
@@ -98,7 +98,7 @@ def test_plan_carries_rank0_greedy_decision_to_the_worker(runners, odd):
 
 def test_greedy_flag_round_trips_alone():
     """The flag is its own field of the wire format: it survives with nothing else set."""
-    from engine.distributed.plan import StepPlan
+    from loramux_engine.distributed.plan import StepPlan
     assert decode_step(encode_step(StepPlan(greedy=True))) == StepPlan(greedy=True)
     assert decode_step(encode_step(StepPlan())).greedy is False
 

@@ -4,7 +4,7 @@ CUDA one process holds one TP engine at a time (engine/distributed/group.py), an
 shared engines of tests/test_tp_engine.py live until that module ends."""
 from __future__ import annotations
 
-from engine import Engine, EngineConfig
+from loramux_engine import Engine, EngineConfig
 from tests.test_tp_engine import CFG, PROMPTS, assert_same, run_all
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.distributed.mirror import RequestMirror
-from engine.distributed.plan import (HOST_DROP, RETIRE, SLOT_LOAD, SeqPlan, StepPlan,
+from loramux_engine.distributed.mirror import RequestMirror
+from loramux_engine.distributed.plan import (HOST_DROP, RETIRE, SLOT_LOAD, SeqPlan, StepPlan,
                                      decode_add_adapter, decode_step, encode_add_adapter,
                                      encode_step)
-from engine.distributed.tracker import PlanTracker
-from engine.outputs import FinishReason
-from engine.request import Request, RequestStatus
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from loramux_engine.distributed.tracker import PlanTracker
+from loramux_engine.outputs import FinishReason
+from loramux_engine.request import Request, RequestStatus
+from loramux_engine.scheduler import ScheduledRequest, SchedulerOutput
 from loramux_core.sampling import SamplingParams
 
 

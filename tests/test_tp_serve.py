@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from loramux import AdminClient, GenerateClient
 
-from engine import Engine, EngineConfig, SamplingParams
-from services.launcher import free_port, wait_serving
+from loramux_engine import Engine, EngineConfig, SamplingParams
+from loramux_services.launcher import free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 # Services on CPU engines whatever LORAMUX_TEST_DEVICE says (two gloo ranks on one host):

@@ -12,11 +12,11 @@ import pytest
 
 import torch
 
-from engine import Engine, EngineConfig
-from engine.parallel import TPGroup
-from engine.distributed.plan import decode_text, encode_text
-from engine.cuda_graph import GraphKey
-from engine.warmup import EagerShape, WarmupPlan
+from loramux_engine import Engine, EngineConfig
+from loramux_engine.parallel import TPGroup
+from loramux_engine.distributed.plan import decode_text, encode_text
+from loramux_engine.cuda_graph import GraphKey
+from loramux_engine.warmup import EagerShape, WarmupPlan
 from tests.test_tp_engine import CFG, GREEDY, MIXED, PROMPTS, assert_same, run_all
 
 
@@ -68,7 +68,7 @@ def test_every_rank_warms_up_and_serves_as_one_rank_does(llama_family):
 def test_a_worker_that_fails_its_warm_up_is_engine_dead(llama_family):
     """A worker whose warm-up fails (here: a plan it cannot read) ends; rank 0, waiting
     in the warm-up's first all-reduce, is told as EngineDeadError, and no rank hangs."""
-    from engine.distributed.executor import TPExecutor
+    from loramux_engine.distributed.executor import TPExecutor
     from loramux_core.errors import EngineDeadError
 
     with Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2, **CFG)) as eng:
@@ -92,7 +92,7 @@ def test_a_worker_that_fails_its_warm_up_is_engine_dead(llama_family):
 def test_a_rank_0_that_fails_its_warm_up_stops_the_workers(llama_family):
     """Rank 0's warm-up raising while the worker is in its first eager step's all-reduce:
     EngineDeadError naming rank 0's error, and the worker is stopped, not left waiting."""
-    from engine.distributed.executor import TPExecutor
+    from loramux_engine.distributed.executor import TPExecutor
     from loramux_core.errors import EngineDeadError
 
     with Engine(EngineConfig(model=str(llama_family.model_dir), tp_size=2, **CFG)) as eng:

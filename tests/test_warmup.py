@@ -16,14 +16,14 @@ import random
 
 import pytest
 
-from engine.cuda_graph import decode_buckets, graph_key
-from engine.lora.batch import spread_over_adapters
-from engine.lora.pool import LoRAExtras
-from engine.scheduler import ScheduledRequest
-from engine.warmup import (CoveringShapes, chosen_shapes, eager_shapes, graph_keys,
+from loramux_engine.cuda_graph import decode_buckets, graph_key
+from loramux_engine.lora.batch import spread_over_adapters
+from loramux_engine.lora.pool import LoRAExtras
+from loramux_engine.scheduler import ScheduledRequest
+from loramux_engine.warmup import (CoveringShapes, chosen_shapes, eager_shapes, graph_keys,
                            token_counts, warm_up)
-from kernels import attention_kernels_triton, elementwise_kernels_triton
-from kernels.lora import launch, mixed_kernels, norm_shrink, segment, silu_shrink, slot_rows, token
+from loramux_kernels import attention_kernels_triton, elementwise_kernels_triton
+from loramux_kernels.lora import launch, mixed_kernels, norm_shrink, segment, silu_shrink, slot_rows, token
 from tests.support.launch_keys import LaunchKeys, force_triton
 from tests.conftest import TEST_DEVICE
 from tests.conftest import ADAPTER_SPECS, TinyFamily
@@ -187,7 +187,7 @@ def warmed_engine(llama_family, monkeypatch, limits: dict, shapes=None, more=Non
     keys = LaunchKeys().install(monkeypatch, *KERNEL_MODULES, execute=False)
     keys.lora_paths = LoRAPaths(eng.runner, monkeypatch)
     if shapes is not None:
-        monkeypatch.setattr("engine.warmup.eager_shapes", lambda *a, **kw: shapes)
+        monkeypatch.setattr("loramux_engine.warmup.eager_shapes", lambda *a, **kw: shapes)
     seen = [0]
 
     def at(shape):   # keys launched since the last shape began were that shape's
@@ -219,7 +219,7 @@ def test_no_kernel_variant_is_compiled_after_warm_up(llama_family, monkeypatch, 
                                                      norm_shrink):
     """norm_shrink: engine/lora/batch.py (FUSED_NORM_SHRINK, FUSED_SILU_SHRINK), their
     kernels' variants too; None: as the engine ships."""
-    from engine.lora import batch as batch_module
+    from loramux_engine.lora import batch as batch_module
     if norm_shrink is not None:
         monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", norm_shrink[0])
         monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", norm_shrink[1])

@@ -6,8 +6,8 @@ slice, and the model has all its layers back afterwards; warming the first layer
 is not enough (its input norm adds no residual), which the same check sees."""
 import pytest
 
-from engine.model.llama import LlamaForCausalLM
-from engine.warmup_layers import only_layers, representative_layers
+from loramux_engine.model.llama import LlamaForCausalLM
+from loramux_engine.warmup_layers import only_layers, representative_layers
 from tests.conftest import ADAPTER_SPECS, TinyFamily
 from tests.support.tiny import TinySpec, make_adapter, make_model
 from tests.test_warmup import SMALL, cpu_model, run_traffic, warmed_engine
@@ -51,7 +51,7 @@ def test_a_slice_of_layers_warms_what_every_layer_launches(deep_family, monkeypa
 
 @cpu_model
 def test_warming_the_first_layer_alone_is_caught(deep_family, monkeypatch):
-    monkeypatch.setattr("engine.warmup.representative_layers", lambda runner: [0])
+    monkeypatch.setattr("loramux_engine.warmup.representative_layers", lambda runner: [0])
     eng, keys = warmed_engine(deep_family, monkeypatch, SMALL)
     warm = set(keys.keys)
     run_traffic(eng, SMALL, seed=7)

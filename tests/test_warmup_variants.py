@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import kernels
+import loramux_kernels
 from tests.support.launch_keys import LaunchKeys
 from tests.support.triton_mode import triton_kernels
 from tests.test_warmup import KERNEL_MODULES, SMALL, cpu_model, warmed_engine
@@ -47,7 +47,7 @@ def test_kernels_taking_a_steps_counts_do_not_specialise_on_them(module):
 
 def _launched() -> set[str]:
     """Kernels the host code launches (`name[grid](...)`), not helpers inlined in one."""
-    src = "".join(p.read_text() for p in Path(kernels.__file__).parent.rglob("*.py"))
+    src = "".join(p.read_text() for p in Path(loramux_kernels.__file__).parent.rglob("*.py"))
     return set(re.findall(r"\.(\w+_kernel)\[", src))
 
 

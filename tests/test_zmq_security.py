@@ -22,7 +22,7 @@ from loramux import AdminClient, GenerateClient
 
 from loramux_core import curve
 from loramux_core.probe import wait_output
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,11 +67,11 @@ def test_keygen_keep(tmp_path):
 
 
 @pytest.mark.parametrize("module,extra", [
-    ("engine.server", ["--input", "tcp://127.0.0.1:1", "--output", "tcp://127.0.0.1:2"]),
-    ("services.control", ["--engine-input", "tcp://127.0.0.1:1", "--engine-output",
+    ("loramux_engine.server", ["--input", "tcp://127.0.0.1:1", "--output", "tcp://127.0.0.1:2"]),
+    ("loramux_services.control", ["--engine-input", "tcp://127.0.0.1:1", "--engine-output",
                           "tcp://127.0.0.1:2", "--table-address", "tcp://127.0.0.1:3",
                           "--db", "unused.sqlite", "--adapter-root", "."]),
-    ("services.gateway", ["--engine-input", "tcp://127.0.0.1:1", "--engine-output",
+    ("loramux_services.gateway", ["--engine-input", "tcp://127.0.0.1:1", "--engine-output",
                           "tcp://127.0.0.1:2", "--table-address", "tcp://127.0.0.1:3"]),
 ])
 def test_services_refuse_to_start_without_keys(module, extra, tmp_path):

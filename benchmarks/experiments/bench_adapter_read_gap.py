@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # last: hides nothing installed
 from benchmarks import llama8b  # noqa: E402  (model dir and adapter writers)
 from benchmarks.common import report  # noqa: E402
 
@@ -63,9 +63,9 @@ def step_gaps(sub, until, timeout_s: float) -> tuple[list[float], object]:
 def run(model: Path, adapter: Path, rank: int, baseline_s: float) -> dict:
     from loramux_core.v1 import engine_pb2
 
-    from engine import Engine, EngineConfig
-    from engine.server.loop import EngineServer, ServerConfig
-    from services.launcher import free_port
+    from loramux_engine import Engine, EngineConfig
+    from loramux_engine.server.loop import EngineServer, ServerConfig
+    from loramux_services.launcher import free_port
 
     eng = Engine(EngineConfig(model=str(model), device="cpu", load_format="dummy",
                               max_loras=1, max_lora_rank=rank, num_kv_blocks=256))

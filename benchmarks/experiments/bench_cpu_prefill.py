@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # last: hides nothing installed
 from benchmarks.common import report  # noqa: E402
 
 
 def time_engine(model: str, ids: list[int], reps: int) -> tuple[float, str]:
-    from engine import Engine, EngineConfig, SamplingParams
+    from loramux_engine import Engine, EngineConfig, SamplingParams
 
     eng = Engine(EngineConfig(model=model, device="cpu", dtype="float32",
                               max_num_batched_tokens=max(512, len(ids)),
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model = args.model
     if model is None:
-        from services.demo_model import ensure_demo
+        from loramux_services.demo_model import ensure_demo
         model = str(ensure_demo(tempfile.mkdtemp(prefix="bench-cpu-prefill-")))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)

@@ -5,10 +5,10 @@
 A real Engine on a tiny model is driven until `--batch` requests are all decoding; then,
 per step, the host phases that run serially with a GPU step are timed separately:
 
-    schedule   engine.scheduler.schedule()
+    schedule   loramux_engine.scheduler.schedule()
     fill       the CUDA graph path's static-input fill (DecodeStaging.fill, CPU buffers)
     prepare    the eager path's ModelRunner.prepare_inputs (for comparison; not in total)
-    update     engine.scheduler.update(out, sampled) with fabricated sampled tokens
+    update     loramux_engine.scheduler.update(out, sampled) with fabricated sampled tokens
     plan       tensor parallelism, rank 0: the step plan for the workers (PlanTracker.plan
                and encode_step), before it is sent
     worker     tensor parallelism, a worker from the plan's receipt to its upload:
@@ -33,13 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.cuda_graph import DecodeStaging  # noqa: E402
-from engine.distributed.mirror import RequestMirror  # noqa: E402
-from engine.distributed.plan import decode_step, encode_step  # noqa: E402
-from engine.distributed.tracker import PlanTracker  # noqa: E402
-from engine.scheduler import Sampled  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # last: hides nothing installed
+from loramux_engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from loramux_engine.cuda_graph import DecodeStaging  # noqa: E402
+from loramux_engine.distributed.mirror import RequestMirror  # noqa: E402
+from loramux_engine.distributed.plan import decode_step, encode_step  # noqa: E402
+from loramux_engine.distributed.tracker import PlanTracker  # noqa: E402
+from loramux_engine.scheduler import Sampled  # noqa: E402
 from tests.support.tiny import AdapterSpec, TinySpec, make_adapter, make_model  # noqa: E402
 
 NUM_ADAPTERS = 4

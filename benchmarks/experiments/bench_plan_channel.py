@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # last: hides nothing installed
 
 GAP_S = 0.002
 
@@ -46,7 +46,7 @@ class TwoBroadcasts:
 
 
 def _plan(batch: int, step: int):
-    from engine.distributed.plan import SeqPlan, StepPlan, encode_step
+    from loramux_engine.distributed.plan import SeqPlan, StepPlan, encode_step
     seqs = tuple(SeqPlan(h, 128 + step, 1, -1, True, (1000 + step,), False,
                          (h * 100 + step,) if step % 16 == 0 else ())
                  for h in range(1, batch + 1))
@@ -54,10 +54,10 @@ def _plan(batch: int, step: int):
 
 
 def _rank(rank: int, port: int, kind: str, batch: int, messages: int, out: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from engine.distributed import group as pg
-    from engine.distributed.channel import PlanChannel
-    from engine.distributed.plan import OP_STEP, decode_step
+    sys.path.append(str(Path(__file__).resolve().parents[2]))  # last: hides nothing installed
+    from loramux_engine.distributed import group as pg
+    from loramux_engine.distributed.channel import PlanChannel
+    from loramux_engine.distributed.plan import OP_STEP, decode_step
 
     torch.set_num_threads(1)
     store = pg.join_store(port)
@@ -79,7 +79,7 @@ def _rank(rank: int, port: int, kind: str, batch: int, messages: int, out: str) 
 
 
 def measure(kind: str, batch: int, messages: int) -> dict:
-    from engine.distributed import group as pg
+    from loramux_engine.distributed import group as pg
     store = pg.open_store()
     out = tempfile.mkdtemp(prefix="loramux-chan-")
     ctx = mp.get_context("spawn")

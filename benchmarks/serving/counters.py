@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from engine.server.events import adapter_totals
+from loramux_engine.server.events import adapter_totals
 
 _HISTOGRAMS = {"step_seconds": ("steps", "step_s"), "batch_size": ("forward_passes", "sequences"),
                "adapter_disk_read_seconds": ("disk_read_count", "disk_read_s"),

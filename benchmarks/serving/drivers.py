@@ -186,7 +186,7 @@ def run_offline(engine, workload: list[Request], concurrency: int | None,
                 limits: Limits = NO_LIMITS) -> tuple[list[Record], float]:
     """The same requests through `engine` (adapters already added): arrivals honoured on
     the wall clock (open loop) or `concurrency` kept in flight (closed loop)."""
-    from engine import SamplingParams
+    from loramux_engine import SamplingParams
 
     records = {f"r{r.index}": _record(r) for r in workload}
     last: dict[str, float | None] = {}

@@ -37,7 +37,7 @@ def model_dir(work: Path, tiny: bool, layers: int | None) -> tuple[Path, bool]:
     """(the model dir, whether its weights are dummy): quick to make (the 8B shape has no
     weight files), so the service can start before the adapters' files are written."""
     if tiny:
-        from services.demo_model import ensure_demo
+        from loramux_services.demo_model import ensure_demo
 
         return ensure_demo(work / "demo"), False
     from benchmarks.llama8b import write_model_dir
@@ -53,7 +53,7 @@ def distinct_weights(work: Path, tiny: bool, layers: int | None, rank: int,
     """(model dir, the distinct adapter dirs, whether the weights are dummy)."""
     model, dummy = model_dir(work, tiny, layers)
     if tiny:
-        from services.demo_model import DEMO_ADAPTERS
+        from loramux_services.demo_model import DEMO_ADAPTERS
 
         return model, [model / "adapters" / n for n in DEMO_ADAPTERS][:max(1, distinct)], dummy
     from benchmarks.llama8b import write_adapter

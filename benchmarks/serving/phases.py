@@ -3,9 +3,7 @@ service, then every point through the offline engine (built once the service's G
 is back, so the two never share the GPU), each half after the same warm-up."""
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -119,8 +117,8 @@ def run_service_points(args, start: ServiceFiles, files_ready, serve_argv: list[
     """Start the service; meanwhile files_ready() (the adapters' files, the points) and
     the points' workloads; then load the adapters, warm up, run every point. The engine's
     resolved config; args.files the Files."""
-    from services.launcher import Cluster, wait_serving
-    from services.serve_args import Plan, cluster_config, parse_args
+    from loramux_services.launcher import Cluster, wait_serving
+    from loramux_services.serve_args import Plan, cluster_config, parse_args
 
     serve_dir = tempfile.mkdtemp(prefix="serve-", dir=work)  # a fresh registry each run
     flags = ["--model", str(start.model), "--adapter-root", str(start.adapter_root),
@@ -130,8 +128,6 @@ def run_service_points(args, start: ServiceFiles, files_ready, serve_argv: list[
         flags += ["--load-format", "dummy"]
     plan = Plan(str(start.model), (str(start.adapter_root),), serve_dir, False)
     cfg = cluster_config(parse_args(flags), plan)
-    path = os.pathsep.join(p for p in (*sys.path[:2], os.environ.get("PYTHONPATH")) if p)
-    cfg.env["PYTHONPATH"] = path  # the services run this checkout, wherever we are called from
     try:
         with Cluster(cfg) as cluster:
             t = time.perf_counter()
@@ -315,7 +311,7 @@ def run_offline_points(args, files, config: dict, budget, save) -> None:
     loaded the same concurrent way, after the same warm-up round."""
     import torch
 
-    from engine import Engine, EngineConfig
+    from loramux_engine import Engine, EngineConfig
 
     # building and warming up an 8B engine from cached kernels: about 1.5 min on an H100
     setup_s = OFFLINE_SETUP_S if torch.cuda.is_available() else 0.0

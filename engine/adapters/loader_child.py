@@ -10,11 +10,8 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from engine.adapters.loader_wire import LoaderGone, recv, send, socket_pair
-
-_REPO = str(Path(__file__).resolve().parents[2])
+from loramux_engine.adapters.loader_wire import LoaderGone, recv, send, socket_pair
 
 
 @dataclass(frozen=True)
@@ -40,12 +37,10 @@ class LoaderProcess:
 
     def __init__(self, spec: LoaderSpec, start_timeout_s: float):
         mine, theirs = socket_pair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.adapters.loader_process", str(theirs.fileno()),
+            [sys.executable, "-m", "loramux_engine.adapters.loader_process", str(theirs.fileno()),
              str(os.getpid())],
-            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.sock = mine
         try:

@@ -27,9 +27,9 @@ import os
 import threading
 import time
 
-from engine.adapters.loader_child import LoaderFailed, LoaderProcess, LoaderSpec
-from engine.adapters.loader_wire import decode_error, rebuild, send
-from engine.lora.host_buffers import HostBufferPool
+from loramux_engine.adapters.loader_child import LoaderFailed, LoaderProcess, LoaderSpec
+from loramux_engine.adapters.loader_wire import decode_error, rebuild, send
+from loramux_engine.lora.host_buffers import HostBufferPool
 from loramux_core.errors import AdapterError
 
 __all__ = ["LoaderFailed", "LoaderPool", "LoaderSpec"]

@@ -9,7 +9,7 @@ the engine's only for the load that writes it, and exits when the engine goes: a
 end of its socket, or when its parent changes (the engine was killed while this process
 was stuck in a read).
 
-    python -m engine.adapters.loader_process <socket fd> <engine pid>
+    python -m loramux_engine.adapters.loader_process <socket fd> <engine pid>
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def main(fd: int, parent: int) -> None:
     from loramux_core.open_audit import install_from_env
     install_from_env("adapter-loader")
     sock = socket.socket(fileno=fd)
-    from engine.adapters.loader_wire import LoaderGone, recv, send
+    from loramux_engine.adapters.loader_wire import LoaderGone, recv, send
     try:
         init, _ = recv(sock)
         _lower_priority(int(init.get("niceness", 0)))  # before torch's import, too
@@ -75,10 +75,10 @@ def _reader(init: dict):
     the pool files are read into."""
     import torch
 
-    from engine.lora.base_copies import BaseLayers
-    from engine.lora.host_buffers import HostBufferPool
-    from engine.lora.weights import load_lora
-    from engine.parallel import TPGroup
+    from loramux_engine.lora.base_copies import BaseLayers
+    from loramux_engine.lora.host_buffers import HostBufferPool
+    from loramux_engine.lora.weights import load_lora
+    from loramux_engine.parallel import TPGroup
     from loramux_core.adapter.plan import PlanCache
     from loramux_core.model.hf_config import ModelConfig
     from loramux_core.safe_files import AdapterRoots
@@ -100,8 +100,8 @@ def _reader(init: dict):
 def _serve(sock, read, scratch, msg: dict) -> None:
     """One load: the host copy written into the engine's buffers, then `done` (or the
     refusal as `error`); every buffer is unmapped before the answer goes."""
-    from engine.adapters.loader_wire import describe, encode_error, send
-    from engine.adapters.remote_buffers import RemoteBuffers
+    from loramux_engine.adapters.loader_wire import describe, encode_error, send
+    from loramux_engine.adapters.remote_buffers import RemoteBuffers
 
     buffers = RemoteBuffers(sock, scratch)
     try:

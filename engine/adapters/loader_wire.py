@@ -145,7 +145,7 @@ def describe(weights, bases: list[torch.Tensor]) -> dict:
 def rebuild(d: dict, bases: list[torch.Tensor], shapes, dtype: torch.dtype, buffer):
     """The LoRAWeights `describe` gave, viewing `bases` (`buffer`: the HostBuffer of
     bases[0], the one slot loads copy from); `shapes`: this rank's group shapes."""
-    from engine.lora.weights import GroupWeights, LoRAWeights
+    from loramux_engine.lora.weights import GroupWeights, LoRAWeights
 
     def v(place):
         return None if place is None else view_at(place, bases, dtype)

@@ -14,9 +14,9 @@ from types import MappingProxyType
 
 import torch
 
-from engine.adapters.loader_wire import recv, send
-from engine.lora.host_buffers import HostBuffer, HostBufferPool
-from engine.lora.shared_memory import map_place
+from loramux_engine.adapters.loader_wire import recv, send
+from loramux_engine.lora.host_buffers import HostBuffer, HostBufferPool
+from loramux_engine.lora.shared_memory import map_place
 
 _ALIGN = 256
 

@@ -51,12 +51,12 @@ import time
 
 import torch
 
-from engine.adapters.copier import copier_for
-from engine.adapters.host_cache import PIN, HostCache
-from engine.adapters.loader import DiskLoader, LoadResult
-from engine.adapters.registry import AdapterRegistry
-from engine.adapters.slots import SlotTable
-from engine.telemetry import LOAD_SECONDS, Histogram
+from loramux_engine.adapters.copier import copier_for
+from loramux_engine.adapters.host_cache import PIN, HostCache
+from loramux_engine.adapters.loader import DiskLoader, LoadResult
+from loramux_engine.adapters.registry import AdapterRegistry
+from loramux_engine.adapters.slots import SlotTable
+from loramux_engine.telemetry import LOAD_SECONDS, Histogram
 
 
 class AdapterResidency:

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from engine.adapters.pins import Pins
-from engine.adapters.registry import BASE_ID, AdapterRegistry
-from engine.adapters.residency import AdapterResidency
-from engine.adapters.slots import SlotTable
-from engine.kv.kv_cache_manager import KVCacheManager
+from loramux_engine.adapters.pins import Pins
+from loramux_engine.adapters.registry import BASE_ID, AdapterRegistry
+from loramux_engine.adapters.residency import AdapterResidency
+from loramux_engine.adapters.slots import SlotTable
+from loramux_engine.kv.kv_cache_manager import KVCacheManager
 from loramux_core.errors import CapacityError
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.distributed.plan import HOST_DROP, RETIRE, SLOT_LOAD
+from loramux_engine.distributed.plan import HOST_DROP, RETIRE, SLOT_LOAD
 
 
 class AdapterMirror:

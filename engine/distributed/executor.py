@@ -25,17 +25,17 @@ import weakref
 import torch
 import torch.multiprocessing as mp
 
-from engine.config import EngineConfig
-from engine.distributed import fast_allreduce
-from engine.distributed import group as pg
-from engine.distributed.adapters import AdapterMirror
-from engine.distributed.channel import PlanChannel
-from engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, OP_WARMUP,
+from loramux_engine.config import EngineConfig
+from loramux_engine.distributed import fast_allreduce
+from loramux_engine.distributed import group as pg
+from loramux_engine.distributed.adapters import AdapterMirror
+from loramux_engine.distributed.channel import PlanChannel
+from loramux_engine.distributed.plan import (OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP, OP_WARMUP,
                                      encode_add_adapter, encode_step, encode_text)
-from engine.distributed.tracker import PlanTracker
-from engine.distributed.watchdog import WorkerWatchdog
-from engine.distributed.worker import worker_main
-from engine.executor import Executor, LocalExecutor
+from loramux_engine.distributed.tracker import PlanTracker
+from loramux_engine.distributed.watchdog import WorkerWatchdog
+from loramux_engine.distributed.worker import worker_main
+from loramux_engine.executor import Executor, LocalExecutor
 from loramux_core.errors import EngineDeadError
 
 START_TIMEOUT_S = 120.0

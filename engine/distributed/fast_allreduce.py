@@ -36,7 +36,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from engine.distributed.group import agree_min
+from loramux_engine.distributed.group import agree_min
 from loramux_core.model.hf_config import ModelConfig
 from loramux_core.errors import InvalidRequestError
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.parallel import TPGroup
+from loramux_engine.parallel import TPGroup
 from loramux_core.errors import InvalidRequestError
 
 _log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ the SchedulerOutput built for it, and rank 0 forgets only finished requests, whi
 never schedules again."""
 from __future__ import annotations
 
-from engine.distributed.plan import StepPlan
-from engine.request import Request
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from loramux_engine.distributed.plan import StepPlan
+from loramux_engine.request import Request
+from loramux_engine.scheduler import ScheduledRequest, SchedulerOutput
 from loramux_core.sampling import SamplingParams
 
 _PARAMS = SamplingParams()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import itertools
 
-from engine.distributed.plan import SeqPlan, StepPlan
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from loramux_engine.distributed.plan import SeqPlan, StepPlan
+from loramux_engine.request import Request
+from loramux_engine.scheduler import SchedulerOutput
 
 
 class _Known:

@@ -15,20 +15,20 @@ import json
 
 import torch
 
-from engine.assembly import build_model_parts
-from engine.config import EngineConfig
-from engine.distributed import fast_allreduce
-from engine.distributed import group as pg
-from engine.distributed.channel import PlanChannel
-from engine.distributed.mirror import RequestMirror
-from engine.distributed.adapters import ShardCache
-from engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP,
+from loramux_engine.assembly import build_model_parts
+from loramux_engine.config import EngineConfig
+from loramux_engine.distributed import fast_allreduce
+from loramux_engine.distributed import group as pg
+from loramux_engine.distributed.channel import PlanChannel
+from loramux_engine.distributed.mirror import RequestMirror
+from loramux_engine.distributed.adapters import ShardCache
+from loramux_engine.distributed.plan import (HOST_DROP, OP_ADD_ADAPTER, OP_SHUTDOWN, OP_STEP,
                                      OP_WARMUP, RETIRE, SLOT_LOAD, decode_add_adapter,
                                      decode_step, decode_text)
-from engine.distributed.watchdog import exit_with_parent
+from loramux_engine.distributed.watchdog import exit_with_parent
 from loramux_core.model.hf_config import ModelConfig
-from engine.sampling.sampler import SamplerOutput
-from engine.warmup import WarmupPlan
+from loramux_engine.sampling.sampler import SamplerOutput
+from loramux_engine.warmup import WarmupPlan
 from loramux_core import open_audit
 from loramux_core.gc_heap import freeze_heap
 

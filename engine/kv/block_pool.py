@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.kv.prefix_cache import BlockHash, PrefixCache
+from loramux_engine.kv.prefix_cache import BlockHash, PrefixCache
 
 
 @dataclass

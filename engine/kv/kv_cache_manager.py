@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from engine.kv.block_pool import Block, BlockPool
-from engine.kv.prefix_cache import BlockHash, hash_blocks
+from loramux_engine.kv.block_pool import Block, BlockPool
+from loramux_engine.kv.prefix_cache import BlockHash, hash_blocks
 
 
 class KVRequest(Protocol):

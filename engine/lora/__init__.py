@@ -2,12 +2,12 @@
 slot pool (pool.py), and the per-step batch that applies every token's adapter (batch.py).
 The exports import on first use (engine/lazy.py); the adapter config and plan they read
 are loramux_core/adapter/."""
-from engine.lazy import lazy_exports
+from loramux_engine.lazy import lazy_exports
 
-_EXPORTS = {"LoRABatch": "engine.lora.batch", "AdapterPlan": "loramux_core.adapter.plan",
-            "LoRASlotPool": "engine.lora.pool", "GroupWeights": "engine.lora.weights",
-            "LoRAWeights": "engine.lora.weights", "load_lora": "engine.lora.weights",
-            "validate_lora": "engine.lora.weights"}
+_EXPORTS = {"LoRABatch": "loramux_engine.lora.batch", "AdapterPlan": "loramux_core.adapter.plan",
+            "LoRASlotPool": "loramux_engine.lora.pool", "GroupWeights": "loramux_engine.lora.weights",
+            "LoRAWeights": "loramux_engine.lora.weights", "load_lora": "loramux_engine.lora.weights",
+            "validate_lora": "loramux_engine.lora.weights"}
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = ["AdapterPlan", "GroupWeights", "LoRABatch", "LoRASlotPool", "LoRAWeights",

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from engine.lora.tensor_view import tensor
-from engine.model.loader import WeightSource
+from loramux_engine.lora.tensor_view import tensor
+from loramux_engine.model.loader import WeightSource
 from loramux_core.adapter.base_copies import base_weight_names
 from loramux_core.adapter.plan import AdapterPlan
 from loramux_core.errors import AdapterError, ModelLoadError

@@ -24,11 +24,11 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from engine.lora.fused import FusedAdapter
-from engine.lora.pool import LoRAExtras, LoRASlotPool
-from kernels import lora as lora_kernels
-from kernels.elementwise import add_rms_norm, rms_norm, silu_mul
-from kernels.moe import ExpertLoRA
+from loramux_engine.lora.fused import FusedAdapter
+from loramux_engine.lora.pool import LoRAExtras, LoRASlotPool
+from loramux_kernels import lora as lora_kernels
+from loramux_kernels.elementwise import add_rms_norm, rms_norm, silu_mul
+from loramux_kernels.moe import ExpertLoRA
 
 # The shrink of q/k/v and gate/up inside the add + RMSNorm before them, on CUDA up to 256
 # tokens: "off", "uniform" (steps whose rows share one adapter), "mixed" (steps whose
@@ -64,7 +64,7 @@ def spread_over_adapters(slot_rows: Iterable[tuple[int, int]], min_rows: int) ->
     """Whether a batch's rows with an adapter average fewer than `min_rows` rows per
     adapter (more distinct adapters than rows / min_rows): the `spread` hint of LoRABatch.
     `slot_rows`: (slot, rows) per request, slot -1 (base model) not counted; host ints the
-    step already has, so no device sync. `min_rows` from kernels.lora.mixed_min_rows for
+    step already has, so no device sync. `min_rows` from loramux_kernels.lora.mixed_min_rows for
     the step's token count; 0 (the hint changes nothing there): never spread."""
     if min_rows <= 0:
         return False
@@ -245,7 +245,7 @@ class LoRABatch:
 
     def _delta_for(self, layer_idx: int, group: str, x: torch.Tensor | None):
         """The expand left for the norm before (layer_idx, group), as (d, b, ranks) for
-        kernels.lora.add_norm_shrink_cols, when that norm adds to the output it was left
+        loramux_kernels.lora.add_norm_shrink_cols, when that norm adds to the output it was left
         on; otherwise (another tensor: not expected) it is added here first, and None."""
         pending = self._pending.pop((layer_idx, group), None)
         if pending is None:

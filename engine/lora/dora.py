@@ -8,7 +8,7 @@ load keeps each row's partial sum of squares, and `PendingNorms.settle` adds the
 the ranks with one all-reduce, inside the first step that reads LoRA after the load. Every
 rank loads the same adapters into the same slots before that step and runs that step,
 so they all join that all-reduce. `DoraFactors` holds the factors of every slot for the
-pool (engine/lora/pool.py); the kernels apply them per row by slot (kernels.lora
+pool (engine/lora/pool.py); the kernels apply them per row by slot (loramux_kernels.lora
 scale_rows).
 """
 from __future__ import annotations

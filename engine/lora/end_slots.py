@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from engine.lora.dora import wait_filled
+from loramux_engine.lora.dora import wait_filled
 
 
 class EndSlots:

@@ -3,14 +3,14 @@
 E = max_lora_rank. The model's o_proj and down_proj keep E spare rows below their
 weights, [W; A] (engine/model/layers.py RowParallelLinear `lora_rows`). With the adapter
 of the step copied there, one GEMM gives the base output and the adapter's shrink side
-by side, and the expand adds s·Bᵀ into the base columns (kernels.lora.expand_rows):
+by side, and the expand adds s·Bᵀ into the base columns (loramux_kernels.lora.expand_rows):
 
     x @ [W; A]ᵀ = [ x·Wᵀ | s ],  s = x·Aᵀ  [T, E]
 
 qkv_proj and gate_up_proj keep S·E spare columns beside theirs, [W | B] with B block-
 diagonal (slice i's output rows read only the columns of slice i's s; zeros elsewhere),
 and the add + RMSNorm before them writes its output and the finished shrink side by side
-(kernels.lora.add_norm_shrink_cols), so one GEMM adds the delta:
+(loramux_kernels.lora.add_norm_shrink_cols), so one GEMM adds the delta:
 
     [x | s] @ [W | B]ᵀ = x·Wᵀ + s·Bᵀ
 
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.lora.pool import LoRASlotPool
-from kernels.lora import TOKEN_PATH_MAX_TOKENS
+from loramux_engine.lora.pool import LoRASlotPool
+from loramux_kernels.lora import TOKEN_PATH_MAX_TOKENS
 
 # the groups whose shrink rides as extra output rows of the base weight
 ROW_GROUPS = ("o", "down")

@@ -46,8 +46,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from engine.lora.page_populate import populate
-from engine.lora.shared_memory import SegmentCutter, SharedPlace
+from loramux_engine.lora.page_populate import populate
+from loramux_engine.lora.shared_memory import SegmentCutter, SharedPlace
 
 _GRANULE = 1 << 16
 _ALIGN = 4096

@@ -36,9 +36,9 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.lora.host_buffers import HostBuffer, HostBufferPool
-from engine.lora.page_populate import populate
-from engine.resolve import meminfo
+from loramux_engine.lora.host_buffers import HostBuffer, HostBufferPool
+from loramux_engine.lora.page_populate import populate
+from loramux_engine.resolve import meminfo
 
 POPULATE_THREADS = 4   # populate saturated at 4 threads on an H200 VM (4.69 GB/s; 14: 4.75)
 LOCK_SHARE = 0.1       # of wall time under the driver's lock while requests run

@@ -40,9 +40,9 @@ from typing import NamedTuple
 
 import torch
 
-from engine.lora.dora import DoraFactors
-from engine.lora.end_slots import EndSlots
-from engine.lora.weights import GroupWeights, LoRAWeights
+from loramux_engine.lora.dora import DoraFactors
+from loramux_engine.lora.end_slots import EndSlots
+from loramux_engine.lora.weights import GroupWeights, LoRAWeights
 from loramux_core.model.archs import architecture
 from loramux_core.model.lora_targets import (expert_roles, expert_shard_shape, full_shape,
                                              groups, lora_group_shapes, row_parallel_groups)
@@ -121,7 +121,7 @@ class LoRASlotPool:
         self.num_copies = 0                          # copies and fills queued by loads
 
     def weights(self, layer: int, group: str):
-        """(a, b, ranks, slice_offsets) of one (layer, group), for kernels.lora.add_lora."""
+        """(a, b, ranks, slice_offsets) of one (layer, group), for loramux_kernels.lora.add_lora."""
         key = (layer, group)
         return self._a[key], self._b[key], self._ranks[key], self._offsets[group]
 

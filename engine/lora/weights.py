@@ -38,13 +38,13 @@ import math
 
 import torch
 
-from engine.lora.host_buffers import HostBuffer, HostBufferPool
-from engine.lora.stacked_fill import compute_dtype, fill_stacked
+from loramux_engine.lora.host_buffers import HostBuffer, HostBufferPool
+from loramux_engine.lora.stacked_fill import compute_dtype, fill_stacked
 from loramux_core.adapter.plan import AdapterPlan, ModulePlan, PlanCache, plan_adapter
-from engine.lora.tensor_view import tensor
+from loramux_engine.lora.tensor_view import tensor
 from loramux_core.model.lora_targets import (END_GROUP, GroupShape, expert_factors,
                                              lora_group_shapes, lora_shard, target)
-from engine.parallel import TPGroup
+from loramux_engine.parallel import TPGroup
 from loramux_core.errors import AdapterChangedError, AdapterError
 from loramux_core.file_digest import FINGERPRINT_PREFIX
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from loramux_kernels.attention_metadata import AttentionMetadata
 
 
 def make_attention_metadata(block_tables: list[list[int]], num_computed: list[int],

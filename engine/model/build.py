@@ -3,7 +3,7 @@ every registered family runs on the Llama-family model (engine/model/llama.py), 
 flags (biases, q/k norms, sliding window, experts) read from the ModelConfig."""
 from __future__ import annotations
 
-from engine.model.llama import LlamaForCausalLM
+from loramux_engine.model.llama import LlamaForCausalLM
 
 
 def build_model(cfg, dtype, device, tp, fused_lora_rank: int = 0):

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from loramux_core.model import sharding
-from engine.model.loader import WeightSource
+from loramux_engine.model.loader import WeightSource
 from loramux_core.model.sharding import Shard
-from engine.parallel import TPGroup
-from kernels.elementwise import add_rms_norm, rms_norm
-from kernels.fp8 import FP8, fp8_linear, quantize_rows
+from loramux_engine.parallel import TPGroup
+from loramux_kernels.elementwise import add_rms_norm, rms_norm
+from loramux_kernels.fp8 import FP8, fp8_linear, quantize_rows
 from loramux_core.errors import ModelLoadError
 
 

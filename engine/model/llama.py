@@ -24,15 +24,15 @@ from torch import nn
 
 from loramux_core.model import lora_targets, sharding
 from loramux_core.model.hf_config import ModelConfig
-from engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
+from loramux_engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                  RowParallelLinear, VocabParallelEmbedding)
-from engine.model.loader import WeightSource
-from engine.model.moe import SparseMoeBlock
-from engine.model.rotary import RotaryEmbedding
-from engine.parallel import TPGroup
-from kernels.attention import paged_attention
-from kernels.attention_metadata import AttentionMetadata
-from kernels.elementwise import silu_mul
+from loramux_engine.model.loader import WeightSource
+from loramux_engine.model.moe import SparseMoeBlock
+from loramux_engine.model.rotary import RotaryEmbedding
+from loramux_engine.parallel import TPGroup
+from loramux_kernels.attention import paged_attention
+from loramux_kernels.attention_metadata import AttentionMetadata
+from loramux_kernels.elementwise import silu_mul
 from loramux_core.errors import ModelLoadError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -22,10 +22,10 @@ from torch import nn
 
 from loramux_core.model import sharding
 from loramux_core.model.archs import architecture
-from engine.model.layers import _param, check_shape
-from engine.model.loader import WeightSource
-from engine.parallel import TPGroup
-from kernels.moe import fused_moe, route
+from loramux_engine.model.layers import _param, check_shape
+from loramux_engine.model.loader import WeightSource
+from loramux_engine.parallel import TPGroup
+from loramux_kernels.moe import fused_moe, route
 
 
 class SparseMoeBlock(nn.Module):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from kernels.elementwise import rotary, rotary_store_kv
+from loramux_kernels.elementwise import rotary, rotary_store_kv
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: Mapping | None) -> torch.Tensor:
@@ -61,7 +61,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # kernels/elementwise: one in-place launch on CUDA, kernels.elementwise_ref.rotary_ref (the HF form) on CPU
+        # kernels/elementwise: one in-place launch on CUDA, loramux_kernels.elementwise_ref.rotary_ref (the HF form) on CPU
         return rotary(positions, q, k, self.cos, self.sin)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

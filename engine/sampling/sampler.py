@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.noise import gumbel_noise
-from engine.sampling.processors import apply_min_p, apply_repetition_penalty, apply_top_k_top_p
-from engine.sampling.state import SamplingState
+from loramux_engine.sampling.noise import gumbel_noise
+from loramux_engine.sampling.processors import apply_min_p, apply_repetition_penalty, apply_top_k_top_p
+from loramux_engine.sampling.state import SamplingState
 from loramux_core.sampling import GREEDY_TEMPERATURE
 
 

@@ -10,6 +10,6 @@ Wire contract (protobuf only, `loramux.v1` engine.proto):
 
 Only holders of the run's CURVE keys can connect (loramux_core/curve.py).
 
-Run: `python -m engine.server --model DIR --input tcp://127.0.0.1:5555 --output
+Run: `python -m loramux_engine.server --model DIR --input tcp://127.0.0.1:5555 --output
 tcp://127.0.0.1:5556 --zmq-keys KEYDIR`.
 """

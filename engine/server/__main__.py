@@ -1,5 +1,5 @@
 import sys
 
-from engine.server.main import main
+from loramux_engine.server.main import main
 
 sys.exit(main())

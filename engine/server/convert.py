@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from loramux.v1 import generate_pb2
 
-from engine.outputs import FinishReason, StepOutput
+from loramux_engine.outputs import FinishReason, StepOutput
 from loramux_core.v1 import engine_pb2
 
 _FINISH = {

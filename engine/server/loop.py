@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from engine.server.adapter_commands import AdapterCommands
-from engine.server.convert import delta_to_proto
-from engine.server.events import engine_event, max_model_len
-from engine.startup import StartupProgress
-from engine.telemetry import GcPauses
+from loramux_engine.server.adapter_commands import AdapterCommands
+from loramux_engine.server.convert import delta_to_proto
+from loramux_engine.server.events import engine_event, max_model_len
+from loramux_engine.startup import StartupProgress
+from loramux_engine.telemetry import GcPauses
 from loramux_core.curve import ZmqKeys, start_authenticator
 from loramux_core.errors import error_code
 from loramux_core.pacing import BusyPacer

@@ -1,4 +1,4 @@
-"""Command line of the engine server (`python -m engine.server`)."""
+"""Command line of the engine server (`python -m loramux_engine.server`)."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +19,7 @@ from loramux_core.options import (ENGINE_OPTIONS, OneLineErrors, add_options,
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = OneLineErrors(prog="python -m engine.server",
+    p = OneLineErrors(prog="python -m loramux_engine.server",
                       description="Run the loramux engine behind ZMQ sockets.")
     p.add_argument("--model", default=env("LORAMUX_MODEL"), help="HF model directory")
     p.add_argument("--input", default=env("LORAMUX_ENGINE_INPUT"),
@@ -64,7 +64,7 @@ def engine_config(args, environ=None):
     """The EngineConfig the flags (then the environment variables) ask for; fields given
     neither way keep EngineConfig's defaults. Raises InvalidRequestError or
     argparse.ArgumentTypeError (a bad environment value)."""
-    from engine.config import EngineConfig
+    from loramux_engine.config import EngineConfig
 
     from loramux_core.safe_files import roots_from
 
@@ -86,8 +86,8 @@ LOADERS_DURING_WARM_UP = 4
 def start_engine(args, config, progress):
     """Build the engine of `config` (LOADING) and warm it up (WARMING_UP), reporting to
     `progress`; None (said on stderr) when the configuration is refused."""
-    from engine.engine import Engine
-    from engine.precompile import precompile
+    from loramux_engine.engine import Engine
+    from loramux_engine.precompile import precompile
     from loramux_core.errors import EngineDeadError, LoramuxError
     from loramux_core.v1 import engine_pb2
 
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     except curve.ZmqKeyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from engine.server.loop import EngineServer, ServerConfig
-    from engine.startup import ProgressLine, StartupProgress
+    from loramux_engine.server.loop import EngineServer, ServerConfig
+    from loramux_engine.startup import ProgressLine, StartupProgress
     from loramux_core.errors import LoramuxError
 
     try:   # the flags and environment first: a bad value is one line, nothing bound

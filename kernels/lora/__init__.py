@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
-from kernels.lora.reference import (add_embedding_lora_ref, add_lora_ref,
+from loramux_kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
+from loramux_kernels.lora.reference import (add_embedding_lora_ref, add_lora_ref,
                                     add_rms_norm_shrink_cols_ref, lora_expand_ref,
                                     scale_rows_ref)
 
 try:  # the Triton kernels are optional: absent on machines without Triton
-    from kernels.lora import launch as _launch
-    from kernels.lora import slot_rows as _rows
+    from loramux_kernels.lora import launch as _launch
+    from loramux_kernels.lora import slot_rows as _rows
 except ImportError:
     _launch = _rows = None
 
@@ -148,7 +148,7 @@ def norm_shrink_ahead(x: torch.Tensor | None, residual: torch.Tensor, weight: to
     shrink half of `add_lora` for those normed rows, in one launch: (out, residual,
     shrunk) for `expand_after`, or None where that does not apply (`_fused_fits`, and x
     of another shape or not contiguous): then the plain norm and `add_lora`.
-    The new residual is a new tensor (kernels.elementwise.add_rms_norm updates it in
+    The new residual is a new tensor (loramux_kernels.elementwise.add_rms_norm updates it in
     place on CUDA)."""
     if (not _fused_fits(residual, a, slice_offsets)
             or (x is not None and (x.shape != residual.shape or x.stride(-1) != 1))):
@@ -162,7 +162,7 @@ def silu_shrink_ahead(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tenso
                       meta=None, uniform: bool = False):
     """silu(gate) * up of x = [gate | up] and the shrink half of `add_lora` for it (a
     one-slice group: down_proj) in one launch: (out, shrunk) for `expand_after`, or None
-    where that does not apply (`_fused_fits`): then kernels.elementwise.silu_mul and
+    where that does not apply (`_fused_fits`): then loramux_kernels.elementwise.silu_mul and
     `add_lora`."""
     if not _fused_fits(x, a, slice_offsets):
         return None

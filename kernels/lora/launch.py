@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora import mixed, plan
-from kernels.lora.meta import MAX_SLICES, LoRAMeta, build_meta, check_call
-from kernels.lora.norm_shrink import add_rms_norm_shrink, expand_fused_shrunk
-from kernels.lora.norm_shrink import fits as fused_shrink_fits
-from kernels.lora.norm_shrink_cols import add_rms_norm_shrink_cols
-from kernels.lora.segment import add_lora_seg
-from kernels.lora.silu_shrink import silu_mul_shrink
-from kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
+from loramux_kernels.lora import mixed, plan
+from loramux_kernels.lora.meta import MAX_SLICES, LoRAMeta, build_meta, check_call
+from loramux_kernels.lora.norm_shrink import add_rms_norm_shrink, expand_fused_shrunk
+from loramux_kernels.lora.norm_shrink import fits as fused_shrink_fits
+from loramux_kernels.lora.norm_shrink_cols import add_rms_norm_shrink_cols
+from loramux_kernels.lora.segment import add_lora_seg
+from loramux_kernels.lora.silu_shrink import silu_mul_shrink
+from loramux_kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
 
 __all__ = ["LoRAMeta", "add_lora", "build_meta", "expand_after", "expand_rows",
            "fused_shrink_fits", "add_norm_shrink_cols",
@@ -117,7 +117,7 @@ def expand_rows(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, token_slots: 
                 ranks: torch.Tensor | None, meta: LoRAMeta | None) -> torch.Tensor:
     """y [T, N] += s[t] · B[slot(t)]ᵀ, in place, with the token-sized expand (one slice,
     s as its only split-K partial: the kernel reads it through its strides, whatever its
-    dtype); `kernels.lora.expand_rows`."""
+    dtype); `loramux_kernels.lora.expand_rows`."""
     T, N = y.shape
     L, Nb, R = b.shape
     if s.shape != (T, R) or Nb != N or token_slots.shape != (T,):

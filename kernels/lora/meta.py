@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
+from loramux_kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
 
 MAX_SLICES = 4             # the programs take five slice bounds
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.lora import mixed_kernels as K
-from kernels.lora.plan import device_facts, shape_class
+from loramux_kernels.lora import mixed_kernels as K
+from loramux_kernels.lora.plan import device_facts, shape_class
 
 MAX_SLICES = 4         # the counters hold 4 (tile, slice) entries per tile
 WAVES = 4              # programs per SM the automatic split-K and columns-per-program aim at
@@ -201,7 +201,7 @@ def add_lora_mixed(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
                    slice_offsets: tuple[int, ...], ranks: torch.Tensor | None = None,
                    params: MixedParams | None = None) -> torch.Tensor:
     """y += LoRA(x) on the segment kernels (two launches); same contract as
-    kernels.lora.launch.add_lora with its checks done. params: None = the table's."""
+    loramux_kernels.lora.launch.add_lora with its checks done. params: None = the table's."""
     T, Kdim = x.shape
     plan = _plan(x.device, T, a.shape[0], tuple(slice_offsets), a.shape[2], Kdim, params)
     hp = lora_shrink_mixed(x, a, meta, plan, ranks)

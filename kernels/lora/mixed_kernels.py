@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.lora.tiles import expand_tile, rank_of, shrink_tile, slice_bounds
+from loramux_kernels.lora.tiles import expand_tile, rank_of, shrink_tile, slice_bounds
 
 
 @triton.jit

@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot_triton import dot_f32
-from kernels.lora.token import (_MAX_SLICES, _block_r, _offsets, default_split_k,
+from loramux_kernels.dot_triton import dot_f32
+from loramux_kernels.lora.token import (_MAX_SLICES, _block_r, _offsets, default_split_k,
                                 lora_expand_tokens)
-from kernels.lora.tiles import block_program, k_bounds, rank_of, row_program
+from loramux_kernels.lora.tiles import block_program, k_bounds, rank_of, row_program
 
 
 # ---- the programs ----------------------------------------------------------------------

@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot_triton import dot_f32
-from kernels.lora.norm_shrink import _norm_row
-from kernels.lora.tiles import block_program, rank_of
-from kernels.lora.token import _block_r
+from loramux_kernels.dot_triton import dot_f32
+from loramux_kernels.lora.norm_shrink import _norm_row
+from loramux_kernels.lora.tiles import block_program, rank_of
+from loramux_kernels.lora.token import _block_r
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.elementwise_ref import rms_norm_ref, silu_mul_ref
+from loramux_kernels.elementwise_ref import rms_norm_ref, silu_mul_ref
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The SiLU-and-multiply + LoRA shrink in one launch (program and launch);
-`kernels.lora.norm_shrink.expand_fused_shrunk` finishes it. Reference:
+`loramux_kernels.lora.norm_shrink.expand_fused_shrunk` finishes it. Reference:
 kernels/lora/reference.py silu_mul_shrink_ref. The grid comes from static sizes only (tokens, K), so the launch is
 capturable in CUDA graphs.
 """
@@ -9,11 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot_triton import dot_f32
-from kernels.lora.norm_shrink import (BLOCK_M, MAX_TOKENS, FusedShrunk, default_block_k,
+from loramux_kernels.dot_triton import dot_f32
+from loramux_kernels.lora.norm_shrink import (BLOCK_M, MAX_TOKENS, FusedShrunk, default_block_k,
                                       split_k)
-from kernels.lora.token import _block_r
-from kernels.lora.tiles import block_program, k_bounds, rank_of, row_program
+from loramux_kernels.lora.token import _block_r
+from loramux_kernels.lora.tiles import block_program, k_bounds, rank_of, row_program
 
 
 # ---- the programs ----------------------------------------------------------------------

@@ -7,10 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora.meta import build_meta
-from kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
-from kernels.lora.segment import seg_expand
-from kernels.lora.token import _offsets, lora_expand_tokens
+from loramux_kernels.lora.meta import build_meta
+from loramux_kernels.lora.plan import TOKEN_PATH_MAX_TOKENS
+from loramux_kernels.lora.segment import seg_expand
+from loramux_kernels.lora.token import _offsets, lora_expand_tokens
 
 
 # ---- the programs ----------------------------------------------------------------------
@@ -80,7 +80,7 @@ def add_embedding_lora(y: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: t
                        token_slots: torch.Tensor, meta=None) -> torch.Tensor:
     """y [T, H] += B[slot(t)] · A[slot(t)][:, ids[t]] per token, in place: the gathered
     columns are the shrink, the LoRA expand kernels (grouped by slot) add B. a [L, R, V],
-    b [L, H, R]; meta: kernels.lora.meta.build_meta of token_slots for L slots, or None."""
+    b [L, H, R]; meta: loramux_kernels.lora.meta.build_meta of token_slots for L slots, or None."""
     T, H = y.shape
     L, R, _ = a.shape
     assert b.shape == (L, H, R) and ids.shape == (T,) == token_slots.shape, (

@@ -1,5 +1,5 @@
 """The token-sized LoRA kernels and their launches: the decode path (kernels/lora/plan.py
-TOKENS) of `kernels.lora.launch.add_lora`, two launches per layer group.
+TOKENS) of `loramux_kernels.lora.launch.add_lora`, two launches per layer group.
 
 Grids come from static sizes only (token count, slices, K and N), so the launches are
 capturable in CUDA graphs; the groups' contents are read on the device from `LoRAMeta`.
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora.tiles import expand_tile, rank_of, shrink_tile, slice_bounds
+from loramux_kernels.lora.tiles import expand_tile, rank_of, shrink_tile, slice_bounds
 
 
 # ---- the programs ----------------------------------------------------------------------

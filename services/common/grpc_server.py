@@ -53,7 +53,7 @@ async def set_serving(servicer, service_names: list[str], serving: bool) -> None
 
 def bind(server: grpc.aio.Server, address: str, tls=None) -> str:
     """Bind `address` ("host:port"; port 0 picks a free one), with TLS when `tls` (a
-    services.common.tls.ServerTLS) is given; returns the bound address."""
+    loramux_services.common.tls.ServerTLS) is given; returns the bound address."""
     host = address.rsplit(":", 1)[0]
     port = (server.add_secure_port(address, tls.credentials()) if tls is not None
             else server.add_insecure_port(address))

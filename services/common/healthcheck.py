@@ -1,4 +1,4 @@
-"""`python -m services.common.healthcheck HOST:PORT [TLS options]`: exit 0 when the gRPC
+"""`python -m loramux_services.common.healthcheck HOST:PORT [TLS options]`: exit 0 when the gRPC
 server's overall health is SERVING, 1 otherwise (container health checks). For a port
 started with --tls-cert, give the client TLS options (loramux.tls: --tls-ca, or
 $LORAMUX_TLS_CA, and for mTLS a client certificate)."""
@@ -13,7 +13,7 @@ from loramux import tls
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.common.healthcheck")
+    p = argparse.ArgumentParser(prog="python -m loramux_services.common.healthcheck")
     p.add_argument("address")
     tls.add_arguments(p)
     args = p.parse_args(argv)

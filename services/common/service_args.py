@@ -6,7 +6,7 @@ import os
 
 from loramux_core import curve
 from loramux_core.safe_files import roots_from, roots_problem
-from services.common import replicas, tls
+from loramux_services.common import replicas, tls
 
 
 def check(args, required: tuple[str, ...], *, require_roots: bool,

@@ -1,5 +1,5 @@
 import sys
 
-from services.control.main import main
+from loramux_services.control.main import main
 
 sys.exit(main())

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from loramux_core.v1 import engine_pb2
-from services.common.engine_connection import EngineConnection
+from loramux_services.common.engine_connection import EngineConnection
 
 _SEND_RETRY_S = 2.0
 

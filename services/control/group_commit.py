@@ -18,7 +18,7 @@ import contextvars
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from services.control.registry import Registry
+from loramux_services.control.registry import Registry
 
 # Set while a call defers its writes; tasks it starts (a batch's items) inherit it.
 _deferring: contextvars.ContextVar[bool] = contextvars.ContextVar("deferring", default=False)

@@ -1,4 +1,4 @@
-"""Command line of the control plane (`python -m services.control`)."""
+"""Command line of the control plane (`python -m loramux_services.control`)."""
 from __future__ import annotations
 
 import argparse
@@ -12,16 +12,16 @@ from loramux_core import curve
 from loramux_core.gc_heap import freeze_heap
 from loramux_core.options import OneLineErrors, positive_float, positive_int
 from loramux_core.safe_files import roots_from
-from services.common import grpc_server, replicas, service_args, tls
-from services.common.bind_errors import BindError, bind_flag
-from services.common.logs import configure_logging
+from loramux_services.common import grpc_server, replicas, service_args, tls
+from loramux_services.common.bind_errors import BindError, bind_flag
+from loramux_services.common.logs import configure_logging
 
 SERVICE = adapter_admin_pb2.DESCRIPTOR.services_by_name["AdapterAdminService"].full_name
 
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = OneLineErrors(prog="python -m services.control",
+    p = OneLineErrors(prog="python -m loramux_services.control",
                       description="loramux control plane (AdapterAdminService)")
     p.add_argument("--listen", default=env("LORAMUX_CONTROL_LISTEN", "127.0.0.1:50052"),
                    help="gRPC host:port (port 0 picks a free one)")
@@ -90,17 +90,17 @@ async def _watch_states(states, period_s: float = 0.5) -> None:
 
 
 async def serve(args) -> int:
-    from services.control.auth import BearerTokenInterceptor
-    from services.control.binding import binding_for
-    from services.control.binding import prepare as prepare_registry
-    from services.control.engine_link import EngineLink
-    from services.control.manager import AdapterManager
-    from services.control.metrics import ControlMetrics
-    from services.control.paths import AdapterRoots
-    from services.control.registry import Registry
-    from services.control.replica_states import ReplicaStates
-    from services.control.servicer import AdapterAdminServicer
-    from services.control.table_publisher import TablePublisher
+    from loramux_services.control.auth import BearerTokenInterceptor
+    from loramux_services.control.binding import binding_for
+    from loramux_services.control.binding import prepare as prepare_registry
+    from loramux_services.control.engine_link import EngineLink
+    from loramux_services.control.manager import AdapterManager
+    from loramux_services.control.metrics import ControlMetrics
+    from loramux_services.control.paths import AdapterRoots
+    from loramux_services.control.registry import Registry
+    from loramux_services.control.replica_states import ReplicaStates
+    from loramux_services.control.servicer import AdapterAdminServicer
+    from loramux_services.control.table_publisher import TablePublisher
 
     log = configure_logging("control", args.log_level)
     roots = roots_from(args.adapter_root, os.environ)

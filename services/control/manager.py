@@ -18,13 +18,13 @@ from loramux.v1 import adapter_admin_pb2 as pb
 
 from loramux_core.file_digest import FINGERPRINT_PREFIX
 from loramux_core.v1 import engine_pb2
-from services.common.messages import bounded
-from services.control.engine_link import EngineLink, EngineUnavailable
-from services.control.group_commit import GroupCommit
-from services.control.locks import AdminLocks
-from services.control.paths import AdapterRoots, PathRefused, check_name
-from services.control.registry import AdapterRecord, Registry
-from services.control.table_publisher import TablePublisher
+from loramux_services.common.messages import bounded
+from loramux_services.control.engine_link import EngineLink, EngineUnavailable
+from loramux_services.control.group_commit import GroupCommit
+from loramux_services.control.locks import AdminLocks
+from loramux_services.control.paths import AdapterRoots, PathRefused, check_name
+from loramux_services.control.registry import AdapterRecord, Registry
+from loramux_services.control.table_publisher import TablePublisher
 
 _K = engine_pb2.AdapterCommandKind
 REGISTERED, LOADED, UNLOADING = (pb.ADAPTER_STATE_REGISTERED, pb.ADAPTER_STATE_LOADED,

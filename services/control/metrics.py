@@ -25,7 +25,7 @@ class ControlMetrics:
 
     def watch_replicas(self, states) -> None:
         """Export `loramux:engine_replica_state{replica,state}` (1 for the replica's state
-        now, 0 for the others) from a services.control.replica_states.ReplicaStates."""
+        now, 0 for the others) from a loramux_services.control.replica_states.ReplicaStates."""
         self.registry.register(_ReplicaStateCollector(states))
 
     def observe_call(self, method: str, code: str, seconds: float) -> None:
@@ -45,7 +45,7 @@ class _ReplicaStateCollector:
         self._states = states
 
     def collect(self):
-        from services.control.replica_states import STATE_NAMES
+        from loramux_services.control.replica_states import STATE_NAMES
 
         family = GaugeMetricFamily("loramux:engine_replica_state",
                                    "1 for the state each engine replica is in now (starting, "

@@ -37,7 +37,7 @@ class ReplicaStates:
                  failed_after_s: float = 120.0, *,
                  on_change: Callable[[int, str, str, str], None] = lambda *a: None,
                  clock: Callable[[], float] = time.monotonic):
-        """`links`: services.control.engine_link.EngineLink per replica, by index.
+        """`links`: loramux_services.control.engine_link.EngineLink per replica, by index.
         `replayed(replica)`: the engine instance whose replay ended (the table's).
         `on_change(replica, old, new, detail)` is told every transition seen by status()."""
         self.links, self.failed_after_s, self._replayed = links, failed_after_s, replayed

@@ -12,9 +12,9 @@ from loramux.v1 import adapter_admin_pb2 as pb
 from loramux.v1 import adapter_admin_pb2_grpc as pb_grpc
 
 from loramux_core.v1 import engine_pb2
-from services.common import rich_status
-from services.control.manager import AdapterManager, AdminError
-from services.control.registry import AdapterRecord
+from loramux_services.common import rich_status
+from loramux_services.control.manager import AdapterManager, AdminError
+from loramux_services.control.registry import AdapterRecord
 
 _DEFAULT_PAGE, _MAX_PAGE = 100, 1000
 _MAX_BATCH = 1000  # LoadAdapters items per call

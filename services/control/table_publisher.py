@@ -22,7 +22,7 @@ import zmq
 from loramux_core.curve import ZmqKeys, start_authenticator
 from loramux_core.pacing import BusyPacer
 from loramux_core.v1 import engine_pb2
-from services.control.registry import AdapterRecord
+from loramux_services.control.registry import AdapterRecord
 
 
 class TablePublisher:

@@ -1,5 +1,5 @@
 import sys
 
-from services.gateway.main import main
+from loramux_services.gateway.main import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ from loramux.v1 import adapter_admin_pb2 as admin_pb2
 
 from loramux_core.curve import ZmqKeys
 from loramux_core.v1 import engine_pb2
-from services.gateway.errors import Rejected
+from loramux_services.gateway.errors import Rejected
 
 
 class AdapterTable:

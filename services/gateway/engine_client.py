@@ -19,10 +19,10 @@ import grpc
 from loramux.v1 import generate_pb2
 
 from loramux_core.v1 import engine_pb2
-from services.common.engine_connection import EngineConnection
-from services.gateway.errors import Rejected
-from services.gateway.flight import Flight
-from services.gateway.router import ReplicaView, choose
+from loramux_services.common.engine_connection import EngineConnection
+from loramux_services.gateway.errors import Rejected
+from loramux_services.gateway.flight import Flight
+from loramux_services.gateway.router import ReplicaView, choose
 
 
 class Replica:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.messages import bounded
+from loramux_services.common.messages import bounded
 
 
 class Rejected(Exception):

@@ -18,9 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from services.gateway.errors import Rejected
-from services.gateway.openai_responses import Choice, Shape, usage
-from services.gateway.openai_schema import BadParam, ChatCompletionRequest, CompletionRequest
+from loramux_services.gateway.errors import Rejected
+from loramux_services.gateway.openai_responses import Choice, Shape, usage
+from loramux_services.gateway.openai_schema import BadParam, ChatCompletionRequest, CompletionRequest
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,

@@ -13,7 +13,7 @@ import socket
 
 import uvicorn
 
-from services.gateway.http_api import error_body
+from loramux_services.gateway.http_api import error_body
 
 
 class BodyTooLarge(Exception):

@@ -1,4 +1,4 @@
-"""Command line of the gateway (`python -m services.gateway`)."""
+"""Command line of the gateway (`python -m loramux_services.gateway`)."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +13,9 @@ from loramux_core import curve
 from loramux_core.gc_heap import freeze_heap
 from loramux_core.options import (OneLineErrors, Option, add_options, given, non_negative_float,
                                   positive_float, positive_int)
-from services.common import grpc_server, replicas, service_args, tls
-from services.common.bind_errors import BindError, bind_flag
-from services.common.logs import configure_logging
+from loramux_services.common import grpc_server, replicas, service_args, tls
+from loramux_services.common.bind_errors import BindError, bind_flag
+from loramux_services.common.logs import configure_logging
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
@@ -50,7 +50,7 @@ GATEWAY_OPTIONS = (
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = OneLineErrors(prog="python -m services.gateway",
+    p = OneLineErrors(prog="python -m loramux_services.gateway",
                       description="loramux gateway (GenerateService)")
     p.add_argument("--listen", default=env("LORAMUX_GATEWAY_LISTEN", "127.0.0.1:50051"),
                    help="gRPC host:port (port 0 picks a free one)")
@@ -95,8 +95,8 @@ async def _track_health(health, engine) -> None:
 
 
 def _http_server(args, servicer, table):
-    from services.gateway.http_api import OpenAIFront, build_app
-    from services.gateway.http_server import HttpServer
+    from loramux_services.gateway.http_api import OpenAIFront, build_app
+    from loramux_services.gateway.http_server import HttpServer
 
     front = OpenAIFront(servicer, table, model_name=args.served_model_name
                         or served_name(args.model), model_root=args.model)
@@ -127,12 +127,12 @@ async def _drain(grace_s: float, engine, health, health_task, log) -> None:
 async def serve(args) -> int:
     from loramux_core.model.hf_config import ModelConfig
     from loramux_core.tokenizer import Tokenizer
-    from services.gateway.adapter_table import AdapterTable
-    from services.gateway.engine_client import EngineClient
-    from services.gateway.engine_metrics import EngineCollector
-    from services.gateway.metrics import GatewayMetrics
-    from services.gateway.prompts import PromptBuilder
-    from services.gateway.servicer import GenerateServicer
+    from loramux_services.gateway.adapter_table import AdapterTable
+    from loramux_services.gateway.engine_client import EngineClient
+    from loramux_services.gateway.engine_metrics import EngineCollector
+    from loramux_services.gateway.metrics import GatewayMetrics
+    from loramux_services.gateway.prompts import PromptBuilder
+    from loramux_services.gateway.servicer import GenerateServicer
 
     log = configure_logging("gateway", args.log_level)
     from loramux_core.safe_files import AdapterRoots, roots_from

@@ -17,10 +17,10 @@ import grpc
 from loramux.v1 import generate_pb2
 
 from loramux_core.v1 import engine_pb2
-from services.common.chat_template import (MAX_TEMPLATE_BYTES, ChatTemplate, ChatTemplateError,
+from loramux_services.common.chat_template import (MAX_TEMPLATE_BYTES, ChatTemplate, ChatTemplateError,
                                            special_tokens_of, text_of)
-from services.gateway.errors import Rejected
-from services.gateway.validation import check_prompt_ids, encode_text
+from loramux_services.gateway.errors import Rejected
+from loramux_services.gateway.validation import check_prompt_ids, encode_text
 
 MAX_CHAT_MESSAGES = 4096
 # A token covers at most as many characters of text as its vocabulary entry has (byte-level

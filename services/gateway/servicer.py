@@ -15,13 +15,13 @@ import structlog
 from loramux.v1 import generate_pb2, generate_pb2_grpc
 
 from loramux_core.v1 import engine_pb2
-from services.common import rich_status
-from services.gateway.adapter_table import AdapterTable
-from services.gateway.engine_client import EngineClient
-from services.gateway.errors import Rejected
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.prompts import PromptBuilder
-from services.gateway.validation import check_sampling
+from loramux_services.common import rich_status
+from loramux_services.gateway.adapter_table import AdapterTable
+from loramux_services.gateway.engine_client import EngineClient
+from loramux_services.gateway.errors import Rejected
+from loramux_services.gateway.metrics import GatewayMetrics
+from loramux_services.gateway.prompts import PromptBuilder
+from loramux_services.gateway.validation import check_sampling
 
 
 class _Stream:

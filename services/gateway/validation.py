@@ -6,7 +6,7 @@ from loramux.v1 import generate_pb2
 
 from loramux_core.errors import InvalidRequestError
 from loramux_core.sampling import sampling_from_proto
-from services.gateway.errors import Rejected
+from loramux_services.gateway.errors import Rejected
 
 MAX_STOP_STRINGS = 16
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.fp8 import FP8, FP8_MAX
+from loramux_kernels.fp8 import FP8, FP8_MAX
 
 _QUANTIZED = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 

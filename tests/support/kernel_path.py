@@ -1,4 +1,4 @@
-"""The LoRA kernel path (the one CUDA takes) on the CPU: kernels.lora sends CPU tensors to
+"""The LoRA kernel path (the one CUDA takes) on the CPU: loramux_kernels.lora sends CPU tensors to
 the torch references; inside `lora_kernel_path()` it sends them to the Triton kernels,
 which run in Triton's interpreter there (tests/conftest.py sets TRITON_INTERPRET).
 The launches of the slot-indexed ops are counted, so a test can tell that the kernels
@@ -19,12 +19,12 @@ OPS = ("scale_rows", "add_embedding_lora")
 
 @contextlib.contextmanager
 def lora_kernel_path():
-    """kernels.lora dispatches every tensor (CPU ones too) to the Triton kernels; yields a
+    """loramux_kernels.lora dispatches every tensor (CPU ones too) to the Triton kernels; yields a
     Counter of the slot-indexed ops' launches by name (OPS), of add_lora's and of
     expand_after's (a group whose shrink ran fused into the op before it: CUDA decode
     steps, engine/lora/batch.py FUSED_NORM_SHRINK)."""
-    from kernels import lora
-    from kernels.lora import launch, slot_rows
+    from loramux_kernels import lora
+    from loramux_kernels.lora import launch, slot_rows
     assert lora._launch is not None, "Triton is not installed"
     calls: Counter = Counter()
 
@@ -55,10 +55,10 @@ def _one_launch_at_a_time(mp) -> None:
 
 
 def count_fused_shrinks(monkeypatch, source) -> list[int]:
-    """kernels.lora's norm_shrink_ahead and silu_shrink_ahead replaced by `source`'s
-    (kernels.lora itself, or kernels.lora.launch to run the Triton forms where the
+    """loramux_kernels.lora's norm_shrink_ahead and silu_shrink_ahead replaced by `source`'s
+    (loramux_kernels.lora itself, or loramux_kernels.lora.launch to run the Triton forms where the
     dispatcher returns None), each counting its fused launches (non-None results)."""
-    from kernels import lora as lora_kernels
+    from loramux_kernels import lora as lora_kernels
     calls = [0]
 
     def counted(inner):

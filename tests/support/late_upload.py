@@ -16,7 +16,7 @@ import torch
 
 
 def pytest_configure(config):
-    from engine import cuda_graph
+    from loramux_engine import cuda_graph
 
     upload = cuda_graph.DecodeStaging.upload
 

@@ -84,9 +84,9 @@ def _recording_run(record):
 
 
 def force_triton(monkeypatch) -> None:
-    import engine.model.llama as llama
-    from kernels import attention_triton, elementwise, lora
-    from kernels.lora import launch, slot_rows
+    import loramux_engine.model.llama as llama
+    from loramux_kernels import attention_triton, elementwise, lora
+    from loramux_kernels.lora import launch, slot_rows
 
     monkeypatch.setattr(elementwise, "_gpu", lambda x: True)
     monkeypatch.setattr(lora, "add_lora", launch.add_lora)
@@ -95,7 +95,7 @@ def force_triton(monkeypatch) -> None:
     monkeypatch.setattr(lora, "norm_shrink_ahead", launch.norm_shrink_ahead)
     monkeypatch.setattr(lora, "silu_shrink_ahead", launch.silu_shrink_ahead)
 
-    def build_meta(token_slots, max_loras, uniform=False):   # kernels.lora's, CPU tensors too
+    def build_meta(token_slots, max_loras, uniform=False):   # loramux_kernels.lora's, CPU tensors too
         return launch.build_meta(token_slots, max_loras)
     monkeypatch.setattr(lora, "build_meta", build_meta)
     monkeypatch.setattr(lora, "mixed_min_rows", launch.mixed_min_rows)

@@ -28,9 +28,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.request import RequestStatus
-from engine.scheduler import SchedulerConfig
+from loramux_engine import Engine, EngineConfig, FinishReason, SamplingParams
+from loramux_engine.request import RequestStatus
+from loramux_engine.scheduler import SchedulerConfig
 from loramux_core.errors import AdapterNotFoundError, AdapterUnavailableError, CapacityError
 
 PROMPT_LENS = (3, 5, 9, 12)

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from engine.distributed import group as pg
+from loramux_engine.distributed import group as pg
 
 
 def two_ranks(fn, timeout_s: float = 60.0) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.launcher import Cluster, ClusterConfig, wait_serving
+from loramux_services.launcher import Cluster, ClusterConfig, wait_serving
 
 
 def start_engine_and_control(model: Path, adapters: Path, workdir: Path) -> Cluster:

@@ -7,9 +7,9 @@ import time
 
 import zmq
 
-from engine.server.loop import EngineServer, ServerConfig
+from loramux_engine.server.loop import EngineServer, ServerConfig
 from loramux_core.v1 import engine_pb2
-from services.launcher import free_port
+from loramux_services.launcher import free_port
 
 
 class ServedEngine:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from services.demo_model import train_byte_level_bpe
+from loramux_services.demo_model import train_byte_level_bpe
 
 CORPUS = (
     "the quick brown fox jumps over the lazy dog. "

@@ -206,7 +206,7 @@ def _load_items(file: str) -> list[tuple[str, str]]:
     return items
 
 
-SERVE_MODULE = "services.serve"  # the server package's launcher, run as `python -m`
+SERVE_MODULE = "loramux_services.serve"  # the server package's launcher, run as `python -m`
 
 
 def run_serve(serve_args: list[str]) -> int:
