@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from loramux.v1 import generate_pb2
 
 from loramux_core.errors import InvalidRequestError
+from loramux_core.structured import StructuredOutput, structured_from_proto
 
 
 MAX_TOP_LOGPROBS = 20
@@ -33,6 +34,7 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None   # constrained decoding (None: free text)
 
     def __post_init__(self):
         # Accept lists from callers; keep the dataclass hashable and immutable.
@@ -73,6 +75,8 @@ class SamplingParams:
             bad("stop_token_ids", "every id must be an integer >= 0")
         if vocab_size is not None and any(not (0 <= t < vocab_size) for t in self.stop_token_ids):
             bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
+        if self.structured is not None:
+            self.structured.validate()
 
     def _validate_types(self, bad) -> None:
         """Wrong types get a field-named error instead of a TypeError deep in the sampler."""
@@ -98,4 +102,5 @@ def sampling_from_proto(pb: generate_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         **kwargs, stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos, logprobs=pb.logprobs, top_logprobs=pb.top_logprobs,
-        include_stop_str_in_output=pb.include_stop_str_in_output)
+        include_stop_str_in_output=pb.include_stop_str_in_output,
+        structured=structured_from_proto(pb.structured) if pb.HasField("structured") else None)
