@@ -10,6 +10,8 @@
 # The CUDA test suite is a separate call: python3 scripts/cuda_suite.py --out DIR.
 set -o pipefail
 export PYTHONUNBUFFERED=1
+# the checkout by its import names, installed or not (scripts/checkout_path.sh)
+export PYTHONPATH=$(bash "$(dirname "$0")/../scripts/checkout_path.sh")
 OUT=${OUT:-/tmp/loramux-gpu}; mkdir -p "$OUT"
 TMP=$(mktemp -d /tmp/loramux-round.XXXX)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv

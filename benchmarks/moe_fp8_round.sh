@@ -6,10 +6,12 @@
 # (timeouts 120 + 240 + 200 s).
 set -o pipefail
 export PYTHONUNBUFFERED=1
+# the checkout by its import names, installed or not (scripts/checkout_path.sh)
+export PYTHONPATH=$(bash "$(dirname "$0")/../scripts/checkout_path.sh")
 OUT=${OUT:-/tmp/loramux-moe-fp8}; mkdir -p "$OUT"
 TMP=$(mktemp -d /tmp/loramux-moe-fp8.XXXX)
 nvidia-smi --query-gpu=name,memory.total --format=csv
-LORAMUX_TEST_DEVICE=cuda timeout ${TESTS_S:-120} python3 -m pytest -q tests/test_cuda_moe.py \
+LORAMUX_TEST_DEVICE=cuda timeout ${TESTS_S:-120} python3 -P -m pytest -q tests/test_cuda_moe.py \
   tests/test_kernels_moe.py tests/test_moe_parity.py > "$OUT/tests.log" 2>&1; echo "tests rc=$?"
 tail -3 "$OUT/tests.log"
 timeout ${MOE_S:-240} python3 -m benchmarks.models moe --out "$TMP/m" > "$OUT/moe.log" 2>&1

@@ -46,6 +46,8 @@
 # of the script, not a measurement).
 set -o pipefail
 export PYTHONUNBUFFERED=1
+# the checkout by its import names, installed or not (scripts/checkout_path.sh)
+export PYTHONPATH=$(bash "$(dirname "$0")/../scripts/checkout_path.sh")
 OUT=${OUT:-/tmp/loramux-serving}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/loramux-serving-work}; mkdir -p "$WORK"  # model, adapters, Triton cache
 # kernels compiled by earlier runs on this machine (gpu_round.sh's included) are reused;

@@ -24,6 +24,8 @@
 # tp_curve.png (best tok/s over the TP sizes), replicas.log.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# the checkout by its import names, installed or not (scripts/checkout_path.sh)
+export PYTHONPATH=$(bash "$(dirname "$0")/../scripts/checkout_path.sh")
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}   # shared by every phase
 OUT=${OUT:-/tmp/loramux-tp}; mkdir -p "$OUT"
 JSON=${JSON:-$(mktemp -d /tmp/loramux-tp-json.XXXX)}; mkdir -p "$JSON"

@@ -44,7 +44,8 @@ def test_count_collectives_per_step():
 
 
 def test_decode_phase_on_gloo_times_async_on_and_off_and_counts_collectives(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "clients/python")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))}
     cmd = [sys.executable, "-m", "benchmarks.parallel", "decode", "--tiny",
            "--tp", "2", "--batches", "2", "--modes", "base,distinct", "--async-scheduling",
            "on,off", "--steps", "2", "--repeats", "1", "--profile", "--profile-batches", "2",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,9 @@ PROCESSES = {
     "contract": _packages("loramux_core"),
 }
 HEAVY = ("torch", "triton", "loramux_engine")
+# a clean environment but for where the checkout's import names are (installed: nothing)
+_ENV = {"PATH": "/usr/bin:/bin", **({"PYTHONPATH": os.environ["PYTHONPATH"]}
+                                    if os.environ.get("PYTHONPATH") else {})}
 
 _PROBE = """
 import importlib, json, sys
@@ -173,18 +177,16 @@ def test_importing_loads_no_torch_triton_or_engine(process):
     torch, triton and engine came with them: nothing."""
     modules = PROCESSES[process]
     assert modules
-    env = {"PYTHONPATH": f"{ROOT}:{SDK}", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=set(HEAVY)), *modules],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, env=_ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout) == [], f"{process} loads {json.loads(out.stdout)[:10]}"
 
 
 def test_the_import_probe_sees_torch():
     """The probe can fail: importing the engine itself is reported."""
-    env = {"PYTHONPATH": f"{ROOT}:{SDK}", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", _PROBE.format(heavy=set(HEAVY)),
-                          "loramux_engine.engine"], cwd=ROOT, env=env, capture_output=True,
+                          "loramux_engine.engine"], cwd=ROOT, env=_ENV, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert {"torch", "loramux_engine"} <= set(json.loads(out.stdout))

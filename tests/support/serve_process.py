@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# the checkout's server and SDK packages first, in every process it starts
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")]),
+# the checkout's tests and benchmarks importable in every process it starts (after what
+# PYTHONPATH had: a bare checkout's import names, scripts/checkout_path.sh)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
        "OMP_NUM_THREADS": "1"}
 
 
