@@ -60,7 +60,8 @@ def drive(eng, requests, limit=3000, generated=None):
     for rid, prompt, p, adapter in requests:
         eng.add_request(rid, prompt, p, adapter, (generated or {}).get(rid, ()))
         for sid in [rid] if p.n == 1 else [f"{rid}/{i}" for i in range(p.n)]:
-            seen[sid] = {"tokens": [], "text": "", "reason": None, "error": None}
+            seen[sid] = {"tokens": [], "text": "", "reason": None, "error": None,
+                         "req": eng.scheduler.get(sid)}
     for _ in range(limit):
         if not eng.has_unfinished():
             return seen
