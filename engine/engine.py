@@ -23,6 +23,10 @@ sampler reads the token history (repetition penalty); under tensor parallelism e
 rank holds every step's tokens on its device (engine/distributed/executor.py), so the
 same steps overlap there. A request id still held by the
 step in flight is reused only after that step completes (add_request completes it).
+A step that samples a constrained request (engine/structured/) needs the previous step's
+tokens in the matchers before its mask is filled: its launch queues the forward pass,
+then (the runner calls the mask source) completes the step in flight, advances the
+matchers, fills the mask while the forward pass runs, and only then queues the sampling.
 Nothing else needs a quiescent device: KV blocks are only written by work queued on the
 compute stream, in order, and an adapter copy into a slot waits on the device for the
 last launched step that read that slot (engine/adapters/copier.py).
@@ -53,6 +57,7 @@ from loramux_engine.request import Request
 from loramux_engine.resolve import MachineFacts, describe, resolve_config
 from loramux_engine.sampling import RequestSeeds, SamplingState
 from loramux_engine.scheduler import Sampled, Scheduler, SchedulerConfig, SchedulerOutput
+from loramux_engine.structured import CompilerConfig, Grammars
 from loramux_engine.telemetry import BATCH_SIZES, STEP_SECONDS, Histogram
 from loramux_engine.startup import StartupProgress
 from loramux_engine.warmup import WarmupPlan, WarmupReport
@@ -60,6 +65,7 @@ from loramux_core.errors import AdapterUnavailableError, EngineDeadError, Invali
 from loramux_core.sampling import SamplingParams
 from loramux_core.tokenizer import Tokenizer
 
+_GRAMMAR_POLL_S = 0.02  # an idle step's wait for a compile (the server loop reads inputs)
 
 class Engine:
     def __init__(self, config: EngineConfig):
@@ -113,6 +119,11 @@ class Engine:
         self.outputs = OutputProcessor(
             self.tokenizer, frozenset(self.tokenizer.eos_token_ids or mc.eos_token_ids),
             self.max_model_len)
+        self.grammars = Grammars(
+            CompilerConfig(Path(config.model) / "tokenizer.json",
+                           max(mc.vocab_size, self.tokenizer.vocab_size),
+                           tuple(sorted(self.outputs.eos_token_ids))),
+            config.max_num_seqs, pin=self.device.type == "cuda")
         self.step_seconds = Histogram("step_seconds", STEP_SECONDS)
         self.batch_sizes = Histogram("batch_size", BATCH_SIZES)  # sequences per forward pass
         if self.host_reserve is not None:   # last: nothing after it can fail the build
@@ -178,17 +189,25 @@ class Engine:
                 f"adapter {rec.name!r} cannot be served: reading its weights failed: "
                 f"{res.error}")
             for req in [r for r in self.scheduler.waiting if r.adapter_id == res.adapter_id]:
-                self.scheduler.finish(req, FinishReason.ERROR)  # (a preempted one may drain)
-                results.append(self.outputs.step_output(req, new_token=False))
-                results[-1].error = why
-                self._on_finished(req)
+                results.append(self._fail_waiting(req, why))
             self.adapter_service.retire(res.adapter_id)
         self.adapter_service.free_retired()
         return results
 
+    def _fail_waiting(self, req: Request, why: Exception) -> StepOutput:
+        """End a waiting request with FinishReason.ERROR and `why` for its caller."""
+        self.scheduler.finish(req, FinishReason.ERROR)  # (a preempted one may drain)
+        out = self.outputs.step_output(req, new_token=False)
+        out.error = why
+        self._on_finished(req)
+        return out
+
     def _schedule(self, results: list[StepOutput]) -> tuple[SchedulerOutput, bool]:
         """Schedule one batch, then prefetch; also says whether a slot became ready."""
         results += self._advance_adapters()
+        # a constraint refused or too slow to compile: its request ends here, alone
+        results += [self._fail_waiting(req, req.grammar.error)
+                    for req in self.grammars.settle()]
         out = self.scheduler.schedule()
         # the batch is fixed: bring in what waiting requests (and pins) need, evicting only
         # adapters without running requests; copies overlap this step's forward pass
@@ -233,6 +252,7 @@ class Engine:
         req.sampling_state = SamplingState.create(req.params, req.prompt_token_ids,
                                                   default_seed=seed, sample_index=index)
         req.sampling_state.output_token_ids.extend(generated)
+        self.grammars.attach(req)
         self.registry.acquire(req.adapter_id)
         self.scheduler.add(req)
 
@@ -291,10 +311,11 @@ class Engine:
                                          if s.slot >= 0})
         prev = self._inflight  # always None in sync mode
         pending = prev[1] if prev else None
-        launched = self.executor.launch(out, self.runner, pending)
+        masks = self._mask_source(out, results)
+        launched = self.executor.launch(out, self.runner, pending, masks)
         # a copy that later overwrites one of these slots waits for this step (no sync)
         self.adapters.note_step_reads({s.slot for s in out.scheduled})
-        if prev is not None:
+        if self._inflight is not None:  # prev, unless the mask source completed it
             results += self._complete()
         self._inflight = (out, launched)
         if not self._async or not self.scheduler.has_unfinished():
@@ -307,11 +328,26 @@ class Engine:
         if self._inflight is not None:
             return out  # if empty, completing the step in flight is the progress
         for _ in range(3):  # disk -> host, host -> slot, admit
-            # nothing could run: waiting for an adapter now delays no other request
-            if not out.is_empty or not (ready or self.adapters.wait_pending()):
+            # nothing could run: waiting for an adapter or a compile now delays no other
+            # request
+            if not out.is_empty or not (ready or self.adapters.wait_pending()
+                                        or self.grammars.wait(_GRAMMAR_POLL_S)):
                 break
             out, ready = self._schedule(results)
         return out
+
+    def _mask_source(self, out: SchedulerOutput, results: list[StepOutput]):
+        """What the runner calls, once the step's forward pass is queued, for the token
+        bitmask of its constrained rows: the step in flight (async scheduling) completes
+        first, into `results`, so its tokens are in the matchers. None: none samples."""
+        if not any(s.samples and s.request.grammar is not None for s in out.scheduled):
+            return None
+
+        def fill(requests: list[Request]):
+            if self._inflight is not None:
+                results.extend(self._complete())
+            return self.grammars.fill(requests)
+        return fill
 
     def _complete(self) -> list[StepOutput]:
         """Wait for the tokens of the step in flight and update the requests with them."""
@@ -326,10 +362,14 @@ class Engine:
             # the runner counted the token in the sampler state at launch; write it in
             req.sampling_state.output_token_ids[req.num_output_tokens - 1] = req.all_token_ids[-1]
             reason = self.outputs.append(req, sampled[req.request_id])
+            error = None
+            if req.grammar is not None:
+                reason, error = self.grammars.accept(req, reason)
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self._on_finished(req)
             results.append(self.outputs.step_output(req))
+            results[-1].error = error
         return results
 
     def _on_finished(self, req: Request) -> None:
@@ -387,6 +427,8 @@ class Engine:
                 self._inflight = None
         if getattr(self, "host_reserve", None) is not None:
             self.host_reserve.close()
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.close()
         if getattr(self, "adapters", None) is not None:
             self.adapters.loader.close()
         executor = getattr(self, "executor", None)

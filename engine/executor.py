@@ -14,7 +14,7 @@ from typing import Protocol
 
 from loramux_engine.parallel import TPGroup
 from loramux_engine.pending import PendingSample
-from loramux_engine.runner import ModelRunner
+from loramux_engine.runner import MaskSource, ModelRunner
 from loramux_engine.scheduler import Sampled, SchedulerOutput
 
 
@@ -25,7 +25,8 @@ class Executor(Protocol):
     of every rank's `n` (each rank's KV cache then holds the same blocks). `launch` queues
     a step on every rank without waiting for its tokens; `prev` is the launched step whose
     tokens this step's placeholder inputs take, and may be given only when
-    `must_read_before_next(prev)` is False. `result` waits for a launched step's tokens.
+    `must_read_before_next(prev)` is False; `masks`: rank 0's source of the constrained
+    rows' token bitmask (engine/runner.py). `result` waits for a launched step's tokens.
     `adapter_mirror(registry)`: the residency observer that repeats slot loads and host
     drops on the other ranks, or None. `warm_up(runner, plan, progress, on_shape)`: run
     the start-up warm-up rank 0 resolved (engine/warmup.py WarmupPlan) on every rank,
@@ -38,8 +39,8 @@ class Executor(Protocol):
 
     def agree_min(self, value: int) -> int: ...
 
-    def launch(self, out: SchedulerOutput, runner: ModelRunner,
-               prev: PendingSample | None) -> PendingSample: ...
+    def launch(self, out: SchedulerOutput, runner: ModelRunner, prev: PendingSample | None,
+               masks: MaskSource | None = None) -> PendingSample: ...
 
     def result(self, pending: PendingSample) -> dict[str, Sampled]: ...
 
@@ -61,9 +62,9 @@ class LocalExecutor:
     def agree_min(self, value: int) -> int:
         return value
 
-    def launch(self, out: SchedulerOutput, runner: ModelRunner,
-               prev: PendingSample | None) -> PendingSample:
-        return runner.launch(out, prev)
+    def launch(self, out: SchedulerOutput, runner: ModelRunner, prev: PendingSample | None,
+               masks: MaskSource | None = None) -> PendingSample:
+        return runner.launch(out, prev, masks=masks)
 
     def result(self, pending: PendingSample) -> dict[str, Sampled]:
         return pending.result()

@@ -37,6 +37,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     sampling_state: Any = None        # the sampler's per-request state, set by the engine
+    grammar: Any = None               # its constraint's matcher (engine/structured/), or None
     output: Any = None                # what the caller sees (engine/output_processor.py)
     # Async scheduling (a step is launched before the previous one's tokens are known):
     num_inflight_tokens: int = 0      # sampled in launched steps, not yet appended

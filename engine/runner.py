@@ -25,10 +25,18 @@ fill its placeholders from its own copy, which is what lets a tensor-parallel st
 launched before the previous one's tokens are read (`PendingSample.tokens_on_every_rank`).
 `takes_greedy_pick` is the one place that decides. Steps the Sampler serves under tensor
 parallelism get there by one broadcast of rank 0's sampled tokens (`_sample`).
+
+Constrained rows (engine/structured/). `launch(..., masks=source)`: once the step's logits
+are queued, and before its Sampler runs, the runner calls `source(requests)` for the
+allowed-token bitmask of the constrained sampling rows; on CUDA the host fills it while
+the forward pass runs, copies it without blocking and the Sampler applies it on the
+device. Such a step never takes the greedy pick (which has no mask): a decode step then
+replays the plain graph and samples after it. Only rank 0 samples, so only it masks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -46,6 +54,9 @@ from loramux_engine.scheduler import Sampled, ScheduledRequest, SchedulerOutput
 from loramux_kernels import lora as lora_kernels
 from loramux_kernels.attention_metadata import AttentionMetadata
 from loramux_kernels.greedy_pick import greedy_pick
+
+# a step's sampling requests -> (constrained rows, their bitmask on the host) or None
+MaskSource = Callable[[list[Request]], "tuple[list[int], torch.Tensor] | None"]
 
 
 @dataclass
@@ -157,7 +168,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, inputs: ModelInputs, prev: PendingSample | None = None,
-                greedy: bool = False) -> PendingSample:
+                greedy: bool = False, masks: MaskSource | None = None) -> PendingSample:
         """Forward pass, logits for the sampling rows only, then the sampler (or, with
         `greedy`, the greedy pick: see the module docstring)."""
         self._fill_holes(inputs.input_ids, inputs.holes, prev)
@@ -167,7 +178,7 @@ class ModelRunner:
         logits = self._logits(inputs, hidden, lora)
         if greedy:
             return self._greedy_pending(inputs.sample_requests, greedy_pick(logits))
-        return self._sample(logits, inputs.sample_requests)
+        return self._sample(logits, inputs.sample_requests, masks)
 
     def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, LoRABatch | None]:
         fused = None
@@ -199,14 +210,15 @@ class ModelRunner:
             return PendingSample.of_greedy_graph(requests, picked)
         return PendingSample.device_only(requests, picked[0].long())
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+    def _sample(self, logits: torch.Tensor, requests: list[Request],
+                masks: MaskSource | None = None) -> PendingSample:
         """The Sampler's (or a custom sampler's) tokens. Under tensor parallelism only rank
         0 samples, then one broadcast leaves its tokens on every rank's device (a worker
         receives them in place of sampling), like the greedy pick's."""
         if self.tp.size == 1:
-            return self._sample_here(logits, requests)
+            return self._sample_here(logits, requests, masks)
         if self.tp.is_first:
-            pending = self._sample_here(logits, requests)
+            pending = self._sample_here(logits, requests, masks)
         else:
             pending = PendingSample.device_only(requests, torch.empty(
                 len(requests), dtype=torch.int64, device=self.device))
@@ -214,20 +226,36 @@ class ModelRunner:
         pending.tokens_on_every_rank = True
         return pending
 
-    def _sample_here(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+    def _sample_here(self, logits: torch.Tensor, requests: list[Request],
+                     masks: MaskSource | None) -> PendingSample:
         states = [r.sampling_state for r in requests]
+        mask = self._mask_on_device(masks, requests)
         if type(self.sampler) is Sampler:
-            return PendingSample.of_sampler(requests, self.sampler.sample_tensors(logits, states))
-        res = self.sampler.sample(logits, states)  # a custom sampler: host lists
+            return PendingSample.of_sampler(requests,
+                                            self.sampler.sample_tensors(logits, states, mask))
+        res = (self.sampler.sample(logits, states) if mask is None  # a custom sampler:
+               else self.sampler.sample(logits, states, mask))      # host lists
         sampled = {r.request_id: Sampled(tok, lp, top)
                    for r, tok, lp, top in zip(requests, res.token_ids, res.logprobs,
                                               res.top_logprobs)}
         return PendingSample.known(sampled, [r for r in requests if r.request_id in sampled],
                                    self.device)
 
+    def _mask_on_device(self, masks: MaskSource | None, requests: list[Request]):
+        """The constrained rows' bitmask, filled now (the logits are queued: on CUDA
+        this overlaps the forward pass) and copied without blocking; None if none."""
+        filled = masks(requests) if masks is not None else None
+        if filled is None:
+            return None
+        rows, bitmask = filled
+        rows = self._to_device(torch.tensor(rows, dtype=torch.int64))
+        if self.device.type == "cuda":  # already page-locked (engine/structured/masks.py)
+            return rows, bitmask.to(self.device, non_blocking=True)
+        return rows, bitmask
+
     @torch.no_grad()
     def run_graph(self, out: SchedulerOutput, prev: PendingSample | None = None,
-                  greedy: bool = False) -> PendingSample:
+                  greedy: bool = False, masks: MaskSource | None = None) -> PendingSample:
         """A decode-only step through the CUDA graph of its batch-size bucket; `greedy`
         (see `takes_greedy_pick`) replays the graph that also picks every row's token."""
         sched = out.scheduled
@@ -251,13 +279,13 @@ class ModelRunner:
             hidden = hidden[picked]
             requests = [requests[i] for i in rows]
         logits = self.model.compute_logits(hidden, self.graphs.head_lora(key), picked)
-        return self._sample(logits, requests)
+        return self._sample(logits, requests, masks)
 
     def takes_greedy_pick(self, sched: list[ScheduledRequest],
                           tensor_parallel: bool = False) -> bool:
         """Whether a step takes the greedy pick instead of the Sampler (see the module
         docstring). Never without the default Sampler, nor unless every sampling row is
-        plain greedy (no penalty, no top logprobs). Then: a step that replays a CUDA graph
+        plain greedy (no penalty, no top logprobs, no constraint). Then: a step that replays a CUDA graph
         takes it when it is a pure decode step in which every row samples (the greedy
         graph); an eager step (prefill, mixed, the CPU) only under tensor parallelism,
         where it leaves the tokens on every rank. Only rank 0 can decide (the workers have
@@ -273,18 +301,18 @@ class ModelRunner:
         return self.graphs is not None and self.graphs.can_run(sched)
 
     def launch(self, out: SchedulerOutput, prev: PendingSample | None = None,
-               greedy: bool | None = None) -> PendingSample:
+               greedy: bool | None = None, masks: MaskSource | None = None) -> PendingSample:
         """Queue one step on the device; `prev`: the launched step whose tokens this
         one's placeholder inputs take. Sets each sampling request's `sample_row`.
         `greedy`: this step takes the greedy pick; None: this runner decides for one
         device (`takes_greedy_pick`). Under tensor parallelism every rank passes rank 0's
-        decision."""
+        decision. `masks`: the constrained rows' bitmask source (module docstring)."""
         if greedy is None:
             greedy = self.takes_greedy_pick(out.scheduled)
         if self._replays_graph(out.scheduled):
-            pending = self.run_graph(out, prev, greedy)
+            pending = self.run_graph(out, prev, greedy, masks)
         else:
-            pending = self.execute(self.prepare_inputs(out), prev, greedy)
+            pending = self.execute(self.prepare_inputs(out), prev, greedy, masks)
         # a step that samples nothing leaves no placeholder to fill
         pending.tokens_on_every_rank |= bool(greedy) or not pending.requests
         for i, req in enumerate(pending.requests):
@@ -304,4 +332,5 @@ class ModelRunner:
 
 def _plain_greedy(params) -> bool:
     """Sampled by the greedy pick exactly as by the Sampler: nothing it leaves out."""
-    return params.greedy and not params.top_logprobs and params.repetition_penalty == 1.0
+    return (params.greedy and not params.top_logprobs and params.repetition_penalty == 1.0
+            and params.structured is None)

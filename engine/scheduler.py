@@ -9,7 +9,8 @@ Each step:
 2. If nothing was preempted, waiting requests are admitted in order while the token
    budget, `max_num_seqs` and the pool allow. A request is deferred (skipped, keeps its
    place, never dropped) when its adapter is not ready in a device slot, when it would
-   take the running set past `max_loras` distinct adapters, or while a drain pauses it.
+   take the running set past `max_loras` distinct adapters, while a drain pauses it, or
+   while its output constraint is still compiling (engine/structured/).
 
 Adapters. The scheduler never assigns or evicts slots: it admits only requests whose
 adapter is already ready in a slot (the residency manager copies adapters in after the
@@ -248,7 +249,8 @@ class Scheduler:
         drain_from = self.drain_threshold()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            if not self._adapter_fits(req, drain_from):
+            if (req.grammar is not None and not req.grammar.ready
+                    or not self._adapter_fits(req, drain_from)):
                 deferred.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)

@@ -110,12 +110,13 @@ class TPExecutor:
         """A slot or host-copy change for the workers' next step plan."""
         self._ops.append((kind, slot, adapter_id))
 
-    def launch(self, out, runner, prev):
+    def launch(self, out, runner, prev, masks=None):
         """Send this step's plan and queue rank 0's shard without waiting for its tokens
         (async scheduling); `prev`: rank 0's step in flight, whose tokens this step's
-        placeholders take (on every rank: only after a `tokens_on_every_rank` step)."""
+        placeholders take (on every rank: only after a `tokens_on_every_rank` step);
+        `masks`: the constrained rows' bitmask source, rank 0's alone (only it samples)."""
         assert prev is None or prev.tokens_on_every_rank, "placeholders the workers lack"
-        return self._guard(lambda: self._launch(out, runner, prev))
+        return self._guard(lambda: self._launch(out, runner, prev, masks))
 
     def result(self, pending):
         """Rank 0's tokens of a launched step (a failed collective: EngineDeadError)."""
@@ -154,7 +155,7 @@ class TPExecutor:
                 raise   # an interrupt stays one
             raise EngineDeadError(f"the warm-up failed on rank 0: {exc!r}") from exc
 
-    def _launch(self, out, runner, prev):
+    def _launch(self, out, runner, prev, masks):
         adds, self._adds = self._adds, []
         ops, self._ops = self._ops, []
         # rank 0 decides the greedy pick (only it samples); the plan carries the decision so
@@ -166,7 +167,7 @@ class TPExecutor:
         self._channel.send(OP_STEP, encode_step(plan))
         if ops:  # workers may read adapter shards from disk first: wait for them on
             pg.agree_min(self._control, 0)  # the control group, not in a timed collective
-        return runner.launch(out, prev, greedy)
+        return runner.launch(out, prev, greedy, masks)
 
     def _guard(self, fn):
         why = self._watchdog.poll() if not self._closed else "the engine is closed"

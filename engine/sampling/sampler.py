@@ -1,8 +1,9 @@
 """Batched token sampling for requests with different sampling parameters.
 
 Logprobs are taken from the RAW model logits (log_softmax before repetition penalty,
-temperature and truncation): they report what the model believes, comparable across
-requests whatever their sampling settings, like the OpenAI API and vLLM's default.
+a constraint's token mask, temperature and truncation): they report what the model
+believes, comparable across requests whatever their sampling settings, like the OpenAI
+API and vLLM's default.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux_engine.sampling.mask import apply_token_bitmask
 from loramux_engine.sampling.noise import gumbel_noise
 from loramux_engine.sampling.processors import apply_min_p, apply_repetition_penalty, apply_top_k_top_p
 from loramux_engine.sampling.state import SamplingState
@@ -53,19 +55,26 @@ class Sampler:
     search does. Other rows sample with the Gumbel-max trick: argmax(processed logits +
     Gumbel noise), the noise keyed by the row's seed and step (sampling/noise.py, one draw
     for the whole batch), so a row's token depends only on its logits, its parameters,
-    its seed and its step."""
+    its seed and its step. A constrained row's forbidden tokens (`mask`: rows and their
+    bitmask on the logits' device, see sampling/mask.py) are set to -inf after the
+    penalty, before the greedy pick or the sampling."""
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
-        return self.sample_tensors(logits, states).to_output()
+    def sample(self, logits: torch.Tensor, states: list[SamplingState],
+               mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+        return self.sample_tensors(logits, states, mask).to_output()
 
-    def sample_tensors(self, logits: torch.Tensor,
-                       states: list[SamplingState]) -> SampledTensors:
+    def sample_tensors(self, logits: torch.Tensor, states: list[SamplingState],
+                       mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTensors:
         """sample() without reading the result back to the host."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} must be [len(states)={len(states)}, V]")
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         penalised = self._penalise(logits, states)
+        if mask is not None:
+            if penalised is logits:  # the raw logits stay the logprobs' source
+                penalised = logits.clone()
+            apply_token_bitmask(penalised, *mask)
         greedy = [s.params.greedy for s in states]
         token_ids = penalised.argmax(dim=-1)
         if not all(greedy):
