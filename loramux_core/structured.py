@@ -48,7 +48,7 @@ class StructuredOutput:
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.spec)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # nested past the parser's depth
                 raise InvalidRequestError(f"{field}: not JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequestError(f"{field}: a schema is a JSON object")

@@ -1,5 +1,8 @@
-"""Rejected: a Generate call refused with a precise gRPC status and message."""
+"""Rejected: a Generate call refused with a precise gRPC status and message; BadParam: an
+HTTP request field that cannot be served."""
 from __future__ import annotations
+
+import re
 
 import grpc
 
@@ -24,5 +27,24 @@ class Rejected(Exception):
             return cls(grpc.StatusCode.FAILED_PRECONDITION, message)
         for c in grpc.StatusCode:
             if c.value[0] == code:
-                return cls(c, message)
+                return cls(c, message, sampling_field(message)
+                           if c == grpc.StatusCode.INVALID_ARGUMENT else None)
         return cls(grpc.StatusCode.INTERNAL, message)
+
+
+_SAMPLING_FIELD = re.compile(r"sampling(?:\.[A-Za-z_]+)+")
+
+
+def sampling_field(message: str) -> str | None:
+    """The field an InvalidRequestError about sampling names first ("sampling.top_p=2:
+    ...", "sampling.structured.regex: ..."); None when it names none."""
+    found = _SAMPLING_FIELD.match(message)
+    return found.group() if found else None
+
+
+class BadParam(ValueError):
+    """An HTTP request field that cannot be served: 400 with `param` named."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param

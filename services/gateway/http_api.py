@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 
@@ -18,9 +19,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from loramux_services.gateway.errors import Rejected
+from loramux_services.gateway.errors import BadParam, Rejected
 from loramux_services.gateway.openai_responses import Choice, Shape, usage
-from loramux_services.gateway.openai_schema import BadParam, ChatCompletionRequest, CompletionRequest
+from loramux_services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from loramux_services.gateway.structured import renamed
+from loramux_services.gateway.tool_calls import FORMATS, detect_format
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -42,9 +45,14 @@ class ApiError(Exception):
         self.status, self.param, self.code = status, param, code
 
     @classmethod
-    def from_rejected(cls, err: Rejected) -> "ApiError":
-        return cls(_HTTP_STATUS.get(err.code, 500), str(err), param=_param(err.field),
-                   code=err.code.name.lower())
+    def from_rejected(cls, err: Rejected, constraint_param: str | None = None) -> "ApiError":
+        """With `constraint_param`, a refused output constraint (sampling.structured.*, by
+        the gateway or the engine's compiler) is told about the field the user sent."""
+        status = _HTTP_STATUS.get(err.code, 500)
+        if constraint_param and (err.field or "").startswith("sampling.structured"):
+            return cls(status, renamed(str(err), err.field, constraint_param),
+                       param=constraint_param, code=err.code.name.lower())
+        return cls(status, str(err), param=_param(err.field), code=err.code.name.lower())
 
 
 def _param(field: str | None) -> str | None:
@@ -75,27 +83,42 @@ def _sse(obj) -> str:
 class OpenAIFront:
     """What the routes need from the gateway: its servicer, adapter table and tokenizer."""
 
-    def __init__(self, servicer, table, *, model_name: str, model_root: str):
+    def __init__(self, servicer, table, *, model_name: str, model_root: str,
+                 tool_call_parser: str = "auto"):
+        """`tool_call_parser`: the format tool calls are parsed in under tool_choice
+        "auto" (tool_calls.PARSER_NAMES); "auto": the one the chat template shows."""
         self.servicer, self.table = servicer, table
         self.model_name, self.model_root = model_name, model_root
+        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
 
     @property
     def tokenizer(self):
         return self.servicer.prompts.tokenizer
 
-    async def adapter_for(self, model: str) -> str:
-        """The adapter a `model` value names ("" for the base model), or 404."""
+    async def adapter_for(self, model: str):
+        """(the adapter a `model` value names, "" for the base model; its table entry,
+        None for the base model), or 404."""
         if model in (self.model_name, self.model_root):  # the path: what was served before
-            return ""
+            return "", None
         try:
-            await self.table.resolve_current(model)
+            entry = await self.table.resolve_current(model)
         except Rejected as err:
             if err.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 raise ApiError(404, f"The model `{model}` does not exist or is not loaded "
                                f"({err})", param="model", code="model_not_found") from None
             raise ApiError.from_rejected(err) from None
-        return model
+        return model, entry
+
+    async def _tool_plan(self, body, entry):
+        """The request's tool plan with, under "auto", the call format to parse."""
+        plan = getattr(body, "plan", None)
+        if plan is None or plan.mode != "auto":
+            return plan
+        if self.tool_call_parser != "auto":
+            return dataclasses.replace(plan, fmt=FORMATS.get(self.tool_call_parser))
+        source = await self.servicer.prompts.template_source(entry)
+        return dataclasses.replace(plan, fmt=detect_format(source))
 
     def models(self) -> dict:
         max_len = self.servicer.engine.heartbeat.max_model_len or \
@@ -119,11 +142,14 @@ class OpenAIFront:
         return first, responses
 
     async def run(self, body, *, chat: bool, http_request: Request):
+        adapter, entry = await self.adapter_for(body.model)
         try:
-            requests = body.generate_requests(await self.adapter_for(body.model))
+            requests = body.generate_requests(adapter)
         except BadParam as err:
             raise ApiError(400, str(err), param=err.param) from None
-        shape = Shape(chat, body.model, self.tokenizer, return_token_ids=body.return_token_ids)
+        shape = Shape(chat, body.model, self.tokenizer, return_token_ids=body.return_token_ids,
+                      tools=await self._tool_plan(body, entry))
+        param = body.constraint_param
         per_prompt = body.n
         firsts = set(range(0, len(requests), per_prompt))
         opened = await asyncio.gather(*(self._open(r, chat) for r in requests),
@@ -134,13 +160,13 @@ class OpenAIFront:
                 if not isinstance(x, BaseException):
                     await x[1].aclose()
             if isinstance(failed, Rejected):
-                raise ApiError.from_rejected(failed)
+                raise ApiError.from_rejected(failed, param)
             raise failed
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._events(shape, opened, firsts, include_usage),
+            return StreamingResponse(self._events(shape, opened, firsts, include_usage, param),
                                      media_type="text/event-stream")
-        work = asyncio.ensure_future(self._collect(opened))
+        work = asyncio.ensure_future(self._collect(shape, opened, param))
         watch = asyncio.ensure_future(_until_disconnected(http_request))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -153,10 +179,10 @@ class OpenAIFront:
         choices = work.result()
         return JSONResponse(shape.response(choices, usage(choices, firsts)))
 
-    async def _collect(self, opened) -> list[Choice]:
+    async def _collect(self, shape: Shape, opened, param: str | None) -> list[Choice]:
         """Every choice to its end; the first failure stops the others."""
         async def drain(i, first, responses):
-            choice = Choice(i)
+            choice = shape.choice(i)
             choice.add(first)
             async with contextlib.aclosing(responses):
                 async for resp in responses:
@@ -173,9 +199,10 @@ class OpenAIFront:
         try:
             return [t.result() for t in tasks]
         except Rejected as err:
-            raise ApiError.from_rejected(err) from None
+            raise ApiError.from_rejected(err, param) from None
 
-    async def _events(self, shape: Shape, opened, firsts: set[int], include_usage: bool):
+    async def _events(self, shape: Shape, opened, firsts: set[int], include_usage: bool,
+                      param: str | None):
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, first, responses):
@@ -190,7 +217,7 @@ class OpenAIFront:
                 await queue.put((i, None))
 
         tasks = [asyncio.ensure_future(pump(i, f, r)) for i, (f, r) in enumerate(opened)]
-        choices = [Choice(i) for i in range(len(opened))]
+        choices = [shape.choice(i) for i in range(len(opened))]
         try:
             if shape.chat:
                 for c in choices:
@@ -201,12 +228,13 @@ class OpenAIFront:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, Rejected):
-                    err = ApiError.from_rejected(item)
+                    err = ApiError.from_rejected(item, param)
                     yield _sse(error_body(err.status, str(err), err.param, err.code))
                     break
                 else:
                     choices[i].add(item)
-                    yield _sse(shape.chunk(i, item))
+                    for chunk in shape.chunks(choices[i], item):
+                        yield _sse(chunk)
             else:
                 if include_usage:
                     yield _sse(shape.usage_chunk(usage(choices, firsts)))

@@ -11,11 +11,12 @@ from loramux.v1 import generate_pb2, generate_pb2_grpc
 
 from loramux_core import curve
 from loramux_core.gc_heap import freeze_heap
-from loramux_core.options import (OneLineErrors, Option, add_options, given, non_negative_float,
-                                  positive_float, positive_int)
+from loramux_core.options import (OneLineErrors, Option, add_options, choice, given,
+                                  non_negative_float, positive_float, positive_int)
 from loramux_services.common import grpc_server, replicas, service_args, tls
 from loramux_services.common.bind_errors import BindError, bind_flag
 from loramux_services.common.logs import configure_logging
+from loramux_services.gateway.tool_calls import PARSER_NAMES
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
@@ -45,6 +46,11 @@ GATEWAY_OPTIONS = (
     Option("metrics_max_adapters", "--metrics-max-adapters", positive_int,
            "distinct adapter label values in the gateway's metrics; later adapters count "
            "as 'other' (default: 64)", env="LORAMUX_METRICS_MAX_ADAPTERS", default=64),
+    Option("tool_call_parser", "--tool-call-parser", choice(*PARSER_NAMES),
+           "the format the HTTP API parses the model's tool calls in under tool_choice "
+           "\"auto\": llama3_json, hermes, mistral, none (never parse), or auto: the one "
+           "the chat template shows (default: auto)", env="LORAMUX_TOOL_CALL_PARSER",
+           default="auto"),
 )
 
 
@@ -99,7 +105,8 @@ def _http_server(args, servicer, table):
     from loramux_services.gateway.http_server import HttpServer
 
     front = OpenAIFront(servicer, table, model_name=args.served_model_name
-                        or served_name(args.model), model_root=args.model)
+                        or served_name(args.model), model_root=args.model,
+                        tool_call_parser=args.tool_call_parser)
     host = args.listen.rsplit(":", 1)[0].strip("[]")
     return HttpServer(build_app(front), host, args.http_port, token=args.auth_token,
                       max_body_bytes=args.max_message_bytes, tls=args.tls)

@@ -1,7 +1,8 @@
 """OpenAI response bodies and stream chunks, built from the gateway's GenerateResponses.
 
 `Shape` holds what differs between /v1/completions and /v1/chat/completions (object names,
-where text goes, the logprobs layout); `Choice` accumulates one choice's responses."""
+where text goes, the logprobs layout, tool calls); `Choice` accumulates one choice's
+responses."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from loramux.v1 import generate_pb2
+
+from loramux_services.gateway.chat_tools import ToolPlan
+from loramux_services.gateway.tool_output import ChoiceTools
 
 _FINISH = {generate_pb2.FINISH_REASON_LENGTH: "length", generate_pb2.FINISH_REASON_STOP: "stop",
            generate_pb2.FINISH_REASON_EOS: "stop", generate_pb2.FINISH_REASON_ABORTED: "abort",
@@ -29,6 +33,7 @@ class Choice:
     logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: generate_pb2.Usage | None = None
+    tools: ChoiceTools | None = None  # a chat choice whose output may hold tool calls
 
     @property
     def text(self) -> str:
@@ -59,11 +64,17 @@ def usage(choices: list[Choice], prompts_seen: set[int] | None = None) -> dict:
 class Shape:
     """Completions or chat completions: ids, object names and field layout."""
 
-    def __init__(self, chat: bool, model: str, tokenizer, *, return_token_ids: bool = False):
+    def __init__(self, chat: bool, model: str, tokenizer, *, return_token_ids: bool = False,
+                 tools: ToolPlan | None = None):
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.return_token_ids = return_token_ids
+        self.tools = tools
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+
+    def choice(self, index: int) -> Choice:
+        tools = ChoiceTools(self.tools) if self.tools is not None else None
+        return Choice(index, tools=tools if tools is not None and tools.parses else None)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -98,7 +109,9 @@ class Shape:
             item = {"index": c.index, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason}
             if self.chat:
-                item["message"] = {"role": "assistant", "content": c.text}
+                item["message"] = self._message(c)
+                if "tool_calls" in item["message"]:
+                    item["finish_reason"] = _with_calls(c.finish_reason)
             else:
                 item["text"] = c.text
             if self.return_token_ids:
@@ -106,6 +119,16 @@ class Shape:
             out.append(item)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": out, "usage": usage_dict}
+
+    @staticmethod
+    def _message(c: Choice) -> dict:
+        if c.tools is None:
+            return {"role": "assistant", "content": c.text}
+        content, calls = c.tools.whole(c.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
+        return message
 
     def chunk(self, index: int, resp: generate_pb2.GenerateResponse | None) -> dict:
         """One stream chunk for choice `index` (the chat role chunk when resp is None)."""
@@ -125,6 +148,33 @@ class Shape:
             item["text"] = resp.text if resp is not None else ""
         return {**self._head(obj), "choices": [item], "usage": None}
 
+    def chunks(self, c: Choice, resp: generate_pb2.GenerateResponse) -> list[dict]:
+        """The stream chunks of one response of choice `c`: one, or for a choice that may
+        call tools, one per delta its text makes (the response's token ids and logprobs
+        on the first, its finish reason on the last)."""
+        first = self.chunk(c.index, resp)
+        if c.tools is None:
+            return [first]
+        deltas = c.tools.feed(resp.text) + (c.tools.finish() if resp.finish_reason else [])
+        out = []
+        for k, delta in enumerate(deltas or [{}]):
+            chunk = first if k == 0 else self.chunk(c.index, None)
+            item = chunk["choices"][0]
+            item["delta"], item["finish_reason"] = delta, None
+            if k:
+                item["logprobs"] = None
+                item.pop("token_ids", None)
+            out.append(chunk)
+        if resp.finish_reason:
+            reason = finish_reason(resp)
+            out[-1]["choices"][0]["finish_reason"] = _with_calls(reason) if c.tools.sent else reason
+        return out
+
     def usage_chunk(self, usage_dict: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage_dict}
+
+
+def _with_calls(reason: str | None) -> str | None:
+    """A choice that called tools and stopped on its own finished with "tool_calls"."""
+    return "tool_calls" if reason == "stop" else reason

@@ -3,25 +3,23 @@ GenerateRequests: one per choice, so the HTTP API runs exactly the gRPC path.
 
 Beyond OpenAI's fields, the sampling extensions vLLM accepts are taken too (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output,
-return_token_ids; add_generation_prompt and continue_final_message for chats). Fields that
-would change results in a way loramux does not implement (penalties, logit_bias, echo,
-suffix, tools, ...) are refused with 400 rather than silently ignored."""
+return_token_ids, structured_outputs and the older guided_* fields; add_generation_prompt
+and continue_final_message for chats). Fields that would change results in a way loramux
+does not implement (penalties, logit_bias, echo, suffix, ...) are refused with 400 rather
+than silently ignored. Output constraints: structured.py; tools: chat_tools.py."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from loramux.v1 import generate_pb2
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from loramux_services.gateway.chat_tools import (Tool, ToolCallIn, ToolChoice, ToolPlan,
+                                                 tool_constraint, tool_plan, tools_json)
+from loramux_services.gateway.errors import BadParam
+from loramux_services.gateway.structured import GUIDED, Constraint, constraint_of
 
 MAX_CHOICES = 64  # n times the number of prompts
-
-
-class BadParam(ValueError):
-    """A request field that cannot be served: 400 with `param` named."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 class StreamOptions(BaseModel):
@@ -53,6 +51,23 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # output constraints (structured.py)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # the constraint generate_requests chose: its refusals name its field
+    _constraint: Constraint | None = PrivateAttr(default=None)
+
+    @property
+    def constraint_param(self) -> str | None:
+        return self._constraint.param if self._constraint is not None else None
+
+    def output_constraint(self) -> Constraint | None:
+        return constraint_of(self.response_format, self.structured_outputs,
+                             {k: getattr(self, k) for k in GUIDED})
 
     def check_supported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -75,6 +90,8 @@ class _Sampling(BaseModel):
             pb.max_tokens = max_tokens
         pb.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop or [])
         pb.stop_token_ids.extend(self.stop_token_ids or [])
+        if self._constraint is not None:
+            pb.structured.CopyFrom(self._constraint.structured)
         return pb
 
     def choice_sampling(self, pb: generate_pb2.SamplingParams,
@@ -117,6 +134,7 @@ class CompletionRequest(_Sampling):
         if self.best_of not in (None, 1, self.n):
             raise BadParam("best_of", "best_of must equal n")
         prompts = self.prompts()
+        self._constraint = self.output_constraint()
         if len(prompts) * self.n > MAX_CHOICES:
             raise BadParam("n", f"{len(prompts)} prompts x n={self.n} choices; at most {MAX_CHOICES}")
         pb = self.sampling(self.max_tokens, self.logprobs is not None, self.logprobs or 0)
@@ -144,10 +162,12 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None             # a tool turn: the call it answers
 
-    def text(self, index: int) -> str:
+    def text(self, index: int) -> str | None:
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+            return self.content
         parts = []
         for k, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
@@ -156,6 +176,15 @@ class ChatMessage(BaseModel):
             parts.append(part.text)
         return "".join(parts)
 
+    def add_to(self, chat: generate_pb2.ChatMessages, index: int) -> None:
+        m = chat.messages.add(role=self.role, name=self.name or "",
+                              tool_call_id=self.tool_call_id or "")
+        text = self.text(index)
+        if text is not None or not self.tool_calls:  # no content: only for a turn of calls
+            m.content = text or ""
+        for call in self.tool_calls or ():
+            m.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.text())
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
@@ -163,30 +192,44 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # how each choice's output becomes tool calls (None: it never does)
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
+
+    @property
+    def plan(self) -> ToolPlan | None:
+        return self._tool_plan
 
     def generate_requests(self, adapter: str) -> list[generate_pb2.GenerateRequest]:
         self.check_supported()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise BadParam("tools", "tools are not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise BadParam("response_format", "only response_format type 'text' is supported")
         if self.chat_template_kwargs:
             raise BadParam("chat_template_kwargs", "chat_template_kwargs is not supported")
         if self.top_logprobs and not self.logprobs:
             raise BadParam("top_logprobs", "top_logprobs needs logprobs: true")
+        self._constraint = self._choose_constraint()
         max_tokens = self.max_completion_tokens or self.max_tokens
         pb = self.sampling(max_tokens, self.logprobs, self.top_logprobs or 0)
         chat = generate_pb2.ChatMessages(add_generation_prompt=self.add_generation_prompt,
-                                         continue_final_message=self.continue_final_message)
+                                         continue_final_message=self.continue_final_message,
+                                         tools=tools_json(self.tools))
         for i, m in enumerate(self.messages):
-            chat.messages.add(role=m.role, content=m.text(i), name=m.name or "")
+            m.add_to(chat, i)
         return [generate_pb2.GenerateRequest(adapter=adapter, messages=chat,
                                              sampling=self.choice_sampling(pb, j))
                 for j in range(self.n)]
+
+    def _choose_constraint(self) -> Constraint | None:
+        """The tool choice's constraint, or the one the output fields ask for: not both."""
+        self._tool_plan = tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        by_tools = tool_constraint(self._tool_plan, self.tools)
+        asked = self.output_constraint()
+        if by_tools is not None and asked is not None:
+            raise BadParam("tool_choice", f"tool_choice {self._tool_plan.mode!r} constrains the "
+                           f"output, and so does {asked.param}; give one")
+        return by_tools or asked

@@ -10,6 +10,7 @@ body limit)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -74,7 +75,9 @@ class PromptBuilder:
         elif which == "text":
             n, field = len(req.text) // (SHRINK * self._max_token_chars), "text"
         elif which == "messages":
-            chars = sum(len(m.content) for m in req.messages.messages)
+            chars = len(req.messages.tools) + sum(
+                len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+                for m in req.messages.messages)
             n, field = chars // (SHRINK * self._max_token_chars), "messages.messages"
         else:
             return
@@ -112,14 +115,24 @@ class PromptBuilder:
             if not m.role:
                 raise _bad(f"messages[{i}].role is empty", f"messages.messages[{i}].role")
         template = self._template(adapter)
-        messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                    for m in chat.messages]
         add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         try:
-            return template.render(messages, add_generation_prompt=add and not chat.continue_final_message,
-                                   continue_final_message=chat.continue_final_message)
+            return template.render(template_messages(chat),
+                                   add_generation_prompt=add and not chat.continue_final_message,
+                                   continue_final_message=chat.continue_final_message,
+                                   tools=template_tools(chat))
         except ChatTemplateError as err:
             raise _bad(str(err), "messages") from None
+
+    async def template_source(self, adapter: engine_pb2.AdapterTableEntry | None) -> str | None:
+        """The text of the chat template a request for `adapter` renders with (None: none);
+        read off the event loop, as an adapter's template is read from its directory."""
+        loop = asyncio.get_running_loop()
+        try:
+            template = await loop.run_in_executor(self._pool, self._template, adapter)
+        except Rejected:
+            return None
+        return template.source
 
     def _template(self, adapter: engine_pb2.AdapterTableEntry | None) -> ChatTemplate:
         own = self._adapter_template(adapter) if adapter is not None else None
@@ -159,3 +172,42 @@ class PromptBuilder:
                 template = None  # the directory is not visible here: the base template serves
         self._adapter_templates[entry.name] = (entry.id, entry.path, template)
         return template
+
+
+def template_messages(chat: generate_pb2.ChatMessages) -> list[dict]:
+    """The messages as transformers passes them to a template: a turn of tool calls has
+    content None (unless it has text) and its calls' arguments parsed (templates write them
+    with `tojson`); a tool result carries the id of its call."""
+    out = []
+    for m in chat.messages:
+        msg = {"role": m.role, "content": m.content if m.HasField("content") else None}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": _parsed(c.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _parsed(arguments: str):
+    try:
+        return json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments  # as written: the template shows what the model was given
+
+
+def template_tools(chat: generate_pb2.ChatMessages) -> list | None:
+    """The tools for the template (None without any), as the HTTP API checked them; JSON
+    from a gRPC caller that is not a list is refused naming the field."""
+    if not chat.tools:
+        return None
+    try:
+        tools = json.loads(chat.tools)
+    except (ValueError, RecursionError) as err:
+        raise _bad(f"messages.tools: not JSON: {str(err)[:200]}", "messages.tools") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise _bad("messages.tools: a JSON list of tool objects is required", "messages.tools")
+    return tools

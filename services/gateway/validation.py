@@ -6,7 +6,7 @@ from loramux.v1 import generate_pb2
 
 from loramux_core.errors import InvalidRequestError
 from loramux_core.sampling import sampling_from_proto
-from loramux_services.gateway.errors import Rejected
+from loramux_services.gateway.errors import Rejected, sampling_field
 
 MAX_STOP_STRINGS = 16
 
@@ -22,10 +22,8 @@ def check_sampling(pb: generate_pb2.SamplingParams, vocab_size: int) -> None:
                    "sampling.stop")
     try:
         sampling_from_proto(pb).validate(vocab_size or None)
-    except InvalidRequestError as err:  # "sampling.<field>=<value>: why"
-        message = str(err)
-        field = message.split("=", 1)[0] if message.startswith("sampling.") else "sampling"
-        raise _bad(message, field) from None
+    except InvalidRequestError as err:  # "sampling.<field>=<value>: why", "sampling.<field>: why"
+        raise _bad(str(err), sampling_field(str(err)) or "sampling") from None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

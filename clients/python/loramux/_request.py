@@ -1,6 +1,7 @@
 """Builds Generate and admin requests from plain Python arguments (shared by both clients)."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -11,12 +12,16 @@ from loramux.v1 import adapter_admin_pb2, generate_pb2
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                     "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
                     "top_logprobs", "include_stop_str_in_output")
+# constrained decoding: at most one of these (SamplingParams.structured)
+STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 def generate_request(prompt: str | Sequence[int], adapter: str | None = None,
                      request_id: str = "", **sampling) -> generate_pb2.GenerateRequest:
     """A GenerateRequest; `prompt` is text or a list of token ids, `sampling` takes the
-    SamplingParams field names (temperature=0.0, max_tokens=32, stop=["\\n"], ...)."""
+    SamplingParams field names (temperature=0.0, max_tokens=32, stop=["\\n"], ...) and one
+    output constraint: json_schema= (a dict or its JSON text), json_object=True, regex=,
+    choice=[...] or grammar= (Lark text)."""
     req = generate_pb2.GenerateRequest(adapter=adapter or "", request_id=request_id)
     if isinstance(prompt, str):
         req.text = prompt
@@ -26,16 +31,20 @@ def generate_request(prompt: str | Sequence[int], adapter: str | None = None,
     return req
 
 
-def chat_request(messages: Sequence[Mapping[str, str]], adapter: str | None = None,
+def chat_request(messages: Sequence[Mapping], adapter: str | None = None,
                  request_id: str = "", *, add_generation_prompt: bool | None = None,
-                 continue_final_message: bool = False,
+                 continue_final_message: bool = False, tools: Sequence[Mapping] | None = None,
                  **sampling) -> generate_pb2.GenerateRequest:
-    """A GenerateRequest whose prompt is a chat: `messages` are dicts with "role" and
-    "content" (and optionally "name"), rendered by the served model's chat template."""
+    """A GenerateRequest whose prompt is a chat: `messages` are dicts as in the OpenAI API
+    ("role", "content", optionally "name", an assistant's "tool_calls", a tool result's
+    "tool_call_id"), rendered by the served model's chat template with `tools` (OpenAI
+    function tools). The reply is the model's text: its tool calls are not parsed here."""
     req = generate_pb2.GenerateRequest(adapter=adapter or "", request_id=request_id)
     chat = req.messages
     for m in messages:
-        chat.messages.add(role=m["role"], content=m.get("content") or "", name=m.get("name") or "")
+        _add_message(chat, m)
+    if tools:
+        chat.tools = json.dumps(list(tools), ensure_ascii=False)
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt
     chat.continue_final_message = continue_final_message
@@ -43,10 +52,26 @@ def chat_request(messages: Sequence[Mapping[str, str]], adapter: str | None = No
     return req
 
 
+def _add_message(chat: generate_pb2.ChatMessages, m: Mapping) -> None:
+    calls = m.get("tool_calls") or ()
+    msg = chat.messages.add(role=m["role"], name=m.get("name") or "",
+                            tool_call_id=m.get("tool_call_id") or "")
+    if m.get("content") is not None or not calls:  # no content: only for a turn of calls
+        msg.content = m.get("content") or ""
+    for call in calls:
+        args = call["function"].get("arguments", "{}")
+        msg.tool_calls.add(id=call.get("id", ""), name=call["function"]["name"],
+                           arguments=args if isinstance(args, str) else json.dumps(args))
+
+
 def _set_sampling(req: generate_pb2.GenerateRequest, sampling: dict) -> None:
-    unknown = set(sampling) - set(_SAMPLING_FIELDS)
+    unknown = set(sampling) - set(_SAMPLING_FIELDS) - set(STRUCTURED_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling argument(s): {sorted(unknown)}")
+    given = {k: sampling.pop(k) for k in STRUCTURED_FIELDS if k in sampling}
+    structured = {k: v for k, v in given.items() if v is not None and v is not False}
+    if structured:
+        req.sampling.structured.CopyFrom(structured_output(**structured))
     for name, value in sampling.items():
         if value is None:
             continue
@@ -54,6 +79,28 @@ def _set_sampling(req: generate_pb2.GenerateRequest, sampling: dict) -> None:
             getattr(req.sampling, name).extend(value)
         else:
             setattr(req.sampling, name, value)
+
+
+def structured_output(**given) -> generate_pb2.StructuredOutput:
+    """The StructuredOutput of exactly one of STRUCTURED_FIELDS; its content is checked by
+    the gateway (INVALID_ARGUMENT naming sampling.structured.<kind>)."""
+    if len(given) != 1:
+        raise TypeError(f"give one output constraint of {', '.join(STRUCTURED_FIELDS)}, "
+                        f"not {', '.join(sorted(given))}")
+    (kind, value), = given.items()
+    pb = generate_pb2.StructuredOutput()
+    if kind == "json_schema":
+        pb.json_schema = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    elif kind == "json_object":
+        pb.json_object = True
+    elif kind == "choice":
+        if isinstance(value, str):
+            raise TypeError("choice takes a list of strings, not one string")
+        pb.choice.SetInParent()  # set even when empty, so the gateway says what is wrong
+        pb.choice.choices.extend(value)
+    else:
+        setattr(pb, kind, value)
+    return pb
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

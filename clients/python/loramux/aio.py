@@ -36,7 +36,8 @@ class AsyncGenerateClient:
                           add_generation_prompt: bool | None = None,
                           continue_final_message: bool = False,
                           **sampling) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """Like stream(), with the prompt made from chat `messages` by the chat template."""
+        """Like stream(), with the prompt made from chat `messages` by the chat template
+        (tools=[...] as in GenerateClient.chat_stream)."""
         req = chat_request(messages, adapter, request_id,
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, **sampling)

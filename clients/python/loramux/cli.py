@@ -68,6 +68,38 @@ def _control_arguments_again() -> argparse.ArgumentParser:
     return again
 
 
+def _text_file(path: str) -> str:
+    """An argparse type: the UTF-8 text of a file ('-': standard input)."""
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {err}") from None
+
+
+def _constraint_arguments(g: argparse.ArgumentParser) -> None:
+    """At most one constraint on the output (the gateway checks its content)."""
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", type=_text_file, metavar="FILE",
+                   help="the output is JSON valid under this JSON schema")
+    c.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    c.add_argument("--regex", help="the whole output matches this regular expression")
+    c.add_argument("--choice", action="append", help="the output is one of these strings "
+                   "(repeat the flag for each)")
+    c.add_argument("--grammar", type=_text_file, metavar="FILE",
+                   help="the output follows this grammar (Lark syntax, start rule `start`)")
+
+
+def constraint_kwargs(args) -> dict:
+    """The SDK's constraint argument the flags give ({} for none)."""
+    for name in ("json_schema", "regex", "choice", "grammar"):
+        if getattr(args, name) is not None:
+            return {name: getattr(args, name)}
+    return {"json_object": True} if args.json_object else {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="loramux", description="loramux client and launcher")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -85,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--timeout", type=_float_in(0.0, float("inf"), "must be > 0", lo_open=True),
                    default=None, help="deadline in seconds")
+    _constraint_arguments(g)
     tls.add_arguments(g)
 
     a = sub.add_parser("adapters", help="manage adapters on the control plane")
@@ -130,7 +163,8 @@ def run_generate(args) -> int:
     from loramux.client import GenerateClient
 
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature,
-                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                    **constraint_kwargs(args))
     with GenerateClient(args.gateway, tls=tls.from_args(args)) as client:
         finish = None
         for resp in client.stream(args.prompt, args.adapter or None, timeout=args.timeout,

@@ -50,7 +50,9 @@ class GenerateClient:
                timeout: float | None = None, request_id: str = "",
                **sampling) -> Iterator[generate_pb2.GenerateResponse]:
         """Yield one GenerateResponse per engine step; the last has finish_reason set.
-        Closing the iterator early cancels the request in the engine."""
+        Closing the iterator early cancels the request in the engine. `sampling`: the
+        SamplingParams fields, and at most one output constraint: json_schema= (a dict or
+        its JSON text), json_object=True, regex=, choice=[...], grammar= (Lark text)."""
         return self._stream(generate_request(prompt, adapter, request_id, **sampling), timeout)
 
     def chat_stream(self, messages: Sequence[Mapping[str, str]], adapter: str | None = None, *,
@@ -58,8 +60,9 @@ class GenerateClient:
                     add_generation_prompt: bool | None = None,
                     continue_final_message: bool = False,
                     **sampling) -> Iterator[generate_pb2.GenerateResponse]:
-        """Like stream(), with the prompt made from chat `messages` ({"role", "content"}
-        dicts) by the served model's chat template (the adapter's own when it has one)."""
+        """Like stream(), with the prompt made from chat `messages` (OpenAI's message
+        dicts) by the served model's chat template (the adapter's own when it has one);
+        tools=[...] (OpenAI function tools) are rendered by the template too."""
         req = chat_request(messages, adapter, request_id,
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, **sampling)

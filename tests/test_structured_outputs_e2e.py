@@ -1,0 +1,201 @@
+"""Constrained outputs obey their constraints, end to end through a real `loramux serve`
+and the official openai client: JSON schema (32 concurrent sampled requests over the base
+model and two adapters, mixed with free ones), JSON object, regex, choice, grammar; tool
+calls under a named or required tool_choice whose arguments validate against the
+function's parameters, and the model's own call format parsed under "auto"; a constraint
+the grammar library refuses is a 400 naming the field, and the service goes on.
+
+The schemas are bounded (enums, ranges, short strings, additionalProperties false) so that
+even a tiny random model's constrained output ends well within max_tokens."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import grpc
+import jsonschema
+import openai
+import pytest
+from loramux import GenerateClient, LoramuxError
+
+from tests.support.openai_serve import make_files, serving
+
+pytestmark = pytest.mark.timeout(600)
+SCHEMA = {"type": "object", "properties": {
+    "answer": {"enum": ["yes", "no", "maybe"]},
+    "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    "ok": {"type": "boolean"},
+    "tag": {"type": "string", "minLength": 1, "maxLength": 8, "pattern": "^[a-z]+$"}},
+    "required": ["answer", "count", "ok", "tag"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Rome"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
+    "required": ["tz"], "additionalProperties": False}}}
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "answer in JSON"}]
+REGEX = r"(yes|no)-[0-9]{1,3}"
+CHOICES = ["red", "green", "blue"]
+GRAMMAR = 'start: ("ab" | "cd") ("ab" | "cd") "!"'
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return make_files(tmp_path_factory.mktemp("structured"))
+
+
+@pytest.fixture(scope="module")
+def served(files):
+    with serving(files) as serve:
+        yield serve
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.http + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def models(files):
+    return [files["model"], "a1", "a2"]
+
+
+def test_json_schema_under_concurrent_sampled_load(served, models):
+    schema_format = {"type": "json_schema",
+                     "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}}
+
+    async def one(aclient, i):
+        kw = dict(model=models[i % 3], max_tokens=120, temperature=1.0, seed=i)
+        if i % 4 == 3:  # free requests share the batches
+            out = await aclient.chat.completions.create(messages=ASK, **kw)
+            return None, out.choices[0]
+        if i % 2:
+            out = await aclient.completions.create(  # the client's completions lack the field
+                prompt="json: ", extra_body={"response_format": schema_format}, **kw)
+            return "text", out.choices[0]
+        out = await aclient.chat.completions.create(messages=ASK, response_format=schema_format,
+                                                    **kw)
+        return "chat", out.choices[0]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=served.http + "/v1", api_key="none",
+                                      max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    for kind, choice in asyncio.run(main()):
+        if kind is None:
+            assert isinstance(choice.message.content, str)
+            continue
+        text = choice.text if kind == "text" else choice.message.content
+        assert choice.finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def _both(client, model, **kw) -> list[str]:
+    """The output of a chat request, not streamed and streamed (with its finish reason)."""
+    out = client.chat.completions.create(model=model, messages=ASK, **kw)
+    chunks = [c.choices[0] for c in client.chat.completions.create(
+        model=model, messages=ASK, stream=True, **kw) if c.choices]
+    assert out.choices[0].finish_reason == chunks[-1].finish_reason == "stop"
+    return [out.choices[0].message.content, "".join(c.delta.content or "" for c in chunks)]
+
+
+def test_regex_choice_and_grammar_hold(client, models):
+    for seed, model in enumerate(models):
+        kw = dict(max_tokens=40, temperature=1.0, seed=seed)
+        for text in _both(client, model, extra_body={"structured_outputs": {"regex": REGEX}}, **kw):
+            assert re.fullmatch(REGEX, text), text
+        for text in _both(client, model, extra_body={"guided_choice": CHOICES}, **kw):
+            assert text in CHOICES
+        for text in _both(client, model, extra_body={"structured_outputs": {"grammar": GRAMMAR}},
+                          **kw):
+            assert re.fullmatch(r"(ab|cd){2}!", text), text
+        comp = client.completions.create(model=model, prompt="pick: ", max_tokens=40,
+                                         extra_body={"guided_regex": REGEX}, seed=seed)
+        assert re.fullmatch(REGEX, comp.choices[0].text)
+
+
+def test_json_object_outputs_are_objects(client, models):
+    """Any object: its length is up to the model, so outputs cut at max_tokens are not
+    judged, and at least some must end on their own."""
+    ended = 0
+    for seed in range(6):
+        out = client.chat.completions.create(model=models[seed % 3], messages=ASK,
+                                             response_format={"type": "json_object"},
+                                             max_tokens=300, temperature=1.0, seed=seed)
+        if out.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(out.choices[0].message.content), dict)
+            ended += 1
+    assert ended
+
+
+def _calls_of(client, model, stream: bool, **kw) -> tuple[list[tuple[str, str]], str]:
+    """[(name, arguments)] and the finish reason of a chat with tools."""
+    kw = dict(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=150,
+              temperature=1.0, **kw)
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+        return [(c.function.name, c.function.arguments)
+                for c in choice.message.tool_calls or ()], choice.finish_reason
+    calls: dict[int, list[str]] = {}
+    reason = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for d in chunk.choices[0].delta.tool_calls or ():
+            have = calls.setdefault(d.index, ["", ""])
+            have[0] += d.function.name or ""
+            have[1] += d.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return [tuple(v) for _, v in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_and_required_tool_calls_validate(client, models, stream):
+    named = {"type": "function", "function": {"name": "time"}}
+    for seed, model in enumerate(models):
+        calls, reason = _calls_of(client, model, stream, tool_choice=named, seed=seed)
+        assert reason == "tool_calls" and [n for n, _ in calls] == ["time"]
+        jsonschema.validate(json.loads(calls[0][1]), PARAMS["time"])
+        calls, reason = _calls_of(client, model, stream, tool_choice="required",
+                                  parallel_tool_calls=False, seed=seed)
+        assert reason == "tool_calls" and len(calls) == 1
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), PARAMS[name])
+
+
+def test_auto_parses_the_models_own_format(client):
+    """A call in the template's (hermes) format, forced by a regex, comes back parsed."""
+    written = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    for stream in (False, True):
+        calls, reason = _calls_of(client, "a2", stream, extra_body={
+            "structured_outputs": {"regex": re.escape(written)}})
+        assert reason == "tool_calls"
+        assert [(n, json.loads(a)) for n, a in calls] == [("weather", {"city": "Oslo", "days": 2})]
+
+
+def test_constraints_the_library_refuses_are_400_naming_them(client, served):
+    refused = [({"response_format": {"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": {"type": "object", "properties": {
+                        "a": {"$ref": "#/$defs/missing"}}}}}},
+                "response_format.json_schema.schema"),
+               ({"extra_body": {"structured_outputs": {"grammar": "start: ("}}},
+                "structured_outputs.grammar"),
+               ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex")]
+    for fields, param in refused:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model="a1", messages=ASK, max_tokens=8,
+                                               stream=stream, **fields)
+            assert info.value.body["param"] == param
+            assert info.value.body["message"].startswith(param)
+    with GenerateClient(served.gateway) as g:
+        with pytest.raises(LoramuxError) as info:
+            g.generate("x", "a1", max_tokens=8, grammar="start: (")
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in info.value.field_violations] == ["sampling.structured.grammar"]
+        out = g.generate("x", "a1", max_tokens=40, choice=CHOICES, temperature=1.0, seed=3)
+        assert out.text in CHOICES  # the SDK's constraint, after the refusals
+    out = client.chat.completions.create(model="a1", messages=ASK, max_tokens=8)
+    assert out.usage.completion_tokens == 8
