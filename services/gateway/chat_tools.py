@@ -134,7 +134,8 @@ def required_schema(tools: list[Tool], parallel: bool = True) -> dict:
             defs[name] = schema
         items.append({"type": "object", "properties": {
             "name": {"type": "string", "enum": [tool.function.name]}, "parameters": params},
-            "required": ["name", "parameters"]})
+            # nothing else: a key the call cannot carry is text the model must not write
+            "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
