@@ -9,7 +9,8 @@ from loramux_core.errors import (AdapterError, AdapterNotFoundError, AdapterUnav
 from loramux_core.sampling import SamplingParams
 
 _TORCH_EXPORTS = {"Engine": "loramux_engine.engine", "EngineConfig": "loramux_engine.config",
-                  "FinishReason": "loramux_engine.outputs", "RequestOutput": "loramux_engine.outputs",
+                  "FinishReason": "loramux_engine.outputs",
+                  "RequestOutput": "loramux_engine.outputs",
                   "StepOutput": "loramux_engine.outputs"}
 __getattr__ = lazy_exports(__name__, _TORCH_EXPORTS)
 

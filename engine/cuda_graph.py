@@ -19,7 +19,8 @@ captured with launch parameters tuned for one adapter (kernels/lora/token.py) an
 where the model keeps spare weight rows for one adapter, over those rows
 (engine/lora/fused.py: the step's adapter is copied there before the replay when they
 hold another, so such a graph serves only rows on one adapter, as its key says). Mixed
-batches whose rows average fewer rows per adapter than the kernels' rule for the bucket (`min_rows`, loramux_kernels.lora.mixed_min_rows)
+batches whose rows average fewer rows per adapter than the kernels' rule for the bucket
+(`min_rows`, loramux_kernels.lora.mixed_min_rows)
 replay a "spread" graph, captured on the token kernels where the other one has the
 segment kernels (kernels/lora/plan.py); the bit is counted on the host from the
 rows' slots. Graphs are captured at start-up (`capture_all`, engine/warmup.py), or else

@@ -20,7 +20,7 @@ def _jit_functions() -> list:
         return []
     out = []
     for name, module in list(sys.modules.items()):
-        if module is not None and (name == "loramux_kernels" or name.startswith("loramux_kernels.")):
+        if module is not None and name.partition(".")[0] == "loramux_kernels":
             out += [v for v in vars(module).values() if isinstance(v, JITFunction)]
     return out
 

@@ -161,7 +161,7 @@ def precompile(engine, workers: int | None, progress=None,
     if count <= 0:
         return PrecompileReport(0, 0, 0.0, skipped="no workers")
     start = time.perf_counter()
-    marker = cache_dir() / f"loramux-precompiled-{fingerprint(loramux_engine.config)}"
+    marker = cache_dir() / f"loramux-precompiled-{fingerprint(engine.config)}"
     if marker.exists():
         return PrecompileReport(0, 0, 0.0, skipped="the compile cache is warm",
                                 shapes=read_mark(marker))

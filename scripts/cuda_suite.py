@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             log = open(logs / (Path(f).stem + ".txt"), "w")
             proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
-                 "addopts=--import-mode=append", "-rfE", "--tb=short", f], cwd=ROOT, env=env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
+                 "addopts=--import-mode=append", "-rfE", "--tb=short", f], cwd=ROOT, env=env,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             running[f] = (proc, now, log)
         if now >= deadline and running:
             for f, (proc, _, _) in running.items():

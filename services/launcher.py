@@ -91,7 +91,8 @@ class Cluster:
         roots = [a for r in c.adapter_roots for a in ("--adapter-root", r)]
         if name in self.engine_names:
             engine_input, engine_output = self.engines[self.engine_names.index(name)]
-            return [sys.executable, "-m", "loramux_engine.server", *common, *roots, "--input", engine_input,
+            return [sys.executable, "-m", "loramux_engine.server", *common, *roots,
+                    "--input", engine_input,
                     "--output", engine_output, "--tensor-parallel-size",
                     str(c.tensor_parallel_size), "--ready-file", self._ready(name),
                     "--shutdown-grace", str(c.shutdown_grace_s), *c.engine_args]
@@ -100,7 +101,8 @@ class Cluster:
                  "--table-address", self.table_address, "--ready-file", self._ready(name)]
         if name == "control":
             token = ["--auth-token", c.auth_token] if c.auth_token else []
-            return [sys.executable, "-m", "loramux_services.control", *common, *links, *roots, *token,
+            return [sys.executable, "-m", "loramux_services.control", *common, *links, *roots,
+                    *token,
                     "--listen", self.control_address, "--db", self.db, *c.control_args]
         http = ["--http-port", str(self.http_port)] if self.http_port > 0 else []
         token = ["--auth-token", c.auth_token] if c.auth_token else []

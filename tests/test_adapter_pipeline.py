@@ -34,13 +34,13 @@ def poisoned_engine(family, lag: int, **kw):
     eng.adapters.copier = copier
     launch = eng.runner.launch
 
-    def launch_clean(out, prev=None, greedy=None):
+    def launch_clean(out, prev=None, greedy=None, masks=None):
         for s in out.scheduled:
             if s.slot >= 0:
                 assert not copier.is_poisoned(s.slot), (
                     f"step reads slot {s.slot} (adapter {s.request.adapter_id}) before its "
                     "copy landed")
-        pending = launch(out, prev, greedy)
+        pending = launch(out, prev, greedy, masks)
         copier.launched({s.slot for s in out.scheduled})
         return pending
 
@@ -152,13 +152,13 @@ def stream_engine(family, monkeypatch, **kw):
     overlapped = {False: 0, True: 0}
     launch, load = eng.runner.launch, eng.lora_pool.load
 
-    def launch_ordered(out, prev=None, greedy=None):
+    def launch_ordered(out, prev=None, greedy=None, masks=None):
         assert cuda.current is compute
         slots = {s.slot for s in out.scheduled if s.slot >= 0}
         for slot in slots:
             assert slot not in copies or cuda.covered(compute, side, copies[slot]), (
                 f"step reads slot {slot} before its copy")
-        pending = launch(out, prev, greedy)
+        pending = launch(out, prev, greedy, masks)
         steps.append((compute.mark("step", slots), slots))
         return pending
 

@@ -14,7 +14,8 @@ from loramux_kernels import lora as lora_kernels
 from loramux_kernels.lora import norm_shrink, silu_shrink
 from loramux_kernels.lora.launch import build_meta
 from loramux_kernels.lora.norm_shrink import add_rms_norm_shrink, expand_fused_shrunk, fits
-from loramux_kernels.lora.reference import add_lora_ref, add_rms_norm_shrink_ref, silu_mul_shrink_ref
+from loramux_kernels.lora.reference import (add_lora_ref, add_rms_norm_shrink_ref,
+                                            silu_mul_shrink_ref)
 from loramux_kernels.lora.silu_shrink import silu_mul_shrink
 from tests.support.lora_pool import slot_pool
 from tests.support.triton_mode import check_kernel_mode

@@ -27,7 +27,7 @@ def checked(eng) -> list:
     the base model, never a half-copied slot). Returns the list of executed batches."""
     launch, batches = eng.runner.launch, []
 
-    def launch_checked(out, prev=None, greedy=None):  # every step goes through launch
+    def launch_checked(out, prev=None, greedy=None, masks=None):  # every step launches here
         adapters = {s.request.adapter_id for s in out.scheduled} - {0}
         assert len(adapters) <= eng.config.max_loras
         for s in out.scheduled:
@@ -35,7 +35,7 @@ def checked(eng) -> list:
             assert s.slot == (eng.slots.ready_slot(aid) if aid else -1), (aid, s.slot)
             assert not aid or s.slot >= 0
         batches.append(out)
-        return launch(out, prev, greedy)
+        return launch(out, prev, greedy, masks)
 
     eng.runner.launch = launch_checked
     return batches

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from loramux_engine import AdapterError, AdapterUnavailableError, Engine, EngineConfig, SamplingParams
+from loramux_engine import (AdapterError, AdapterUnavailableError, Engine, EngineConfig,
+                            SamplingParams)
 
 # 2 slots for 3 adapters: slots are evicted and reloaded; 20 blocks of 4: preemption
 CFG = dict(max_loras=2, max_lora_rank=32, block_size=4, num_kv_blocks=20,

@@ -23,7 +23,8 @@ from loramux_engine.scheduler import ScheduledRequest
 from loramux_engine.warmup import (CoveringShapes, chosen_shapes, eager_shapes, graph_keys,
                            token_counts, warm_up)
 from loramux_kernels import attention_kernels_triton, elementwise_kernels_triton
-from loramux_kernels.lora import launch, mixed_kernels, norm_shrink, segment, silu_shrink, slot_rows, token
+from loramux_kernels.lora import (launch, mixed_kernels, norm_shrink, segment, silu_shrink,
+                                  slot_rows, token)
 from tests.support.launch_keys import LaunchKeys, force_triton
 from tests.conftest import TEST_DEVICE
 from tests.conftest import ADAPTER_SPECS, TinyFamily

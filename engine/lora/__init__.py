@@ -4,10 +4,11 @@ The exports import on first use (engine/lazy.py); the adapter config and plan th
 are loramux_core/adapter/."""
 from loramux_engine.lazy import lazy_exports
 
-_EXPORTS = {"LoRABatch": "loramux_engine.lora.batch", "AdapterPlan": "loramux_core.adapter.plan",
-            "LoRASlotPool": "loramux_engine.lora.pool", "GroupWeights": "loramux_engine.lora.weights",
-            "LoRAWeights": "loramux_engine.lora.weights", "load_lora": "loramux_engine.lora.weights",
-            "validate_lora": "loramux_engine.lora.weights"}
+_EXPORTS = {"LoRABatch": "loramux_engine.lora.batch",
+            "AdapterPlan": "loramux_core.adapter.plan",
+            "LoRASlotPool": "loramux_engine.lora.pool",
+            **dict.fromkeys(("GroupWeights", "LoRAWeights", "load_lora", "validate_lora"),
+                            "loramux_engine.lora.weights")}
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = ["AdapterPlan", "GroupWeights", "LoRABatch", "LoRASlotPool", "LoRAWeights",

@@ -61,7 +61,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # kernels/elementwise: one in-place launch on CUDA, loramux_kernels.elementwise_ref.rotary_ref (the HF form) on CPU
+        # kernels/elementwise: one in-place launch on CUDA, on the CPU
+        # loramux_kernels.elementwise_ref.rotary_ref (the HF form)
         return rotary(positions, q, k, self.cos, self.sin)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

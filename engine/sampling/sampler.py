@@ -13,7 +13,8 @@ import torch
 
 from loramux_engine.sampling.mask import apply_token_bitmask
 from loramux_engine.sampling.noise import gumbel_noise
-from loramux_engine.sampling.processors import apply_min_p, apply_repetition_penalty, apply_top_k_top_p
+from loramux_engine.sampling.processors import (apply_min_p, apply_repetition_penalty,
+                                                apply_top_k_top_p)
 from loramux_engine.sampling.state import SamplingState
 from loramux_core.sampling import GREEDY_TEMPERATURE
 

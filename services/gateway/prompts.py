@@ -18,8 +18,9 @@ import grpc
 from loramux.v1 import generate_pb2
 
 from loramux_core.v1 import engine_pb2
-from loramux_services.common.chat_template import (MAX_TEMPLATE_BYTES, ChatTemplate, ChatTemplateError,
-                                           special_tokens_of, text_of)
+from loramux_services.common.chat_template import (MAX_TEMPLATE_BYTES, ChatTemplate,
+                                                   ChatTemplateError, special_tokens_of,
+                                                   text_of)
 from loramux_services.gateway.errors import Rejected
 from loramux_services.gateway.validation import check_prompt_ids, encode_text
 

@@ -7,7 +7,8 @@ constrained output itself, so they stream piece by piece as generated."""
 from __future__ import annotations
 
 from loramux_services.gateway.chat_tools import ToolPlan
-from loramux_services.gateway.tool_calls import REQUIRED, CallParser, ToolCall, new_call_id, parse_all
+from loramux_services.gateway.tool_calls import (REQUIRED, CallParser, ToolCall, new_call_id,
+                                                 parse_all)
 
 
 class ChoiceTools:
