@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
-from benchmarks.bench_kernels import expand_floor_bytes, layer_groups, shrink_floor_bytes  # noqa: E402
+from benchmarks.bench_kernels import (expand_floor_bytes, layer_groups,  # noqa: E402
+                                      shrink_floor_bytes)
 from benchmarks.bench_peers import (TINY_GROUPS, Case, _device_name, agrees,  # noqa: E402
                                     copy_bandwidth, make_set, time_calls)
 
@@ -101,7 +102,7 @@ def summary(measured: dict, current: dict) -> list[str]:
            f"(current form's us)"]
     for key, cells in measured.items():
         last, was = cells[-1], current[key][0][-1]
-        out.append(f"{key[0]:8} {key[1]:4} {key[2]:8} {' '.join(best(c)[:5] for c in cells):27}"
+        out.append(f"{key[0]:8} {key[1]:4} {key[2]:8} {' '.join(best(c)[:5] for c in cells):35}"
                    f" {best(last)} {last['us'][best(last)]:.1f} ({was} {last['us'][was]:.1f})")
     return out
 

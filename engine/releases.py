@@ -8,7 +8,7 @@ warm-up, or a dead engine mid-traffic. So a finalizer that would touch CUDA only
 its work here, and the owner runs the queue where it knows no capture is open on its
 thread (the start of a step, before it hands out a buffer, at close).
 
-    finalizer (any thread, any moment)  ──put──▶  ReleaseQueue  ──run──▶  owner, safe point
+    finalizer (any thread)  ──put──▶  ReleaseQueue  ──run──▶  owner, at a safe point
 
 `put` takes no lock: a finalizer may fire on a thread that already holds the owner's
 lock (the collector runs inside any allocation), and deque.append is atomic. Once the
