@@ -1,6 +1,7 @@
 """Multi-adapter LoRA kernel benchmark on Llama-3-8B shapes against the memory floor.
 
-    python benchmarks/bench_kernels.py --out DIR [--quick | --targets | --uniform | --prefill]
+    python benchmarks/bench_kernels.py --out DIR [--quick | --targets | --uniform | --prefill
+                                                  | --planner [--tiny]]
 
 Measures the device copy bandwidth in the same run, then for every layer group (qkv, o,
 gate_up, down), rank, token count, distinct-adapter count and token->adapter mapping:
@@ -11,10 +12,10 @@ uniform graph launches them: path "two-launch" (the token kernels); cases of sev
 adapters and 17-256 tokens twice: path "tokens" (the token kernels) and "segments"
 (kernels/lora/mixed.py), side by side; cases above 256 tokens (the prefill path): path
 "tiles" (the tile-list grouped GEMM, kernels/lora/segment.py). Which path the engine takes
-is kernels/lora/plan.py's. `--prefill` also times the tile-list shrink alone at every K
-split. Floors
-follow PERF.md. Writes kernels.csv and kernels.md to DIR and prints a short table. Needs
-a CUDA GPU; the arithmetic helpers do not.
+is kernels/lora/plan.py's; `--planner` times every form on that planner's grid
+(benchmarks/plan_grid.py, which also runs on the CPU with --tiny). Floors follow
+PERF.md. Writes kernels.csv and kernels.md to DIR and prints a short table. Needs a CUDA
+GPU; the arithmetic helpers do not.
 """
 from __future__ import annotations
 
@@ -53,11 +54,6 @@ def expand_floor_bytes(M: int, N: tuple[int, ...], r: int, L: int, b: int = BF16
     return len(N) * M * r * c + L * sum(N) * r * b + 2 * M * sum(N) * b
 
 
-def fused_floor_bytes(M: int, K: int, N: tuple[int, ...], r: int, L: int, b: int = BF16) -> int:
-    """One-launch floor: h never leaves the chip."""
-    return M * K * b + L * len(N) * r * K * b + L * sum(N) * r * b + 2 * M * sum(N) * b
-
-
 def token_slots_for(T: int, L: int, mapping: str, device) -> torch.Tensor:
     """T tokens over L adapters (each used when T >= L): runs in slot order ("contiguous",
     as requests arrive in prefill) or the same multiset shuffled ("random")."""
@@ -82,13 +78,6 @@ class Case:
 UNIFORM_PATHS = ("two-launch",)
 MIXED_PATHS = ("tokens", "segments")     # several adapters, 17..256 tokens: old and new
 SEGMENT_PATHS = ("tiles",)               # above 256 tokens (prefill)
-
-
-@contextlib.contextmanager
-def uniform_path(path: str):
-    """add_lora takes `path` inside the block, a uniform or a prefill one: each has one
-    form (kernels/lora/plan.py), so nothing changes."""
-    yield
 
 
 @contextlib.contextmanager
@@ -128,7 +117,7 @@ class Result:
 def cases(quick: bool, targets: bool = False, uniform: bool = False,
           prefill: bool = False) -> list[Case]:
     groups = ["qkv", "down"] if quick else [g[0] for g in layer_groups()]
-    ranks = [16] if quick or targets or uniform or prefill else [8, 16, 64, 128]
+    ranks = [16] if quick or targets or uniform or prefill else [8, 16, 32, 64, 128]
     tokens = [1, 64, 1024] if quick else [1, 16, 64, 256, 1024, 8192]
     adapters = [1, 8] if quick else [1, 8, 64, 128]
     if targets:  # the issue's target points: every group, rank 16 (T 128/256: decode, L 64)
@@ -188,14 +177,14 @@ def check(s, uniform: bool = False, path: str = "-") -> None:
 
 def run_case(case: Case, bw: float, gemm: bool = False) -> Result:
     """gemm: also time the group's base matmul alone and with the LoRA after it."""
-    with uniform_path(case.path), mixed_path(case.path):
+    with mixed_path(case.path):
         res = _run_case(case, bw)
         if gemm:
             res = replace(res, **_with_gemm(case))
         return res
 
 
-def _lora_call(s, path: str, side, matmul=None):
+def _lora_call(s, matmul=None):
     """One group's LoRA on buffer set s (after `matmul`, if given, as the engine does)."""
     from loramux_kernels.lora.launch import add_lora
     uniform = s["a"].shape[0] == 1
@@ -223,7 +212,7 @@ def _with_gemm(case: Case) -> dict:
 
     def matmul(s):
         torch.matmul(s["x"], w.t(), out=s["y"])
-    t_both = time_graph([_lora_call(s, case.path, torch.cuda.Stream(), matmul) for s in sets])
+    t_both = time_graph([_lora_call(s, matmul) for s in sets])
     return dict(gemm_us=t_gemm * 1e6, with_gemm_us=t_both * 1e6)
 
 
@@ -236,15 +225,9 @@ def _run_case(case: Case, bw: float) -> Result:
     per_set = M * K * BF16 + L * S * r * K * BF16 + L * sum(N) * r * BF16 + M * sum(N) * BF16
     sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
     check(sets[0], uniform=L == 1, path=case.path)
-    side = torch.cuda.Stream()
-
-    def lora(s):  # one adapter: as the engine's uniform graph launches it
-        return _lora_call(s, case.path, side)
-    launches = count_launches(lora(sets[0]))
-    t = time_graph([lora(s) for s in sets])
-    fused = launches == 1
-    nbytes = (fused_floor_bytes(M, K, N, r, L) if fused
-              else shrink_floor_bytes(M, K, S, r, L) + expand_floor_bytes(M, N, r, L))
+    launches = count_launches(_lora_call(sets[0]))   # one adapter: as a uniform graph's
+    t = time_graph([_lora_call(s) for s in sets])
+    nbytes = shrink_floor_bytes(M, K, S, r, L) + expand_floor_bytes(M, N, r, L)
     floor = floor_seconds(nbytes, bw, launches)
     res = dict(shrink_us=float("nan"), shrink_pct=float("nan"),
                expand_us=float("nan"), expand_pct=float("nan"))
@@ -267,36 +250,13 @@ def _run_case(case: Case, bw: float) -> Result:
                   gbps=nbytes / t / 1e9, pct_floor=100 * floor / t, **res)
 
 
-def segment_kernels(path: str, K: int, split_k: int | None = None):
+def segment_kernels(path: str, K: int):
     """(shrink(set) -> h, expand(set, h)) of one prefill path with add_lora's parameters."""
     from loramux_kernels.lora.segment import config_for, seg_expand, seg_shrink
     cfg = config_for(torch.device("cuda"), K)
-    return (lambda s: seg_shrink(s["x"], s["a"], s["meta"], s["ranks"], split_k=split_k),
+    return (lambda s: seg_shrink(s["x"], s["a"], s["meta"], s["ranks"]),
             lambda s, h: seg_expand(h, s["b"], s["y"], s["meta"], s["offsets"], s["ranks"],
                                     cfg=cfg))
-
-
-def split_k_lines(quick: bool, bw: float) -> list[str]:
-    """The tile-list shrink alone at T=8192 over 64 adapters for every K split (a runtime
-    argument: no compile per split), per group: what the table's split choice costs."""
-    out = []
-    for g, K, N in layer_groups():
-        if quick and g not in ("qkv", "down"):
-            continue
-        case = Case(g, 16, 8192, 64, "contiguous", "tiles")
-        per_set = 8192 * K * BF16 + 64 * len(N) * 16 * K * BF16
-        sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
-        floor = floor_seconds(shrink_floor_bytes(8192, K, len(N), 16, 64), bw, 1)
-        cells = []
-        for split in (1, 2, 4, 8):
-            shrink, _ = segment_kernels("tiles", K, split_k=split)
-            t = time_graph([lambda s=s: shrink(s) for s in sets])
-            cells.append(f"split {split}: {t * 1e6:6.1f}us ({100 * floor / t:3.0f}%)")
-        out.append(f"shrink {g:8} T=8192 L=64 " + "  ".join(cells))
-        print(out[-1], flush=True)
-        del sets
-        torch.cuda.empty_cache()
-    return out
 
 
 def _token_kernels(S: int, uniform: bool):
@@ -322,7 +282,7 @@ def _two_kernels(s, M: int, L: int):
     offsets = s["offsets"]
     widest = max(hi - lo for lo, hi in zip(offsets, offsets[1:]))
     path = planner.choose(s["x"].device, M, L == 1, False, len(offsets) - 1, s["x"].shape[1],
-                          widest)
+                          widest, s["a"].shape[2])
     if path == planner.TILES:
         return segment_kernels("tiles", s["x"].shape[1])
     if path != planner.MIXED:
@@ -336,33 +296,6 @@ def _two_kernels(s, M: int, L: int):
     def expand_mixed(s, h):
         return mixed.lora_expand_mixed(h, s["b"], s["y"], s["meta"], plan, s["ranks"])
     return shrink_mixed, expand_mixed
-
-
-def expand_lines(quick: bool, bw: float) -> list[str]:
-    """The tile-list expand alone at T=8192 over 64 adapters for block sizes around the
-    table's (each new (BM, BN, N_LOOP) compiles once), per group."""
-    from loramux_kernels.lora.segment import seg_expand, seg_shrink
-    out = []
-    for g, K, N in layer_groups():
-        if quick and g not in ("qkv", "gate_up"):
-            continue
-        case = Case(g, 16, 8192, 64, "contiguous", "tiles")
-        per_set = 2 * 8192 * sum(N) * BF16 + 64 * sum(N) * 16 * BF16
-        sets = [make_set(case, seed) for seed in range(rotating_sets(per_set))]
-        hs = [seg_shrink(s["x"], s["a"], s["meta"], s["ranks"]) for s in sets]
-        floor = floor_seconds(expand_floor_bytes(8192, N, 16, 64), bw, 1)
-        for bm, bn, loop in ((64, 128, 1), (64, 128, 2), (64, 128, 4), (64, 128, 8),
-                             (64, 64, 8), (64, 256, 2), (128, 128, 4), (32, 128, 4)):
-            t = time_graph([lambda s=s, h=h: seg_expand(h, s["b"], s["y"], s["meta"],
-                                                         s["offsets"], s["ranks"], block_m=bm,
-                                                         block_n=bn, n_loop=loop)
-                            for s, h in zip(sets, hs)])
-            out.append(f"expand {g:8} T=8192 L=64 BM {bm:3} BN {bn:3} N_LOOP {loop}: "
-                       f"{t * 1e6:7.1f}us ({100 * floor / t:3.0f}%)")
-            print(out[-1], flush=True)
-        del sets, hs
-        torch.cuda.empty_cache()
-    return out
 
 
 def write(results: list[Result], bw: float, out: Path) -> None:
@@ -390,6 +323,10 @@ def _fmt(v) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--planner" in argv:   # every form on every cell of the planner's table
+        from benchmarks.plan_grid import main as planner
+        return planner([a for a in argv if a != "--planner"])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="a small subset of the grid")
@@ -401,20 +338,13 @@ def main(argv: list[str] | None = None) -> int:
                         "the two-launch path, also timed after the group's base matmul")
     p.add_argument("--prefill", action="store_true",
                    help="T 8192 over 64 adapters (with --quick: qkv and down), rank 16: the "
-                        "tile-list prefill path, then the tile-list shrink at K splits "
-                        "1/2/4/8")
-    p.add_argument("--sweep-expand", action="store_true",
-                   help="only the tile-list expand at T 8192 over 64 adapters for 8 block "
-                        "sizes (with --quick: qkv and gate_up), about 60-90 s")
+                        "tile-list prefill path")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU", file=sys.stderr)
         return 2
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    if args.sweep_expand:
-        expand_lines(args.quick, bw)
-        return 0
     results = []
     print(f"{'group':8} {'r':>4} {'T':>5} {'L':>4} {'map':10} {'path':10} {'n':>2} {'us':>9} "
           f"{'floor':>8} {'GB/s':>7} {'%floor':>7} {'shrink':>14} {'expand':>14}")
@@ -429,8 +359,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{_part(r.shrink_us, r.shrink_pct)}{_part(r.expand_us, r.expand_pct)}{gemm}",
               flush=True)
         torch.cuda.empty_cache()
-    if args.prefill:
-        split_k_lines(args.quick, bw)
     write(results, bw, args.out)
     print(f"wrote {args.out / 'kernels.csv'} and {args.out / 'kernels.md'}")
     return 0

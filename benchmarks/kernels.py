@@ -3,8 +3,9 @@ in CUDA graphs: `python -m benchmarks.kernels [CASE] --out DIR [options]`
 (benchmarks/suite.py). CUDA only.
 
     lora         shrink + expand per layer group at the target points (--targets), the
-                 uniform (--uniform) and prefill (--prefill) grids, or all (--quick)
-    sweep        the decode LoRA launch parameters (split-K, expand programs)
+                 uniform (--uniform) and prefill (--prefill) grids, or all (--quick);
+                 --planner: every form on the planner's grid, and the table rows it
+                 gives (benchmarks/plan_grid.py; --tiny: the CPU)
     sweep-mixed  the mixed-adapter kernels' launch parameters (--budget SECONDS)
     norm-shrink  add + RMSNorm + shrink and SiLU + shrink against the separate launches
     greedy-pick  the greedy pick of a step's logits, torch against Triton
@@ -18,8 +19,8 @@ import sys
 from benchmarks.suite import Case, main
 
 CASES = {
-    "lora": Case("benchmarks.bench_kernels", "multi-adapter LoRA kernels vs the floor"),
-    "sweep": Case("benchmarks.sweep_lora", "decode LoRA launch parameters"),
+    "lora": Case("benchmarks.bench_kernels", "multi-adapter LoRA kernels vs the floor",
+                 tiny=("--planner", "--tiny")),
     "sweep-mixed": Case("benchmarks.sweep_lora_mixed", "mixed-adapter launch parameters"),
     "norm-shrink": Case("benchmarks.bench_norm_shrink", "fused norm / SiLU + shrink"),
     "greedy-pick": Case("benchmarks.bench_greedy_pick", "greedy pick, torch vs Triton"),

@@ -46,7 +46,7 @@ def ours_path(s: dict) -> str:
     o = s["offsets"]
     widest = max(hi - lo for lo, hi in zip(o, o[1:]))
     return plan.choose(s["x"].device, s["x"].shape[0], uniform, spread, len(o) - 1,
-                       s["x"].shape[1], widest)
+                       s["x"].shape[1], widest, s["a"].shape[2])
 
 
 def ours_call(s: dict) -> Callable[[], None]:

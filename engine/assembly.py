@@ -58,6 +58,7 @@ class ModelParts:
                                            # checked without reading the weights
     loaders: LoaderPool | None = None  # the processes read_adapter runs in, if any
     host_reserve: HostReserve | None = None  # host buffers made ahead (not yet started)
+    host_buffers: HostBufferPool | None = None  # where host copies lie (collect per step)
 
     def close_reader(self) -> None:
         """Stop the loader processes (reads fail afterwards)."""
@@ -111,7 +112,7 @@ def build_model_parts(config: EngineConfig, mc: ModelConfig, device: torch.devic
         read = loaders.read
     return ModelParts(model, lora_pool, blocks, runner, reserving(read, lora_pool),
                       adapter_checker(config, mc, plans), loaders,
-                      host_reserve(config, mc, tp, buffers))
+                      host_reserve(config, mc, tp, buffers), buffers)
 
 
 def host_reserve(config: EngineConfig, mc: ModelConfig, tp: TPGroup,

@@ -97,6 +97,7 @@ class Engine:
         self.adapter_loaders = parts.loaders  # loader processes (None: reads in-process)
         # host buffers made ahead for the first loads (engine/lora/host_reserve.py)
         self.host_reserve = parts.host_reserve
+        self.host_buffers = parts.host_buffers
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.pins = Pins(config.max_loras)  # the one owner of pin state
@@ -293,6 +294,9 @@ class Engine:
         return results
 
     def _step(self) -> list[StepOutput]:
+        # host copies the collector found since the last step, possibly inside this
+        # thread's graph capture, go back to their pool here (engine/releases.py)
+        self.host_buffers.collect()
         results, self._carry = self._carry, []
         inflight = self._inflight
         if inflight is not None and self.executor.must_read_before_next(inflight[1]):
@@ -431,6 +435,8 @@ class Engine:
             self.grammars.close()
         if getattr(self, "adapters", None) is not None:
             self.adapters.loader.close()
+        if getattr(self, "host_buffers", None) is not None:   # after the last read
+            self.host_buffers.close()
         executor = getattr(self, "executor", None)
         # a lost rank: a step's NCCL kernels may spin on this device until the
         # communicator is aborted (executor.close), so nothing here waits for the device

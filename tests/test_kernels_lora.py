@@ -70,12 +70,14 @@ def test_add_lora_matches_reference(dtype, S, T, mapping):
     assert torch.equal(got[none], y[none]), "tokens without an adapter must be untouched"
 
 
-# (tokens, uniform, spread) -> the path the planner picks for them on this machine's table
-# (the CPU interpreter takes the H100's): one batch for each path and each way to it
-PLANNED = [(5, True, False, plan.TOKENS), (40, False, False, plan.TOKENS),
-           (100, True, False, plan.TOKENS), (100, False, True, plan.TOKENS),
-           (100, False, False, plan.MIXED), (200, False, False, plan.MIXED),
-           (300, False, False, plan.TILES), (300, True, True, plan.TILES)]
+# (tokens, uniform, spread, slots' rank) -> the path the planner picks for them on this
+# machine's table (the CPU interpreter takes the H100's): one batch for each path and each
+# way to it; one adapter from 32 tokens at rank >= 32 reads it once per tile, not per token
+PLANNED = [(5, True, False, 32, plan.TOKENS), (100, True, False, 16, plan.TOKENS),
+           (100, True, False, 32, plan.TILES), (40, False, False, 32, plan.TOKENS),
+           (100, False, True, 32, plan.TOKENS), (100, False, False, 32, plan.MIXED),
+           (200, False, False, 16, plan.MIXED), (300, False, False, 32, plan.TILES),
+           (300, True, True, 16, plan.TILES)]
 
 
 def _spy_paths(monkeypatch) -> list[str]:
@@ -94,19 +96,20 @@ def _spy_paths(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,uniform,spread,path", PLANNED)
-def test_add_lora_runs_the_planned_path(dtype, T, uniform, spread, path, monkeypatch):
+@pytest.mark.parametrize("T,uniform,spread,R,path", PLANNED)
+def test_add_lora_runs_the_planned_path(dtype, T, uniform, spread, R, path, monkeypatch):
     """add_lora takes the one path plan.choose names for the batch (uniform and spread
-    hints, token count, this device's table), and on each the result is the reference's:
-    three slices, uneven ranks, random A and B, base rows untouched."""
+    hints, token count, slots' rank, this device's table), and on each the result is the
+    reference's: three slices, uneven ranks, random A and B, base rows untouched."""
     offsets = SLICES[3]
-    a, b, ranks = _pool(3, offsets, [8, 32, 16, 4, 16], dtype, seed=T)
+    a, b, ranks = _pool(3, offsets, [min(r, R) for r in (8, 32, 16, 4, 16)], dtype, R=R,
+                        seed=T)
     mapping = "random" if not uniform else "contiguous"
     ts = torch.full((T,), 1, device=DEV) if uniform else _slots(T, a.shape[0], mapping, T)
     if uniform:
         ts[-2:] = -1                                   # a padded bucket's base rows
     x, y = _inputs(T, offsets[-1], dtype, seed=T + 1)
-    assert plan.choose(x.device, T, uniform, spread, 3, K_IN, 32) == path
+    assert plan.choose(x.device, T, uniform, spread, 3, K_IN, 32, R) == path
     ran = _spy_paths(monkeypatch)
     want = add_lora_ref(y.clone(), x, a, b, ts, offsets)
     got = add_lora(y.clone(), x, a, b, ts, offsets, ranks=ranks, uniform=uniform,

@@ -85,6 +85,7 @@ class Worker:
         # bytes: their hash must be the version)
         self.adapters = ShardCache(parts.read_adapter)
         self._close_reader = parts.close_reader
+        self.host_buffers = parts.host_buffers
         self.channel = PlanChannel(self.control, self.tp.rank)
 
     def serve(self) -> None:
@@ -115,6 +116,8 @@ class Worker:
         pg.agree_min(self.control, report.eager_steps)
 
     def _step(self, payload: torch.Tensor) -> None:
+        # host copies dropped since the last step (never inside a capture: releases.py)
+        self.host_buffers.collect()
         plan = decode_step(payload)
         for kind, slot, adapter_id in plan.slot_ops:
             if kind == SLOT_LOAD:

@@ -11,7 +11,11 @@ A buffer goes back to its free list when the `LoRAWeights` that owns it is garba
 collected, and only once every device copy that reads it has completed: the slot pool
 records an event for each copy it queues from a buffer (`HostBuffer.fence`). Holders of
 a host copy (the host cache, a copy in flight, a worker's shard cache) keep the
-`LoRAWeights` alive, so no buffer is reused while anything may still read it.
+`LoRAWeights` alive, so no buffer is reused while anything may still read it. The
+collector may find the owner inside a CUDA-graph capture, where querying those events
+would break the capture: its finalizer only queues the buffer (engine/releases.py), and
+`collect` (at the start of a step, before a buffer is handed out) takes it back. A
+buffer's page-locking is undone the same way, after the buffer itself is gone.
 
 On CUDA a buffer is ordinary host memory registered with the driver (cudaHostRegister)
 on a background thread, after it is handed out: registration is slow (on a GPU host with
@@ -47,6 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from loramux_engine.lora.page_populate import populate
+from loramux_engine.releases import ReleaseQueue
 from loramux_engine.lora.shared_memory import SegmentCutter, SharedPlace
 
 _GRANULE = 1 << 16
@@ -54,11 +59,13 @@ _ALIGN = 4096
 
 
 class HostBuffer:
-    """One buffer: `data` is a uint8 tensor of `nbytes` (page-aligned)."""
+    """One buffer: `data` is a uint8 tensor of `nbytes` (page-aligned). `releases`: where
+    its unregistration goes once it is garbage (needed only to `register` it)."""
 
     def __init__(self, data: torch.Tensor, nbytes: int, registered_ptr: int | None,
-                 shared: SharedPlace | None = None):
+                 shared: SharedPlace | None = None, releases: ReleaseQueue | None = None):
         self.data = data
+        self._releases = releases
         self.nbytes = nbytes
         self.shared = shared  # where it lies in shared memory, if it does
         self._registered_ptr = registered_ptr
@@ -87,6 +94,7 @@ class HostBuffer:
         return self.pinned
 
     def _register(self) -> None:
+        assert self._releases is not None, "a registered buffer needs a release queue"
         if self._registered_ptr is None:
             ptr = self.data.data_ptr()
             populate(self.data, self.nbytes)
@@ -96,6 +104,9 @@ class HostBuffer:
                 ok = False
             if ok:
                 self._registered_ptr = ptr
+                # not __del__: the collector may find the buffer inside a graph capture;
+                # the queued call keeps the memory alive until it is unregistered
+                weakref.finalize(self, self._releases.put, _unregister, ptr, self.data)
 
     @property
     def pin_tried(self) -> bool:
@@ -106,13 +117,6 @@ class HostBuffer:
         """A device copy reading this buffer was queued; `event` completes after it."""
         with self._lock:
             self._fences.append(event)
-
-    def __del__(self):
-        if self._registered_ptr is not None:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
-            except Exception:  # interpreter shutdown: the process is going anyway
-                pass
 
     def idle(self) -> bool:
         """No queued device copy still reads the buffer."""
@@ -140,6 +144,7 @@ class HostBufferPool:
         self.num_reserve_taken = 0  # reserve buffers handed out for the first time
         self.num_unpinned_taken = 0  # of them, before the reserve page-locked them
         self._fenced: list[HostBuffer] = []   # released, a device copy may still read it
+        self.releases = ReleaseQueue()   # what finalizers found, taken back by `collect`
         self._lock = threading.Lock()
         self.allocated_bytes = 0
         self.num_allocations = 0
@@ -164,8 +169,8 @@ class HostBufferPool:
         beside it (its end or expert factors: a few MB, which must not hold a full
         copy's buffer)."""
         size = self.size_class(nbytes)
+        self.collect()
         with self._lock:
-            self._reap()
             buf = self._take(size, reserve)
             if buf is None:
                 self.num_allocations += 1
@@ -262,15 +267,36 @@ class HostBufferPool:
             wait(making)
 
     def attach(self, owner, buf: HostBuffer) -> None:
-        """Return `buf` to the pool when `owner` is garbage collected."""
-        weakref.finalize(owner, self.release, buf)
+        """Return `buf` to the pool when `owner` is garbage collected: queued, taken back
+        by the next `collect` (module docstring)."""
+        weakref.finalize(owner, self.releases.put, self.release, buf)
 
     def release(self, buf: HostBuffer) -> None:
+        """Take `buf` back now (its holder's thread, never a finalizer: this queries the
+        buffer's fences)."""
         with self._lock:
             if buf.idle():
                 self._free.setdefault(buf.nbytes, []).append(buf)
             else:
                 self._fenced.append(buf)
+
+    def collect(self) -> None:
+        """Take back what finalizers queued and the fenced buffers whose copies are done.
+        Any thread, at a point where it is not capturing a CUDA graph (the start of a step,
+        `acquire`); inside a capture nothing is done."""
+        self.releases.run()
+        with self._lock:
+            self._reap()
+
+    def close(self) -> None:
+        """Drop the free buffers and undo their page-locking (the engine's close); buffers
+        still held come back, and are unregistered, as soon as their holder drops them
+        (no step will come to collect them)."""
+        with self._lock:
+            self._free.clear()
+            self._fenced.clear()
+            self._unpinned.clear()
+        self.releases.close()
 
     def _reap(self) -> None:
         still = []
@@ -283,6 +309,7 @@ class HostBufferPool:
 
     @property
     def num_free(self) -> int:
+        self.collect()
         with self._lock:
             return sum(len(v) for v in self._free.values())
 
@@ -300,8 +327,8 @@ class HostBufferPool:
     def _new_buffer(self, size: int) -> HostBuffer:
         if self._cutter is not None:
             data, place = self._cutter.cut(size)
-            return HostBuffer(data, size, None, shared=place)
-        return HostBuffer(_aligned(size), size, None)
+            return HostBuffer(data, size, None, shared=place, releases=self.releases)
+        return HostBuffer(_aligned(size), size, None, releases=self.releases)
 
     def _pin_later(self, buf: HostBuffer) -> None:
         """Register `buf` on the pin thread (under the lock)."""
@@ -322,8 +349,15 @@ def shared_memory_pins() -> bool:
     anonymous shared mapping). Loader processes write into such buffers; where they could
     not be page-locked, every slot load would copy synchronously, so the engine reads in
     its own process instead (engine/assembly.py)."""
-    data, place = SegmentCutter().cut(1 << 20)
-    return HostBuffer(data, 1 << 20, None, shared=place).register()
+    data, place, releases = *SegmentCutter().cut(1 << 20), ReleaseQueue()
+    pins = HostBuffer(data, 1 << 20, None, shared=place, releases=releases).register()
+    releases.run()   # the probe's buffer is garbage by now: undo its page-locking
+    return pins
+
+
+def _unregister(ptr: int, data: torch.Tensor) -> None:
+    """Undo a buffer's page-locking; `data` (its memory) is freed after this."""
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def _aligned(size: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from loramux_kernels.lora.segment import add_lora_seg
 from loramux_kernels.lora.silu_shrink import silu_mul_shrink
 from loramux_kernels.lora.token import _offsets, lora_expand_tokens, lora_shrink_tokens
 
-__all__ = ["LoRAMeta", "add_lora", "build_meta", "expand_after", "expand_rows",
+__all__ = ["LoRAMeta", "add_lora", "add_lora_on", "build_meta", "expand_after", "expand_rows",
            "fused_shrink_fits", "add_norm_shrink_cols",
            "mixed_min_rows", "norm_shrink_ahead", "silu_shrink_ahead"]
 
@@ -34,8 +34,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     ranks [L] int32 real rank per slot (work stops there); meta: from `build_meta`, built
     here when absent (pass it in: it is shared by every layer of a step); uniform: a hint
     that the tokens share one adapter; spread: a hint that the rows average fewer than
-    `mixed_min_rows` rows per adapter. The hints pick the path (plan.choose) and its
-    launch parameters; any mapping stays correct on any path."""
+    `mixed_min_rows` rows per adapter. The hints and the slots' rank (a's R) pick the path
+    (plan.choose) and its launch parameters; any mapping stays correct on any path."""
     slice_offsets = tuple(int(o) for o in slice_offsets)
     check_call(y, x, a, b, token_slots, slice_offsets, meta)
     T, Kdim = x.shape
@@ -44,11 +44,21 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if meta is None:
         meta = build_meta(token_slots, a.shape[0])
     widest = max(hi - lo for lo, hi in zip(slice_offsets, slice_offsets[1:]))
-    path = plan.choose(x.device, T, uniform, spread, a.shape[1], Kdim, widest)
+    path = plan.choose(x.device, T, uniform, spread, a.shape[1], Kdim, widest, a.shape[2])
+    return add_lora_on(path, y, x, a, b, meta, slice_offsets, ranks, uniform)
+
+
+def add_lora_on(path: str, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...],
+                ranks: torch.Tensor | None = None, uniform: bool = False) -> torch.Tensor:
+    """`add_lora` on the form `path` names (plan.TOKENS, MIXED or TILES; TOKENS and MIXED
+    up to plan.TOKEN_PATH_MAX_TOKENS rows), whatever the planner would choose: the
+    planner's table is measured by timing each (benchmarks/plan_grid.py)."""
     if path == plan.TILES:
         return add_lora_seg(y, x, a, b, meta, slice_offsets, ranks)
     if path == plan.MIXED:
         return mixed.add_lora_mixed(y, x, a, b, meta, slice_offsets, ranks)
+    assert path == plan.TOKENS, path
     hp = lora_shrink_tokens(x, a, meta, ranks, uniform=uniform)
     return lora_expand_tokens(hp, b, y, meta, _offsets(slice_offsets), len(slice_offsets) - 1,
                               ranks, uniform=uniform)

@@ -1,30 +1,35 @@
 """Which LoRA kernels run a call: one table, read by one function.
 
-    choose(device, tokens, uniform, spread, slices, k, widest) -> TOKENS | MIXED | TILES
+    choose(device, tokens, uniform, spread, slices, k, widest, rank) -> TOKENS | MIXED | TILES
 
-- TOKENS (kernels/lora/token.py): token-sized grids, two launches (shrink, expand);
+- TOKENS (kernels/lora/token.py): token-sized grids, two launches (shrink, expand); every
+  token reads its adapter's A and B, so its work grows with tokens x rank;
 - MIXED (kernels/lora/mixed.py): each adapter's rows of a decode batch as 16-row tiles,
   two launches, launch parameters from that module's own per-shape table;
 - TILES (kernels/lora/segment.py): a grouped GEMM over a tile list (prefill), two launches.
 
-Up to TOKEN_PATH_MAX_TOKENS tokens a call is a decode batch: a `uniform` one (the rows
-share one adapter) takes TOKENS, a `spread` one (fewer rows per adapter than
-`min_rows`) takes TOKENS, any other the table's entry for its GPU and shape class. Above
-it, TILES. The hints come from the host (the caller counts its requests' slots), so
-nothing here syncs with the device. The shrinks fused into the op before them
-(kernels/lora/norm_shrink.py, silu_shrink.py) are asked for by the engine per step
-(engine/lora/batch.py FUSED_NORM_SHRINK, FUSED_SILU_SHRINK, measured there) and finish
-with the token expand.
+Up to TOKEN_PATH_MAX_TOKENS tokens a call is a decode batch, and the table
+(kernels/lora/plan_table.py) names its form by GPU, projection group, rank bucket, token
+bucket and one adapter (`uniform`) or many; a `spread` batch (fewer rows per adapter
+than `min_rows`) takes TOKENS where the table says MIXED. Above it, TILES. The rank is
+the slots' (the pool's max_lora_rank, `a`'s rank dimension): a host-side number fixed per
+engine, so a captured graph's form never changes with the batch. The hints come from the
+host (the caller counts its requests' slots), so nothing here syncs with the device. The
+shrinks fused into the op before them (kernels/lora/norm_shrink.py, silu_shrink.py) are
+asked for by the engine per step (engine/lora/batch.py FUSED_NORM_SHRINK,
+FUSED_SILU_SHRINK, measured there) and finish with the token expand.
 
-Every entry names the measurement that chose it. "NOTES" below is the results notebook,
-benchmarks/results/2026-11-27-h200-loads/NOTES.md, which holds the sections cited;
-benchmarks/results/ holds the raw files.
+Every entry names the measurement that chose it (a file under benchmarks/results/), or
+says it was not measured yet. "NOTES" below is the results notebook,
+benchmarks/results/2026-11-27-h200-loads/NOTES.md, which holds the sections cited.
 """
 from __future__ import annotations
 
 import functools
 
 import torch
+
+from loramux_kernels.lora.plan_table import RANK_BUCKETS, TABLE, TOKEN_BUCKETS
 
 TOKENS = "tokens"
 MIXED = "mixed"
@@ -39,37 +44,8 @@ TILES = "tiles"
 TOKEN_PATH_MAX_TOKENS = 256
 
 KINDS = ("qkv", "o", "gate_up", "down")
-
-# (tokens bucket, layer kind) -> path, per GPU (a substring of the device name). An H200 has
-# the H100's SMs and more bandwidth: it takes the H100's rows (_FALLBACK); unknown GPUs and
-# the CPU interpreter take DEFAULT, the H100's choice by bucket.
-# H100 rows: benchmarks/sweep_lora_mixed.py and bench_kernels.py on one H100 80GB HBM3,
-# 2026-11-25 (NOTES "Performance round 3 and thousands of adapters", "Mixed decode
-# above 64 tokens"; benchmarks/results/2026-11-25-h100/kernels.csv): 64 adapters round
-# robin, rank 16, bf16, Llama-3-8B groups, us per group (both launches), token kernels ->
-# segment tiles. The H200 took them unchanged in "Performance round 3 measured again,
-# 2026-11-27" (benchmarks/results/2026-11-27-h200/kernels.csv, decode_before_after.json).
-TABLE: dict[str, dict[tuple[int, str], str]] = {
-    "H100": {
-        (16, "qkv"): TOKENS,      # one program per token is a 16-row tile of one row here
-        (16, "o"): TOKENS,
-        (16, "gate_up"): TOKENS,
-        (16, "down"): TOKENS,
-        (64, "qkv"): TOKENS,      # 24.4 us (segment tiles 24.5)
-        (64, "o"): TOKENS,        # 15.6 (16.7)
-        (64, "gate_up"): TOKENS,  # 43.0 (48.7)
-        (64, "down"): TOKENS,     # 30.3 (39.3)
-        (128, "qkv"): MIXED,      # 37.3 -> 32.0
-        (128, "o"): MIXED,        # 23.0 -> 19.1
-        (128, "gate_up"): MIXED,  # 65.0 -> 52.3
-        (128, "down"): MIXED,     # 41.1 -> 27.3
-        (256, "qkv"): MIXED,      # 57.2 -> 36.7
-        (256, "o"): MIXED,        # 34.0 -> 23.9
-        (256, "gate_up"): MIXED,  # 108.7 -> 68.3
-        (256, "down"): MIXED,     # 62.1 -> 31.0
-    },
-}
-DEFAULT = TABLE["H100"]
+FORMS = (TOKENS, MIXED, TILES)   # what the table's cells may name
+DEFAULT = TABLE["H100"]   # unknown GPUs and the CPU interpreter: the H100's choice
 _FALLBACK = {"H200": "H100"}
 
 # Rows per adapter (rows with an adapter / distinct adapters) a mixed batch needs for the
@@ -83,12 +59,6 @@ _FALLBACK = {"H200": "H100"}
 # distinct adapters 25.66 -> 21.91 ms (H100), 24.11 -> 19.32 ms (H200), the rest unchanged.
 MIN_ROWS_PER_ADAPTER: dict[str, int] = {"H100": 4}
 DEFAULT_MIN_ROWS_PER_ADAPTER = 4
-
-# A `uniform` batch: TOKENS with the launch parameters tuned for one adapter
-# (kernels/lora/token.py default_split_k, measured by benchmarks/sweep_lora.py on an H200,
-# benchmarks/results/sweep_lora.csv). A one-launch kernel for it measured slower on the H100
-# (NOTES 2026-11-25 evening, "One adapter for all": 9.6-12.2 us against 5.9-7.5 us
-# for the two launches at M 1-16) and is gone.
 
 # Benchmarks only (bench_decode.py --mixed-paths, bench_kernels.py): a mixed decode batch
 # takes this path whatever the table and the rule say ("table": the table, `spread`
@@ -120,23 +90,36 @@ def device_facts(device: torch.device) -> tuple[str | None, int]:
     return gpu_key(props.name), props.multi_processor_count
 
 
-def lookup(gpu: str | None, cls: tuple[int, str]) -> str:
-    """The table's path for a GPU key (None: unknown) and shape class."""
+def bucket(value: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= value (the largest for anything above it)."""
+    return next((b for b in buckets if b >= value), buckets[-1])
+
+
+def table_key(kind: str, rank: int, uniform: bool) -> tuple[str, int, str]:
+    return kind, bucket(rank, RANK_BUCKETS), "one" if uniform else "many"
+
+
+def lookup(gpu: str | None, kind: str, rank: int, tokens: int, uniform: bool) -> str:
+    """The table's form for a GPU key (None: unknown), projection group, slot rank, token
+    count (at most TOKEN_PATH_MAX_TOKENS) and one adapter or many."""
+    key, column = table_key(kind, rank, uniform), TOKEN_BUCKETS.index(
+        bucket(tokens, TOKEN_BUCKETS))
     while gpu is not None:
-        if cls in TABLE.get(gpu, {}):
-            return TABLE[gpu][cls]
+        if key in TABLE.get(gpu, {}):
+            return TABLE[gpu][key][0][column]
         gpu = _FALLBACK.get(gpu)
-    return DEFAULT.get(cls, MIXED)
+    return DEFAULT[key][0][column]
 
 
 def min_rows(gpu: str | None, T: int) -> int:
     """Rows per adapter a mixed batch of T tokens needs on a GPU key (None: unknown) for
     the MIXED entries; 0 where the `spread` hint changes nothing (above
-    TOKEN_PATH_MAX_TOKENS, or no layer kind at T tokens takes MIXED)."""
+    TOKEN_PATH_MAX_TOKENS, or no many-adapter entry at T tokens, any group or rank, takes
+    MIXED)."""
     if not 0 < T <= TOKEN_PATH_MAX_TOKENS:
         return 0
-    bucket, _ = shape_class(T, 1, 1, 1)
-    if all(lookup(gpu, (bucket, kind)) != MIXED for kind in KINDS):
+    if all(lookup(gpu, kind, rank, T, False) != MIXED
+           for kind in KINDS for rank in RANK_BUCKETS):
         return 0
     while gpu is not None:
         if gpu in MIN_ROWS_PER_ADAPTER:
@@ -146,16 +129,16 @@ def min_rows(gpu: str | None, T: int) -> int:
 
 
 def choose(device: torch.device, tokens: int, uniform: bool, spread: bool, slices: int,
-           k: int, widest: int) -> str:
+           k: int, widest: int, rank: int) -> str:
     """The one path a call of `tokens` rows runs on this device: TOKENS, MIXED or TILES.
     uniform: the rows share one adapter; spread: fewer rows per adapter than `min_rows`;
-    slices, k, widest: the projection group (slices, input width, widest slice)."""
+    slices, k, widest: the projection group (slices, input width, widest slice); rank:
+    the slots' rank (a [L, S, R, K]'s R)."""
     if tokens > TOKEN_PATH_MAX_TOKENS:
         return TILES
-    if uniform:
-        return TOKENS
-    if FORCED in (TOKENS, MIXED):
+    if not uniform and FORCED in (TOKENS, MIXED):
         return FORCED
-    if spread and FORCED != "table":
-        return TOKENS
-    return lookup(device_facts(torch.device(device))[0], shape_class(tokens, slices, k, widest))
+    if not uniform and spread and FORCED != "table":
+        return TOKENS   # a tile of one row reads its adapter as a token does, at more cost
+    _, kind = shape_class(tokens, slices, k, widest)
+    return lookup(device_facts(torch.device(device))[0], kind, rank, tokens, uniform)

@@ -174,8 +174,8 @@ class SegConfig:
 
 
 # Per GPU family and shape class: "k_long" = input width above 8192 (down's 14336), else
-# "k_short". H100 and H200 share one set until a sweep (bench_kernels.py --sweep-prefill)
-# says otherwise; unknown GPUs and the CPU interpreter get the "default" row.
+# "k_short". H100 and H200 share one set (measured at rank 16 on an H100: NOTES
+# 2026-11-25 evening); unknown GPUs and the CPU interpreter get the "default" row.
 _BASE = {"k_short": SegConfig(64, 128, 8, 128, 4, 4, 3),
          "k_long": SegConfig(64, 128, 8, 128, 4, 4, 3)}
 _TABLE = {"H100": _BASE, "H200": _BASE, "default": _BASE}

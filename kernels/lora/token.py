@@ -255,7 +255,7 @@ def _precision(t: torch.Tensor) -> str:
 
 
 def default_split_k(T: int, S: int, Kdim: int, uniform: bool = False) -> int:
-    """Shrink split-K, measured on an H200 at rank 16 (benchmarks/sweep_lora.py):
+    """Shrink split-K, measured on an H200 at rank 16 (benchmarks/results/sweep_lora.csv):
     1 token: 16 splits, 28 for down's 14336 (one program per K chunk is all there is);
     `uniform` (every token one adapter, so GROUP-row products): 8, 16 for down;
     17..64 mixed tokens: 4 (more re-adds partials in every expand program: 64 tokens of
