@@ -33,6 +33,9 @@ from loramux_core.structured import StructuredOutput
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT = '{"type": "object"}'
 _MAX_REASON = 1000  # characters of the library's message an error carries
+# the library's default bounds on a compile's and a step's work; its errors without the
+# generated text (an error is the request's own, and says why, not what was written)
+_LIMITS = llg.LLParserLimits(verbose_errors=False)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,9 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._tokenizer: llg.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
+        # built now, while the engine starts: the build holds the GIL (about a second for a
+        # 128k vocabulary), which would stall every stream at the first constrained request
+        self.pool.submit(self.tokenizer)
 
     def submit(self, s: StructuredOutput) -> Future:
         """The compile of `s` (a pristine llguidance.LLMatcher, or InvalidRequestError),
@@ -86,8 +92,7 @@ class GrammarCompiler:
         return fut
 
     def tokenizer(self) -> llg.LLTokenizer:
-        """llguidance's view of the vocabulary, built on first use (on a compile thread:
-        the trie of a 128k vocabulary takes a moment, and no engine start pays it)."""
+        """llguidance's view of the vocabulary (built once, on a compile thread)."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 c = self.cfg
@@ -101,7 +106,7 @@ class GrammarCompiler:
             grammar = grammar_text(s)
         except (ValueError, RuntimeError) as e:  # e.g. a GBNF the converter cannot read
             raise refusal(s, str(e)) from None
-        matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        matcher = llg.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=_LIMITS)
         if matcher.is_error():
             raise refusal(s, matcher.get_error())
         return matcher
