@@ -199,3 +199,28 @@ def test_constraints_the_library_refuses_are_400_naming_them(client, served):
         assert out.text in CHOICES  # the SDK's constraint, after the refusals
     out = client.chat.completions.create(model="a1", messages=ASK, max_tokens=8)
     assert out.usage.completion_tokens == 8
+
+
+def test_free_greedy_requests_are_the_same_beside_constrained_ones(served, models):
+    """The masks touch only their own rows: free greedy completions come out token for
+    token the same alone and in batches shared with constrained requests."""
+    schema_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    free = [dict(model=models[i % 3], prompt=f"story {i}:", max_tokens=24, temperature=0.0,
+                 logprobs=0) for i in range(6)]
+
+    def tokens(choice):
+        return choice.logprobs.tokens
+
+    async def run(with_constrained: bool):
+        async with openai.AsyncOpenAI(base_url=served.http + "/v1", api_key="none",
+                                      max_retries=0) as aclient:
+            calls = [aclient.completions.create(**kw) for kw in free]
+            if with_constrained:
+                calls += [aclient.completions.create(
+                    model=models[i % 3], prompt="json: ", max_tokens=120, temperature=1.0,
+                    seed=i, extra_body={"response_format": schema_format}) for i in range(10)]
+            outs = await asyncio.gather(*calls)
+        return [tokens(o.choices[0]) for o in outs[:len(free)]]
+
+    alone = asyncio.run(run(False))
+    assert alone == asyncio.run(run(True))
