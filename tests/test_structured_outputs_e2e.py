@@ -19,7 +19,8 @@ import openai
 import pytest
 from loramux import GenerateClient, LoramuxError
 
-from tests.support.openai_serve import make_files, serving
+# the tiny model, its adapters and `loramux serve`, one per module
+from tests.test_openai_tools_serve import client, files, served  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 SCHEMA = {"type": "object", "properties": {
@@ -40,22 +41,6 @@ ASK = [{"role": "user", "content": "answer in JSON"}]
 REGEX = r"(yes|no)-[0-9]{1,3}"
 CHOICES = ["red", "green", "blue"]
 GRAMMAR = 'start: ("ab" | "cd") ("ab" | "cd") "!"'
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return make_files(tmp_path_factory.mktemp("structured"))
-
-
-@pytest.fixture(scope="module")
-def served(files):
-    with serving(files) as serve:
-        yield serve
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served.http + "/v1", api_key="none", max_retries=0)
 
 
 @pytest.fixture(scope="module")
