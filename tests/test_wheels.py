@@ -105,7 +105,7 @@ def test_a_folder_is_not_importable_by_its_own_name(folder):
 def test_the_suite_imports_hugging_faces_kernels():
     """The suite's own process finds the installed `kernels`, not the checkout's folder."""
     spec = util.find_spec("kernels")
-    assert spec is not None and REPO not in Path(spec.origin).parents
+    assert spec is not None and Path(spec.origin).parent != REPO / "kernels", spec.origin
 
 
 @pytest.mark.timeout(1200)
