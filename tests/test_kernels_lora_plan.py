@@ -99,6 +99,9 @@ def test_every_form_matches_the_reference_at_every_rank(form, rank, adapters):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+# the --tiny grid runs the kernels in Triton's interpreter, which a GPU host's tests do not
+# use (its kernels are compiled when this process first imports them)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's interpreted --tiny case")
 def test_planner_grid_tiny_writes_rows_the_table_takes(tmp_path):
     """`python -m benchmarks.kernels lora --tiny` (the planner grid on the CPU): every
     form checked and timed per cell, plan.csv written, and plan_table.py a block of

@@ -92,14 +92,27 @@ def test_the_build_prints_no_deprecation_warning(built):
     assert "deprecat" not in said.lower(), said[-3000:]
 
 
-@pytest.mark.parametrize("folder", ["engine", "kernels", "services"])
+def _import_from_the_checkout(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.parametrize("folder", ["engine", "services"])
 def test_a_folder_is_not_importable_by_its_own_name(folder):
     """With the checkout on sys.path, `import engine` is refused, so no module has two names."""
-    proc = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = _import_from_the_checkout(f"import {folder}")
     assert proc.returncode != 0
     assert f"{folder}/ installs as {FOLDERS[folder]}" in proc.stderr
+
+
+def test_kernels_by_its_own_name_is_an_empty_stand_in():
+    """`kernels` is Hugging Face's name, which transformers imports to probe: from the
+    checkout it is an empty package (no file: "not installed" to such a probe) whose
+    modules cannot be imported under that name."""
+    proc = _import_from_the_checkout(
+        "import kernels; assert kernels.__file__ is None and kernels.__path__ == []\n"
+        "import kernels.lora")
+    assert proc.returncode != 0 and "No module named 'kernels.lora'" in proc.stderr
 
 
 def test_the_suite_imports_hugging_faces_kernels():
