@@ -6,16 +6,13 @@ are token-identical to the oracle and to a run without constrained neighbours; r
 or too-slow compiles end their request alone; a compile that waits stalls no one."""
 import json
 import re
-import threading
 
 import jsonschema
 import pytest
 
-from loramux_core.errors import InvalidRequestError
 from loramux_core.sampling import SamplingParams
 from loramux_core.structured import StructuredOutput
-from loramux_engine import FinishReason
-from tests.test_engine_parity import GREEDY, assert_matches, make_engine, prompts_of
+from tests.test_engine_parity import GREEDY, make_engine, prompts_of
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},

@@ -35,11 +35,6 @@ class Grammars:
         req.grammar = Constraint(s, self.compiler.submit(s), self.timeout_s)
         self._waiting.append(req)
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests whose constraint is not bound yet."""
-        return len(self._waiting)
-
     def settle(self) -> list[Request]:
         """Bind the constraints whose compile finished (replaying a resumed request's
         tokens); returns the requests whose constraint failed (`grammar.error`)."""
