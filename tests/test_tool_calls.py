@@ -28,6 +28,21 @@ CASES = [
      [("weather", WEATHER), ("time", {"tz": "CET"})]),
     (MISTRAL, '[TOOL_CALLS][{"name": "a", "arguments": {}}]  \n and after', "and after",
      [("a", {})]),
+    # the newer Mistral form (tokenizer v11+): one name[ARGS]{arguments} after each marker
+    (MISTRAL, "Let me look.[TOOL_CALLS]weather[ARGS]" + json.dumps(WEATHER), "Let me look.",
+     [("weather", WEATHER)]),
+    (MISTRAL, "[TOOL_CALLS]weather[ARGS]" + json.dumps(WEATHER)
+     + '[TOOL_CALLS]time[ARGS]{"tz": "CET"}', "", [("weather", WEATHER), ("time", {"tz": "CET"})]),
+    (MISTRAL, '[TOOL_CALLS]time[CALL_ID]a1B2c3D4e[ARGS]{"tz": "CET"}\n[TOOL_CALLS]noop[ARGS]{}',
+     "", [("time", {"tz": "CET"}), ("noop", {})]),
+    (MISTRAL, '[TOOL_CALLS]run[ARGS]{"cmd": "echo [ARGS] }", "opts": {"env": {"A": "[TOOL_CALLS]"'
+     '}, "n": [1, {"k": "}{"}]}}  and done', "and done",
+     [("run", {"cmd": "echo [ARGS] }", "opts": {"env": {"A": "[TOOL_CALLS]"},
+                                                "n": [1, {"k": "}{"}]}})]),
+    # a broken call after good ones: they stay calls, it is content
+    (MISTRAL, '[TOOL_CALLS]a[ARGS]{}\n[TOOL_CALLS]b[ARGS]{"x": oops} tail',
+     '[TOOL_CALLS]b[ARGS]{"x": oops} tail', [("a", {})]),
+    (MISTRAL, '[TOOL_CALLS]a[ARGS]{"k": 1}[TOOL_CALLS]b c', "[TOOL_CALLS]b c", [("a", {"k": 1})]),
     (LLAMA, '<|python_tag|>{"name": "weather", "parameters": ' + json.dumps(WEATHER)
      + '}; {"name": "time", "arguments": {"tz": "CET"}}', "",
      [("weather", WEATHER), ("time", {"tz": "CET"})]),
@@ -48,6 +63,13 @@ MALFORMED = [
     (HERMES, '<tool_call>{"name": "a", "arguments": {"x": 1'),  # cut off
     (MISTRAL, '[TOOL_CALLS] sorry'),
     (MISTRAL, '[TOOL_CALLS][{"name": "a", "arguments": [1, 2]}]'),  # arguments not an object
+    (MISTRAL, '[TOOL_CALLS]a[ARGS][1, 2]'),
+    (MISTRAL, '[TOOL_CALLS]a[ARGS]{"x": 1'),
+    (MISTRAL, '[TOOL_CALLS]a[CALL_ID]x1[ARGS]{"x": }'),
+    (MISTRAL, '[TOOL_CALLS]a[ARG]{}'),
+    (MISTRAL, '[TOOL_CALLS]a [ARGS]{}'),
+    (MISTRAL, "[TOOL_CALLS]" + "a" * 65 + "[ARGS]{}"),  # longer than any function name
+    (MISTRAL, 'Call it as f[ARGS]{"x": 1}, after [TOOL_CALLS] or [TOOL_CALLS]f[ARGS] alone.'),
     (LLAMA, '{"name": "a", "parameters": {"x": 1'),
     (LLAMA, '<|python_tag|>print("hi")'),
     (REQUIRED, '[{"name": "a", "parameters": {"x"'),
@@ -114,6 +136,15 @@ def test_content_streams_before_the_call_is_whole():
     assert content == "" and _calls(calls) == [("w", {"c": 1})]
 
 
+def test_a_newer_mistral_call_comes_when_its_arguments_close():
+    parser = CallParser(MISTRAL)
+    assert parser.feed("Looking [TOOL_") == ("Looking ", [])
+    assert parser.feed('CALLS]weather[CALL_ID]a1[AR') == ("", [])
+    content, calls = parser.feed('GS]{"city": "Paris"}')
+    assert content == "" and _calls(calls) == [("weather", {"city": "Paris"})]
+    assert parser.finish() == ("", [])
+
+
 def test_a_long_unclosed_object_stays_linear():
     """An output that opens a call and never closes it is scanned once per piece, not
     rescanned from its start (a quadratic parser would take minutes here)."""
@@ -138,11 +169,15 @@ def test_call_of_reads_arguments_or_parameters():
     assert call_of('{"name": "f"}').arguments == "{}"
     assert call_of('{"name": "", "arguments": {}}') is None
     assert call_of('{"name": "f", "arguments": "not json"}') is None
+    assert call_of('{"a": 1}', name="f").arguments == '{"a": 1}'  # the arguments alone
+    assert call_of("[1]", name="f") is None
 
 
 @pytest.mark.parametrize("template,name", [
     ("{% for tool in tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endfor %}", "hermes"),
     ("{{ '[TOOL_CALLS]' }}{{ messages }}", "mistral"),
+    ("{%- for tool_call in message.tool_calls %}{{- '[TOOL_CALLS]' + tool_call.function.name"
+     " + '[ARGS]' + tool_call.function.arguments | tojson }}{%- endfor %}", "mistral"),
     ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
     ("Given the following functions, please respond with a JSON for a function call", "llama3_json"),
     ("{% for m in messages %}{{ m.content }}{% endfor %}", None),

@@ -1,12 +1,15 @@
 """The tool calls a model writes in its own format, parsed out of its text as it streams.
 
 Every format read here is a run of JSON objects `{"name": ..., "arguments" | "parameters":
-{...}}` between a few literal markers:
+{...}}` between a few literal markers, or (newer Mistral) a name, then the object of its
+arguments:
 
   llama3_json  {"name": "f", "parameters": {...}}; {...}    only at the start of the output,
                                                            optionally after <|python_tag|>
   hermes       text <tool_call>{...}</tool_call>\\n<tool_call>{...}</tool_call> text
-  mistral      text [TOOL_CALLS][{...}, {...}]
+  mistral      text [TOOL_CALLS][{...}, {...}]              tokenizers before v11
+               text [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}   v11 and later, where
+                                                           [CALL_ID]id may follow the name
   required     [{"name": ..., "parameters": {...}}, ...]   what tool_choice "required"
                                                            constrains the output to
 
@@ -18,12 +21,16 @@ output. Text that breaks the format is content; calls completed before it stay c
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 from loramux_services.gateway.json_scan import JsonScanner
 
 _WS = " \t\r\n"
+_WORD = re.compile(r"[\w.\-]*")  # a function's name, or the id a model gives its call
+# longer is no name (OpenAI caps them at 64); the cap also bounds the text held meanwhile
+_WORD_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -32,7 +39,9 @@ class CallFormat:
     where it may be left out (llama3's <|python_tag|>). `open` comes before the first
     object ("[" for a list); after each object `after` (hermes closes each call), then
     `sep` leads to another object and `close` (or, for a format that may follow text,
-    anything else) ends the calls."""
+    anything else) ends the calls. With `args`, the marker may instead be followed by a
+    function's name, optionally `call_id` and an id, then `args` and the object of the
+    arguments: one call per marker."""
     name: str
     marker: str
     anywhere: bool
@@ -40,6 +49,8 @@ class CallFormat:
     after: str = ""
     sep: str = ","
     close: str = "]"
+    args: str = ""
+    call_id: str = ""
 
 
 FORMATS = {
@@ -47,7 +58,8 @@ FORMATS = {
                               close=""),
     "hermes": CallFormat("hermes", "<tool_call>", anywhere=True, after="</tool_call>",
                          sep="<tool_call>", close=""),
-    "mistral": CallFormat("mistral", "[TOOL_CALLS]", anywhere=True, open="["),
+    "mistral": CallFormat("mistral", "[TOOL_CALLS]", anywhere=True, open="[", args="[ARGS]",
+                          call_id="[CALL_ID]"),
 }
 REQUIRED = CallFormat("required", "", anywhere=False, open="[")
 PARSER_NAMES = ("auto", "none", *FORMATS)
@@ -80,12 +92,15 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def call_of(text: str) -> ToolCall | None:
-    """The call a JSON object's text stands for; None when it is not one."""
+def call_of(text: str, name: str | None = None) -> ToolCall | None:
+    """The call a JSON object's text stands for, or, given the function's `name`, the call
+    of those arguments; None when it is not one."""
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError):
         return None
+    if name is not None:
+        obj = {"name": name, "arguments": obj}
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -121,6 +136,7 @@ class CallParser:
         self.since: list[str] = []
         self.scanner = JsonScanner()
         self.start = 0        # the piece of `since` the object being scanned begins with
+        self.name: str | None = None  # the call's name, when it came before its arguments
         self._out: list[str] = []
         self._calls: list[ToolCall] = []
 
@@ -185,10 +201,36 @@ class CallParser:
         return True
 
     def _open(self) -> bool:
+        self.name = None
         if not self.fmt.open:
             return self._enter("brace")
         found = self._expect(self.fmt.open, "brace")
+        if found is None and self.fmt.args:  # the newer form: name[ARGS]{arguments}
+            return self._take(self._ws(), "name")
         return found if found is not None else self._break()
+
+    def _name(self) -> bool:
+        return self._word({self.fmt.args: "brace", self.fmt.call_id: "call_id"}, keep=True)
+
+    def _call_id(self) -> bool:
+        """The model's own id for the call is dropped: ids come from new_call_id()."""
+        return self._word({self.fmt.args: "brace"}, keep=False)
+
+    def _word(self, then: dict[str, str], keep: bool) -> bool:
+        """A word (kept as the call's name when `keep`), then one of the literals `then`
+        maps to the state that follows it."""
+        n = _WORD.match(self.buf).end()
+        rest = self.buf[n:]
+        if n > _WORD_MAX:
+            return self._break()
+        for literal, state in then.items():
+            if literal and rest.startswith(literal):
+                if keep:
+                    self.name = self.buf[:n]
+                return self._take(n + len(literal), state)
+        if any(literal.startswith(rest) for literal in then):
+            return False
+        return self._break()
 
     def _brace(self) -> bool:
         skip = self._ws()
@@ -206,8 +248,8 @@ class CallParser:
         if end is None:
             self._take(len(self.buf), "object")
             return False
-        self._take(end, "after")
-        call = call_of("".join(self.since[self.start:]))
+        self._take(end, "after" if self.name is None else "ended")
+        call = call_of("".join(self.since[self.start:]), self.name)
         if call is None:
             return self._break()
         self._calls.append(call)
@@ -234,7 +276,8 @@ class CallParser:
         return self._end_calls()
 
     def _ended(self) -> bool:
-        """The format's close was taken: what follows (past whitespace) is text."""
+        """The format's close (or a call of the newer form) was taken: what follows (past
+        whitespace) is text, or the marker of another call."""
         return bool(self.buf.strip(_WS)) and self._end_calls()
 
     def _end_calls(self) -> bool:
