@@ -24,19 +24,14 @@ slot swaps, and decode step time with and without swaps, on a Llama-3-8B-shaped 
 - swap:   one host -> slot copy through the engine's copier (its side stream), from issue
           to completion (host wall time, and device time between events), and the copies
           it queues.
-- step:   decode steps of a batch over adapters already in slots, without swaps and with
-          one swap per step: each step, an adapter the batch does not use is prefetched
-          into a slot the way the engine brings in a waiting request's adapter (residency
-          prefetch, evicting an adapter without running requests; benchmarks/
-          swap_steps.py), with the copy ordered as before issue 20's change (after all
-          queued compute, the step in flight included) and as now (after the slot's last
-          reader only), and 4 swaps per step; each swap is counted. The modes alternate
-          in chunks of 10 steps, so the step time's drift (contexts grow) hits each alike.
-- profile (--profile): the device timeline of a few of those steps, both orderings
-          (where each copy sits against the input uploads and graph replays); --trace:
-          a torch.profiler trace of them (step_swap_trace.json, for ui.perfetto.dev).
+- step:   decode steps of a batch over adapters already in slots, without swaps, with
+          one swap per step and with 4: each step, an adapter the batch does not use is
+          prefetched into a slot the way the engine brings in a waiting request's adapter
+          (residency prefetch, evicting an adapter without running requests; benchmarks/
+          swap_steps.py); each swap is counted. The modes alternate in chunks of 10
+          steps, so the step time's drift (contexts grow) hits each alike.
 
-    python -m benchmarks.adapters pipeline --out DIR --quick   # steps and profile only
+    python -m benchmarks.adapters pipeline --out DIR --quick   # swaps and steps only
 
 Targets (issue 20, on one H100/H200): add <= 50 ms, swap <= 5 ms, step with swaps within
 5% of without. Logs and a JSON summary go to --out.
@@ -57,8 +52,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: hides nothing installed
 from benchmarks.common import TeeLog  # noqa: E402
 from benchmarks.llama8b import adapter_bytes, write_adapter, write_model_dir  # noqa: E402
-from benchmarks.swap_steps import (SwapIn, copies_after_all_compute,  # noqa: E402
-                                   profile_steps, time_interleaved, trace_steps)
+from benchmarks.swap_steps import SwapIn, time_interleaved  # noqa: E402
 
 RANK = 16
 BURST = 16
@@ -318,29 +312,25 @@ SPARES = 2   # adapters swapped in beyond the free slots (every swap then evicts
 MULTI = 4    # swaps per step of the "swap_x4" mode (when the batch leaves that many slots)
 
 
-def step_modes(device: torch.device, free_slots: int) -> list[tuple[str, int]]:
-    """(mode, swaps per step); "swap_after_all" copies as before issue 20's change."""
-    modes = [("no_swap", 0), ("swap_after_all", 1), ("swap", 1), ("swap_x4", MULTI)]
-    return [(m, n) for m, n in modes if (m != "swap_after_all" or device.type == "cuda")
-            and n <= free_slots]
+def step_modes(free_slots: int) -> list[tuple[str, int]]:
+    """(mode, swaps per step) of the modes the free slots allow."""
+    modes = [("no_swap", 0), ("swap", 1), ("swap_x4", MULTI)]
+    return [(m, n) for m, n in modes if n <= free_slots]
 
 
 def bench_steps(engine, ids: list[int], paths: list[Path], args, device: torch.device, log):
     """Mean decode step time without swaps and with swaps through the engine's residency
-    path (`SwapIn`): one per step with the copy ordered as before (after all queued
-    compute; CUDA only) and as now (after the slot's last reader), and MULTI per step (as
-    now) where the batch leaves enough slots free. The modes are interleaved in chunks
-    (benchmarks/swap_steps.py: `time_interleaved`), so that the slow drift of the step
-    time (every context grows a token per step) weighs on each alike. Optionally the
-    device timeline of a few steps of each swap mode."""
+    path (`SwapIn`): one per step, and MULTI per step where the batch leaves enough slots
+    free. The modes are interleaved in chunks (benchmarks/swap_steps.py:
+    `time_interleaved`), so that the slow drift of the step time (every context grows a
+    token per step) weighs on each alike."""
     from loramux_engine import SamplingParams
 
     used = ids[:args.slots - 1]
     chunk = min(10, args.steps)
     rounds = max(2, args.steps // chunk)
     # every step below, with room to spare: no request finishes while steps are timed
-    steps = (20 + args.slots + MULTI + SPARES + 4 * rounds * chunk
-             + 4 * (args.profile_steps + 1) + 16)
+    steps = 20 + args.slots + MULTI + SPARES + 3 * rounds * chunk + 16
     assert 64 + steps <= engine.max_model_len, f"{steps} steps: lower --steps"
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
@@ -349,7 +339,7 @@ def bench_steps(engine, ids: list[int], paths: list[Path], args, device: torch.d
     for _ in range(20):                  # prefill, then warm decode graphs
         engine.step()
     free = args.slots - len(engine.scheduler.running_adapters())
-    modes = step_modes(device, free)
+    modes = step_modes(free)
     spares = [engine.add_adapter(f"spare{i}", paths[i % len(paths)])
               for i in range(free + max(n for _, n in modes) + SPARES)]
     wait_pinned(engine, spares, device)
@@ -357,22 +347,11 @@ def bench_steps(engine, ids: list[int], paths: list[Path], args, device: torch.d
     for _ in range(len(spares)):         # each spare once through a slot, then the timing
         swap()
         engine.step()
-    after_all = {"swap_after_all": lambda: copies_after_all_compute(engine)}
-    out = time_interleaved(engine, swap, modes, chunk, rounds, after_all, log)
-    profiles = {}
-    for mode, per_step in modes:
-        if args.profile and per_step and device.type == "cuda":
-            undo = after_all[mode]() if mode in after_all else None
-            profiles[mode] = profile_steps(engine, swap, args.profile_steps, log, mode,
-                                           per_step)
-            if undo is not None:
-                undo()
-    if args.trace and device.type == "cuda":
-        trace_steps(engine, swap, args.profile_steps, Path(args.out), log)
+    out = time_interleaved(engine, swap, modes, chunk, rounds, log)
     engine.flush()
     for i in range(args.batch):
         engine.abort(f"r{i}")
-    return out, profiles
+    return out
 
 
 def main() -> None:
@@ -389,20 +368,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30,
                     help="decode steps timed per mode (in chunks of 10, modes interleaved)")
     ap.add_argument("--swaps", type=int, default=10)
-    ap.add_argument("--profile", action="store_true",
-                    help="the device timeline of a few steps with swaps (where each copy "
-                         "sits against the input uploads and graph replays)")
-    ap.add_argument("--trace", action="store_true",
-                    help="a torch.profiler trace of a few steps with swaps "
-                         "(step_swap_trace.json under --out)")
-    ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--swap-only", action="store_true",
                     help="only adapter adds, swaps and steps (skip the AddAdapter breakdown, "
                          "the control plane, reads and bursts)")
     ap.add_argument("--quick", action="store_true",
-                    help="--swap-only --profile with fewer steps: the step-with-swaps "
-                         "comparison (before/after ordering) and its timeline, in about a "
-                         "minute on a GPU with start-up")
+                    help="--swap-only with fewer swaps: the steps with and without swaps, "
+                         "in about a minute on a GPU with start-up")
     ap.add_argument("--breakdown-only", action="store_true",
                     help="only the AddAdapter breakdown and the control plane (no engine)")
     ap.add_argument("--no-control-plane", action="store_true",
@@ -410,8 +381,8 @@ def main() -> None:
     args = ap.parse_args()
     started = time.perf_counter()
     if args.quick:
-        args.swap_only = args.profile = True
-        args.steps, args.swaps, args.profile_steps = 60, 5, 6
+        args.swap_only = True
+        args.steps, args.swaps = 60, 5
         args.slots = max(args.slots, args.adapters + MULTI + 2)  # room for swap_x4
     if args.device == "cpu":
         args.batch = min(args.batch, 4)
@@ -462,11 +433,9 @@ def engine_parts(tmp: Path, args, device: torch.device, log) -> dict:
             summary.update(burst_first_ms_per_adapter=ms(burst[0]),
                            burst_ms_per_adapter=ms(burst[1]))
         swap_wall, swap_dev, copies = bench_swap(engine, ids, device, args.swaps, log)
-        steps, profiles = bench_steps(engine, ids, paths, args, device, log)
+        steps = bench_steps(engine, ids, paths, args, device, log)
     finally:
         engine.close()
-    if profiles:
-        summary["profile"] = profiles
     return summary | {
         "swap_wall_ms": ms(med(swap_wall)),
         "swap_device_ms": ms(med(swap_dev)) if swap_dev else None,
@@ -474,10 +443,6 @@ def engine_parts(tmp: Path, args, device: torch.device, log) -> dict:
         "copies_per_swap": med(copies),
         "step_ms": ms(steps["no_swap"]), "step_swap_ms": ms(steps["swap"]),
         "step_swap_ratio": round(steps["swap"] / steps["no_swap"], 3),
-        "step_swap_after_all_ms": ms(steps["swap_after_all"]) if "swap_after_all" in steps
-        else None,
-        "step_swap_after_all_ratio": round(steps["swap_after_all"] / steps["no_swap"], 3)
-        if "swap_after_all" in steps else None,
         f"step_swap_x{MULTI}_ms": ms(steps["swap_x4"]) if "swap_x4" in steps else None,
     }
 
@@ -505,19 +470,13 @@ def table(summary: dict, log) -> None:
             ("swap host->slot (device)", summary["swap_device_ms"], "<= 5"),
             ("copies per swap", summary["copies_per_swap"], ""),
             ("decode step, no swaps", summary["step_ms"], ""),
-            ("  one swap per step, copy after all compute", get("step_swap_after_all_ms"),
-             "(before)"),
-            ("  one swap per step, copy after slot readers", summary["step_swap_ms"], ""),
-            (f"  {MULTI} swaps per step, copy after slot readers",
-             get(f"step_swap_x{MULTI}_ms"), ""),
+            ("  one swap per step", summary["step_swap_ms"], ""),
+            (f"  {MULTI} swaps per step", get(f"step_swap_x{MULTI}_ms"), ""),
             ]
     log(f"\n{summary['layers']} layers, adapter {summary['adapter_mb']} MB")
     log(f"{'what':<46}{'ms':>10}  target")
     for name, value, target in rows:
         log(f"{name:<46}{value if value is not None else '-':>10}  {target}")
-    if get("step_swap_after_all_ratio") is not None:
-        log(f"step with swaps / without, copy after all compute (before): "
-            f"{summary['step_swap_after_all_ratio']}")
     log(f"step with swaps / without: {summary['step_swap_ratio']}  (target <= 1.05)")
 
 

@@ -4,27 +4,20 @@ the memory-bandwidth floor and, in the same run, Hugging Face transformers + PEF
     python -m benchmarks.decode --out DIR [--quick] [--no-hf]
 
 Modes: "base" (no adapter), "one" (one rank-16 adapter for every request, the engine's
-defaults), "one-split" (the same; the two-launch LoRA path is the only one now),
-"distinct" (one rank-16 adapter per request, on all seven projections),
+defaults), "distinct" (one rank-16 adapter per request, on all seven projections),
 "dora" (one rank-16 DoRA adapter for every request: the row factors after each group),
-"head" (one adapter with LoRA on lm_head too: the vocabulary-wide expand).
---norm-shrink off,all,all+all runs every mode once per setting of engine/lora/batch.py
-FUSED_NORM_SHRINK (the q/k/v and gate/up shrinks inside the add + RMSNorm before them)
-and, after a "+", FUSED_SILU_SHRINK (down's inside the SiLU-and-multiply; without one:
-the engine's), on the same engine: the rows of a setting other than the first are
-labelled "MODE/ns-SETTING", and each setting's profile goes to its own file. Distinct adapters are
-registered from a few adapter files under different names: each name gets its own id,
-slot and device copy, so a step reads every adapter's A/B separately exactly as with
-distinct files, without writing gigabytes of adapter files first.
+"head" (one adapter with LoRA on lm_head too: the vocabulary-wide expand). The heap is
+frozen once the engine is built, as the engine server does after its warm-up
+(loramux_core/gc_heap.py); the collections inside each timed window are reported.
+Distinct adapters are registered from a few adapter files under different names: each
+name gets its own id, slot and device copy, so a step reads every adapter's A/B
+separately exactly as with distinct files, without writing gigabytes of adapter files
+first.
 --mixed-paths table,rule runs the mixed modes ("distinct", "d64": 64 adapters round robin)
 once per choice of kernels/lora/plan.py FORCED: "rule" (the engine's: the GPU's
 table and its rows-per-adapter rule), "table" (the table alone, the choice before that
 rule), "tokens", "segments"; rows of a choice other than "rule" are labelled
 "MODE/mp-CHOICE", so one run gives before and after.
---greedy-pick torch,triton runs every mode once per setting of engine/cuda_graph.py
-GREEDY_PICK (how the greedy decode graph picks its rows' tokens: the torch ops or one
-Triton read of the logits), on the same engine; rows of a setting other than the first
-are labelled "MODE/gp-SETTING" (after any other suffix), and so are the profile files.
 --lora-gemm off,rows,cols,all runs every mode once per setting of engine/lora/batch.py
 FUSED_LORA_GEMM (one adapter for every row inside the base GEMMs, engine/lora/fused.py:
 o's and down's shrink; and q/k/v's and gate/up's expand; and o's and down's expand in
@@ -126,50 +119,6 @@ class HostTimer:
 _DEFAULT_PATH: dict = {}
 
 
-def select_uniform_path(eng, mode: str) -> None:
-    """The one-adapter LoRA path has one form (kernels/lora/plan.py): every mode runs it
-    as it is, so no captured graph is dropped."""
-
-
-def norm_shrink_pair(setting: str) -> tuple[str, str]:
-    """(FUSED_NORM_SHRINK, FUSED_SILU_SHRINK) of a --norm-shrink entry "NORM[+SILU]"."""
-    norm, _, silu = setting.partition("+")
-    return norm, silu or "default"
-
-
-def select_norm_shrink(eng, setting: str) -> None:
-    """engine/lora/batch.py FUSED_NORM_SHRINK and FUSED_SILU_SHRINK as `setting` says
-    (norm_shrink_pair; "default": as the engine ships); captured graphs are dropped when
-    either changes."""
-    from loramux_engine.lora import batch
-    if "norm" not in _DEFAULT_PATH:
-        _DEFAULT_PATH["norm"] = (batch.FUSED_NORM_SHRINK, batch.FUSED_SILU_SHRINK)
-    want = tuple(default if value == "default" else value
-                 for value, default in zip(norm_shrink_pair(setting), _DEFAULT_PATH["norm"]))
-    if (batch.FUSED_NORM_SHRINK, batch.FUSED_SILU_SHRINK) != want:
-        batch.FUSED_NORM_SHRINK, batch.FUSED_SILU_SHRINK = want
-        if eng.runner.graphs is not None:
-            eng.runner.graphs.release()
-
-
-def mode_label(mode: str, setting: str, settings: list[str]) -> str:
-    return mode if setting == settings[0] else f"{mode}/ns-{setting}"
-
-
-def select_greedy_pick(eng, pick: str) -> None:
-    """engine/cuda_graph.py GREEDY_PICK = pick; captured graphs are dropped when it
-    changes (the pick is captured into the greedy graphs)."""
-    from loramux_engine import cuda_graph
-    if cuda_graph.GREEDY_PICK != pick:
-        cuda_graph.GREEDY_PICK = pick
-        if eng.runner.graphs is not None:
-            eng.runner.graphs.release()
-
-
-def pick_label(label: str, pick: str, picks: list[str]) -> str:
-    return label if pick == picks[0] else f"{label}/gp-{pick}"
-
-
 def select_lora_gemm(eng, setting: str) -> None:
     """engine/lora/batch.py FUSED_LORA_GEMM = setting ("default": as the engine ships);
     captured graphs are dropped when it changes (a uniform graph captures the GEMMs over
@@ -234,8 +183,7 @@ def decode_graph(eng, adapters: list[str | None]):
 
 
 def mode_adapters(mode: str, b: int, names: list[str]) -> list[str | None]:
-    return {"base": [None] * b, "one": [names[0]] * b, "one-split": [names[0]] * b,
-            "distinct": names[:b],
+    return {"base": [None] * b, "one": [names[0]] * b, "distinct": names[:b],
             "d64": [names[i % 64] for i in range(b)], "dora": ["dora"] * b,
             "head": ["head"] * b}[mode]
 
@@ -343,8 +291,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batches", default="1,8,16,32,64,128,256")
     ap.add_argument("--modes", default="base,one,distinct,d64",
-                    help="base; one adapter for all rows; one-split: the same; "
-                         "distinct: one adapter per row; "
+                    help="base; one adapter for all rows; distinct: one adapter per row; "
                          "d64: 64 adapters round robin (4 rows each at batch 256); "
                          "dora / head: one rank-16 DoRA adapter / one with LoRA on "
                          "lm_head too, for all rows")
@@ -361,16 +308,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                     help="auto: the engine's default (on for one CUDA device)")
-    ap.add_argument("--gc-freeze", choices=("on", "off"), default="on",
-                    help="on: freeze the heap once the engine is built and its adapters "
-                         "loaded, as the engine server does after its warm-up "
-                         "(loramux_core/gc_heap.py); off: a full collection may walk it "
-                         "inside a timed window")
-    ap.add_argument("--norm-shrink", default="default",
-                    help="comma list of engine/lora/batch.py FUSED_NORM_SHRINK settings "
-                         "(off, uniform, mixed, all; default: the engine's), each with "
-                         "+FUSED_SILU_SHRINK's or not (e.g. all+all): every mode runs "
-                         "once per setting, in this order, on one engine")
     ap.add_argument("--mixed-paths", default="rule",
                     help="comma list of mixed decode LoRA paths (rule: the engine's; table: "
                          "the table alone, before the rows-per-adapter rule; tokens; "
@@ -380,28 +317,14 @@ def main() -> None:
                          "rows, cols, all; default: the engine's): every mode runs once per "
                          "setting, in this order, on one engine (built with the spare weight "
                          "rows and columns unless the engine's setting is off)")
-    ap.add_argument("--greedy-pick", default=None,
-                    help="comma list of engine/cuda_graph.py GREEDY_PICK settings (torch, "
-                         "triton; default: the engine's): every mode runs once per setting, "
-                         "in this order, on one engine")
     args = ap.parse_args()
     paths = args.mixed_paths.split(",")
     if not set(paths) <= set(MIXED_PATHS):
         ap.error(f"--mixed-paths: {paths} not all in {tuple(MIXED_PATHS)}")
-    from loramux_engine.cuda_graph import GREEDY_PICK, GREEDY_PICK_MODES
-    picks = (args.greedy_pick or GREEDY_PICK).split(",")
-    if not set(picks) <= set(GREEDY_PICK_MODES):
-        ap.error(f"--greedy-pick: {picks} not all in {GREEDY_PICK_MODES}")
     gemms = args.lora_gemm.split(",")
     from loramux_engine.lora.batch import LORA_GEMM_MODES
     if not set(gemms) <= set(LORA_GEMM_MODES + ("default",)):
         ap.error(f"--lora-gemm: {gemms} not all in {LORA_GEMM_MODES + ('default',)}")
-    settings = args.norm_shrink.split(",")
-    from loramux_engine.lora.batch import NORM_SHRINK_MODES
-    bad = [s for s in settings for v in norm_shrink_pair(s)
-           if v not in NORM_SHRINK_MODES + ("default",)]
-    if bad:
-        ap.error(f"--norm-shrink: {bad} not in {NORM_SHRINK_MODES + ('default',)}")
     if args.quick:
         args.batches, args.steps, args.hf_batches = "1,64", 8, "8"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -436,21 +359,16 @@ def main() -> None:
     for extra in {"dora", "head"} & set(args.modes.split(",") + args.profile_modes.split(",")):
         eng.add_adapter(extra, str(write_adapter(work / extra, model_dir, RANK, seed=9,
                                                  **{extra: True})))
-    if args.gc_freeze == "on":
-        from loramux_core.gc_heap import freeze_heap
-        print(f"gc: {freeze_heap()} objects frozen", flush=True)
+    from loramux_core.gc_heap import freeze_heap
+    print(f"gc: {freeze_heap()} objects frozen", flush=True)
     clock = GcClock()
     cfg = LLAMA3_8B
-    points = [(lg, gp, st, m, p) for lg in gemms for gp in picks for st in settings
-              for m in args.modes.split(",") for p in (paths if m in MIXED_MODES else ["rule"])]
-    for gemm, pick, setting, mode, path in points:
-        select_uniform_path(eng, mode)
-        select_norm_shrink(eng, setting)
+    points = [(lg, m, p) for lg in gemms for m in args.modes.split(",")
+              for p in (paths if m in MIXED_MODES else ["rule"])]
+    for gemm, mode, path in points:
         select_mixed_path(eng, path)
-        select_greedy_pick(eng, pick)
         select_lora_gemm(eng, gemm)
-        label = gemm_label(pick_label(mixed_label(mode_label(mode, setting, settings), path),
-                                      pick, picks), gemm, gemms)
+        label = gemm_label(mixed_label(mode, path), gemm, gemms)
         for b in batches:
             adapters = mode_adapters(mode, b, names)
             t = time_decode(eng, timer, b, adapters, args.prompt_len, args.steps, gen, clock)
@@ -474,24 +392,16 @@ def main() -> None:
     select_mixed_path(eng, "rule")
     launches = []
     profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
-    for gemm, pick, setting in ([(lg, gp, st) for lg in gemms for gp in picks for st in settings]
-                                if not args.eager else []):
+    for gemm in (gemms if not args.eager else []):
         select_lora_gemm(eng, gemm)
-        select_greedy_pick(eng, pick)
-        select_norm_shrink(eng, setting)
-        name = gemm_label(pick_label(
-            "profile" if setting == settings[0] else f"profile-ns-{setting}", pick, picks),
-            gemm, gemms).replace("/", "-") + ".txt"
+        name = gemm_label("profile", gemm, gemms).replace("/", "-") + ".txt"
         launches += profile_graphs(
             eng, names, args, gen, args.out / name, profile_batches,
-            args.profile_modes.split(","),
-            lambda m, st=setting, gp=pick, lg=gemm: gemm_label(
-                pick_label(mode_label(m, st, settings), gp, picks), lg, gemms))
+            args.profile_modes.split(","), lambda m, lg=gemm: gemm_label(m, lg, gemms))
     meta = {"device": torch.cuda.get_device_name(), "copy_bw_Bps": bw, "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
-            "async_scheduling": eng.config.use_async_scheduling, "norm_shrink": settings,
-            "mixed_paths": paths, "greedy_pick": picks, "lora_gemm": gemms,
-            "gc_freeze": args.gc_freeze}
+            "async_scheduling": eng.config.use_async_scheduling, "mixed_paths": paths,
+            "lora_gemm": gemms}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                       "launches": launches}, indent=2))
     plot(rows, args.out / "decode_throughput.png")
@@ -519,7 +429,6 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[i
     from torch.profiler import ProfilerActivity, profile
     lines, counts, replays = [], [], 5
     for b, mode in [(b, m) for m in modes for b in batches if b <= len(names)]:
-        select_uniform_path(eng, mode)
         adapters = (mode_adapters("d64", b, names) if mode == "distinct"
                     else mode_adapters(mode, b, names))
         from loramux_engine import SamplingParams
@@ -549,7 +458,6 @@ def profile_graphs(eng, names: list[str], args, gen, path: Path, batches: list[i
             eng.abort(r.request_id)
         while eng.has_unfinished():
             eng.step()
-    select_uniform_path(eng, "base")
     path.write_text("\n".join(lines))
     print("\n".join(lines)[:6000], flush=True)
     return counts

@@ -7,8 +7,6 @@ in CUDA graphs: `python -m benchmarks.kernels [CASE] --out DIR [options]`
                  --planner: every form on the planner's grid, and the table rows it
                  gives (benchmarks/plan_grid.py; --tiny: the CPU)
     sweep-mixed  the mixed-adapter kernels' launch parameters (--budget SECONDS)
-    norm-shrink  add + RMSNorm + shrink and SiLU + shrink against the separate launches
-    greedy-pick  the greedy pick of a step's logits, torch against Triton
     peers        ours beside vLLM's and SGLang's Triton LoRA kernels, same shapes and run
                  (their sources: python -m benchmarks.peer_sources fetch; --tiny: the CPU)
 """
@@ -22,8 +20,6 @@ CASES = {
     "lora": Case("benchmarks.bench_kernels", "multi-adapter LoRA kernels vs the floor",
                  tiny=("--planner", "--tiny")),
     "sweep-mixed": Case("benchmarks.sweep_lora_mixed", "mixed-adapter launch parameters"),
-    "norm-shrink": Case("benchmarks.bench_norm_shrink", "fused norm / SiLU + shrink"),
-    "greedy-pick": Case("benchmarks.bench_greedy_pick", "greedy pick, torch vs Triton"),
     "peers": Case("benchmarks.bench_peers", "LoRA kernels vs vLLM's and SGLang's",
                   tiny=("--tiny",)),
 }

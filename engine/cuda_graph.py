@@ -60,7 +60,7 @@ from loramux_kernels.greedy_pick import greedy_pick
 # the logits: float32 copy, argmax, log_softmax, gather) or "triton" (one read of them,
 # kernels/greedy_pick_triton.py, on CUDA with Triton; the torch ops elsewhere). Read when
 # a graph is captured: change it before capturing (or release the captured graphs).
-# "triton" measured on an H200 (bench_decode.py --greedy-pick torch,triton, 2026-11-27):
+# "triton" measured on an H200 (benchmarks/results/2026-11-27-h200-suite/decode-pick.log):
 # 0.04-0.2 ms less per step at B 1-256 with adapters, base B=256 within noise.
 GREEDY_PICK = "triton"
 GREEDY_PICK_MODES = ("torch", "triton")

@@ -11,7 +11,7 @@ decode step's per-request objects (scheduled entries, sampled tokens, outputs) l
 the next step completes: at batch 256 they cross the youngest generation's threshold
 (700) about twice a step and about 160 a step are promoted, so a full collection comes
 every few hundred steps; at batch 64 a step stays under the threshold and promotes none
-(measured on the CPU with a tiny model; benchmarks/experiments/bench_step_pauses.py times the stalls).
+(measured on the CPU with a tiny model: benchmarks/results/2026-11-27-h200-loads/NOTES.md).
 
 `freeze_heap` collects once, then moves every object alive to the permanent generation
 (gc.freeze): the collector never examines those again, and a full collection walks only

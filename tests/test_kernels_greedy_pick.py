@@ -130,23 +130,3 @@ def test_dispatch_takes_the_kernel_only_when_asked_and_on_a_gpu(monkeypatch):
     assert len(calls) == (1 if CUDA else 0)
     assert_picks(dispatch.greedy_pick(x, kernel=True), greedy_pick_ref(x))
     assert len(calls) == (2 if CUDA else 1)
-
-
-def test_bench_decode_switches_greedy_pick(monkeypatch):
-    """bench_decode --greedy-pick: each setting sets engine/cuda_graph.py GREEDY_PICK and
-    drops the captured graphs when it changes; rows of a later setting are labelled apart."""
-    import importlib
-    from types import SimpleNamespace
-
-    from loramux_engine import cuda_graph
-    bench = importlib.import_module("benchmarks.bench_decode")
-    monkeypatch.setattr(cuda_graph, "GREEDY_PICK", "torch")
-    released = []
-    eng = SimpleNamespace(runner=SimpleNamespace(
-        graphs=SimpleNamespace(release=lambda: released.append(1))))
-    for pick, n_released in (("torch", 0), ("triton", 1), ("triton", 1), ("torch", 2)):
-        bench.select_greedy_pick(eng, pick)
-        assert cuda_graph.GREEDY_PICK == pick and len(released) == n_released, pick
-    picks = ["torch", "triton"]
-    assert bench.pick_label("one/ns-all", "torch", picks) == "one/ns-all"
-    assert bench.pick_label("one/ns-all", "triton", picks) == "one/ns-all/gp-triton"

@@ -138,32 +138,6 @@ def test_bfloat16(case):
     _check(9, 264, 3, 16, [16, 8, 12], case, torch.bfloat16, seed=11)
 
 
-def test_bench_decode_switches_norm_shrink(monkeypatch):
-    """bench_decode --norm-shrink: each setting sets FUSED_NORM_SHRINK (and after a "+"
-    FUSED_SILU_SHRINK) and drops the captured graphs when they change; "default" restores
-    the engine's; rows of a later setting are labelled apart."""
-    import importlib
-    from types import SimpleNamespace
-
-    from loramux_engine.lora import batch as batch_module
-    bench = importlib.import_module("benchmarks.bench_decode")
-    monkeypatch.setattr(bench, "_DEFAULT_PATH", {})
-    monkeypatch.setattr(batch_module, "FUSED_NORM_SHRINK", "off")
-    monkeypatch.setattr(batch_module, "FUSED_SILU_SHRINK", "off")
-    released = []
-    eng = SimpleNamespace(runner=SimpleNamespace(
-        graphs=SimpleNamespace(release=lambda: released.append(1))))
-    for setting, want, n_released in (
-            ("off", ("off", "off"), 0), ("all", ("all", "off"), 1), ("all", ("all", "off"), 1),
-            ("all+all", ("all", "all"), 2), ("uniform+off", ("uniform", "off"), 3),
-            ("default", ("off", "off"), 4)):
-        bench.select_norm_shrink(eng, setting)
-        got = (batch_module.FUSED_NORM_SHRINK, batch_module.FUSED_SILU_SHRINK)
-        assert got == want and len(released) == n_released, setting
-    assert bench.mode_label("one", "off", ["off", "all"]) == "one"
-    assert bench.mode_label("one", "all", ["off", "all"]) == "one/ns-all"
-
-
 def _check_silu(T, I, R, ranks, case, dtype, splits=None, seed=0, uniform=None):
     """The SiLU-and-multiply + shrink launch (kernels/lora/silu_shrink.py) against
     silu_mul_shrink_ref, then its expand against add_lora_ref on the reference rows."""

@@ -5,7 +5,7 @@ payload. Every message starts with one broadcast of a fixed FIRST values: the he
 as much payload as fits (a decode step's plan is about 8 values per sequence, ~520 at
 batch 64); only a longer payload sends its remainder in a second broadcast, whose length
 the header told the workers. One broadcast instead of two per step: a step's plan reaches
-the worker in about half the time (benchmarks/experiments/bench_plan_channel.py). Nothing is
+the worker in about half the time (benchmarks/results/RETIRED.md). Nothing is
 pickled. The sequence number lets a worker check it missed nothing.
 """
 from __future__ import annotations

@@ -33,8 +33,8 @@ from loramux_kernels.moe import ExpertLoRA
 # The shrink of q/k/v and gate/up inside the add + RMSNorm before them, on CUDA up to 256
 # tokens: "off", "uniform" (steps whose rows share one adapter), "mixed" (steps whose
 # rows do not) or "all" (any mapping). Measured on an H100 (Llama-3-8B shape, rank 16,
-# `bench_decode.py --norm-shrink off,all+all`; benchmarks/results/2026-11-27-h200-loads/
-# NOTES.md): fusing both saves 0.6 ms
+# benchmarks/results/2026-11-27-h100/decode_mixed_paths_norm_shrink.json, norm_shrink.txt;
+# 2026-11-27-h200-loads/NOTES.md): fusing both saves 0.6 ms
 # of a 10.6 ms step at B=64 with 64 adapters, and the norms' fusion pays with one adapter
 # too, but the SiLU's costs that case 0.28 ms (its one-adapter launch takes 16 us against
 # 7.4 us for the activation and the shrink apart): so the norms fuse always, the SiLU on

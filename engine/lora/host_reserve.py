@@ -4,9 +4,10 @@ A host copy's buffer costs two things the first time (engine/lora/host_buffers.p
 kernel's first touch of its pages, which on a VM goes at about 4.7 GB/s for the whole
 process whatever the thread count, and on CUDA page-locking (cudaHostRegister), ~8 ms per
 84 MB under the driver's lock, which every kernel launch of the step thread also takes
-(benchmarks/bench_first_touch.py). An engine's first `max_cpu_loras` loads pay both, so
-they ran at a third of the rate of loads into reused memory and stretched decode steps
-1.5x on an H200. The reserve pays them in the background instead:
+(benchmarks/results/2026-11-28-h200-round5/first-touch-f4b4ace.md). An engine's first
+`max_cpu_loras` loads pay both, so they ran at a third of the rate of loads into reused
+memory and stretched decode steps 1.5x on an H200. The reserve pays them in the
+background instead:
 
     fill thread:  allocate (shared memory with loader processes), populate on
                   `populate_threads` threads (MADV_POPULATE_WRITE: no driver, no lock)

@@ -261,8 +261,8 @@ def add_rms_norm_shrink(x: torch.Tensor | None, residual: torch.Tensor, weight: 
     ranks [L] int32 or None (then R); uniform: a hint that the rows share one adapter
     (BLOCK_M-row matrix products; otherwise one row per shrink program: the result is the
     same); splits, block_k, num_warps: launch parameters (defaults: `split_k`,
-    `default_block_k`, 4 as the plain norm; benchmarks/bench_norm_shrink.py --sweep tries
-    others)."""
+    `default_block_k`, 4 as the plain norm; against the separate launches:
+    benchmarks/results/2026-11-27-h100/norm_shrink.txt)."""
     T, N = residual.shape
     L, S, R, Ka = a.shape
     assert 0 < T <= MAX_TOKENS and 0 < S <= _MAX_SLICES and Ka == N, (T, S, Ka, N)
