@@ -1,11 +1,16 @@
 """Progress across the three adapter tiers (device slots, host copies, disk) on the real
 engine: the livelock scenarios of a cold adapter behind hot ones with one slot, and a host
 tier ordered by use (an adapter serving requests keeps its host copy over an idle one)."""
+import random
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from loramux_engine.adapters.host_cache import PIN, HostCache
+from loramux_engine.adapters.residency import AdapterResidency
+from loramux_engine.adapters.slots import SlotTable
 from loramux_core.errors import CapacityError
 from tests.support.tiny import AdapterSpec, make_adapter
 from tests.test_engine_parity import prompts_of
@@ -134,3 +139,81 @@ def test_host_claims_order_pinned_needed_in_use_idle():
     with pytest.raises(CapacityError, match="would need to evict a pinned one"):
         h.put(11, "w11", (PIN,))
     assert h.ids() == [1, 8, 9, 10]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_read_rooms_are_room_for_of_each_needed_adapter_without_a_copy(seed):
+    """The per-step table the residency reads instead of scanning every copy per read
+    equals `room_for(claim(aid))` in every state: pinned copies and pins without one,
+    needed copies ahead of and behind the newcomer, in-use and idle copies."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        capacity = rng.randint(1, 12)
+        pinned: set[int] = set()
+        h = HostCache(capacity, pinned)
+        ids = range(1, 30)
+        for aid in rng.sample(ids, rng.randint(0, 20)):
+            h.put(aid, f"w{aid}")
+        pinned.update(rng.sample(ids, rng.randint(0, 4)))
+        needed = rng.sample(ids, rng.randint(0, 15))
+        h.set_claims(needed, set(rng.sample(ids, rng.randint(0, 8))))
+        for aid in rng.sample(ids, 5):
+            h.touch(aid)  # an LRU order other than insertion's
+        want = {aid: h.room_for(h.claim(aid)) for aid in needed if aid not in h}
+        assert h.read_rooms() == want
+
+
+class _Loader:
+    """Reads that never land: what prefetch submits, and the pending count it reads."""
+
+    def __init__(self):
+        self.submitted: list[int] = []
+
+    def is_pending(self, aid):
+        return aid in self.submitted
+
+    @property
+    def num_pending(self):
+        return len(self.submitted)
+
+    def submit(self, aid, path, version):
+        self.submitted.append(aid)
+
+
+def _residency(host: HostCache, slots: SlotTable, loader: _Loader) -> AdapterResidency:
+    record = SimpleNamespace(path="p", version="v", loads=0, evictions=0)
+    registry = SimpleNamespace(get=lambda aid: record, find=lambda aid: record)
+    return AdapterResidency(registry, slots, host, loader,
+                            SimpleNamespace(load=lambda slot, weights: None), torch.device("cpu"))
+
+
+def test_prefetch_starts_reads_only_where_the_host_tier_has_room():
+    """R1: the head's read starts; another's only while copies it may displace outnumber
+    the reads pending. Host tier of 4: a pinned copy (1), an idle one (3), and 2, needed
+    ahead of 12 and 13. 10 (head) and 11 read (room 3 > 1 pending); 2 takes a slot; 12 and
+    13 may displace only 3 and one free place (room 2, 2 pending): no read; the pinned 20
+    may displace all but the pinned copy (room 3): it reads."""
+    pins = {1, 20}
+    host = HostCache(4, pins)
+    for aid in (1, 2, 3):
+        host.put(aid, f"w{aid}")
+    loader = _Loader()
+    residency = _residency(host, SlotTable(2, pins), loader)
+    assert residency.prefetch([10, 11, 2, 12, 13, 20], busy=set())
+    assert loader.submitted == [10, 11, 20]
+    assert residency.state(2) == "slot" and residency.state(12) == "disk"
+
+
+@pytest.mark.parametrize("capacity,reads", [(1, []), (2, [2])])
+def test_prefetch_reads_for_an_adapter_it_evicted_by_its_own_claim(capacity, reads):
+    """One slot, held by 2; 1 is wanted first and has a host copy, so it takes 2's slot
+    (2 comes after it). 2, now without a slot or a copy, needed nothing when the claims
+    were set: its read needs a place its idle claim may displace, which the needed copy
+    of 1 is not (capacity 1: no read) and an older idle copy is (capacity 2: it reads)."""
+    host, slots, loader = HostCache(capacity, set()), SlotTable(1), _Loader()
+    for aid in (3, 1)[2 - capacity:]:
+        host.put(aid, f"w{aid}")
+    slots.assign(2, set())
+    slots.mark_ready(2)
+    assert _residency(host, slots, loader).prefetch([1, 2], busy=set())
+    assert slots.resident() == {1: 0} and loader.submitted == reads

@@ -1,6 +1,7 @@
 """Adapter tiers: device slots, host copies (LRU, pins), disk reads (implicit reload, files
 changed on disk), prefetch that never makes a step wait, and the engine's stats. Real
 engine on the tiny Llama; every executed batch is checked (see `checked`)."""
+import random
 import threading
 
 import pytest
@@ -65,6 +66,46 @@ def test_slot_table_never_evicts_protected_pinned_or_loading():
     assert t.assign(4, protected={2, 3}) is None
     a = t.assign(4, protected={3})
     assert a.evicted == 2 and t.slot_of(2) is None and t.ready_slot(4) is None
+
+
+def test_slot_table_takes_the_lowest_free_slot_before_evicting():
+    t = SlotTable(4)
+    assert [t.assign(aid, set()).slot for aid in (1, 2, 3, 4)] == [0, 1, 2, 3]
+    for aid in (1, 2, 3, 4):
+        t.mark_ready(aid)
+    assert t.release(3) == 2 and t.release(1) == 0 and t.release(9) is None
+    a = t.assign(5, {2, 4})
+    assert (a.slot, a.evicted) == (0, None) and t.can_assign(6, {2, 4, 5})
+    assert t.assign(6, {2, 4, 5}).slot == 2
+    t.mark_ready(5)
+    t.mark_ready(6)
+    assert not t.can_assign(7, {2, 4, 5, 6}) and t.assign(7, {2, 4, 5, 6}) is None
+    a = t.assign(7, {4, 5, 6})  # none free: the least recently used unprotected one
+    assert (a.slot, a.evicted) == (1, 2)
+    assert t.resident() == {4: 3, 5: 0, 6: 2, 7: 1}
+
+
+def test_slot_table_free_slots_follow_assignments_and_releases():
+    """Random assigns, releases and touches: a new adapter always gets the lowest slot
+    nobody holds, if any, and no two adapters ever share a slot."""
+    rng = random.Random(3)
+    t = SlotTable(6)
+    for _ in range(2000):
+        aid = rng.randrange(1, 12)
+        op = rng.random()
+        if op < 0.5:
+            free = sorted(set(range(6)) - set(t.resident().values()))
+            a = t.assign(aid, set())
+            if a.needs_load:
+                assert (a.slot, a.evicted) == (free[0], None) if free else a.evicted is not None
+            t.mark_ready(aid)
+        elif op < 0.8:
+            slot = t.slot_of(aid)
+            assert t.release(aid) == slot
+        else:
+            t.touch(aid)
+        slots = list(t.resident().values())
+        assert len(slots) == len(set(slots)) == t.num_used <= 6
 
 
 def test_host_capacity_below_slots_refused(llama_family):

@@ -19,7 +19,7 @@ from disk when a request needs it (loader.py).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Collection
 from typing import Any
 
 from loramux_core.errors import CapacityError
@@ -29,7 +29,7 @@ IDLE, IN_USE, NEEDED, PIN = range(4)
 
 
 class HostCache:
-    def __init__(self, capacity: int, pins: Container[int]):
+    def __init__(self, capacity: int, pins: Collection[int]):
         """`pins`: the pinned adapter ids (engine/adapters/pins.py), never evicted."""
         assert capacity >= 1, capacity
         self.capacity = capacity
@@ -96,6 +96,24 @@ class HostCache:
         weaker claim."""
         weaker = sum(1 for _, c in self._claims() if c < claim)
         return self.capacity - len(self._copies) + weaker
+
+    def read_rooms(self) -> dict[int, int]:
+        """`room_for(claim(aid))` of every needed adapter without a copy, under this
+        step's claims, all at once: O(needed + pins), where `room_for` scans every copy
+        for each. A needed newcomer is kept in place of any copy but a pinned one or a
+        needed one ahead of it, so its room is the capacity less those. Valid until the
+        claims or the copies held change (set_claims, put, drop)."""
+        pinned = sum(1 for aid in self.pins if aid in self._copies)
+        rooms, ahead = {}, 0
+        for aid in self._needed:  # priority order
+            if aid in self.pins:
+                if aid not in self._copies:
+                    rooms[aid] = self.capacity - pinned
+            elif aid in self._copies:
+                ahead += 1
+            else:
+                rooms[aid] = self.capacity - pinned - ahead
+        return rooms
 
     def put(self, adapter_id: int, weights, claim: tuple | None = None) -> list[int] | None:
         """Insert (or refresh) a copy as most recently used. Over capacity it displaces

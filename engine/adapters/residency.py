@@ -154,6 +154,7 @@ class AdapterResidency:
         on the CPU)."""
         needed = [aid for aid in wanted if self.slots.slot_of(aid) is None]
         self.host.set_claims(needed, busy)
+        rooms = self.host.read_rooms()  # the loop below changes no copy and no claim
         for aid in busy:
             self.host.touch(aid)
         made_ready = False
@@ -166,7 +167,7 @@ class AdapterResidency:
                 continue
             weights = self.host.get(aid)
             if weights is None:
-                self._start_read(aid, head=aid == needed[0])
+                self._start_read(aid, aid == needed[0], rooms)
                 continue
             if not self._load_slot(aid, weights, protected):
                 break  # no slot for this one: none for lower priorities either (R3)
@@ -174,13 +175,19 @@ class AdapterResidency:
             made_ready |= self.slots.ready_slot(aid) is not None
         return made_ready
 
-    def _start_read(self, aid: int, head: bool) -> None:
+    def _start_read(self, aid: int, head: bool, rooms: dict[int, int]) -> None:
         """R1: the head's read always starts; another's only where its copy will fit
-        without displacing a stronger claim (counting the reads already pending)."""
+        without displacing a stronger claim (counting the reads already pending). `rooms`:
+        HostCache.read_rooms of this step, which lacks only an adapter that lost its slot
+        to a higher-priority one in this very prefetch (it needed none when claims were set)."""
         if self.loader.is_pending(aid):
             return
-        if not head and self.host.room_for(self.host.claim(aid)) <= self.loader.num_pending:
-            return
+        if not head:
+            room = rooms.get(aid)
+            if room is None:
+                room = self.host.room_for(self.host.claim(aid))
+            if room <= self.loader.num_pending:
+                return
         rec = self.registry.get(aid)
         self.loader.submit(aid, rec.path, rec.version)
         self._reads_started[aid] = time.perf_counter()

@@ -13,6 +13,7 @@ copies into one slot run in the order they were queued, on one stream.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Container
 from typing import NamedTuple
@@ -29,6 +30,7 @@ class SlotTable:
         """`pins`: the pinned adapter ids (engine/adapters/pins.py), never evicted."""
         self.num_slots = num_slots
         self._owner: list[int | None] = [None] * num_slots
+        self._free: list[int] = list(range(num_slots))  # heap: the lowest free slot first
         self._lru: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._loading: set[int] = set()
         self.pins = pins
@@ -52,10 +54,9 @@ class SlotTable:
         return len(self._lru)
 
     def _victim(self, protected: set[int]) -> int | None:
-        """Slot to (re)use: a free one, else the least recently used evictable one."""
-        for slot, owner in enumerate(self._owner):
-            if owner is None:
-                return slot
+        """Slot to (re)use: the lowest free one, else the least recently used evictable one."""
+        if self._free:
+            return self._free[0]
         for aid, slot in self._lru.items():
             if aid not in protected and aid not in self.pins and aid not in self._loading:
                 return slot
@@ -74,7 +75,9 @@ class SlotTable:
         if slot is None:
             return None
         evicted = self._owner[slot]
-        if evicted is not None:
+        if evicted is None:
+            heapq.heappop(self._free)  # `slot`, the lowest free one
+        else:
             del self._lru[evicted]
         self._owner[slot] = adapter_id
         self._lru[adapter_id] = slot
@@ -96,5 +99,6 @@ class SlotTable:
         slot = self._lru.pop(adapter_id, None)
         if slot is not None:
             self._owner[slot] = None
+            heapq.heappush(self._free, slot)
         self._loading.discard(adapter_id)
         return slot
