@@ -3,7 +3,8 @@ and the official openai client: JSON schema (32 concurrent sampled requests over
 model and two adapters, mixed with free ones), JSON object, regex, choice, grammar; tool
 calls under a named or required tool_choice whose arguments validate against the
 function's parameters, and the model's own call format parsed under "auto"; a constraint
-the grammar library refuses is a 400 naming the field, and the service goes on.
+the grammar library refuses is a 400 naming the field, and the service goes on; schemas
+slow to compile stall no other stream.
 
 The schemas are bounded (enums, ranges, short strings, additionalProperties false) so that
 even a tiny random model's constrained output ends well within max_tokens."""
@@ -12,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import grpc
 import jsonschema
 import openai
 import pytest
 from loramux import GenerateClient, LoramuxError
+from loramux.aio import AsyncGenerateClient
 
 # the tiny model, its adapters and `loramux serve`, one per module
 from tests.test_openai_tools_serve import client, files, served  # noqa: F401
@@ -209,3 +212,78 @@ def test_free_greedy_requests_are_the_same_beside_constrained_ones(served, model
 
     alone = asyncio.run(run(False))
     assert alone == asyncio.run(run(True))
+
+
+def _wide_schema(tag: str, n: int = 2200) -> dict:
+    """n required integers, each in a range of its own with 16-19 digit bounds: about a
+    second for the library to compile on a two-core CPU (within the 256 kB a schema may
+    have and the library's limits); another tag is another compile."""
+    lo, hi = 1234567890123457, 8876543210987654321
+    props = {f"{tag}{i}": {"type": "integer", "minimum": lo + i * 7919,
+                           "maximum": hi - i * 104729} for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def test_slow_compiles_stall_no_other_stream(served, models):
+    """Two schemas slow to compile take both compile threads and a regex waits behind
+    them, while free streams decode: those never pause for a compile (no gap between two
+    of their steps near a compile's length), they make progress while the compiles run,
+    and the constrained requests are served once compiled. The free streams are watched
+    over gRPC, one response per engine step (text would come in bursts: a character of
+    several tokens is sent once whole)."""
+    gap_bound = 0.6   # a stall is a whole compile, about a second; a step here ~10 ms
+    slow = [{"response_format": {"type": "json_schema", "json_schema": {
+                 "name": tag, "schema": _wide_schema(tag)}}} for tag in ("p", "q")]
+    waiting = r"(xy|z){2,4}-[0-9]"   # not compiled before: it waits for a thread
+    slow.append({"structured_outputs": {"regex": waiting}})
+
+    async def free(grpc_client, i, started: asyncio.Event, times: list[float]) -> int:
+        tokens = 0
+        try:
+            async for resp in grpc_client.stream(f"story {i}:", [None, "a1", "a2"][i % 3],
+                                                 max_tokens=400, temperature=0.0,
+                                                 ignore_eos=True):
+                if resp.token_ids:
+                    times.append(time.monotonic())
+                    tokens += len(resp.token_ids)
+                    started.set()
+        finally:
+            started.set()  # a stream that failed fails the test below, not hangs it
+        return tokens
+
+    async def constrained(aclient, fields):
+        stream = await aclient.completions.create(
+            model="a1", prompt="json: ", max_tokens=40, temperature=1.0, seed=5, stream=True,
+            extra_body=fields)
+        text, first = "", None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                first = first or time.monotonic()
+                text += chunk.choices[0].text
+        return text, first
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=served.http + "/v1", api_key="none",
+                                      max_retries=0, timeout=120) as aclient, \
+                AsyncGenerateClient(served.gateway) as grpc_client:
+            starts = [asyncio.Event() for _ in range(4)]
+            times: list[list[float]] = [[] for _ in starts]
+            frees = [asyncio.create_task(free(grpc_client, i, s, t))
+                     for i, (s, t) in enumerate(zip(starts, times))]
+            await asyncio.gather(*(s.wait() for s in starts))
+            sent = time.monotonic()
+            outs = await asyncio.gather(*(constrained(aclient, f) for f in slow))
+            return await asyncio.gather(*frees), times, sent, outs
+
+    tokens, times, sent, outs = asyncio.run(main())
+    assert tokens == [400] * 4
+    compiled = max(first for _, first in outs)
+    for (text, _), tag in zip(outs, "pq"):  # cut at max_tokens: its first value holds
+        first_value = re.match(rf'\{{"{tag}0": (\d+)[,}}]', text)
+        assert first_value and 1234567890123457 <= int(first_value[1]) <= 8876543210987654321
+    assert re.fullmatch(waiting, outs[2][0]), outs[2][0]
+    for stream_times in times:
+        during = [t for t in stream_times if sent <= t <= compiled]
+        assert len(during) >= 5, (len(during), compiled - sent)  # it ran through the compiles
+        edges = [t for t in stream_times if t < sent][-1:] + during
+        assert max(b - a for a, b in zip(edges, edges[1:])) < gap_bound
