@@ -7,8 +7,9 @@ a JSON schema, and the grammar compile time over real-size schemas.
 
 The tokenizer is a byte-level BPE of about 128k tokens (Llama-3's layout: the regular
 tokens, then 256 specials, <|end_of_text|> the EOS) trained here with `tokenizers` on the
-Python standard library's sources: no real 128k tokenizer is downloaded, and the token
-trie llguidance walks is of the real size and shape. Decode: every row prefills a
+Python standard library's sources (topped up with merges of random token pairs where
+they run out of merges): no real 128k tokenizer is downloaded, and the token trie
+llguidance walks is of the real size. Decode: every row prefills a
 128-token prompt, then `--steps` engine steps are timed one by one (median); constrained
 rows write a document of at least 40 records (structured_schemas.LONG), so none ends
 inside the timed steps. "fill ms" is the host time of the mask fill per step (it overlaps
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import sysconfig
@@ -41,8 +43,9 @@ SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
 
 
 def train_tokenizer(path: Path, regular: int, specials: int, max_files: int | None) -> int:
-    """A byte-level BPE of `regular` tokens (fewer if the corpus runs out of merges) then
-    `specials` special tokens; returns the EOS id."""
+    """A byte-level BPE of `regular` tokens then `specials` special tokens; returns the EOS
+    id. Where the corpus runs out of merges first (a Python without its tests), the rest
+    are merges of two random tokens: the trie llguidance walks keeps its full size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     files = sorted(str(f) for f in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
@@ -52,6 +55,15 @@ def train_tokenizer(path: Path, regular: int, specials: int, max_files: int | No
     tok.train(files[:max_files], trainers.BpeTrainer(
         vocab_size=regular, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    data = json.loads(tok.to_str())
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    trained, rng = list(vocab), random.Random(0)
+    while len(vocab) < regular:
+        a, b = rng.choice(trained), rng.choice(trained)
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merges.append([a, b])
+    tok = Tokenizer.from_str(json.dumps(data))
     names = SPECIALS + [f"<|reserved_special_token_{i}|>" for i in range(specials - len(SPECIALS))]
     tok.add_special_tokens(names[:specials])
     tok.save(str(path))
