@@ -14,11 +14,16 @@ thread (the start of a step, before it hands out a buffer, at close).
 lock (the collector runs inside any allocation), and deque.append is atomic. Once the
 owner is closed no safe point comes any more: work put then runs at once, unless this
 thread is capturing (then it waits for a `run` that may never come: a leak, not a
-broken capture).
+broken capture). A queue whose owner is dropped without being closed (an engine a test
+lets go) leaves its work to the next `run` of any queue: the work keeps alive what it
+releases until then. Dropped with it, a page-locked buffer would be unmapped while
+still registered, and the driver would copy from its old pages into the memory the next
+mapping of those addresses gives to another adapter (a slot filled with stale bytes).
 """
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -30,12 +35,19 @@ def capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+# the work of queues collected with work left in them, done by the next `run` of any queue
+_orphans: collections.deque[tuple[Callable, tuple]] = collections.deque()
+
+
 class ReleaseQueue:
     """Work queued by finalizers; `run` does it on the caller's thread."""
 
     def __init__(self):
         self._items: collections.deque[tuple[Callable, tuple]] = collections.deque()
         self._closed = False
+        # a finalizer holds a strong reference to its queue's `put`: every item is in
+        # by the time the queue itself is collected
+        weakref.finalize(self, _orphans.extend, self._items)
 
     def put(self, fn: Callable, *args) -> None:
         """Queue `fn(*args)`; safe from a finalizer on any thread."""
@@ -49,14 +61,7 @@ class ReleaseQueue:
         queued for the next safe point); returns how many items ran."""
         if capturing():
             return 0
-        done = 0
-        while True:
-            try:
-                fn, args = self._items.popleft()
-            except IndexError:
-                return done
-            fn(*args)
-            done += 1
+        return _drain(self._items) + _drain(_orphans)
 
     def close(self) -> None:
         """Run what is queued; from now on `put` runs its work at once (module docstring)."""
@@ -65,3 +70,14 @@ class ReleaseQueue:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _drain(items: collections.deque) -> int:
+    done = 0
+    while True:
+        try:
+            fn, args = items.popleft()
+        except IndexError:
+            return done
+        fn(*args)
+        done += 1

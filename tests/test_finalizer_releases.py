@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -190,3 +191,22 @@ def test_a_page_locked_buffer_collected_in_a_capture_is_unregistered_after(monke
     assert driver.unregistered == [] and len(pool.releases) == 1
     pool.collect()
     assert driver.unregistered == [(ptr, False)]
+
+
+def test_work_left_in_a_dropped_queue_runs_at_the_next_safe_point_of_another():
+    """An owner dropped without close (an engine a test lets go): what its queue held
+    is neither lost nor freed undone (a registered buffer unmapped while the driver still
+    has it registered); the next `run` of any queue does it."""
+    class Memory:   # what an unregistration keeps alive until it is done
+        pass
+
+    done = []
+    memory = Memory()
+    alive = weakref.ref(memory)
+    dropped = ReleaseQueue()
+    dropped.put(lambda m: done.append(type(m).__name__), memory)
+    del memory, dropped
+    gc.collect()
+    assert done == [] and alive() is not None
+    assert ReleaseQueue().run() == 1
+    assert done == ["Memory"] and alive() is None
