@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from loramux_core.options import ENGINE_OPTIONS
 from loramux_services.gateway import main as gateway_main
 from loramux_services.launcher import Cluster
 from loramux_services.serve_args import Plan, cluster_config, files, parse_args
+from tests.support.serve_process import ENV
 from tests.support.tiny import TinySpec, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,10 +125,10 @@ def test_config_file(model, tmp_path, suffix):
 
 
 def _serve_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    path = os.pathsep.join([str(ROOT), str(ROOT / "clients" / "python")])
+    # what PYTHONPATH had first (a bare checkout's names, wheels carried beside it)
     return subprocess.run([sys.executable, "-m", "loramux.cli", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": path, **(env or {})})
+                          env={**ENV, **(env or {})})
 
 
 def _one_line_error(proc, *words, code=2):
@@ -200,7 +200,7 @@ def test_engine_server_bad_environment_is_one_line(model):
     proc = subprocess.run(
         [sys.executable, "-m", "loramux_engine.server", "--model", model, "--input", "tcp://127.0.0.1:1",
          "--output", "tcp://127.0.0.1:2", "--insecure-zmq"], cwd=ROOT, capture_output=True,
-        text=True, timeout=120, env={**os.environ, "LORAMUX_MAX_LORAS": "lots"})
+        text=True, timeout=120, env={**ENV, "LORAMUX_MAX_LORAS": "lots"})
     _one_line_error(proc, "LORAMUX_MAX_LORAS", "--max-loras")
 
 
