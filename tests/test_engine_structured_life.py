@@ -39,6 +39,8 @@ def test_preemption_keeps_the_matcher(llama_family, engine, async_mode):
     tight = make_engine(llama_family, async_scheduling=async_mode, block_size=4,
                         num_kv_blocks=12, max_num_batched_tokens=16)
     try:
+        for s in short:  # compiled first: no request waits for a compile thread, so the
+            tight.grammars.compiler.submit(s).result()   # requests contend for blocks
         out = drive(tight, reqs)
     finally:
         tight.close()
