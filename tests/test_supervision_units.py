@@ -161,6 +161,13 @@ def test_replica_states_from_heartbeats_and_their_absence():
         ("starting", "warming_up"), ("warming_up", "starting"), ("starting", "serving"),
         ("serving", "restarting"), ("restarting", "failed"), ("failed", "starting"),
         ("starting", "serving")]
+    # a restart over between two status() calls still tells both of its transitions
+    del changes[:]
+    links[0] = _link(False, "i2", P.ENGINE_PHASE_SERVING)
+    states.down(0)
+    links[0] = _link(True, "i3", P.ENGINE_PHASE_SERVING)
+    states.up(0, "i3")
+    assert [c[1:3] for c in changes] == [("serving", "restarting"), ("restarting", "starting")]
 
 
 def test_the_gateway_sends_adapter_requests_to_replayed_engines_only():

@@ -46,13 +46,16 @@ class ReplicaStates:
         self._seen = [_Seen(set(), state_since=now) for _ in links]
 
     # ---- what the links and the replay tell ----
+    # Each is a transition told at once (a restart can be over before the next status()).
     def up(self, replica: int, instance_id: str) -> None:
         seen = self._seen[replica]
         seen.instances.add(instance_id)
         seen.down_since = None
+        self._observe(replica, self._clock())
 
     def down(self, replica: int) -> None:
-        self._seen[replica].down_since = self._clock()
+        self._seen[replica].down_since = now = self._clock()
+        self._observe(replica, now)
 
     # ---- what they add up to ----
     def _now_state(self, replica: int, now: float) -> tuple[int, str]:
@@ -73,15 +76,20 @@ class ReplicaStates:
             return pb.REPLICA_STATE_STARTING, "replaying its adapters and pins"
         return pb.REPLICA_STATE_SERVING, ""
 
+    def _observe(self, replica: int, now: float) -> tuple[int, str]:
+        seen = self._seen[replica]
+        state, detail = self._now_state(replica, now)
+        if state != seen.state:
+            self._on_change(replica, STATE_NAMES[seen.state], STATE_NAMES[state], detail)
+            seen.state, seen.state_since = state, now
+        return state, detail
+
     def status(self) -> list[pb.ReplicaStatus]:
         """Every replica's status now (and the transitions since the last call told)."""
         now = self._clock()
         out = []
         for index, (link, seen) in enumerate(zip(self.links, self._seen)):
-            state, detail = self._now_state(index, now)
-            if state != seen.state:
-                self._on_change(index, STATE_NAMES[seen.state], STATE_NAMES[state], detail)
-                seen.state, seen.state_since = state, now
+            state, detail = self._observe(index, now)
             hb = link.conn.heartbeat
             live = link.up
             out.append(pb.ReplicaStatus(
