@@ -15,6 +15,10 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # it reaches the library
 MAX_SPEC_BYTES = 256 * 1024
 MAX_CHOICES = 4096
+# JSON is written as Python's json.dumps writes it (", " and ": ", no other whitespace):
+# a model under a schema cannot fill the output with whitespace until max_tokens, a known
+# failure of flexible-whitespace JSON grammars, and the form is the one models see most
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)

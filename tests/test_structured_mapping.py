@@ -2,16 +2,18 @@
 request: each form, and each malformed one refused naming its field."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import grpc
 import pytest
 from loramux.v1 import generate_pb2
 
-from loramux_services.gateway.chat_tools import required_schema
+from loramux_services.gateway.chat_tools import required_schema, strict_constraint
 from loramux_services.gateway.errors import BadParam, Rejected
 from loramux_services.gateway.http_api import ApiError
 from loramux_services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from loramux_services.gateway.tool_calls import FORMATS
 from loramux_services.gateway.validation import check_sampling
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -157,6 +159,36 @@ def test_named_and_required_are_enforced_by_a_schema():
     assert names == [["weather"], ["time"]]
     body, req = _chat(tools=[WEATHER], tool_choice="none")
     assert body.plan is None and not req.sampling.HasField("structured")
+
+
+class _Vocab:
+    """A tokenizer with no special tokens and no [ARGS]."""
+    def token_to_id(self, text):
+        return None
+
+    def is_special(self, token_id):
+        return False
+
+
+def test_a_strict_tool_constrains_auto_only_where_the_format_is_known():
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    for tools, fmt, want in (([WEATHER, TIME], "hermes", False), ([strict, TIME], None, False),
+                             ([strict, TIME], "hermes", True), ([strict, TIME], "mistral", True)):
+        body, _ = _chat(tools=tools)
+        plan = dataclasses.replace(body.plan, fmt=FORMATS.get(fmt))
+        c = strict_constraint(plan, body.tools, _Vocab())
+        assert (c is not None) == want, (tools, fmt)
+        if want:  # time is not strict: its arguments are any object
+            grammar = c.structured.grammar
+            assert c.param == "tools" and grammar.count("%json") == 1
+            schema = json.loads(grammar.split("%json ")[1].splitlines()[0])
+            calls = schema["items"]["anyOf"] if fmt == "mistral" else schema["anyOf"]
+            assert [i["properties"]["arguments"] for i in calls] == [
+                {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}},
+                 "required": ["city"]}, {"type": "object"}]
+            assert schema["$defs"] == {"City": {"type": "string"}}
+    body, _ = _chat(tools=[strict, TIME], tool_choice="required")
+    assert strict_constraint(body.plan, body.tools, _Vocab()) is None  # the schema's job
 
 
 @pytest.mark.parametrize("fields,param", [

@@ -122,8 +122,8 @@ def test_json_object_outputs_are_objects(client, models):
 
 def _calls_of(client, model, stream: bool, **kw) -> tuple[list[tuple[str, str]], str]:
     """[(name, arguments)] and the finish reason of a chat with tools."""
-    kw = dict(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=150,
-              temperature=1.0, **kw)
+    kw = {"model": model, "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 150,
+          "temperature": 1.0, **kw}
     if not stream:
         choice = client.chat.completions.create(**kw).choices[0]
         return [(c.function.name, c.function.arguments)
@@ -161,6 +161,33 @@ def test_auto_parses_the_models_own_format(client):
             "structured_outputs": {"regex": re.escape(written)}})
         assert reason == "tool_calls"
         assert [(n, json.loads(a)) for n, a in calls] == [("weather", {"city": "Oslo", "days": 2})]
+
+
+def _strict(tool: dict, parameters: dict | None = None) -> dict:
+    function = {**tool["function"], "strict": True}
+    return {"type": "function", "function": {**function, "parameters": parameters}
+            if parameters is not None else function}
+
+
+def test_strict_tools_hold_the_calls_auto_writes(client, models):
+    """A strict tool under "auto": the engine compiles the grammar of the calls (one it
+    refuses is a 400 naming `tools`, where the same tools not strict serve), and sampled
+    outputs, streamed or not, carry only calls that validate and no marker as text."""
+    refused = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    loose = {"type": "function", "function": {**TIME["function"], "parameters": refused}}
+    with pytest.raises(openai.BadRequestError) as info:
+        _calls_of(client, "a1", False, tools=[WEATHER, _strict(TIME, refused)], seed=0)
+    assert info.value.body["param"] == "tools" and "tools" in info.value.body["message"]
+    assert _calls_of(client, "a1", False, tools=[WEATHER, loose], seed=0)[1]
+    for seed, model in enumerate(models * 2):
+        tools = [_strict(WEATHER), TIME]
+        calls, reason = _calls_of(client, model, seed % 2 == 1, tools=tools, seed=seed)
+        assert reason in ("stop", "length", "tool_calls"), reason
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), PARAMS[name])
+        out = client.chat.completions.create(model=model, messages=ASK, tools=tools,
+                                             max_tokens=150, temperature=1.0, seed=seed)
+        assert "<tool_call>" not in (out.choices[0].message.content or "")
 
 
 def test_constraints_the_library_refuses_are_400_naming_them(client, served):

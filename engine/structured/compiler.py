@@ -25,12 +25,8 @@ from pathlib import Path
 import llguidance as llg
 
 from loramux_core.errors import InvalidRequestError
-from loramux_core.structured import StructuredOutput
+from loramux_core.structured import JSON_OPTIONS, StructuredOutput
 
-# JSON is written as Python's json.dumps writes it (", " and ": ", no other whitespace):
-# a model under a schema cannot fill the output with whitespace until max_tokens, a known
-# failure of flexible-whitespace JSON grammars, and the form is the one models see most
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT = '{"type": "object"}'
 _MAX_REASON = 1000  # characters of the library's message an error carries
 # the library's default bounds on a compile's and a step's work; its errors without the
@@ -50,9 +46,9 @@ class CompilerConfig:
 def grammar_text(s: StructuredOutput) -> str:
     """The llguidance grammar of a constraint (the whole output must match it)."""
     if s.kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(s.spec, defaults=_JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(s.spec, defaults=JSON_OPTIONS)
     if s.kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_OPTIONS)
     # regex: the whole output; choice: one of the literal strings; grammar: Lark or GBNF
     return llg.grammar_from(s.kind, s.spec)
 

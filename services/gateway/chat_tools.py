@@ -6,7 +6,8 @@ The template renders the tools (ChatMessages.tools, the template's `tools`). "au
 the choice to the model and parses its own call format out of its text (tool_calls.py);
 "required" and a named function are enforced: the output is constrained by a JSON schema
 built from the tools' parameter schemas, as vLLM does, so their arguments always parse.
-"none" parses nothing."""
+Under "auto" a `strict` tool constrains the calls the model writes in its format, and only
+them (call_grammar.py). "none" parses nothing."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loramux.v1 import generate_pb2
+
+from loramux_services.gateway.call_grammar import call_grammar, call_list
 from loramux_services.gateway.errors import BadParam
 from loramux_services.gateway.structured import Constraint, schema_constraint
 from loramux_services.gateway.tool_calls import CallFormat
@@ -116,29 +120,24 @@ def tool_constraint(plan: ToolPlan | None, tools: list[Tool] | None) -> Constrai
     return schema_constraint(required_schema(tools, plan.parallel), "tools")
 
 
+def strict_constraint(plan: ToolPlan | None, tools: list[Tool] | None,
+                      vocab) -> Constraint | None:
+    """Under "auto", once a tool is `strict` and the model's call format is known: the
+    grammar that holds every call the model writes to the tools (call_grammar.py), the
+    arguments of a tool that is not strict to any JSON object. `vocab`: the tokenizer."""
+    if plan is None or plan.mode != "auto" or plan.fmt is None or \
+            not any(t.function.strict for t in tools or ()):
+        return None
+    calls = [(t.function.name, _parameters(t) if t.function.strict else {"type": "object"})
+             for t in tools]
+    return Constraint(generate_pb2.StructuredOutput(
+        grammar=call_grammar(plan.fmt, calls, plan.parallel, vocab)), "tools")
+
+
 def _parameters(tool: Tool) -> dict:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
 def required_schema(tools: list[Tool], parallel: bool = True) -> dict:
-    """A list of at least one {"name": <a tool>, "parameters": <its schema>}. Each tool's
-    `$defs` move up to the root, where the `#/$defs/...` references inside them point."""
-    defs: dict = {}
-    items = []
-    for i, tool in enumerate(tools):
-        params = dict(_parameters(tool))
-        for name, schema in (params.pop("$defs", None) or {}).items():
-            if defs.get(name, schema) != schema:
-                raise BadParam(f"tools[{i}].function.parameters.$defs.{name}",
-                               f"tools: two tools define $defs.{name} differently")
-            defs[name] = schema
-        items.append({"type": "object", "properties": {
-            "name": {"type": "string", "enum": [tool.function.name]}, "parameters": params},
-            # nothing else: a key the call cannot carry is text the model must not write
-            "required": ["name", "parameters"], "additionalProperties": False})
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    if not parallel:
-        schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
-    return schema
+    """A list of at least one {"name": <a tool>, "parameters": <its schema>}."""
+    return call_list([(t.function.name, _parameters(t)) for t in tools], "parameters", parallel)

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from loramux_services.gateway.chat_tools import strict_constraint
 from loramux_services.gateway.errors import BadParam, Rejected
 from loramux_services.gateway.openai_responses import Choice, Shape, usage
 from loramux_services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -120,6 +121,17 @@ class OpenAIFront:
         source = await self.servicer.prompts.template_source(entry)
         return dataclasses.replace(plan, fmt=detect_format(source))
 
+    def _hold_calls(self, body, plan, requests) -> str | None:
+        """The field the output's constraint came from. With nothing else constraining
+        it, a strict tool under "auto" holds the calls to the tools (strict_constraint)."""
+        by_calls = None if body.constraint_param is not None else \
+            strict_constraint(plan, getattr(body, "tools", None), self.tokenizer)
+        if by_calls is None:
+            return body.constraint_param
+        for r in requests:
+            r.sampling.structured.CopyFrom(by_calls.structured)
+        return by_calls.param
+
     def models(self) -> dict:
         max_len = self.servicer.engine.heartbeat.max_model_len or \
             self.servicer.default_max_model_len
@@ -145,11 +157,12 @@ class OpenAIFront:
         adapter, entry = await self.adapter_for(body.model)
         try:
             requests = body.generate_requests(adapter)
+            plan = await self._tool_plan(body, entry)
+            param = self._hold_calls(body, plan, requests)
         except BadParam as err:
             raise ApiError(400, str(err), param=err.param) from None
         shape = Shape(chat, body.model, self.tokenizer, return_token_ids=body.return_token_ids,
-                      tools=await self._tool_plan(body, entry))
-        param = body.constraint_param
+                      tools=plan)
         per_prompt = body.n
         firsts = set(range(0, len(requests), per_prompt))
         opened = await asyncio.gather(*(self._open(r, chat) for r in requests),
