@@ -7,6 +7,7 @@ tests/test_structured_outputs_e2e.py."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -149,6 +150,45 @@ def test_named_tool_choice_answers_with_a_call(client):
     assert deltas[0].function.name == "weather" and deltas[0].id.startswith("chatcmpl-tool-")
     assert {d.index for d in deltas} == {0}
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_grpc_tools_choose_and_parse_calls(served):
+    """Over gRPC (the SDK) as over HTTP: a named function and "required" constrain the
+    output and their calls come back parsed; under "auto" the model's own format is parsed
+    out of the text, which stays as written; "none" parses nothing; a choice the tools
+    cannot serve is INVALID_ARGUMENT naming its ChatMessages field."""
+    cities = WEATHER["function"]["parameters"]["properties"]["city"]["enum"]
+    written = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    refused = {"type": "function", "function": {"name": "w", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}
+    with GenerateClient(served.gateway) as g:
+        out = g.chat(ASK, "a1", tools=[WEATHER], tool_choice="weather", max_tokens=40,
+                     temperature=1.0, seed=1)
+        [call] = out.tool_calls
+        assert call.name == "weather" and json.loads(call.arguments) == json.loads(out.text)
+        assert json.loads(call.arguments)["city"] in cities
+        out = g.chat(ASK, "a2", tools=[WEATHER], tool_choice="required",
+                     parallel_tool_calls=False, max_tokens=60, temperature=1.0, seed=2)
+        assert [c.name for c in out.tool_calls] == ["weather"]
+        assert json.loads(out.tool_calls[0].arguments)["city"] in cities
+        for choice, want in (("auto", [("weather", {"city": "Oslo"})]), ("none", [])):
+            out = g.chat(ASK, "a1", tools=[WEATHER], tool_choice=choice, max_tokens=150,
+                         regex=re.escape(written))
+            assert out.text == written
+            assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == want
+        for kwargs, field in (
+                ({"tools": [WEATHER], "tool_choice": "nope"}, "messages.tool_choice"),
+                ({"tool_choice": "required"}, "messages.tool_choice"),
+                ({"tools": [{"type": "function", "function": {"description": "x"}}]},
+                 "messages.tools"),
+                ({"tools": [WEATHER], "tool_choice": "required", "regex": "a"},
+                 "messages.tool_choice"),
+                ({"tools": [WEATHER, refused]}, "messages.tools")):  # the engine refuses it
+            with pytest.raises(LoramuxError) as info:
+                g.chat(ASK, "a1", max_tokens=4, **kwargs)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, kwargs
+            assert [f for f, _ in info.value.field_violations] == [field], info.value
+        assert len(g.chat(ASK, "a1", max_tokens=4).token_ids) == 4
 
 
 def _cli(served, *args) -> subprocess.CompletedProcess:

@@ -54,6 +54,12 @@ def test_sdk_chat_carries_tools_and_calls():
     assert json.loads(chat.messages[1].tool_calls[0].arguments) == {"a": 1}
     assert chat.messages[2].tool_call_id == "c1" and chat.messages[2].content == "done"
     assert req.sampling.structured.regex == "ok"
+    assert (chat.tool_choice, chat.single_tool_call) == ("", False)
+    named = chat_request([{"role": "user", "content": "hi"}], tools=tools,
+                         tool_choice={"type": "function", "function": {"name": "f"}},
+                         parallel_tool_calls=False).messages
+    assert (named.tool_choice, named.single_tool_call) == ("f", True)
+    assert chat_request([], tool_choice="required").messages.tool_choice == "required"
 
 
 def _generate_args(*flags):

@@ -24,7 +24,6 @@ from loramux_services.gateway.errors import BadParam, Rejected
 from loramux_services.gateway.openai_responses import Choice, Shape, usage
 from loramux_services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from loramux_services.gateway.structured import renamed
-from loramux_services.gateway.tool_calls import FORMATS, detect_format
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -84,42 +83,34 @@ def _sse(obj) -> str:
 class OpenAIFront:
     """What the routes need from the gateway: its servicer, adapter table and tokenizer."""
 
-    def __init__(self, servicer, table, *, model_name: str, model_root: str,
-                 tool_call_parser: str = "auto"):
-        """`tool_call_parser`: the format tool calls are parsed in under tool_choice
-        "auto" (tool_calls.PARSER_NAMES); "auto": the one the chat template shows."""
+    def __init__(self, servicer, table, *, model_name: str, model_root: str):
         self.servicer, self.table = servicer, table
         self.model_name, self.model_root = model_name, model_root
-        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
 
     @property
     def tokenizer(self):
         return self.servicer.prompts.tokenizer
 
-    async def adapter_for(self, model: str):
-        """(the adapter a `model` value names, "" for the base model; its table entry,
-        None for the base model), or 404."""
+    async def adapter_for(self, model: str) -> str:
+        """The adapter a `model` value names ("" for the base model), or 404."""
         if model in (self.model_name, self.model_root):  # the path: what was served before
-            return "", None
+            return ""
         try:
-            entry = await self.table.resolve_current(model)
+            await self.table.resolve_current(model)
         except Rejected as err:
             if err.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 raise ApiError(404, f"The model `{model}` does not exist or is not loaded "
                                f"({err})", param="model", code="model_not_found") from None
             raise ApiError.from_rejected(err) from None
-        return model, entry
+        return model
 
-    async def _tool_plan(self, body, entry):
+    async def _tool_plan(self, body, adapter: str):
         """The request's tool plan with, under "auto", the call format to parse."""
         plan = getattr(body, "plan", None)
         if plan is None or plan.mode != "auto":
             return plan
-        if self.tool_call_parser != "auto":
-            return dataclasses.replace(plan, fmt=FORMATS.get(self.tool_call_parser))
-        source = await self.servicer.prompts.template_source(entry)
-        return dataclasses.replace(plan, fmt=detect_format(source))
+        return dataclasses.replace(plan, fmt=await self.servicer.call_format(adapter))
 
     def _hold_calls(self, body, plan, requests) -> str | None:
         """The field the output's constraint came from. With nothing else constraining
@@ -154,10 +145,10 @@ class OpenAIFront:
         return first, responses
 
     async def run(self, body, *, chat: bool, http_request: Request):
-        adapter, entry = await self.adapter_for(body.model)
+        adapter = await self.adapter_for(body.model)
         try:
             requests = body.generate_requests(adapter)
-            plan = await self._tool_plan(body, entry)
+            plan = await self._tool_plan(body, adapter)
             param = self._hold_calls(body, plan, requests)
         except BadParam as err:
             raise ApiError(400, str(err), param=err.param) from None

@@ -105,8 +105,7 @@ def _http_server(args, servicer, table):
     from loramux_services.gateway.http_server import HttpServer
 
     front = OpenAIFront(servicer, table, model_name=args.served_model_name
-                        or served_name(args.model), model_root=args.model,
-                        tool_call_parser=args.tool_call_parser)
+                        or served_name(args.model), model_root=args.model)
     host = args.listen.rsplit(":", 1)[0].strip("[]")
     return HttpServer(build_app(front), host, args.http_port, token=args.auth_token,
                       max_body_bytes=args.max_message_bytes, tls=args.tls)
@@ -158,7 +157,8 @@ async def serve(args) -> int:
                           on_failover=metrics.failover, replayed=table.replayed)
     metrics.registry.register(EngineCollector(engine, table))
     server = grpc_server.make_server(args.max_message_bytes)
-    servicer = GenerateServicer(engine, table, prompts, metrics, max_len)
+    servicer = GenerateServicer(engine, table, prompts, metrics, max_len,
+                                tool_call_parser=args.tool_call_parser)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE])
     with bind_flag("--listen", args.listen):

@@ -19,8 +19,10 @@ from loramux_services.common import rich_status
 from loramux_services.gateway.adapter_table import AdapterTable
 from loramux_services.gateway.engine_client import EngineClient
 from loramux_services.gateway.errors import Rejected
+from loramux_services.gateway.grpc_tools import calls_for
 from loramux_services.gateway.metrics import GatewayMetrics
 from loramux_services.gateway.prompts import PromptBuilder
+from loramux_services.gateway.tool_calls import FORMATS, CallFormat, detect_format
 from loramux_services.gateway.validation import check_sampling
 
 
@@ -39,11 +41,22 @@ class _Stream:
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, engine: EngineClient, table: AdapterTable, prompts: PromptBuilder,
-                 metrics: GatewayMetrics, default_max_model_len: int):
+                 metrics: GatewayMetrics, default_max_model_len: int,
+                 tool_call_parser: str = "auto"):
+        """`tool_call_parser`: the format tool calls are parsed in under tool_choice
+        "auto" (tool_calls.PARSER_NAMES); "auto": the one the chat template shows."""
         self.engine, self.table, self.prompts = engine, table, prompts
         self.metrics = metrics
         self.default_max_model_len = default_max_model_len
+        self.tool_call_parser = tool_call_parser
         self._log = structlog.get_logger()
+
+    async def call_format(self, adapter: str) -> CallFormat | None:
+        """The format the model answering for `adapter` writes tool calls in."""
+        if self.tool_call_parser != "auto":
+            return FORMATS.get(self.tool_call_parser)
+        entry = await self.table.resolve_current(adapter) if adapter else None
+        return detect_format(await self.prompts.template_source(entry))
 
     async def _admit(self, req: generate_pb2.GenerateRequest,
                      fill_context: bool) -> tuple[str, asyncio.Queue, int]:
@@ -67,11 +80,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return rid, queue, len(ids)
 
     async def Generate(self, request, context):
+        calls = None
         try:
+            calls = await calls_for(request, self.call_format, self.prompts.tokenizer)
             async with contextlib.aclosing(self.stream(request)) as responses:
                 async for resp in responses:
+                    if calls is not None:
+                        calls.add(resp)
                     yield resp
         except Rejected as err:
+            err = calls.refusal(err) if calls is not None else err
             await rich_status.abort(context, err.code, str(err), field=err.field)
 
     async def stream(self, request: generate_pb2.GenerateRequest, *, fill_context: bool = False):

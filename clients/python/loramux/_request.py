@@ -34,17 +34,24 @@ def generate_request(prompt: str | Sequence[int], adapter: str | None = None,
 def chat_request(messages: Sequence[Mapping], adapter: str | None = None,
                  request_id: str = "", *, add_generation_prompt: bool | None = None,
                  continue_final_message: bool = False, tools: Sequence[Mapping] | None = None,
+                 tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True,
                  **sampling) -> generate_pb2.GenerateRequest:
     """A GenerateRequest whose prompt is a chat: `messages` are dicts as in the OpenAI API
     ("role", "content", optionally "name", an assistant's "tool_calls", a tool result's
     "tool_call_id"), rendered by the served model's chat template with `tools` (OpenAI
-    function tools). The reply is the model's text: its tool calls are not parsed here."""
+    function tools). `tool_choice` and `parallel_tool_calls` as in the OpenAI API ("auto",
+    "none", "required", a function's name or {"type": "function", "function": {"name"}});
+    the gateway parses the calls into the last response's tool_calls."""
     req = generate_pb2.GenerateRequest(adapter=adapter or "", request_id=request_id)
     chat = req.messages
     for m in messages:
         _add_message(chat, m)
     if tools:
         chat.tools = json.dumps(list(tools), ensure_ascii=False)
+    if isinstance(tool_choice, Mapping):
+        tool_choice = tool_choice["function"]["name"]
+    chat.tool_choice = tool_choice or ""
+    chat.single_tool_call = not parallel_tool_calls
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt
     chat.continue_final_message = continue_final_message

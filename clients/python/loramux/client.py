@@ -62,7 +62,8 @@ class GenerateClient:
                     **sampling) -> Iterator[generate_pb2.GenerateResponse]:
         """Like stream(), with the prompt made from chat `messages` (OpenAI's message
         dicts) by the served model's chat template (the adapter's own when it has one);
-        tools=[...] (OpenAI function tools) are rendered by the template too."""
+        tools=[...] (OpenAI function tools) are rendered by the template too, and
+        tool_choice= / parallel_tool_calls= decide the calls (chat_request)."""
         req = chat_request(messages, adapter, request_id,
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, **sampling)
@@ -70,7 +71,8 @@ class GenerateClient:
 
     def chat(self, messages: Sequence[Mapping[str, str]], adapter: str | None = None, *,
              timeout: float | None = None, **kwargs) -> "Completion":
-        """Run one chat request to completion (the assistant's reply in .text)."""
+        """Run one chat request to completion (the assistant's reply in .text, the calls
+        of its tools parsed in .tool_calls)."""
         return Completion.collect(self.chat_stream(messages, adapter, timeout=timeout, **kwargs))
 
     def _stream(self, req: generate_pb2.GenerateRequest,
@@ -107,6 +109,7 @@ class Completion:
         self.finish_reason = "unspecified"
         self.usage = generate_pb2.Usage()
         self.timings = generate_pb2.Timings()
+        self.tool_calls: list[generate_pb2.ToolCall] = []  # id, name, arguments (JSON text)
         self.responses = 0
 
     @property
@@ -124,6 +127,7 @@ class Completion:
             self.finish_reason = name.removeprefix("FINISH_REASON_").lower()
             self.usage.CopyFrom(resp.usage)
             self.timings.CopyFrom(resp.timings)
+            self.tool_calls = list(resp.tool_calls)
 
     @classmethod
     def collect(cls, responses) -> "Completion":

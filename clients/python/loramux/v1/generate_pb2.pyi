@@ -105,16 +105,20 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt", "continue_final_message", "tools")
+    __slots__ = ("messages", "add_generation_prompt", "continue_final_message", "tools", "tool_choice", "single_tool_call")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    SINGLE_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_generation_prompt: bool
     continue_final_message: bool
     tools: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., tools: _Optional[str] = ...) -> None: ...
+    tool_choice: str
+    single_tool_call: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., single_tool_call: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "messages", "adapter", "sampling", "request_id")
@@ -167,7 +171,7 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "timings")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "timings", "tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +179,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -182,4 +187,5 @@ class GenerateResponse(_message.Message):
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
