@@ -1,6 +1,6 @@
 """tool_choice "auto" with a strict tool: the grammar the gateway writes for each call format
 (services/gateway/call_grammar.py), compiled by the engine's compiler and walked at random
-under its masks. Whatever the walk writes, every call the format's parser finds names a
+under its masks; then structural tags, walked the same way. Whatever the walk writes, every call the format's parser finds names a
 tool and carries arguments valid under that tool's schema; a walk that opens a call ends
 with one (the grammar cannot be left inside a call); the text around calls never spells a
 marker out; a malformed call is refused token by token. Markers as plain text and as the
@@ -18,7 +18,7 @@ from loramux_core.structured import StructuredOutput
 from loramux_core.tokenizer import Tokenizer
 from loramux_engine.structured import CompilerConfig, GrammarCompiler
 from loramux_services.demo_model import train_byte_level_bpe
-from loramux_services.gateway.call_grammar import call_grammar
+from loramux_services.gateway.call_grammar import call_grammar, tag_grammar
 from loramux_services.gateway.tool_calls import FORMATS, parse_all
 from tests.support.tiny import CORPUS, EOS_ID, SPECIAL_TOKENS
 
@@ -135,3 +135,43 @@ def test_mistral_form_follows_the_vocabulary(tokenizers):
             ("text", "[TOOL_CALLS]weather[ARGS]")
         m = matcher.deep_copy()
         assert not m.consume_tokens(hf.encode(other[1], add_special_tokens=False).ids), kind
+
+
+TAGS = [("<f=weather>", WEATHER, "</f>"), ("<f=alarm>", ALARM, "</f>"), ("@", ALARM, ";")]
+
+
+def _tag_parts(text: str, triggers: list[str]):
+    """Each structure in `text` as (begin, value), found as the grammar must have put
+    them: at the first trigger from where the last one ended; AssertionError if a trigger
+    is not followed by a whole structure."""
+    found, at = [], 0
+    while True:
+        hits = [(text.find(t, at), t) for t in triggers if text.find(t, at) >= 0]
+        if not hits:
+            return found
+        pos = min(hits)[0]
+        begin, schema, end = next(s for s in TAGS if text.startswith(s[0], pos))
+        value, stop = json.JSONDecoder().raw_decode(text, pos + len(begin))
+        assert text.startswith(end, stop), text
+        jsonschema.validate(value, {**schema, "$defs": WEATHER["$defs"]})
+        found.append((begin, value))
+        at = stop + len(end)
+
+
+def test_structural_tags_hold_what_follows_each_trigger(tokenizers):
+    _, hf, compiler = tokenizers["text"]
+    triggers = ["<f=", "@"]
+    grammar = tag_grammar(TAGS, triggers)
+    matcher = compiler.submit(StructuredOutput("grammar", grammar)).result(timeout=60)
+    rng = random.Random(7)
+    found = 0
+    for opener in ("", "so ", "so <f=", "mail @", "a <f=alarm>"):
+        for _ in range(6):
+            text, ended = _walk(matcher, hf, opener, rng)
+            parts = _tag_parts(text, triggers)
+            if any(t in opener for t in triggers):
+                assert ended and parts, text
+            found += len(parts)
+    assert found >= 18
+    m = matcher.deep_copy()  # a trigger goes on as a structure or not at all
+    assert not m.consume_tokens(hf.encode("x <f=nope>", add_special_tokens=False).ids)

@@ -191,6 +191,37 @@ def test_a_strict_tool_constrains_auto_only_where_the_format_is_known():
     assert strict_constraint(body.plan, body.tools, _Vocab()) is None  # the schema's job
 
 
+TAG = {"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}],
+       "triggers": ["<f="]}
+
+
+def test_structural_tags_become_their_grammar():
+    for fields, param in (({"response_format": {"type": "structural_tag", **TAG}},
+                           "response_format"),
+                          ({"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+                           "structured_outputs.structural_tag")):
+        body, req = _chat(**fields)
+        grammar = req.sampling.structured.grammar
+        assert body.constraint_param == param and "%json" in grammar and '"a>"' in grammar
+
+
+@pytest.mark.parametrize("tag,param", [
+    ({**TAG, "triggers": []}, "triggers"),
+    ({**TAG, "triggers": ["<g="]}, "structures[0].begin"),
+    ({**TAG, "structures": [{"begin": "<f=", "schema": [1], "end": ""}]}, "structures[0].schema"),
+    ({**TAG, "structures": [{"begin": "<f=", "end": 3}]}, "structures[0]"),
+    ({**TAG, "structures": []}, "structures"),
+    ({**TAG, "format": {}}, "format"),
+])
+def test_malformed_structural_tags_name_their_field(tag, param):
+    with pytest.raises(BadParam) as info:
+        _chat(response_format={"type": "structural_tag", **tag})
+    assert info.value.param == f"response_format.{param}"
+    with pytest.raises(BadParam) as info:
+        _chat(structured_outputs={"structural_tag": tag})
+    assert info.value.param == f"structured_outputs.structural_tag.{param}"
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},

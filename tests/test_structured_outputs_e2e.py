@@ -2,7 +2,8 @@
 and the official openai client: JSON schema (32 concurrent sampled requests over the base
 model and two adapters, mixed with free ones), JSON object, regex, choice, grammar; tool
 calls under a named or required tool_choice whose arguments validate against the
-function's parameters, and the model's own call format parsed under "auto"; a constraint
+function's parameters, and the model's own call format parsed under "auto" (held to the
+schema by a strict tool); structural tags; a constraint
 the grammar library refuses is a 400 naming the field, and the service goes on; schemas
 slow to compile stall no other stream.
 
@@ -188,6 +189,27 @@ def test_strict_tools_hold_the_calls_auto_writes(client, models):
         out = client.chat.completions.create(model=model, messages=ASK, tools=tools,
                                              max_tokens=150, temperature=1.0, seed=seed)
         assert "<tool_call>" not in (out.choices[0].message.content or "")
+
+
+def test_structural_tags_hold_each_trigger(client, models):
+    """vLLM's structural tag: wherever the model writes the trigger (a letter it writes
+    often) the structure follows, and the text around it is free."""
+    tag = {"triggers": ["e"], "structures": [{"begin": "e", "schema": {"enum": ["X"]},
+                                              "end": "."}]}
+    held = loose = 0
+    for seed, model in enumerate(models):
+        kw = dict(model=model, max_tokens=80, temperature=1.0, seed=seed)
+        free = client.chat.completions.create(messages=ASK, **kw).choices[0].message.content
+        loose += re.sub(r'e"X"\.', "", free).count("e")
+        for out in (client.chat.completions.create(
+                        messages=ASK, response_format={"type": "structural_tag", **tag},
+                        **kw).choices[0].message.content,
+                    client.completions.create(prompt="hello", extra_body={
+                        "structured_outputs": {"structural_tag": json.dumps(tag)}},
+                        **kw).choices[0].text):
+            assert "e" not in re.sub(r'e"X"\.', "", out), out
+            held += out.count('e"X".')
+    assert held and loose  # the tag held where free text has the letter alone
 
 
 def test_constraints_the_library_refuses_are_400_naming_them(client, served):

@@ -47,16 +47,54 @@ def call_grammar(fmt: CallFormat, calls: list[tuple[str, dict]], parallel: bool,
     else:  # Hermes: <tool_call>{...}</tool_call>
         rules.update(ws=_WS, call=_json(_one_call(calls, key)))
         rules["body"] = f"ws? call ws? {json.dumps(fmt.after)}"
-    marker = _re(fmt.marker)
-    rules["TAIL"] = rf"/(?s:.*)/ & ~/(?s:.*{marker}.*)/"  # text with no marker in it
     repeat = "*" if parallel else "?"
     special = _special_id(fmt.marker, vocab)
-    if special is not None:
-        rules["start"] = f"TAIL (<[{special}]> body TAIL){repeat}"
-    else:  # the marker is text: a lexeme of text ending at its first marker
-        rules["LEAD"] = rf"/(?s:.*{marker})/ & ~/(?s:.*{marker}.+)/"
-        rules["start"] = f"(LEAD body){repeat} TAIL"
+    if special is None:  # the marker is text
+        return _lark(triggered(rules, [fmt.marker], ["body"], repeat))
+    rules["TAIL"] = _text_without([fmt.marker])  # not spelled out either
+    rules["start"] = f"TAIL (<[{special}]> body TAIL){repeat}"
     return _lark(rules)
+
+
+def tag_grammar(structures: list[tuple[str, dict, str]], triggers: list[str]) -> str:
+    """vLLM's and SGLang's structural tag: free text, in which each trigger (the first
+    found) must go on as one of the structures (begin, JSON schema, end) whose `begin`
+    starts with it, then free text again. The caller checks that every begin has one."""
+    rules: dict[str, str] = {}
+    rests = []
+    for i, trigger in enumerate(triggers):
+        alts = []
+        for j, (begin, schema, end) in enumerate(structures):
+            if begin.startswith(trigger):
+                rules[f"value{j}"] = _json(schema)
+                parts = [json.dumps(begin[len(trigger):]), f"value{j}", json.dumps(end)]
+                alts.append(" ".join(p for p in parts if p != '""'))
+        rules[f"rest{i}"] = " | ".join(alts)
+        rests.append(f"rest{i}")
+    return _lark(triggered(rules, triggers, rests, "*"))
+
+
+def triggered(rules: dict[str, str], triggers: list[str], rests: list[str],
+              repeat: str) -> dict[str, str]:
+    """`rules` with a `start` of text in which the first trigger found must be followed
+    by its rest (the rule named alike), then text again ("*": any number of times, "?":
+    once at most). Text is a lexeme that ends at the first trigger: a rest begins where
+    the model wrote a trigger, never elsewhere."""
+    leads = []
+    for i, trigger in enumerate(triggers):
+        rules[f"LEAD{i}"] = rf"/(?s:.*{_re(trigger)})/ & ~/(?s:.*({_any(triggers)}).+)/"
+        leads.append(f"LEAD{i} {rests[i]}")
+    rules["TAIL"] = _text_without(triggers)
+    rules["start"] = f"({' | '.join(leads)}){repeat} TAIL"
+    return rules
+
+
+def _text_without(literals: list[str]) -> str:
+    return rf"/(?s:.*)/ & ~/(?s:.*({_any(literals)}).*)/"
+
+
+def _any(literals: list[str]) -> str:
+    return "|".join(_re(t) for t in literals)
 
 
 def _one_call(calls, key: str) -> dict:

@@ -1,8 +1,10 @@
 """The request fields that constrain an HTTP request's output, mapped onto
 SamplingParams.structured (docs/SERVING.md, Structured outputs and tool calls):
 
-  response_format     OpenAI's {"type": "text" | "json_object" | "json_schema", ...}
-  structured_outputs  vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+  response_format     OpenAI's {"type": "text" | "json_object" | "json_schema", ...}, and
+                      vLLM's {"type": "structural_tag", "structures", "triggers"}
+  structured_outputs  vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object" |
+                      "structural_tag": ...}
   guided_json, guided_regex, guided_choice, guided_grammar   vLLM's older fields
 
 Each constraint keeps the field it came from: whoever refuses it later (the gateway's check
@@ -15,13 +17,15 @@ from dataclasses import dataclass
 
 from loramux.v1 import generate_pb2
 
+from loramux_services.gateway.call_grammar import tag_grammar
 from loramux_services.gateway.errors import BadParam
 
-_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 _SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+_TAG_KEYS = {"type", "structures", "triggers"}
 # vLLM's structured_outputs keys, each to the StructuredOutput field it sets
 _KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-          "json_object": "json_object"}
+          "json_object": "json_object", "structural_tag": "grammar"}
 # accepted and ignored: it picks among vLLM's backends, and loramux has one
 _IGNORED = {"disable_fallback"}
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -56,6 +60,8 @@ def _response_format(rf: dict | None) -> Constraint | None:
     if kind not in _RESPONSE_FORMATS:
         raise BadParam("response_format.type", f"response_format.type: {kind!r} is not one of "
                        f"{', '.join(map(repr, _RESPONSE_FORMATS))}")
+    if kind == "structural_tag":
+        return structural_tag(rf, "response_format")
     allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
     _no_unknown(rf, allowed, "response_format")
     if kind == "text":
@@ -92,6 +98,8 @@ def _value(key: str, value, param: str) -> Constraint:
     """structured_outputs' `key` (json, regex, choice, grammar, json_object) as given."""
     if key == "json":
         return schema_constraint(value, param)
+    if key == "structural_tag":
+        return structural_tag(value, param)
     if key == "json_object":
         if value is not True:
             raise BadParam(param, f"{param}: must be true")
@@ -108,18 +116,55 @@ def _value(key: str, value, param: str) -> Constraint:
 
 def schema_constraint(schema, param: str) -> Constraint:
     """A JSON schema given as an object or as its JSON text."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except (ValueError, RecursionError) as err:
-            raise BadParam(param, f"{param}: not JSON: {str(err)[:200]}") from None
-    if not isinstance(schema, dict):
-        raise BadParam(param, f"{param}: a JSON schema (an object) is required")
+    schema = _object(schema, param, "a JSON schema (an object)")
     try:
         text = json.dumps(schema, ensure_ascii=False)
     except RecursionError:
         raise BadParam(param, f"{param}: nested too deeply") from None
     return Constraint(generate_pb2.StructuredOutput(json_schema=text), param)
+
+
+def structural_tag(spec, param: str) -> Constraint:
+    """vLLM's structural tag, {"structures": [{"begin", "schema", "end"}, ...], "triggers":
+    [...]} (as an object or its JSON text), as the grammar that holds it (tag_grammar)."""
+    spec = _object(spec, param, "an object with structures and triggers")
+    _no_unknown(spec, _TAG_KEYS, param)
+    triggers, structures = spec.get("triggers"), spec.get("structures")
+    if not isinstance(triggers, list) or not triggers or \
+            not all(isinstance(t, str) and t for t in triggers):
+        raise BadParam(f"{param}.triggers", f"{param}.triggers: a list of non-empty strings "
+                       "is required")
+    if not isinstance(structures, list) or not structures:
+        raise BadParam(f"{param}.structures", f"{param}.structures: a list of "
+                       "{begin, schema, end} objects is required")
+    parts = []
+    for i, item in enumerate(structures):
+        where = f"{param}.structures[{i}]"
+        item = _object(item, where, "an object with begin, schema and end")
+        _no_unknown(item, {"begin", "schema", "end"}, where)
+        begin, schema, end = item.get("begin"), item.get("schema", True), item.get("end")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise BadParam(where, f"{where}: begin and end are strings")
+        if not any(begin.startswith(t) for t in triggers):
+            raise BadParam(f"{where}.begin", f"{where}.begin: {begin[:80]!r} starts with "
+                           "none of the triggers")
+        if schema is True:
+            schema = {}
+        schema = _object(schema, f"{where}.schema", "a JSON schema (an object)")
+        parts.append((begin, schema, end))
+    return Constraint(generate_pb2.StructuredOutput(grammar=tag_grammar(parts, triggers)), param)
+
+
+def _object(value, param: str, what: str) -> dict:
+    """`value`, or the object its JSON text holds; 400 naming `param` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as err:
+            raise BadParam(param, f"{param}: not JSON: {str(err)[:200]}") from None
+    if not isinstance(value, dict):
+        raise BadParam(param, f"{param}: {what} is required")
+    return value
 
 
 def renamed(message: str, field: str | None, param: str) -> str:
