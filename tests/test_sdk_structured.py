@@ -24,6 +24,16 @@ def test_sdk_constraints_set_sampling_structured(kwargs, kind, value):
     assert req.sampling.max_tokens == 4
 
 
+def test_sdk_structural_tag():
+    tag = {"triggers": ["<f="], "structures": [
+        {"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"},
+        {"begin": "<f=b>", "end": "</f>"}]}
+    st = generate_request("x", structural_tag=tag).sampling.structured.structural_tag
+    assert list(st.triggers) == ["<f="]
+    assert [(s.begin, s.json_schema, s.end) for s in st.structures] == [
+        ("<f=a>", '{"type": "object"}', "</f>"), ("<f=b>", "", "</f>")]
+
+
 def test_sdk_choice_and_none():
     req = generate_request("x", choice=["yes", "no"])
     assert list(req.sampling.structured.choice.choices) == ["yes", "no"]

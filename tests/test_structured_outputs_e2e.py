@@ -212,6 +212,32 @@ def test_structural_tags_hold_each_trigger(client, models):
     assert held and loose  # the tag held where free text has the letter alone
 
 
+def test_grpc_structural_tags(served):
+    """The SDK's structural_tag: held as over HTTP; a malformed one, or one whose schema
+    the library refuses, is INVALID_ARGUMENT naming the field sent."""
+    tag = {"triggers": ["e"], "structures": [{"begin": "e", "schema": {"enum": ["X"]},
+                                              "end": "."}]}
+    with GenerateClient(served.gateway) as g:
+        held = 0
+        for seed in range(3):
+            out = g.generate("hello", "a1", max_tokens=80, temperature=1.0, seed=seed,
+                             structural_tag=tag).text
+            assert "e" not in re.sub(r'e"X"\.', "", out), out
+            held += out.count('e"X".')
+        assert held
+        missing = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+        for bad, field in (({**tag, "triggers": []}, "triggers"),
+                           ({**tag, "structures": [{"begin": "f", "end": ""}]},
+                            "structures[0].begin"),
+                           ({**tag, "structures": [{"begin": "e", "schema": missing,
+                                                    "end": ""}]}, "")):
+            with pytest.raises(LoramuxError) as info:
+                g.generate("hello", "a1", max_tokens=4, structural_tag=bad)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            want = "sampling.structured.structural_tag" + ("." + field if field else "")
+            assert [f for f, _ in info.value.field_violations] == [want], info.value
+
+
 def test_constraints_the_library_refuses_are_400_naming_them(client, served):
     refused = [({"response_format": {"type": "json_schema", "json_schema": {
                     "name": "x", "schema": {"type": "object", "properties": {

@@ -2,7 +2,8 @@
 single_tool_call are OpenAI's tool_choice and parallel_tool_calls, with the same
 constraints ("required", a named function, a strict tool under "auto"), and the calls
 parsed out of the whole output go into the last GenerateResponse's tool_calls (`text`
-stays the output as written). A refusal names the ChatMessages field at fault."""
+stays the output as written). A refusal names the ChatMessages field at fault. Also, a
+structural tag in SamplingParams.structured becomes its grammar here."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 from loramux_services.gateway.chat_tools import (NamedToolChoice, Tool, strict_constraint,
                                                  tool_constraint, tool_plan)
 from loramux_services.gateway.errors import BadParam, Rejected
-from loramux_services.gateway.structured import renamed
+from loramux_services.gateway.structured import renamed, structural_tag
 from loramux_services.gateway.tool_output import ChoiceTools
 
 _TOOLS = TypeAdapter(list[Tool])
@@ -28,18 +29,37 @@ class CallsOut:
         self.field = field  # the ChatMessages field whose constraint the output is under
         self._text: list[str] = []
 
-    def refusal(self, err: Rejected) -> Rejected:
-        """An engine's refusal of the constraint the tools set, told about their field."""
-        if self.field is None or not (err.field or "").startswith("sampling.structured"):
-            return err
-        return Rejected(err.code, renamed(str(err), err.field, self.field), field=self.field)
-
     def add(self, resp: generate_pb2.GenerateResponse) -> None:
         self._text.append(resp.text)
         if resp.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             _, calls = self.tools.whole("".join(self._text))
             resp.tool_calls.extend(generate_pb2.ToolCall(id=c.id, name=c.name,
                                                          arguments=c.arguments) for c in calls)
+
+
+def expand_tag(sampling: generate_pb2.SamplingParams) -> str | None:
+    """A structural tag becomes the grammar that holds it (in place), as over HTTP; the
+    field it came from, or None when there is none."""
+    if sampling.structured.WhichOneof("kind") != "structural_tag":
+        return None
+    tag = sampling.structured.structural_tag
+    field = "sampling.structured.structural_tag"
+    spec = {"triggers": list(tag.triggers), "structures": [
+        {"begin": s.begin, "end": s.end, "schema": s.json_schema or True}
+        for s in tag.structures]}
+    try:
+        sampling.structured.grammar = structural_tag(spec, field).structured.grammar
+    except BadParam as err:
+        raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(err), field=err.param) from None
+    return field
+
+
+def refused_as(err: Rejected, field: str | None) -> Rejected:
+    """An engine's refusal of a constraint the gateway wrote, told about `field`, the one
+    the caller sent."""
+    if field is None or not (err.field or "").startswith("sampling.structured"):
+        return err
+    return Rejected(err.code, renamed(str(err), err.field, field), field=field)
 
 
 async def calls_for(request: generate_pb2.GenerateRequest, call_format, vocab) -> CallsOut | None:

@@ -19,7 +19,7 @@ from loramux_services.common import rich_status
 from loramux_services.gateway.adapter_table import AdapterTable
 from loramux_services.gateway.engine_client import EngineClient
 from loramux_services.gateway.errors import Rejected
-from loramux_services.gateway.grpc_tools import calls_for
+from loramux_services.gateway.grpc_tools import calls_for, expand_tag, refused_as
 from loramux_services.gateway.metrics import GatewayMetrics
 from loramux_services.gateway.prompts import PromptBuilder
 from loramux_services.gateway.tool_calls import FORMATS, CallFormat, detect_format
@@ -80,16 +80,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return rid, queue, len(ids)
 
     async def Generate(self, request, context):
-        calls = None
+        sent = None  # the field of a constraint the gateway rewrote, as the caller sent it
         try:
+            sent = expand_tag(request.sampling)
             calls = await calls_for(request, self.call_format, self.prompts.tokenizer)
+            sent = calls.field if calls is not None and calls.field else sent
             async with contextlib.aclosing(self.stream(request)) as responses:
                 async for resp in responses:
                     if calls is not None:
                         calls.add(resp)
                     yield resp
         except Rejected as err:
-            err = calls.refusal(err) if calls is not None else err
+            err = refused_as(err, sent)
             await rich_status.abort(context, err.code, str(err), field=err.field)
 
     async def stream(self, request: generate_pb2.GenerateRequest, *, fill_context: bool = False):

@@ -148,23 +148,30 @@ def structural_tag(spec, param: str) -> Constraint:
         if not any(begin.startswith(t) for t in triggers):
             raise BadParam(f"{where}.begin", f"{where}.begin: {begin[:80]!r} starts with "
                            "none of the triggers")
-        if schema is True:
-            schema = {}
         schema = _object(schema, f"{where}.schema", "a JSON schema (an object)")
         parts.append((begin, schema, end))
     return Constraint(generate_pb2.StructuredOutput(grammar=tag_grammar(parts, triggers)), param)
 
 
 def _object(value, param: str, what: str) -> dict:
-    """`value`, or the object its JSON text holds; 400 naming `param` otherwise."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as err:
-            raise BadParam(param, f"{param}: not JSON: {str(err)[:200]}") from None
+    """`value`, or the object its JSON text holds (True: {}, any value); 400 naming
+    `param` otherwise."""
+    value = _parsed(value, param)
+    if value is True:
+        return {}
     if not isinstance(value, dict):
         raise BadParam(param, f"{param}: {what} is required")
     return value
+
+
+def _parsed(value, param: str):
+    """`value`, or what its JSON text holds."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError) as err:
+        raise BadParam(param, f"{param}: not JSON: {str(err)[:200]}") from None
 
 
 def renamed(message: str, field: str | None, param: str) -> str:

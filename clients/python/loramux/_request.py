@@ -13,7 +13,8 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
                     "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
                     "top_logprobs", "include_stop_str_in_output")
 # constrained decoding: at most one of these (SamplingParams.structured)
-STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar",
+                     "structural_tag")
 
 
 def generate_request(prompt: str | Sequence[int], adapter: str | None = None,
@@ -21,7 +22,8 @@ def generate_request(prompt: str | Sequence[int], adapter: str | None = None,
     """A GenerateRequest; `prompt` is text or a list of token ids, `sampling` takes the
     SamplingParams field names (temperature=0.0, max_tokens=32, stop=["\\n"], ...) and one
     output constraint: json_schema= (a dict or its JSON text), json_object=True, regex=,
-    choice=[...] or grammar= (Lark text)."""
+    choice=[...], grammar= (Lark text) or structural_tag={"structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}."""
     req = generate_pb2.GenerateRequest(adapter=adapter or "", request_id=request_id)
     if isinstance(prompt, str):
         req.text = prompt
@@ -105,6 +107,14 @@ def structured_output(**given) -> generate_pb2.StructuredOutput:
             raise TypeError("choice takes a list of strings, not one string")
         pb.choice.SetInParent()  # set even when empty, so the gateway says what is wrong
         pb.choice.choices.extend(value)
+    elif kind == "structural_tag":
+        pb.structural_tag.SetInParent()
+        pb.structural_tag.triggers.extend(value.get("triggers", ()))
+        for s in value.get("structures", ()):
+            schema = s.get("schema", "")
+            pb.structural_tag.structures.add(
+                begin=s["begin"], end=s["end"],
+                json_schema=schema if isinstance(schema, str) else json.dumps(schema))
     else:
         setattr(pb, kind, value)
     return pb

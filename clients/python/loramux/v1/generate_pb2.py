@@ -24,41 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loramux/v1/generate.proto\x12\nloramux.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x30\n\nstructured\x18\x0e \x01(\x0b\x32\x1c.loramux.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.loramux.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x8b\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04name\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.loramux.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\tB\n\n\x08_content\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xd5\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.loramux.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\r\n\x05tools\x18\x04 \x01(\t\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\x12\x18\n\x10single_tool_call\x18\x06 \x01(\x08\x42\x18\n\x16_add_generation_prompt\"\xd7\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.loramux.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x06 \x01(\x0b\x32\x18.loramux.v1.ChatMessagesH\x00\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.loramux.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.loramux.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"9\n\x07Timings\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\"\x96\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.loramux.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.loramux.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.loramux.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.loramux.v1.Timings\x12(\n\ntool_calls\x18\x08 \x03(\x0b\x32\x14.loramux.v1.ToolCall*\xaa\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32Z\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.loramux.v1.GenerateRequest\x1a\x1c.loramux.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loramux/v1/generate.proto\x12\nloramux.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x30\n\nstructured\x18\x0e \x01(\x0b\x32\x1c.loramux.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\xc8\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.loramux.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x33\n\x0estructural_tag\x18\x06 \x01(\x0b\x32\x19.loramux.v1.StructuralTagH\x00\x42\x06\n\x04kind\"\x98\x01\n\rStructuralTag\x12\x37\n\nstructures\x18\x01 \x03(\x0b\x32#.loramux.v1.StructuralTag.Structure\x12\x10\n\x08triggers\x18\x02 \x03(\t\x1a<\n\tStructure\x12\r\n\x05\x62\x65gin\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0b\n\x03\x65nd\x18\x03 \x01(\t\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x8b\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04name\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.loramux.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\tB\n\n\x08_content\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xd5\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.loramux.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\r\n\x05tools\x18\x04 \x01(\t\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\x12\x18\n\x10single_tool_call\x18\x06 \x01(\x08\x42\x18\n\x16_add_generation_prompt\"\xd7\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.loramux.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x06 \x01(\x0b\x32\x18.loramux.v1.ChatMessagesH\x00\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.loramux.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.loramux.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"9\n\x07Timings\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\"\x96\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.loramux.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.loramux.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.loramux.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.loramux.v1.Timings\x12(\n\ntool_calls\x18\x08 \x03(\x0b\x32\x14.loramux.v1.ToolCall*\xaa\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32Z\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.loramux.v1.GenerateRequest\x1a\x1c.loramux.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loramux.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1878
-  _globals['_FINISHREASON']._serialized_end=2048
+  _globals['_FINISHREASON']._serialized_start=2086
+  _globals['_FINISHREASON']._serialized_end=2256
   _globals['_TOKENIDS']._serialized_start=41
   _globals['_TOKENIDS']._serialized_end=64
   _globals['_SAMPLINGPARAMS']._serialized_start=67
   _globals['_SAMPLINGPARAMS']._serialized_end=523
   _globals['_STRUCTUREDOUTPUT']._serialized_start=526
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=673
-  _globals['_CHOICES']._serialized_start=675
-  _globals['_CHOICES']._serialized_end=701
-  _globals['_CHATMESSAGE']._serialized_start=704
-  _globals['_CHATMESSAGE']._serialized_end=843
-  _globals['_TOOLCALL']._serialized_start=845
-  _globals['_TOOLCALL']._serialized_end=900
-  _globals['_CHATMESSAGES']._serialized_start=903
-  _globals['_CHATMESSAGES']._serialized_end=1116
-  _globals['_GENERATEREQUEST']._serialized_start=1119
-  _globals['_GENERATEREQUEST']._serialized_end=1334
-  _globals['_TOPLOGPROB']._serialized_start=1336
-  _globals['_TOPLOGPROB']._serialized_end=1383
-  _globals['_TOKENLOGPROB']._serialized_start=1385
-  _globals['_TOKENLOGPROB']._serialized_end=1453
-  _globals['_USAGE']._serialized_start=1455
-  _globals['_USAGE']._serialized_end=1535
-  _globals['_TIMINGS']._serialized_start=1537
-  _globals['_TIMINGS']._serialized_end=1594
-  _globals['_GENERATERESPONSE']._serialized_start=1597
-  _globals['_GENERATERESPONSE']._serialized_end=1875
-  _globals['_GENERATESERVICE']._serialized_start=2050
-  _globals['_GENERATESERVICE']._serialized_end=2140
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=726
+  _globals['_STRUCTURALTAG']._serialized_start=729
+  _globals['_STRUCTURALTAG']._serialized_end=881
+  _globals['_STRUCTURALTAG_STRUCTURE']._serialized_start=821
+  _globals['_STRUCTURALTAG_STRUCTURE']._serialized_end=881
+  _globals['_CHOICES']._serialized_start=883
+  _globals['_CHOICES']._serialized_end=909
+  _globals['_CHATMESSAGE']._serialized_start=912
+  _globals['_CHATMESSAGE']._serialized_end=1051
+  _globals['_TOOLCALL']._serialized_start=1053
+  _globals['_TOOLCALL']._serialized_end=1108
+  _globals['_CHATMESSAGES']._serialized_start=1111
+  _globals['_CHATMESSAGES']._serialized_end=1324
+  _globals['_GENERATEREQUEST']._serialized_start=1327
+  _globals['_GENERATEREQUEST']._serialized_end=1542
+  _globals['_TOPLOGPROB']._serialized_start=1544
+  _globals['_TOPLOGPROB']._serialized_end=1591
+  _globals['_TOKENLOGPROB']._serialized_start=1593
+  _globals['_TOKENLOGPROB']._serialized_end=1661
+  _globals['_USAGE']._serialized_start=1663
+  _globals['_USAGE']._serialized_end=1743
+  _globals['_TIMINGS']._serialized_start=1745
+  _globals['_TIMINGS']._serialized_end=1802
+  _globals['_GENERATERESPONSE']._serialized_start=1805
+  _globals['_GENERATERESPONSE']._serialized_end=2083
+  _globals['_GENERATESERVICE']._serialized_start=2258
+  _globals['_GENERATESERVICE']._serialized_end=2348
 # @@protoc_insertion_point(module_scope)
