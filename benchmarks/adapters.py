@@ -7,6 +7,7 @@
     stress    the long run of the adapter lifecycle stress (--ops N; CPU)
     admin     AdapterAdmin loads at scale through the service (concurrent LoadAdapter calls
               and LoadAdapters batches) and the decode step of live streams meanwhile
+    heap      what a full garbage collection walks per host copy, and how long it takes
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ CASES = {
                    devices=("cpu",)),
     "admin": Case("benchmarks.bench_admin_loads", "AdapterAdmin loads/s and decode meanwhile",
                   tiny=("--tiny",)),
+    "heap": Case("benchmarks.bench_host_heap", "gc-tracked objects per host copy, full "
+                 "collection time", devices=("cpu",), tiny=("--copies", "50")),
 }
 
 if __name__ == "__main__":

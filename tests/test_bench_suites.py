@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import shlex
 from pathlib import Path
@@ -110,3 +111,12 @@ def test_round_scripts_call_suites_with_options_their_cases_parse():
             ("serving", "run"), ("parallel", "decode"), ("parallel", "replicas"),
             ("parallel", "allreduce"), ("parallel", "table"), ("models", "moe"),
             ("models", "fp8")} <= seen
+
+
+def test_host_heap_benchmark_compares_both_layouts(tmp_path):
+    from benchmarks.bench_host_heap import main as heap
+
+    assert heap(["--out", str(tmp_path), "--copies", "20"]) == 0
+    rows = json.loads((tmp_path / "host-heap.json").read_text())["rows"]
+    before, after = rows["per layer (before)"], rows["on demand (LayerGroups)"]
+    assert before["tracked_per_copy"] > 10 * after["tracked_per_copy"] > 0

@@ -101,3 +101,40 @@ def test_scaling_and_padding_are_in_place(family):
     scaling = 16 / 4  # AdapterSpec.lora_alpha over r
     assert torch.equal(g.b[:q_b.shape[0], :4], q_b * scaling)
     assert not g.b[:q_b.shape[0], 4:].any()
+
+
+def test_a_host_copy_keeps_its_groups_as_rows_of_the_stacked_tensors(family):
+    """The per-(layer, group) GroupWeights are made when asked for, rows of the stacked
+    tensors, so a host copy holds a few objects for the garbage collector to walk, not
+    four per (layer, group); ranks and the layers the adapter leaves out are as built."""
+    import gc
+
+    cfg, dirs = family
+    w = build(cfg, dirs["some_layers"], torch.float32, TPGroup.single(), fast=True)
+    assert set(w.groups) == {(layer, g) for layer in (0, 2, 5)
+                             for g in ("qkv", "o", "gate_up", "down")}
+    for (layer, group), g in w.groups.items():
+        a, b = w.stacked[group]
+        assert g.a.data_ptr() == a[layer].data_ptr() and g.b.data_ptr() == b[layer].data_ptr()
+        assert w.rank_of((layer, group)) == g.rank == 4
+    assert w.rank_of((1, "qkv")) == 0 and not w.use_dora
+    mixed = build(cfg, dirs["layer_rank"], torch.float32, TPGroup.single(), fast=True)
+    assert mixed.rank_of((3, "qkv")) == 8 and mixed.rank_of((4, "qkv")) == 4
+    weights = build(cfg, dirs["uniform"], torch.float32, TPGroup.single(), fast=True)
+    gc.collect()  # tuples of ints leave the collector's lists at its first look
+    assert len(weights.groups) == 48 and len(_tracked_from(weights)) < 48
+
+
+def _tracked_from(obj) -> dict:
+    """The objects the collector tracks that `obj` reaches (its host buffer aside)."""
+    import gc
+
+    seen, todo = {}, [obj]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or not gc.is_tracked(o) or isinstance(o, type) or \
+                type(o).__name__ in ("module", "function", "HostBuffer"):
+            continue
+        seen[id(o)] = o
+        todo.extend(gc.get_referents(o))
+    return seen

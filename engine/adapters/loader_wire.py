@@ -145,23 +145,24 @@ def describe(weights, bases: list[torch.Tensor]) -> dict:
 def rebuild(d: dict, bases: list[torch.Tensor], shapes, dtype: torch.dtype, buffer):
     """The LoRAWeights `describe` gave, viewing `bases` (`buffer`: the HostBuffer of
     bases[0], the one slot loads copy from); `shapes`: this rank's group shapes."""
-    from loramux_engine.lora.weights import GroupWeights, LoRAWeights
+    from loramux_engine.lora.weights import LayerGroups, LoRAWeights
 
     def v(place):
         return None if place is None else view_at(place, bases, dtype)
-    stacked = {g: (v(a), v(b)) for g, (a, b) in d["stacked"].items()}
-    rows = {g: tuple(zip(a.unbind(0), b.unbind(0))) for g, (a, b) in stacked.items()}
-    groups = {}
-    for layer, group, ranks, m in d["groups"]:
-        if not (isinstance(layer, int) and 0 <= layer < len(rows[group])):
+    stacked = MappingProxyType({g: (v(a), v(b)) for g, (a, b) in d["stacked"].items()})
+    ranks, magnitudes = {}, {}
+    for layer, group, slice_ranks, m in d["groups"]:
+        if not (isinstance(layer, int) and 0 <= layer < len(stacked[group][0])):
             raise ValueError(f"a loader described layer {layer!r} of group {group!r}, "
                              f"which its stacked tensors do not hold")
-        a, b = rows[group][layer]
-        groups[(layer, group)] = GroupWeights(a, b, tuple(ranks), v(m))
+        ranks[(layer, group)] = tuple(slice_ranks)
+        if m is not None:
+            magnitudes[(layer, group)] = v(m)
     return LoRAWeights(
-        MappingProxyType(groups), MappingProxyType(shapes), d["num_layers"], d["max_rank"],
+        LayerGroups(stacked, ranks, magnitudes), MappingProxyType(shapes), d["num_layers"],
+        d["max_rank"],
         frozenset(d["target_modules"]), d["tp_rank"], d["tp_size"], d["source"],
-        d["version"], buffer=buffer, stacked=MappingProxyType(stacked),
+        d["version"], buffer=buffer, stacked=stacked,
         ends=MappingProxyType({m: (v(a), v(b)) for m, (a, b) in d["ends"].items()}),
         experts=MappingProxyType({(layer, param): (v(a), v(b))
                                   for layer, param, a, b in d["experts"]}))

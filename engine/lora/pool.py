@@ -162,8 +162,7 @@ class LoRASlotPool:
                 self._copy_stacked(slot, weights, non_blocking)
             else:
                 self._copy_groups(slot, weights.groups, non_blocking)
-            ranks = [weights.groups[key].rank if key in weights.groups else 0
-                     for key in self._a]
+            ranks = [weights.rank_of(key) for key in self._a]
             self._write_ranks(slot, ranks)
             self._write_dora(slot, weights)
             self._ends.write(slot, weights.ends)

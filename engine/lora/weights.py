@@ -30,6 +30,7 @@ LoRAWeights lives.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -64,11 +65,46 @@ class GroupWeights:
         return max(self.slice_ranks)
 
 
+class LayerGroups(Mapping):
+    """`LoRAWeights.groups` of weights laid out in stacked tensors: each (layer, group)'s
+    GroupWeights is made when asked for (its A and B the rows `layer` of the group's
+    stacked tensors), not kept. A host copy then holds a few tracked objects instead of
+    four per (layer, group): CPython's full collections walk every host copy the engine
+    keeps (hundreds of adapters, ~130 groups each at 32 layers), on the step thread."""
+
+    def __init__(self, stacked: Mapping, ranks: dict, magnitudes: dict | None = None):
+        """`ranks`: (layer, group) -> its slice ranks, for the pairs the adapter wraps;
+        `magnitudes`: (layer, group) -> DoRA magnitude, where there is one."""
+        self._stacked, self._ranks = stacked, ranks
+        self._magnitudes = magnitudes or {}
+
+    def __getitem__(self, key) -> GroupWeights:
+        ranks = self._ranks[key]
+        a, b = self._stacked[key[1]]
+        return GroupWeights(a[key[0]], b[key[0]], ranks, self._magnitudes.get(key))
+
+    def __iter__(self):
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def __contains__(self, key) -> bool:
+        return key in self._ranks
+
+    def rank(self, key) -> int:
+        return max(self._ranks[key])
+
+    @property
+    def any_magnitude(self) -> bool:
+        return bool(self._magnitudes)
+
+
 @dataclass(frozen=True)
 class LoRAWeights:
     """A whole adapter for one rank: `groups[(layer, group)]` exists only where the adapter
     wraps at least one slice of that group."""
-    groups: MappingProxyType        # (layer, group) -> GroupWeights
+    groups: Mapping                 # (layer, group) -> GroupWeights (LayerGroups or a dict)
     shapes: MappingProxyType        # group -> GroupShape (this rank's widths)
     num_layers: int
     max_rank: int
@@ -104,7 +140,17 @@ class LoRAWeights:
 
     @property
     def use_dora(self) -> bool:
+        if isinstance(self.groups, LayerGroups):
+            return self.groups.any_magnitude
         return any(g.magnitude is not None for g in self.groups.values())
+
+    def rank_of(self, key) -> int:
+        """The largest slice rank of one (layer, group); 0 where the adapter has none."""
+        if key not in self.groups:
+            return 0
+        if isinstance(self.groups, LayerGroups):
+            return self.groups.rank(key)
+        return self.groups[key].rank
 
     @property
     def pinned(self) -> bool:
@@ -222,13 +268,20 @@ def weights_from_plan(plan: AdapterPlan, model_cfg, tp: TPGroup = TPGroup.single
     except BaseException:
         pool.release(buf)
         raise
-    weights = LoRAWeights(MappingProxyType(groups), MappingProxyType(shapes),
+    stacked = MappingProxyType(stacked)
+    weights = LoRAWeights(layer_groups(stacked, groups), MappingProxyType(shapes),
                           model_cfg.num_layers, plan.max_rank, plan.target_modules,
                           tp.rank, tp.size, plan.weights_file, plan.version, buffer=buf,
-                          stacked=MappingProxyType(stacked), ends=MappingProxyType(ends),
+                          stacked=stacked, ends=MappingProxyType(ends),
                           experts=MappingProxyType(experts))
     pool.attach(weights, buf)
     return weights
+
+
+def layer_groups(stacked: Mapping, groups: dict) -> LayerGroups:
+    """The LayerGroups of `groups`, GroupWeights whose A and B are rows of `stacked`."""
+    return LayerGroups(stacked, {k: g.slice_ranks for k, g in groups.items()},
+                       {k: g.magnitude for k, g in groups.items() if g.magnitude is not None})
 
 
 def check_lora(path: str | Path, model_cfg, max_lora_rank: int, roots=None,
