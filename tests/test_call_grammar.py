@@ -175,3 +175,18 @@ def test_structural_tags_hold_what_follows_each_trigger(tokenizers):
     assert found >= 18
     m = matcher.deep_copy()  # a trigger goes on as a structure or not at all
     assert not m.consume_tokens(hf.encode("x <f=nope>", add_special_tokens=False).ids)
+
+
+@pytest.mark.parametrize("trigger", ["\n<f>", "\r\n", "\t#", "a b", "&~", "x-y", "</f", "\\(",
+                                     "é", "\\", "[x]", '"q"', "\x00", "/*", "$^.|?"])
+def test_any_trigger_text_is_matched_literally(tokenizers, trigger):
+    """Triggers and begins are the caller's text: line breaks, regex and Lark syntax
+    characters and quotes are only characters."""
+    _, hf, compiler = tokenizers["text"]
+    grammar = tag_grammar([(trigger + "!", {"enum": [1]}, ";")], [trigger])
+    matcher = compiler.submit(StructuredOutput("grammar", grammar)).result(timeout=60)
+    m = matcher.deep_copy()
+    assert m.consume_tokens(hf.encode(f"hi {trigger}!1; ok", add_special_tokens=False).ids)
+    assert m.is_accepting()
+    m = matcher.deep_copy()
+    assert not m.consume_tokens(hf.encode(f"hi {trigger}?", add_special_tokens=False).ids)

@@ -12,7 +12,6 @@ JSON is `%json` of its schema, written as the engine writes JSON (JSON_OPTIONS).
 from __future__ import annotations
 
 import json
-import re
 
 from loramux_core.structured import JSON_OPTIONS
 
@@ -143,8 +142,9 @@ def _mark(text: str, vocab) -> str:
 
 
 def _re(text: str) -> str:
-    """`text` literally, inside a /.../ regex."""
-    return re.escape(text).replace("/", r"\/")
+    """`text` literally, inside a /.../ regex on one line: every character that is not a
+    letter or a digit by its code point (\\x{...}), which no regex or Lark reads as syntax."""
+    return "".join(c if c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
 
 
 def _lark(rules: dict[str, str]) -> str:
