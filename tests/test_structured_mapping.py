@@ -208,6 +208,7 @@ def test_structural_tags_become_their_grammar():
 @pytest.mark.parametrize("tag,param", [
     ({**TAG, "triggers": []}, "triggers"),
     ({**TAG, "triggers": ["<g="]}, "structures[0].begin"),
+    ({**TAG, "triggers": ["<f=", "<g="]}, "triggers[1]"),
     ({**TAG, "structures": [{"begin": "<f=", "schema": [1], "end": ""}]}, "structures[0].schema"),
     ({**TAG, "structures": [{"begin": "<f=", "end": 3}]}, "structures[0]"),
     ({**TAG, "structures": []}, "structures"),

@@ -150,6 +150,10 @@ def structural_tag(spec, param: str) -> Constraint:
                            "none of the triggers")
         schema = _object(schema, f"{where}.schema", "a JSON schema (an object)")
         parts.append((begin, schema, end))
+    for i, trigger in enumerate(triggers):
+        if not any(begin.startswith(trigger) for begin, _, _ in parts):
+            raise BadParam(f"{param}.triggers[{i}]", f"{param}.triggers[{i}]: no structure's "
+                           f"begin starts with {trigger[:80]!r}")
     return Constraint(generate_pb2.StructuredOutput(grammar=tag_grammar(parts, triggers)), param)
 
 
