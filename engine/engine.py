@@ -111,6 +111,7 @@ class Engine:
         self._carry: list[StepOutput] = []  # outputs of a step completed outside step()
         self.registry, self.adapters, self.adapter_service = build_adapter_parts(
             config, parts, self.device, self.executor, self.slots, self.pins, self.kv)
+        self.scheduler.reading = self.adapters.loader.is_pending  # not starving meanwhile
         self._limits = AdmissionLimits(mc.vocab_size, self.max_model_len, self.num_kv_blocks,
                                        config.block_size)
         self._seeds = RequestSeeds(config.seed)

@@ -22,7 +22,10 @@ actually admitted, so a request that fails to get blocks leaves no trace in the 
 order: the adapter whose oldest waiting request has waited longest comes first.
 
 Fairness (the drainer). A request "starves" when it has waited at least
-`starvation_steps` (K) steps while its adapter is not ready in a slot. While any request
+`starvation_steps` (K) steps while its adapter is not ready in a slot, not counting the
+steps its adapter's disk read is in flight (a drain frees a slot, it cannot hasten a read;
+with many adapters reads are common, and drains for them only paused admissions, then let
+a burst of prefills in at once). While any request
 starves, with t* the step the oldest starving request started waiting, requests of
 unpinned adapters that started waiting after t* are not admitted: running requests
 finish, the unpinned adapters go idle, and the slot freed first goes to the oldest
@@ -140,6 +143,10 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._adapters = Counter()  # adapter id -> running requests (base excluded)
         self._since: dict[str, int] = {}  # request id -> step it first started waiting
+        # request id -> steps it waited without a slot, its adapter's disk reads aside
+        self._slotless: Counter = Counter()
+        # adapter id -> whether its disk read is in flight (the engine's residency says)
+        self.reading: Callable[[int], bool] = lambda adapter_id: False
         # finished, still in a launched step: id -> (request, holds a count in the cap)
         self._draining: dict[str, tuple[Request, bool]] = {}
         self.on_release = on_release
@@ -191,6 +198,7 @@ class Scheduler:
         req.finish_reason = reason
         del self._requests[req.request_id]
         self._since.pop(req.request_id, None)
+        self._slotless.pop(req.request_id, None)
         if req.num_inflight_steps:
             self._draining[req.request_id] = (req, counted)
         else:
@@ -206,6 +214,7 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
+        self._count_slotless()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.cfg.max_num_batched_tokens)
         if not out.preempted:
@@ -275,12 +284,22 @@ class Scheduler:
         return (len(self._adapters) < self.cfg.max_loras
                 and self.slots.ready_slot(aid) is not None)
 
+    def _count_slotless(self) -> None:
+        """A step counts toward a waiting request's starvation unless its adapter has a
+        slot or is being read from disk: a drain frees a slot, it cannot hasten a read.
+        (A read that has not started does count: a starving adapter is the head, whose
+        read always starts, engine/adapters/residency.py R1.)"""
+        for req in self.waiting:
+            aid = req.adapter_id
+            if aid and self.slots.ready_slot(aid) is None and not self.reading(aid):
+                self._slotless[req.request_id] += 1
+
     def drain_threshold(self) -> int | None:
         """t*: the step the oldest starving request started waiting, or None."""
         oldest = None
         for req in self.waiting:
             since = self._since[req.request_id]
-            if (req.adapter_id and self.num_steps - since >= self.cfg.starvation_steps
+            if (req.adapter_id and self._slotless[req.request_id] >= self.cfg.starvation_steps
                     and self.slots.ready_slot(req.adapter_id) is None):
                 oldest = since if oldest is None else min(oldest, since)
         return oldest

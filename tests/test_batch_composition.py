@@ -42,3 +42,37 @@ def test_starving_request_gets_the_slot_within_the_bound():
             break
     # D = 1 prompt step + 4 tokens; L = 3 steps to place an adapter (engine/scheduler.py)
     assert admitted_at is not None and admitted_at <= K + 2 * (5 + 3), admitted_at
+
+
+def test_a_disk_read_is_no_starvation():
+    """A request whose adapter is being read from disk while slots are free: the steps
+    its read is in flight do not count toward starvation, so no drain pauses the
+    requests behind it; once its read has landed it takes a free slot at once."""
+    s = make(max_loras=4, budget=64)
+    K = s.cfg.starvation_steps
+    reading = {9}
+    s.reading = reading.__contains__  # adapter 9's read is in flight
+    s.add(req("cold", 3, adapter=9, max_tokens=2))
+    waits = []
+    for t in range(3 * K):
+        arrived = f"hot{t}"
+        s.add(req(arrived, 3, adapter=1 + t % 2, max_tokens=2))
+        _step_reading(s, reading)
+        waits.append(0 if s.get(arrived) is None or s.get(arrived).num_computed_tokens else 1)
+        assert s.drain_threshold() is None, t
+    assert sum(waits) == 0  # every newer request was admitted at its first step
+    reading.clear()  # the read landed
+    _step_reading(s, reading)
+    _step_reading(s, reading)
+    assert s.get("cold") is None or s.get("cold").num_computed_tokens
+
+
+def _step_reading(s, reading: set) -> None:
+    """`step`, with the adapters in `reading` left out of the slots (their reads are in
+    flight)."""
+    wanted = s.wanted_adapters
+    s.wanted_adapters = lambda: [a for a in wanted() if a not in reading]
+    try:
+        step(s)
+    finally:
+        del s.wanted_adapters
